@@ -1,0 +1,37 @@
+"""emakit: exponential moving averages of PyTorch model weights.
+
+>>> import torch
+>>> from emakit import EMA
+>>> net = torch.nn.Linear(4, 2)
+>>> ema = EMA(net, beta=0.9999)
+>>> ema.update()  # after every optimizer.step()
+"""
+
+from __future__ import annotations
+
+from . import schedules
+from .ema import EMA, STATE_VERSION, unwrap_model
+from .engine import ema_copy_, ema_lerp_
+from .engine.flat import flatten_parameters
+from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .pytree import EMAPytree, EMATensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EMA",
+    "STATE_VERSION",
+    "EMAError",
+    "EMAPytree",
+    "EMARuntimeError",
+    "EMAStateError",
+    "EMATensor",
+    "EMATypeError",
+    "EMAValueError",
+    "__version__",
+    "ema_copy_",
+    "ema_lerp_",
+    "flatten_parameters",
+    "schedules",
+    "unwrap_model",
+]

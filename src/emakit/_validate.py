@@ -1,0 +1,90 @@
+"""Argument checks shared by the public constructors. Each raises an EMAError naming the
+argument, echoing the value, and saying what would be accepted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from .errors import EMATypeError, EMAValueError
+
+
+def real(
+    name: str,
+    value: object,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` as a float within the given bounds (booleans are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EMATypeError(
+            f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
+        )
+    v = float(value)
+    bad = (
+        math.isnan(v)
+        or v < low
+        or v > high
+        or (low_open and v == low)
+        or (high_open and v == high)
+        or (math.isinf(v) and not (math.isinf(low) or math.isinf(high)))
+    )
+    if bad:
+        lb, hb = "(" if low_open else "[", ")" if high_open else "]"
+        raise EMAValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {name}={value!r}")
+    return v
+
+
+def integer(name: str, value: object, *, low: int, allow_none: bool = False) -> int | None:
+    """``value`` as an int >= ``low`` (None passes when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " or None" if allow_none else ""
+        raise EMATypeError(
+            f"{name} must be an int{hint}, got {name}={value!r} ({type(value).__name__})"
+        )
+    if value < low:
+        raise EMAValueError(f"{name} must be >= {low}, got {name}={value!r}")
+    return value
+
+
+def boolean(name: str, value: object, *, allow_none: bool = False) -> bool | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise EMATypeError(
+            f"{name} must be True or False, got {name}={value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def names(name: str, value: object) -> frozenset[str]:
+    """A collection of tensor names. A bare string is refused: it would be read letter by letter."""
+    if isinstance(value, str):
+        raise EMATypeError(
+            f"{name} must be a collection of names, got the single string {name}={value!r}; "
+            f"wrap it: {name}=({value!r},)"
+        )
+    if not isinstance(value, Iterable):
+        raise EMATypeError(f"{name} must be a set, list or tuple of str, got {name}={value!r}")
+    items = list(value)
+    bad = [v for v in items if not isinstance(v, str)]
+    if bad:
+        raise EMATypeError(f"{name} must contain only str, got {bad[:3]!r} in {name}")
+    return frozenset(items)
+
+
+def floating_dtype(name: str, value: object) -> torch.dtype | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise EMATypeError(
+            f"{name} must be a floating torch.dtype such as torch.float32, got {name}={value!r}"
+        )
+    return value

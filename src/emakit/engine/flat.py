@@ -1,0 +1,111 @@
+"""Re-homing tensors into one contiguous buffer per (device, dtype).
+
+After re-homing, each tensor keeps its identity (a ``Parameter`` stays the same Python
+object, so optimizers that hold it keep working) but its ``.data`` is a view into a shared
+flat buffer. Neighbouring tensors are then adjacent in memory, and the engine updates a
+whole run of them with a single kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["dense_layout", "flatten_parameters", "rehome_"]
+
+
+def dense_layout(t: Tensor) -> torch.memory_format | None:
+    """The memory format under which ``t`` is dense, or ``None`` if it is not dense."""
+    if t.is_contiguous():
+        return torch.contiguous_format
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
+
+
+def _view_like(flat: Tensor, offset: int, like: Tensor) -> Tensor:
+    """A view of ``flat[offset : offset + like.numel()]`` with ``like``'s shape and strides.
+
+    Keeps channels-last tensors channels-last, so re-homing never changes the memory
+    format a model's kernels see.
+    """
+    fmt = dense_layout(like)
+    span = flat.narrow(0, offset, like.numel())
+    if fmt is None or fmt is torch.contiguous_format:
+        return span.view(like.shape)
+    return torch.as_strided(span, like.shape, like.stride())
+
+
+def rehome_(
+    tensors: Sequence[Tensor],
+    *,
+    sources: Sequence[Tensor] | None = None,
+    dtype_for: Iterable[torch.dtype | None] | None = None,
+) -> list[Tensor]:
+    """Move each tensor's data into one flat buffer per (device, dtype), in the given order.
+
+    Args:
+        tensors: tensors (parameters or buffers) re-homed in place, through ``.data``.
+            Duplicates (tied weights) are re-homed once.
+        sources: optional tensors to take the values, shape and layout from, one per
+            tensor (default: the tensors themselves). Lets a placeholder be filled.
+        dtype_for: optional target dtype per tensor (``None`` keeps its dtype); used to
+            give the EMA shadow a wider dtype than the model (``ema_dtype``).
+
+    Returns:
+        The flat buffers, one per (device, dtype) group, in first-seen order.
+    """
+    srcs = list(sources) if sources is not None else list(tensors)
+    dtypes = list(dtype_for) if dtype_for is not None else [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
+    seen: set[int] = set()
+    for t, src, dt in zip(tensors, srcs, dtypes, strict=True):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        groups.setdefault((t.device, dt or t.dtype), []).append((t, src))
+    flats = []
+    with torch.no_grad():
+        for (device, dtype), members in groups.items():
+            flat = torch.empty(sum(s.numel() for _, s in members), device=device, dtype=dtype)
+            offset = 0
+            for t, src in members:
+                view = _view_like(flat, offset, src)
+                view.copy_(src)
+                t.data = view
+                offset += src.numel()
+            flats.append(flat)
+    return flats
+
+
+def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[Tensor]:
+    """Re-home a model's parameters (and buffers) into one flat buffer per (device, dtype).
+
+    Every ``Parameter`` stays the same Python object, so optimizers built before or after
+    keep working; only its storage moves. Afterwards an EMA of the model updates each
+    (device, dtype) group with a single ``lerp_`` over one span (see the ``"flat"`` path),
+    which is what makes models with many small tensors cheap to average.
+
+    Call it before building an EMA. Tensors are laid out in ``named_parameters()`` order,
+    then ``named_buffers()`` order; channels-last tensors stay channels-last.
+
+    Args:
+        model: the module to re-home in place.
+        buffers: also re-home buffers (float and integer). Default True.
+
+    Returns:
+        The flat buffers, one per (device, dtype).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+        >>> [flat.numel() for flat in flatten_parameters(net)]
+        [16]
+    """
+    tensors: list[Tensor] = list(model.parameters())
+    if buffers:
+        tensors += [b for b in model.buffers()]
+    return rehome_(tensors)

@@ -1,0 +1,112 @@
+"""Update kernels: ``shadow <- shadow + w * (online - shadow)`` over lists of tensors.
+
+Every implementation computes exactly what ``torch.Tensor.lerp_`` computes for each
+pair, so all of them agree bit for bit with the reference loop (and with ema-pytorch,
+which calls ``lerp_`` per tensor). They differ only in how many kernels they launch and
+how much Python runs per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import EMAValueError
+
+__all__ = ["IMPLS", "Impl", "ema_copy_", "ema_lerp_"]
+
+Impl = Literal["loop", "foreach", "flat"]
+IMPLS: tuple[str, ...] = ("loop", "foreach", "flat")
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise EMAValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
+
+
+def _converted(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> list[Tensor]:
+    """``srcs`` moved/cast to each destination's device and dtype (no copy when equal)."""
+    return [
+        s if (s.dtype == d.dtype and s.device == d.device) else s.to(d.device, d.dtype)
+        for s, d in zip(srcs, dsts, strict=True)
+    ]
+
+
+def _single_tensor_lerp(
+    shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float
+) -> None:
+    # The reference: one lerp_ per pair, exactly as ema-pytorch's non-foreach path.
+    for s, o in zip(shadows, onlines, strict=True):
+        if o.dtype != s.dtype or o.device != s.device:
+            o = o.to(s.device, s.dtype)
+        s.lerp_(o, weight)
+
+
+def _multi_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
+    if shadows:
+        torch._foreach_lerp_(list(shadows), _converted(onlines, shadows), weight)
+
+
+def ema_lerp_(
+    shadows: Sequence[Tensor],
+    onlines: Sequence[Tensor],
+    weight: float,
+    *,
+    impl: Impl = "foreach",
+) -> None:
+    """Move each shadow tensor toward its online tensor, in place.
+
+    .. math:: s \\leftarrow s + w\\,(o - s) = \\beta s + (1 - \\beta) o, \\quad w = 1 - \\beta
+
+    Args:
+        shadows: tensors updated in place (the EMA weights).
+        onlines: tensors read (the training weights), paired with ``shadows`` by position;
+            cast/moved to each shadow's dtype and device when they differ.
+        weight: ``w = 1 - decay`` in ``[0, 1]``; a Python float, so no host sync happens.
+        impl: ``"loop"`` (reference), ``"foreach"`` (one ``torch._foreach_lerp_``) or
+            ``"flat"`` (the caller already passes coalesced spans; runs like ``"foreach"``).
+            Default ``"foreach"``.
+
+    Example:
+        >>> s, o = [torch.zeros(3)], [torch.ones(3)]
+        >>> ema_lerp_(s, o, 0.25)
+        >>> s[0]
+        tensor([0.2500, 0.2500, 0.2500])
+    """
+    _check_impl(impl)
+    if len(shadows) != len(onlines):
+        raise EMAValueError(
+            f"shadows and onlines must pair one to one, got {len(shadows)=} and {len(onlines)=}"
+        )
+    with torch.no_grad():
+        if impl == "loop":
+            _single_tensor_lerp(shadows, onlines, weight)
+        else:
+            _multi_tensor_lerp(shadows, onlines, weight)
+
+
+def ema_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, impl: Impl = "foreach") -> None:
+    """Copy each source into its destination in place (``dst.copy_(src)``, casting as needed).
+
+    Args:
+        dsts: tensors written.
+        srcs: tensors read, paired with ``dsts`` by position.
+        impl: ``"loop"`` for one ``copy_`` per pair, otherwise one ``torch._foreach_copy_``.
+            Default ``"foreach"``.
+    """
+    _check_impl(impl)
+    if len(dsts) != len(srcs):
+        raise EMAValueError(
+            f"dsts and srcs must pair one to one, got {len(dsts)=} and {len(srcs)=}"
+        )
+    if not dsts:
+        return
+    with torch.no_grad():
+        if impl == "loop":
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(s)
+        else:
+            torch._foreach_copy_(list(dsts), list(srcs))

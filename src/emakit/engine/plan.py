@@ -1,0 +1,286 @@
+"""The update plan: which tensors move, grouped once, consumed on every update.
+
+Building a plan walks the paired tensors once and sorts them into groups keyed by
+``(shadow device, shadow dtype, online device, online dtype)``. Each group keeps:
+
+* the per-tensor lists used by the ``"loop"`` and ``"foreach"`` implementations;
+* for ``"flat"``, *runs*: maximal sequences of pairs that sit next to each other in
+  memory on both sides, each run viewed as a single 1-D span, so a fully flattened model
+  is updated with one ``lerp_`` per group. When the online tensors have another dtype or
+  device than the shadow, they are first copied into a reusable staging buffer laid out
+  like the shadow (no allocation per update).
+
+The plan holds the tensor objects themselves, as ``torch.optim`` optimizers do: in-place
+changes (optimizer steps, ``load_state_dict``, ``.data`` swaps of a Parameter) are seen.
+Spans that are views made at build time are guarded by a pointer check, and the plan
+rebuilds itself when the storage under them moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .kernels import Impl, _multi_tensor_lerp, _single_tensor_lerp, ema_copy_
+
+__all__ = ["Plan", "TensorPair", "build_plan"]
+
+
+@dataclass(frozen=True)
+class TensorPair:
+    """One tracked tensor: its name, the EMA copy, the training copy, and its role.
+
+    ``average`` is True for tensors that are averaged (``lerp_``) and False for tensors
+    that are copied (integer buffers, names in ``param_or_buffer_names_no_ema``).
+    """
+
+    name: str
+    shadow: Tensor
+    online: Tensor
+    average: bool
+
+
+def _adjacent(a: Tensor, b: Tensor) -> bool:
+    """Whether contiguous ``b`` starts right where contiguous ``a`` ends, in one storage."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() + a.numel() == b.storage_offset()
+    )
+
+
+def _span(tensors: Sequence[Tensor]) -> Tensor:
+    """One 1-D view covering adjacent contiguous tensors (the tensor itself if alone)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    first = tensors[0].detach()
+    return torch.as_strided(first, (sum(t.numel() for t in tensors),), (1,), first.storage_offset())
+
+
+def _split_runs(items: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``items`` cut into maximal runs of memory-adjacent tensors."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(items):
+        if runs and _adjacent(items[runs[-1][-1]], t):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+@dataclass
+class _Flat:
+    """The ``"flat"`` form of one list of pairs: spans, staging, and pointer guards."""
+
+    dst: list[Tensor] = field(default_factory=list)
+    src: list[Tensor] = field(default_factory=list)
+    staging_src: list[Tensor] = field(default_factory=list)  # online runs -> staging views
+    staging_dst: list[Tensor] = field(default_factory=list)  # staging views read by dst runs
+    guards: list[tuple[Tensor, int]] = field(default_factory=list)
+
+
+def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]]:
+    """Maximal runs of pairs that are memory-adjacent on both sides at once."""
+    runs: list[list[int]] = []
+    for i in range(len(dsts)):
+        if (
+            runs
+            and _adjacent(dsts[runs[-1][-1]], dsts[i])
+            and _adjacent(srcs[runs[-1][-1]], srcs[i])
+        ):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor]) -> None:
+    # A multi-tensor span is a view made now; if either end's storage moves later
+    # (e.g. ``model.to()`` swapped ``.data``), the span is stale and the plan rebuilds.
+    if len(run) > 1:
+        for i in (run[0], run[-1]):
+            flat.guards.append((side[i], side[i].data_ptr()))
+
+
+def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> _Flat:
+    flat = _Flat()
+    if not dsts:
+        return flat
+    if dsts[0].dtype == srcs[0].dtype and dsts[0].device == srcs[0].device:
+        for run in _runs_both(dsts, srcs):
+            flat.dst.append(_span([dsts[i] for i in run]))
+            flat.src.append(_span([srcs[i] for i in run]))
+            _guard(flat, run, dsts)
+            _guard(flat, run, srcs)
+        return flat
+    # Different dtype or device: copy online runs into a staging buffer laid out pair by
+    # pair, then update each shadow run from the matching staging slice. The buffer is
+    # reused on every update, so nothing is allocated on the hot path.
+    offsets, total = [], 0
+    for t in dsts:
+        offsets.append(total)
+        total += t.numel()
+    staging = torch.empty(total, dtype=dsts[0].dtype, device=dsts[0].device)
+
+    def staging_view(run: list[int], like: Sequence[Tensor]) -> Tensor:
+        view = staging.narrow(0, offsets[run[0]], sum(like[i].numel() for i in run))
+        return view.view(like[run[0]].shape) if len(run) == 1 else view
+
+    for run in _split_runs(srcs):
+        flat.src.append(_span([srcs[i] for i in run]))
+        flat.staging_src.append(staging_view(run, srcs))
+        _guard(flat, run, srcs)
+    for run in _split_runs(dsts):
+        flat.dst.append(_span([dsts[i] for i in run]))
+        flat.staging_dst.append(staging_view(run, dsts))
+        _guard(flat, run, dsts)
+    return flat
+
+
+@dataclass
+class _Group:
+    lerp_dst: list[Tensor] = field(default_factory=list)
+    lerp_src: list[Tensor] = field(default_factory=list)
+    copy_dst: list[Tensor] = field(default_factory=list)
+    copy_src: list[Tensor] = field(default_factory=list)
+    flat_lerp: _Flat | None = None
+    flat_copy: _Flat | None = None
+
+
+class _Direction:
+    """Groups for one direction of transfer (online -> shadow, or shadow -> online)."""
+
+    def __init__(self, pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool) -> None:
+        groups: dict[tuple, _Group] = {}
+        for p in pairs:
+            dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
+            g = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), _Group())
+            if p.average:
+                g.lerp_dst.append(dst)
+                g.lerp_src.append(src)
+            else:
+                g.copy_dst.append(dst)
+                g.copy_src.append(src)
+        self.groups = list(groups.values())
+        self.flat = flat
+        if flat:
+            for g in self.groups:
+                g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src)
+                g.flat_copy = _flatten(g.copy_dst, g.copy_src)
+
+    def stale(self) -> bool:
+        for g in self.groups:
+            for f in (g.flat_lerp, g.flat_copy):
+                if f is not None and any(t.data_ptr() != ptr for t, ptr in f.guards):
+                    return True
+        return False
+
+    def lerp(self, weight: float, impl: Impl) -> None:
+        for g in self.groups:
+            if impl == "flat":
+                fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+                _run_flat_copy(fc)
+                if fl.staging_src:
+                    torch._foreach_copy_(fl.staging_src, fl.src)
+                    torch._foreach_lerp_(fl.dst, fl.staging_dst, weight)
+                elif fl.dst:
+                    torch._foreach_lerp_(fl.dst, fl.src, weight)
+            elif impl == "foreach":
+                if g.copy_dst:
+                    torch._foreach_copy_(g.copy_dst, g.copy_src)
+                _multi_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
+            else:
+                ema_copy_(g.copy_dst, g.copy_src, impl="loop")
+                _single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
+
+    def copy(self, impl: Impl) -> None:
+        for g in self.groups:
+            if impl == "flat":
+                _run_flat_copy(g.flat_lerp or _EMPTY)
+                _run_flat_copy(g.flat_copy or _EMPTY)
+            else:
+                ema_copy_(g.lerp_dst + g.copy_dst, g.lerp_src + g.copy_src, impl=impl)
+
+
+_EMPTY = _Flat()
+
+
+def _run_flat_copy(f: _Flat) -> None:
+    if f.staging_src:
+        torch._foreach_copy_(f.staging_src, f.src)
+        torch._foreach_copy_(f.dst, f.staging_dst)
+    elif f.dst:
+        torch._foreach_copy_(f.dst, f.src)
+
+
+class Plan:
+    """Pre-grouped tensor lists for every transfer an EMA performs.
+
+    Args:
+        pairs: the tracked tensors, in the order the shadow is laid out.
+        impl: ``"loop"``, ``"foreach"`` or ``"flat"``.
+
+    The online -> shadow direction is built at once; shadow -> online (used by
+    ``copy_params_from_ema_to_model`` and ``update_model_with_ema``) on first use.
+    """
+
+    def __init__(self, pairs: Sequence[TensorPair], impl: Impl) -> None:
+        self.pairs = list(pairs)
+        self.impl: Impl = impl
+        self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=impl == "flat")
+        self._to_online: _Direction | None = None
+
+    @property
+    def num_kernels(self) -> int:
+        """Kernels (spans or tensors) one averaging update touches, summed over groups."""
+        n = 0
+        for g in self._to_shadow.groups:
+            if self.impl == "flat":
+                n += len((g.flat_lerp or _EMPTY).dst) + len((g.flat_copy or _EMPTY).dst)
+            else:
+                n += len(g.lerp_dst) + len(g.copy_dst)
+        return n
+
+    def _online_direction(self) -> _Direction:
+        if self._to_online is None:
+            # Reverse transfers are rare (helpers, hare-and-tortoise); per-tensor foreach
+            # suffices and needs no staging memory.
+            self._to_online = _Direction(self.pairs, to_shadow=False, flat=False)
+        return self._to_online
+
+    def _refresh_if_stale(self) -> None:
+        if self._to_shadow.flat and self._to_shadow.stale():
+            self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=True)
+
+    @torch.no_grad()
+    def lerp_shadow(self, weight: float) -> None:
+        """``shadow.lerp_(online, weight)`` for averaged pairs; copy the others."""
+        self._refresh_if_stale()
+        self._to_shadow.lerp(weight, self.impl)
+
+    @torch.no_grad()
+    def copy_to_shadow(self) -> None:
+        """Copy every tracked online tensor into its shadow."""
+        self._refresh_if_stale()
+        self._to_shadow.copy(self.impl)
+
+    @torch.no_grad()
+    def copy_to_online(self) -> None:
+        """Copy every tracked shadow tensor into the online model."""
+        self._online_direction().copy("loop" if self.impl == "loop" else "foreach")
+
+    @torch.no_grad()
+    def lerp_online(self, weight: float) -> None:
+        """``online.lerp_(shadow, weight)`` for averaged pairs; copy the others."""
+        self._online_direction().lerp(weight, "loop" if self.impl == "loop" else "foreach")
+
+
+def build_plan(pairs: Sequence[TensorPair], impl: Impl) -> Plan:
+    """Build the :class:`Plan` for ``pairs`` (see the module docstring)."""
+    return Plan(pairs, impl)

@@ -1,0 +1,30 @@
+"""The emakit exception family.
+
+Every error emakit raises on bad input derives from :class:`EMAError`, and also from
+the builtin that fits (``ValueError``, ``TypeError`` or ``RuntimeError``), so callers can
+catch either. Messages echo the offending value and say how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EMAError", "EMARuntimeError", "EMAStateError", "EMATypeError", "EMAValueError"]
+
+
+class EMAError(Exception):
+    """Base class of every exception emakit raises on purpose."""
+
+
+class EMAValueError(EMAError, ValueError):
+    """An argument has the right type but a value emakit cannot use."""
+
+
+class EMATypeError(EMAError, TypeError):
+    """An argument has a type emakit cannot use."""
+
+
+class EMAStateError(EMAError, ValueError):
+    """A state dict, checkpoint or model structure does not match what is expected."""
+
+
+class EMARuntimeError(EMAError, RuntimeError):
+    """An operation is not possible in the current state (e.g. updating inside ``swap()``)."""
