@@ -57,7 +57,7 @@ class EMAPytree(_EMABase):
 
     Example:
         >>> w = torch.zeros(3)
-        >>> ema = EMAPytree(w, beta=0.5, update_after_step=0, update_every=1)
+        >>> ema = EMAPytree(w, update_after_step=0, update_every=1, schedule=lambda t: 0.5)
         >>> ema.update(); _ = w.fill_(1.0); ema.update()
         >>> ema.ema_pytree
         tensor([0.5000, 0.5000, 0.5000])
