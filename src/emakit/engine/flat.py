@@ -107,5 +107,5 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
     """
     tensors: list[Tensor] = list(model.parameters())
     if buffers:
-        tensors += [b for b in model.buffers()]
+        tensors += list(model.buffers())
     return rehome_(tensors)
