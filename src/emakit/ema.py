@@ -9,6 +9,8 @@ tensor lists on every update.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
@@ -27,7 +29,7 @@ __all__ = ["EMA", "STATE_VERSION"]
 
 #: Version of the layout that :meth:`EMA.state_dict` writes (see its docstring).
 STATE_VERSION = 1
-_META_KEYS = ("version", "step", "initted")
+_META_KEYS = ("version", "step", "initted", "num_skipped_nonfinite")
 
 
 class _Step(int):
@@ -69,6 +71,7 @@ class _EMABase(nn.Module):
         coerce_dtype: bool,
         ema_dtype: torch.dtype | None,
         schedule: Callable[[int], float] | None,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.beta = check.real("beta", beta, low=0.0, high=1.0)
         self.update_after_step = check.integer("update_after_step", update_after_step, low=0)
@@ -91,6 +94,11 @@ class _EMABase(nn.Module):
                 f"schedule must be a callable t -> decay (see emakit.schedules), got {schedule=!r}"
             )
         self.schedule = schedule
+        self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
+        self.num_skipped_nonfinite = 0
+        # Decay functions by decay group; group 0 is the default (beta/inv_gamma/power or
+        # schedule). EMA(decay_groups=...) appends more.
+        self._group_decays: list[Callable[[int], float] | float | None] = [None]
         self.is_frozen = self.beta == 1.0
         self._impl: Impl = {None: "flat", True: "foreach", False: "loop"}[self.use_foreach]
         self._step = 0
@@ -113,22 +121,29 @@ class _EMABase(nn.Module):
 
     # -- decay ----------------------------------------------------------------------
 
-    def _decay_at(self, step: int) -> float:
+    def _decay_at(self, step: int, group: int = 0) -> float:
         t = max(step - self.update_after_step - 1, 0)
-        if self.schedule is None:
+        rule = self._group_decays[group] if group else self.schedule
+        if rule is None or isinstance(rule, float):
+            beta = self.beta if rule is None else rule
+            if beta == 1.0 and group:
+                return 1.0  # a frozen group
             return inverse_gamma_float32(
                 t,
-                beta=self.beta,
+                beta=beta,
                 inv_gamma=self.inv_gamma,
                 power=self.power,
-                min_value=self.min_value,
+                min_value=min(self.min_value, beta),
             )
         if t <= 0:
             return 0.0
-        decay = float(self.schedule(t))
-        if getattr(self.schedule, "per_optimizer_step", False):
+        decay = float(rule(t))
+        if getattr(rule, "per_optimizer_step", False):
             decay **= self.update_every
         return min(max(decay, self.min_value), 1.0)
+
+    def _weights_at(self, step: int) -> list[float]:
+        return [1.0 - self._decay_at(step, g) for g in range(len(self._group_decays))]
 
     def get_current_decay(self) -> float:
         """The decay the most recent update used (ema-pytorch's definition).
@@ -138,8 +153,14 @@ class _EMABase(nn.Module):
            \\text{min\\_value}, \\beta)
 
         and 0 while ``t == 0``. With ``schedule=`` set, ``schedule(t)`` replaces the formula.
+        With ``decay_groups``, this is the default group's decay (see :meth:`current_decays`).
         """
         return self._decay_at(self._step)
+
+    def current_decays(self) -> dict[str, float]:
+        """The decay of every decay group at the current step: ``{"default": d, pattern: d}``."""
+        labels = ["default", *getattr(self, "_group_patterns", [])]
+        return {label: self._decay_at(self._step, g) for g, label in enumerate(labels)}
 
     # -- plan -----------------------------------------------------------------------
 
@@ -191,19 +212,37 @@ class _EMABase(nn.Module):
             return
         self._before_update()
         plan = self._ensure_plan()
+        if self.skip_nonfinite and not self._online_finite(plan):
+            return
         if step <= self.update_after_step:
             plan.copy_to_shadow()
             return
         if not self.is_frozen:
-            plan.lerp_shadow(1.0 - self._decay_at(step + 1))
+            plan.lerp_shadow(self._weights_at(step + 1))
         self._after_average(step)
+
+    def _online_finite(self, plan: Plan) -> bool:
+        if plan.online_finite():
+            return True
+        self.num_skipped_nonfinite += 1
+        if self.num_skipped_nonfinite == 1:
+            warnings.warn(
+                f"skipped an EMA update at step {self._step}: the model's weights hold NaN or Inf "
+                f"(skip_nonfinite=True; further skips are counted in num_skipped_nonfinite)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
 
     def _after_average(self, step: int) -> None:
         """Hook run after an averaging update (pre-increment ``step``)."""
 
     def _first_update(self) -> None:
         self._before_update()
-        self._ensure_plan().copy_to_shadow()
+        plan = self._ensure_plan()
+        if self.skip_nonfinite and not self._online_finite(plan):
+            return
+        plan.copy_to_shadow()
         self._initted = True
 
     def copy_params_from_model_to_ema(self) -> None:
@@ -258,6 +297,8 @@ class _EMABase(nn.Module):
         destination[prefix + "version"] = torch.tensor(STATE_VERSION)
         destination[prefix + "step"] = torch.tensor(self._step)
         destination[prefix + "initted"] = torch.tensor(self._initted)
+        if self.skip_nonfinite:
+            destination[prefix + "num_skipped_nonfinite"] = torch.tensor(self.num_skipped_nonfinite)
 
     def _load_meta(
         self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
@@ -275,6 +316,8 @@ class _EMABase(nn.Module):
             self._step = int(state_dict[prefix + "step"])
         if prefix + "initted" in state_dict:
             self._initted = bool(state_dict[prefix + "initted"])
+        if prefix + "num_skipped_nonfinite" in state_dict:
+            self.num_skipped_nonfinite = int(state_dict[prefix + "num_skipped_nonfinite"])
 
     def _load_from_state_dict(
         self,
@@ -386,6 +429,14 @@ class EMA(_EMABase):
             rounded away. Default None (the model's dtype).
         schedule: keyword-only; a callable ``t -> decay`` (see :mod:`emakit.schedules`)
             replacing the beta/inv_gamma/power warm-up. Default None.
+        decay_groups: keyword-only; "layered EMA": fnmatch patterns over tensor names
+            mapped to a beta (the same warm-up with that ceiling) or a schedule, e.g.
+            ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
+            unmatched names use ``beta``/``schedule``. Each group is laid out contiguously,
+            so it is still updated in as few kernels as its tensors allow. Default None.
+        skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
+            (counted in ``num_skipped_nonfinite``, warned once). Costs one fused reduction
+            and one host read per update that touches the weights. Default False.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -431,6 +482,8 @@ class EMA(_EMABase):
         *,
         ema_dtype: torch.dtype | None = None,
         schedule: Callable[[int], float] | None = None,
+        decay_groups: Mapping[str, float | Callable[[int], float]] | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -447,6 +500,7 @@ class EMA(_EMABase):
             coerce_dtype=coerce_dtype,
             ema_dtype=ema_dtype,
             schedule=schedule,
+            skip_nonfinite=skip_nonfinite,
         )
         self.param_or_buffer_names_no_ema = check.names(
             "param_or_buffer_names_no_ema", param_or_buffer_names_no_ema
@@ -474,6 +528,7 @@ class EMA(_EMABase):
         self.forward_method_names = tuple(check.names("forward_method_names", forward_method_names))
 
         model = unwrap_model(model)
+        self._set_decay_groups(model, decay_groups)
         if include_online_model:
             self.online_model = model
         else:
@@ -537,6 +592,42 @@ class EMA(_EMABase):
                 raise EMAValueError(
                     f"forward_method_names has {method!r}, which is not a method of the model"
                 )
+
+    def _set_decay_groups(
+        self, model: nn.Module, decay_groups: Mapping[str, float | Callable[[int], float]] | None
+    ) -> None:
+        self._group_patterns: list[str] = []
+        if decay_groups is None:
+            return
+        if not isinstance(decay_groups, Mapping):
+            raise EMATypeError(
+                f"decay_groups must map name patterns to a beta or a schedule, e.g. "
+                f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(decay_groups).__name__}'
+            )
+        names = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
+        for pattern, rule in decay_groups.items():
+            if not isinstance(pattern, str):
+                raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise EMAValueError(
+                    f"decay_groups pattern {pattern!r} matches no tensor name of the model; "
+                    f"patterns are fnmatch globs over named_parameters()/named_buffers() names"
+                )
+            if callable(rule):
+                self._group_decays.append(rule)
+            else:
+                beta = check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
+                self._group_decays.append(beta)
+            self._group_patterns.append(pattern)
+        # A group whose beta is 1 is frozen; the whole EMA is frozen only if all are.
+        if any(not (isinstance(r, float) and r == 1.0) for r in self._group_decays[1:]):
+            self.is_frozen = False
+
+    def _group_of(self, name: str) -> int:
+        for g, pattern in enumerate(self._group_patterns, start=1):
+            if fnmatch.fnmatchcase(name, pattern):
+                return g
+        return 0
 
     def _shadow_dtype(self, t: Tensor) -> torch.dtype | None:
         return self.ema_dtype if (self.ema_dtype is not None and t.is_floating_point()) else None
@@ -612,7 +703,7 @@ class EMA(_EMABase):
                 )
             floating = o.is_floating_point() or o.is_complex()
             average = floating and name not in self.param_or_buffer_names_no_ema
-            pairs.append(TensorPair(name, s, o, average))
+            pairs.append(TensorPair(name, s, o, average, self._group_of(name)))
         return pairs
 
     def _check_pair(self, p: TensorPair) -> None:
@@ -636,8 +727,13 @@ class EMA(_EMABase):
         # Lay the shadow out in the online tensors' memory order, averaged tensors first:
         # when the model itself is flat (see flatten_parameters) each group then updates
         # as one span.
-        def order(p: TensorPair) -> tuple[bool, int, int]:
-            return (not p.average, p.online.untyped_storage().data_ptr(), p.online.storage_offset())
+        def order(p: TensorPair) -> tuple[bool, int, int, int]:
+            return (
+                not p.average,
+                p.group,
+                p.online.untyped_storage().data_ptr(),
+                p.online.storage_offset(),
+            )
 
         ordered = sorted(pairs, key=order)
         rehome_(

@@ -35,12 +35,15 @@ class TensorPair:
 
     ``average`` is True for tensors that are averaged (``lerp_``) and False for tensors
     that are copied (integer buffers, names in ``param_or_buffer_names_no_ema``).
+    ``group`` is the decay group (0 the default; see ``EMA(decay_groups=...)``): averaged
+    tensors of one group share one lerp weight.
     """
 
     name: str
     shadow: Tensor
     online: Tensor
     average: bool
+    group: int = 0
 
 
 def _adjacent(a: Tensor, b: Tensor) -> bool:
@@ -145,6 +148,7 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> _Flat:
 
 @dataclass
 class _Group:
+    decay_group: int = 0
     lerp_dst: list[Tensor] = field(default_factory=list)
     lerp_src: list[Tensor] = field(default_factory=list)
     copy_dst: list[Tensor] = field(default_factory=list)
@@ -160,7 +164,8 @@ class _Direction:
         groups: dict[tuple, _Group] = {}
         for p in pairs:
             dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
-            g = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), _Group())
+            key = (p.group if p.average else 0, dst.device, dst.dtype, src.device, src.dtype)
+            g = groups.setdefault(key, _Group(decay_group=key[0]))
             if p.average:
                 g.lerp_dst.append(dst)
                 g.lerp_src.append(src)
@@ -181,8 +186,9 @@ class _Direction:
                     return True
         return False
 
-    def lerp(self, weight: float, impl: Impl) -> None:
+    def lerp(self, weights: Sequence[float], impl: Impl) -> None:
         for g in self.groups:
+            weight = weights[g.decay_group]
             if impl == "flat":
                 fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
                 _run_flat_copy(fc)
@@ -258,11 +264,43 @@ class Plan:
         if self._to_shadow.flat and self._to_shadow.stale():
             self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=True)
 
+    @property
+    def num_decay_groups(self) -> int:
+        """One more than the highest decay group index among the pairs."""
+        return 1 + max((p.group for p in self.pairs), default=0)
+
     @torch.no_grad()
-    def lerp_shadow(self, weight: float) -> None:
-        """``shadow.lerp_(online, weight)`` for averaged pairs; copy the others."""
+    def lerp_shadow(self, weights: Sequence[float]) -> None:
+        """``shadow.lerp_(online, weights[group])`` for averaged pairs; copy the others."""
         self._refresh_if_stale()
-        self._to_shadow.lerp(weight, self.impl)
+        self._to_shadow.lerp(weights, self.impl)
+
+    @torch.no_grad()
+    def online_finite(self) -> bool:
+        """Whether every floating online tensor is free of NaN and Inf.
+
+        One max-abs reduction per span (``torch._foreach_norm(..., inf)``: NaN and Inf
+        propagate, finite values cannot overflow), stacked, and a single host read.
+        """
+        srcs: list[Tensor] = []
+        for g in self._to_shadow.groups:
+            if self.impl == "flat":
+                fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+                srcs += fl.src + [t for t in fc.src if t.is_floating_point() or t.is_complex()]
+            else:
+                srcs += g.lerp_src + [
+                    t for t in g.copy_src if t.is_floating_point() or t.is_complex()
+                ]
+        if not srcs:
+            return True
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for t in srcs:
+            by_device.setdefault(t.device, []).append(t)
+        flags = [
+            torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))]).isfinite().all()
+            for ts in by_device.values()
+        ]
+        return all(bool(f) for f in flags)
 
     @torch.no_grad()
     def copy_to_shadow(self) -> None:
@@ -278,7 +316,8 @@ class Plan:
     @torch.no_grad()
     def lerp_online(self, weight: float) -> None:
         """``online.lerp_(shadow, weight)`` for averaged pairs; copy the others."""
-        self._online_direction().lerp(weight, "loop" if self.impl == "loop" else "foreach")
+        weights = [weight] * self.num_decay_groups
+        self._online_direction().lerp(weights, "loop" if self.impl == "loop" else "foreach")
 
 
 def build_plan(pairs: Sequence[TensorPair], impl: Impl) -> Plan:
