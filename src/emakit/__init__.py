@@ -14,6 +14,7 @@ from .ema import EMA, STATE_VERSION, unwrap_model
 from .engine import ema_copy_, ema_lerp_
 from .engine.flat import flatten_parameters
 from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .multi import MultiEMA
 from .pytree import EMAPytree, EMATensor
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "EMATensor",
     "EMATypeError",
     "EMAValueError",
+    "MultiEMA",
     "__version__",
     "ema_copy_",
     "ema_lerp_",

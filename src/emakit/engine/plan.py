@@ -205,6 +205,14 @@ class _Direction:
                 ema_copy_(g.copy_dst, g.copy_src, impl="loop")
                 _single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
 
+    def copy_only(self, impl: Impl) -> None:
+        """Copy the non-averaged pairs (integer buffers, no-EMA names) only."""
+        for g in self.groups:
+            if impl == "flat":
+                _run_flat_copy(g.flat_copy or _EMPTY)
+            elif g.copy_dst:
+                ema_copy_(g.copy_dst, g.copy_src, impl=impl)
+
     def copy(self, impl: Impl) -> None:
         for g in self.groups:
             if impl == "flat":
