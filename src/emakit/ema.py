@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from . import _validate as check
 from .engine import Plan, TensorPair, build_plan
 from .engine.flat import rehome_
+from .engine.offload import BackgroundWorker
 from .engine.kernels import Impl
 from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .schedules import inverse_gamma_float32
@@ -30,6 +31,17 @@ __all__ = ["EMA", "STATE_VERSION"]
 #: Version of the layout that :meth:`EMA.state_dict` writes (see its docstring).
 STATE_VERSION = 1
 _META_KEYS = ("version", "step", "initted", "num_skipped_nonfinite")
+
+
+def _as_device(device: object) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as e:
+            raise EMAValueError(f"device must name a torch device such as 'cpu', got {device=!r}") from e
+    raise EMATypeError(f"device must be a str or torch.device, got {device=!r}")
 
 
 class _Step(int):
@@ -72,6 +84,7 @@ class _EMABase(nn.Module):
         ema_dtype: torch.dtype | None,
         schedule: Callable[[int], float] | None,
         skip_nonfinite: bool = False,
+        async_update: bool = False,
     ) -> None:
         self.beta = check.real("beta", beta, low=0.0, high=1.0)
         self.update_after_step = check.integer("update_after_step", update_after_step, low=0)
@@ -96,6 +109,8 @@ class _EMABase(nn.Module):
         self.schedule = schedule
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
         self.num_skipped_nonfinite = 0
+        self.async_update = check.boolean("async_update", async_update)
+        self._worker: BackgroundWorker | None = BackgroundWorker() if self.async_update else None
         # Decay functions by decay group; group 0 is the default (beta/inv_gamma/power or
         # schedule). EMA(decay_groups=...) appends more.
         self._group_decays: list[Callable[[int], float] | float | None] = [None]
@@ -173,7 +188,8 @@ class _EMABase(nn.Module):
     def _ensure_plan(self) -> Plan:
         plan = self._plan
         if plan is None or self._stale(plan):
-            plan = self._plan = build_plan(self._pairs(), self._impl)
+            self._sync()
+            plan = self._plan = build_plan(self._pairs(), self._impl, staged=self._worker is not None)
             self._guards = self._buffer_guards()
         return plan
 
@@ -184,6 +200,7 @@ class _EMABase(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # .to()/.cuda()/.half() replace storages: the plan is rebuilt on next use.
+        self._sync()
         self._plan = None
         return super()._apply(fn, recurse)
 
@@ -214,12 +231,25 @@ class _EMABase(nn.Module):
         plan = self._ensure_plan()
         if self.skip_nonfinite and not self._online_finite(plan):
             return
+        worker = self._worker
         if step <= self.update_after_step:
-            plan.copy_to_shadow()
+            if worker is not None:
+                worker.submit(plan, None)
+            else:
+                plan.copy_to_shadow()
             return
         if not self.is_frozen:
-            plan.lerp_shadow(self._weights_at(step + 1))
+            if worker is not None:
+                worker.submit(plan, self._weights_at(step + 1))
+            else:
+                plan.lerp_shadow(self._weights_at(step + 1))
         self._after_average(step)
+
+    def _sync(self) -> None:
+        """Wait for a background update in flight (``async_update=True``); no-op otherwise."""
+        worker = self.__dict__.get("_worker")
+        if worker is not None and worker.pending:
+            worker.wait()
 
     def _online_finite(self, plan: Plan) -> bool:
         if plan.online_finite():
@@ -238,6 +268,7 @@ class _EMABase(nn.Module):
         """Hook run after an averaging update (pre-increment ``step``)."""
 
     def _first_update(self) -> None:
+        self._sync()
         self._before_update()
         plan = self._ensure_plan()
         if self.skip_nonfinite and not self._online_finite(plan):
@@ -247,10 +278,12 @@ class _EMABase(nn.Module):
 
     def copy_params_from_model_to_ema(self) -> None:
         """Copy every tracked tensor of the model into the EMA (ignored names untouched)."""
+        self._sync()
         self._ensure_plan().copy_to_shadow()
 
     def copy_params_from_ema_to_model(self) -> None:
         """Copy every tracked tensor of the EMA into the model (ignored names untouched)."""
+        self._sync()
         self._ensure_plan().copy_to_online()
 
     # -- swap -----------------------------------------------------------------------
@@ -272,6 +305,7 @@ class _EMABase(nn.Module):
         """
         if self._swapped:
             raise EMARuntimeError("swap() blocks cannot be nested")
+        self._sync()
         plan = self._ensure_plan()
         stash: list[tuple[Tensor, Tensor]] = []
         try:
@@ -293,6 +327,7 @@ class _EMABase(nn.Module):
     # -- state ------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self._sync()
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "version"] = torch.tensor(STATE_VERSION)
         destination[prefix + "step"] = torch.tensor(self._step)
@@ -329,6 +364,7 @@ class _EMABase(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        self._sync()
         self._load_meta(state_dict, prefix, missing_keys)
         before = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -372,6 +408,7 @@ class _EMABase(nn.Module):
         return result
 
     def __getstate__(self) -> dict:
+        self._sync()
         state = self.__dict__.copy()
         state["_plan"] = None  # rebuilt on first use; it only holds references
         state["_guards"] = []
@@ -434,6 +471,13 @@ class EMA(_EMABase):
             ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
             unmatched names use ``beta``/``schedule``. Each group is laid out contiguously,
             so it is still updated in as few kernels as its tensors allow. Default None.
+        device: keyword-only; keep the EMA on this device, e.g. ``"cpu"`` for a GPU model
+            (offload: pinned memory, non-blocking copies). Implies
+            ``allow_different_devices=True``. Default None (the model's device).
+        async_update: keyword-only; run the arithmetic of each update on a background
+            thread, overlapping the next forward/backward: ``update()`` only snapshots the
+            weights into a reusable staging buffer. Everything that reads the EMA waits for
+            the pending update first. Default None: True when ``device`` is given.
         skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
             (counted in ``num_skipped_nonfinite``, warned once). Costs one fused reduction
             and one host read per update that touches the weights. Default False.
@@ -484,6 +528,8 @@ class EMA(_EMABase):
         schedule: Callable[[int], float] | None = None,
         decay_groups: Mapping[str, float | Callable[[int], float]] | None = None,
         skip_nonfinite: bool = False,
+        device: torch.device | str | None = None,
+        async_update: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -501,7 +547,15 @@ class EMA(_EMABase):
             ema_dtype=ema_dtype,
             schedule=schedule,
             skip_nonfinite=skip_nonfinite,
+            async_update=(
+                check.boolean("async_update", async_update)
+                if async_update is not None
+                else device is not None
+            ),
         )
+        self.device = _as_device(device)
+        if self.device is not None:
+            self.allow_different_devices = True
         self.param_or_buffer_names_no_ema = check.names(
             "param_or_buffer_names_no_ema", param_or_buffer_names_no_ema
         )
@@ -554,6 +608,14 @@ class EMA(_EMABase):
                 )
         else:
             self.init_ema(ema_model)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "ema_model":
+            # Reading the EMA model must not race a background update.
+            worker = self.__dict__.get("_worker")
+            if worker is not None and worker.pending:
+                worker.wait()
+        return super().__getattr__(name)
 
     # -- construction -------------------------------------------------------------------
 
@@ -736,10 +798,19 @@ class EMA(_EMABase):
             )
 
         ordered = sorted(pairs, key=order)
+        device = self.device
+        pin = (
+            device is not None
+            and device.type == "cpu"
+            and torch.cuda.is_available()
+            and any(p.online.is_cuda for p in ordered)
+        )
         rehome_(
             [p.shadow for p in ordered],
             sources=[p.online if from_online else p.shadow for p in ordered],
             dtype_for=[self._shadow_dtype(p.shadow) for p in ordered],
+            device=device,
+            pin_memory=pin,
         )
 
     def _pairs(self) -> list[TensorPair]:
@@ -791,6 +862,7 @@ class EMA(_EMABase):
             if decay is None
             else check.real("decay", decay, low=0.0, high=1.0)
         )
+        self._sync()
         if b == 0.0:
             self.copy_params_from_ema_to_model()
         else:

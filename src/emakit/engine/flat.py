@@ -45,6 +45,8 @@ def rehome_(
     *,
     sources: Sequence[Tensor] | None = None,
     dtype_for: Iterable[torch.dtype | None] | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool = False,
 ) -> list[Tensor]:
     """Move each tensor's data into one flat buffer per (device, dtype), in the given order.
 
@@ -55,6 +57,10 @@ def rehome_(
             tensor (default: the tensors themselves). Lets a placeholder be filled.
         dtype_for: optional target dtype per tensor (``None`` keeps its dtype); used to
             give the EMA shadow a wider dtype than the model (``ema_dtype``).
+        device: optional device for every buffer (default: each tensor's own), e.g. to
+            keep an EMA shadow on the CPU.
+        pin_memory: allocate CPU buffers in pinned memory (for non-blocking copies to and
+            from an accelerator).
 
     Returns:
         The flat buffers, one per (device, dtype) group, in first-seen order.
@@ -67,11 +73,12 @@ def rehome_(
         if id(t) in seen:
             continue
         seen.add(id(t))
-        groups.setdefault((t.device, dt or t.dtype), []).append((t, src))
+        groups.setdefault((device or t.device, dt or t.dtype), []).append((t, src))
     flats = []
     with torch.no_grad():
-        for (device, dtype), members in groups.items():
-            flat = torch.empty(sum(s.numel() for _, s in members), device=device, dtype=dtype)
+        for (dev, dtype), members in groups.items():
+            pin = pin_memory and dev.type == "cpu"
+            flat = torch.empty(sum(s.numel() for _, s in members), device=dev, dtype=dtype, pin_memory=pin)
             offset = 0
             for t, src in members:
                 view = _view_like(flat, offset, src)

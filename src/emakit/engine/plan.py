@@ -111,11 +111,11 @@ def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor]) -> None:
             flat.guards.append((side[i], side[i].data_ptr()))
 
 
-def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> _Flat:
+def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = False) -> _Flat:
     flat = _Flat()
     if not dsts:
         return flat
-    if dsts[0].dtype == srcs[0].dtype and dsts[0].device == srcs[0].device:
+    if not staged and dsts[0].dtype == srcs[0].dtype and dsts[0].device == srcs[0].device:
         for run in _runs_both(dsts, srcs):
             flat.dst.append(_span([dsts[i] for i in run]))
             flat.src.append(_span([srcs[i] for i in run]))
@@ -129,7 +129,9 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> _Flat:
     for t in dsts:
         offsets.append(total)
         total += t.numel()
-    staging = torch.empty(total, dtype=dsts[0].dtype, device=dsts[0].device)
+    # Pinned when the values arrive from an accelerator, so the copy can be non-blocking.
+    pin = staged and dsts[0].device.type == "cpu" and srcs[0].device.type != "cpu"
+    staging = torch.empty(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
 
     def staging_view(run: list[int], like: Sequence[Tensor]) -> Tensor:
         view = staging.narrow(0, offsets[run[0]], sum(like[i].numel() for i in run))
@@ -160,7 +162,9 @@ class _Group:
 class _Direction:
     """Groups for one direction of transfer (online -> shadow, or shadow -> online)."""
 
-    def __init__(self, pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool) -> None:
+    def __init__(
+        self, pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool, staged: bool = False
+    ) -> None:
         groups: dict[tuple, _Group] = {}
         for p in pairs:
             dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
@@ -173,11 +177,32 @@ class _Direction:
                 g.copy_dst.append(dst)
                 g.copy_src.append(src)
         self.groups = list(groups.values())
-        self.flat = flat
-        if flat:
+        self.flat = flat or staged
+        self.staged = staged
+        if self.flat:
             for g in self.groups:
-                g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src)
-                g.flat_copy = _flatten(g.copy_dst, g.copy_src)
+                g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src, staged=staged)
+                g.flat_copy = _flatten(g.copy_dst, g.copy_src, staged=staged)
+
+    def stage(self, *, non_blocking: bool) -> None:
+        """First half of a staged transfer: snapshot the sources into the staging buffers."""
+        for g in self.groups:
+            for f in (g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY):
+                if f.staging_src:
+                    torch._foreach_copy_(f.staging_src, f.src, non_blocking=non_blocking)
+
+    def finish(self, weights: Sequence[float] | None) -> None:
+        """Second half: update the destinations from the staging buffers (``weights`` None
+        means copy instead of averaging)."""
+        for g in self.groups:
+            fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+            if fc.staging_dst:
+                torch._foreach_copy_(fc.dst, fc.staging_dst)
+            if fl.staging_dst:
+                if weights is None:
+                    torch._foreach_copy_(fl.dst, fl.staging_dst)
+                else:
+                    torch._foreach_lerp_(fl.dst, fl.staging_dst, weights[g.decay_group])
 
     def stale(self) -> bool:
         for g in self.groups:
@@ -244,10 +269,11 @@ class Plan:
     ``copy_params_from_ema_to_model`` and ``update_model_with_ema``) on first use.
     """
 
-    def __init__(self, pairs: Sequence[TensorPair], impl: Impl) -> None:
+    def __init__(self, pairs: Sequence[TensorPair], impl: Impl, *, staged: bool = False) -> None:
         self.pairs = list(pairs)
-        self.impl: Impl = impl
-        self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=impl == "flat")
+        self.impl: Impl = "flat" if staged else impl
+        self.staged = staged
+        self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged)
         self._to_online: _Direction | None = None
 
     @property
@@ -270,7 +296,18 @@ class Plan:
 
     def _refresh_if_stale(self) -> None:
         if self._to_shadow.flat and self._to_shadow.stale():
-            self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=True)
+            self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=True, staged=self.staged)
+
+    @torch.no_grad()
+    def stage(self, *, non_blocking: bool = False) -> None:
+        """Snapshot the online tensors into the staging buffers (staged plans only)."""
+        self._refresh_if_stale()
+        self._to_shadow.stage(non_blocking=non_blocking)
+
+    @torch.no_grad()
+    def finish(self, weights: Sequence[float] | None) -> None:
+        """Average (or copy, with ``weights=None``) the staged snapshot into the shadow."""
+        self._to_shadow.finish(weights)
 
     @property
     def num_decay_groups(self) -> int:
@@ -328,6 +365,11 @@ class Plan:
         self._online_direction().lerp(weights, "loop" if self.impl == "loop" else "foreach")
 
 
-def build_plan(pairs: Sequence[TensorPair], impl: Impl) -> Plan:
-    """Build the :class:`Plan` for ``pairs`` (see the module docstring)."""
-    return Plan(pairs, impl)
+def build_plan(pairs: Sequence[TensorPair], impl: Impl, *, staged: bool = False) -> Plan:
+    """Build the :class:`Plan` for ``pairs`` (see the module docstring).
+
+    ``staged=True`` routes every online tensor through a reusable staging buffer (pinned
+    when it comes from an accelerator), so an update can be split into a quick snapshot
+    (:meth:`Plan.stage`) and the arithmetic (:meth:`Plan.finish`), run later or elsewhere.
+    """
+    return Plan(pairs, impl, staged=staged)

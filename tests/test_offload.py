@@ -1,0 +1,156 @@
+"""Offloaded and background (async) EMA updates: same numbers, no race."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import emakit
+from emakit import EMA
+from emakit.engine import plan as plan_mod
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def train(net: nn.Module, emas: list[EMA], steps: int = 20) -> None:
+    gen = torch.Generator().manual_seed(3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(steps):
+        net(torch.randn(8, 6, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for e in emas:
+            e.update()
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("ema_dtype", [None, torch.float64])
+def test_async_equals_sync_bit_for_bit(flatten, ema_dtype):
+    net = make_net()
+    if flatten:
+        emakit.flatten_parameters(net)
+    kw = dict(beta=0.95, update_after_step=4, update_every=2, ema_dtype=ema_dtype,
+              param_or_buffer_names_no_ema={"3.bias"})
+    sync = EMA(net, use_foreach=False, **kw)
+    bg = EMA(net, device="cpu", **kw)
+    assert bg.async_update and bg._worker is not None
+    train(net, [sync, bg])
+    for (k, a), (_, b) in zip(sync.ema_model.state_dict().items(), bg.ema_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_readers_wait_for_a_slow_background_update(monkeypatch):
+    """The worker is held at a gate: update() must return while it is blocked (the update
+    is really asynchronous), and every reader must see the finished update, never a
+    half-written shadow."""
+    net = make_net()
+    ema = EMA(net, update_after_step=0, update_every=1, async_update=True, schedule=lambda t: 0.5)
+    ema.update()  # first call: synchronous copy
+    ref = EMA(net, update_after_step=0, update_every=1, schedule=lambda t: 0.5)
+    ref.update()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    ref.update()
+
+    gate, entered = threading.Event(), threading.Event()
+    original = plan_mod.Plan.finish
+
+    def slow_finish(self, weights):
+        entered.set()
+        assert gate.wait(timeout=30)
+        return original(self, weights)
+
+    monkeypatch.setattr(plan_mod.Plan, "finish", slow_finish)
+    ema.update()  # returns although the worker is held at the gate
+    assert entered.wait(timeout=30)
+    assert ema._worker.pending
+
+    readers = {
+        "forward": lambda: ema(torch.ones(2, 6)),
+        "state_dict": lambda: ema.state_dict()["ema_model.0.weight"],
+        "ema_model": lambda: ema.ema_model[0].weight.detach().clone(),
+    }
+    results: dict[str, torch.Tensor] = {}
+
+    def read(name):
+        results[name] = readers[name]()
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=0.2)
+    assert not results  # nobody got past the pending update
+    gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    expected = ref.ema_model[0].weight
+    assert torch.equal(results["state_dict"], expected)
+    assert torch.equal(results["ema_model"], expected)
+    assert torch.equal(results["forward"], ref(torch.ones(2, 6)))
+
+
+def test_worker_errors_surface_on_next_read(monkeypatch):
+    net = make_net()
+    ema = EMA(net, update_after_step=0, update_every=1, async_update=True)
+    ema.update()
+
+    def broken(self, weights):
+        raise RuntimeError("worker failed")
+
+    monkeypatch.setattr(plan_mod.Plan, "finish", broken)
+    ema.update()
+    with pytest.raises(RuntimeError, match="worker failed"):
+        ema.state_dict()
+
+
+def test_swap_and_copies_wait_and_pickle():
+    net = make_net()
+    ema = EMA(net, beta=0.9, update_after_step=0, update_every=1, async_update=True)
+    ref = EMA(net, beta=0.9, update_after_step=0, update_every=1)
+    train(net, [ema, ref], steps=6)
+    with ema.swap():
+        assert torch.equal(net[0].weight, ref.ema_model[0].weight)
+    clone = pickle.loads(pickle.dumps(ema))
+    assert torch.equal(clone.ema_model[0].weight, ref.ema_model[0].weight)
+    deep = copy.deepcopy(ema)
+    train(deep.model, [deep], steps=2)
+    assert int(deep.step) == 8
+    ema.copy_params_from_ema_to_model()
+    assert torch.equal(net[0].weight, ref.ema_model[0].weight)
+
+
+def test_device_argument_validation():
+    with pytest.raises(emakit.EMAError, match="device"):
+        EMA(make_net(), device=3)
+    with pytest.raises(emakit.EMAError, match="device"):
+        EMA(make_net(), device="not-a-device")
+    with pytest.raises(emakit.EMAError, match="async_update"):
+        EMA(make_net(), async_update="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_cpu_shadow_pinned():  # pragma: no cover - runs on GPU machines
+    net = make_net().cuda()
+    ema = EMA(net, device="cpu", update_after_step=0, update_every=1)
+    ref = EMA(net, update_after_step=0, update_every=1)
+    assert ema.ema_model[0].weight.device.type == "cpu"
+    assert ema.ema_model[0].weight.is_pinned()
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(5):
+        net(torch.randn(8, 6, generator=gen).cuda()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        ref.update()
+    assert torch.equal(ema.ema_model[0].weight, ref.ema_model[0].weight.cpu())
