@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from . import _validate as check
 from .engine import Plan, TensorPair, build_plan
 from .engine.flat import rehome_
-from .engine.offload import BackgroundWorker
 from .engine.kernels import Impl
+from .engine.offload import BackgroundWorker
 from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .schedules import inverse_gamma_float32
 
