@@ -154,3 +154,26 @@ def test_cuda_model_cpu_shadow_pinned():  # pragma: no cover - runs on GPU machi
         ema.update()
         ref.update()
     assert torch.equal(ema.ema_model[0].weight, ref.ema_model[0].weight.cpu())
+
+
+def test_stream_needs_cuda_model():
+    with pytest.raises(emakit.EMAValueError, match="stream=True"):
+        EMA(make_net(), stream=True)
+    with pytest.raises(emakit.EMAValueError, match="stream=True"):
+        EMA(make_net(), stream=True, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stream_update_matches_sync():  # pragma: no cover - runs on GPU machines
+    net = make_net().cuda()
+    ema = EMA(net, stream=True, update_after_step=2, update_every=1)
+    ref = EMA(net, update_after_step=2, update_every=1)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(8):
+        net(torch.randn(8, 6, generator=gen).cuda()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        ref.update()
+    assert torch.equal(ema.ema_model[0].weight, ref.ema_model[0].weight)

@@ -22,7 +22,7 @@ from . import _validate as check
 from .engine import Plan, TensorPair, build_plan
 from .engine.flat import rehome_
 from .engine.kernels import Impl
-from .engine.offload import BackgroundWorker
+from .engine.offload import BackgroundWorker, StreamWorker
 from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .schedules import inverse_gamma_float32
 
@@ -110,7 +110,9 @@ class _EMABase(nn.Module):
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
         self.num_skipped_nonfinite = 0
         self.async_update = check.boolean("async_update", async_update)
-        self._worker: BackgroundWorker | None = BackgroundWorker() if self.async_update else None
+        self._worker: BackgroundWorker | StreamWorker | None = (
+            BackgroundWorker() if self.async_update else None
+        )
         # Decay functions by decay group; group 0 is the default (beta/inv_gamma/power or
         # schedule). EMA(decay_groups=...) appends more.
         self._group_decays: list[Callable[[int], float] | float | None] = [None]
@@ -471,6 +473,9 @@ class EMA(_EMABase):
             ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
             unmatched names use ``beta``/``schedule``. Each group is laid out contiguously,
             so it is still updated in as few kernels as its tensors allow. Default None.
+        stream: keyword-only; for a GPU model with a GPU shadow: snapshot the weights on the
+            current stream and average on a CUDA side stream ordered by events, with no
+            host sync; readers wait on the GPU. Default False.
         device: keyword-only; keep the EMA on this device, e.g. ``"cpu"`` for a GPU model
             (offload: pinned memory, non-blocking copies). Implies
             ``allow_different_devices=True``. Default None (the model's device).
@@ -530,6 +535,7 @@ class EMA(_EMABase):
         skip_nonfinite: bool = False,
         device: torch.device | str | None = None,
         async_update: bool | None = None,
+        stream: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -556,6 +562,9 @@ class EMA(_EMABase):
         self.device = _as_device(device)
         if self.device is not None:
             self.allow_different_devices = True
+        self.stream = check.boolean("stream", stream)
+        if self.stream:
+            self._worker = self._stream_worker(model, device, async_update)
         self.param_or_buffer_names_no_ema = check.names(
             "param_or_buffer_names_no_ema", param_or_buffer_names_no_ema
         )
@@ -654,6 +663,21 @@ class EMA(_EMABase):
                 raise EMAValueError(
                     f"forward_method_names has {method!r}, which is not a method of the model"
                 )
+
+    @staticmethod
+    def _stream_worker(model: nn.Module, device: object, async_update: bool | None) -> StreamWorker:
+        if device is not None or async_update:
+            raise EMAValueError(
+                "stream=True keeps the EMA on the model's GPU and updates it on a side stream; "
+                "it cannot be combined with device= or async_update=True (use one or the other)"
+            )
+        first = next((t for t in (*model.parameters(), *model.buffers()) if t.is_cuda), None)
+        if first is None or not torch.cuda.is_available():
+            raise EMAValueError(
+                "stream=True needs a model on a CUDA device (got one with no CUDA tensors); "
+                "leave stream=False on CPU"
+            )
+        return StreamWorker(first.device)
 
     def _set_decay_groups(
         self, model: nn.Module, decay_groups: Mapping[str, float | Callable[[int], float]] | None

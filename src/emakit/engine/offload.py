@@ -17,7 +17,7 @@ import torch
 
 from .plan import Plan
 
-__all__ = ["BackgroundWorker"]
+__all__ = ["BackgroundWorker", "StreamWorker"]
 
 
 def _finish(plan: Plan, weights: Sequence[float] | None, event: Any) -> None:
@@ -80,6 +80,57 @@ class BackgroundWorker:
     def __getstate__(self) -> dict[str, Any]:
         self.wait()
         return {"_pool": None, "_pending": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class StreamWorker:
+    """Runs EMA updates on a CUDA side stream, ordered by events: no host sync anywhere.
+
+    ``submit`` snapshots the online weights into the staging buffer on the current stream
+    (a device-to-device copy, so the next optimizer step may overwrite the weights at
+    once), then averages from the snapshot on the side stream. ``wait`` makes the current
+    stream wait for that work on the GPU; the host never blocks.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: Any = None
+        self._done: Any = None
+        self._pending = False
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    def wait(self) -> None:
+        """Order the current stream after the pending side-stream update (GPU-side)."""
+        if self._pending and self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+        self._pending = False
+
+    def submit(self, plan: Plan, weights: Sequence[float] | None) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._done = torch.cuda.Event()
+        current = torch.cuda.current_stream(self.device)
+        if self._pending:
+            current.wait_event(self._done)  # the staging buffer is free again
+        plan.stage(non_blocking=True)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            plan.finish(weights)
+            self._done.record(self._stream)
+        self._pending = True
+
+    def close(self) -> None:
+        self.wait()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._pending and self._done is not None:
+            self._done.synchronize()
+        return {"device": self.device, "_stream": None, "_done": None, "_pending": False}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
