@@ -131,3 +131,25 @@ def test_without_guard_nan_reaches_ema():
         net.head.weight[0, 0] = float("nan")
     ema.update()
     assert torch.isnan(ema.ema_model.head.weight[0, 0])
+
+
+def test_schedule_outside_unit_interval_raises():
+    ema = EMA(Net(), schedule=lambda t: float("nan"), update_after_step=0, update_every=1)
+    ema.update()
+    with pytest.raises(emakit.EMAValueError, match=r"\[0, 1\]"):
+        ema.update()
+
+
+def test_schedule_overrides_beta_and_pickles():
+    import pickle
+
+    from emakit import schedules
+
+    net = Net()
+    ema = EMA(net, beta=1.0, schedule=schedules.inverse_gamma(beta=0.9), update_after_step=0, update_every=1)
+    assert not ema.is_frozen
+    ema.update()
+    drift(net, 0)
+    ema.update()
+    assert not torch.equal(ema.ema_model.head.weight, pickle.loads(pickle.dumps(ema)).model.head.weight)
+    assert repr(schedules.inverse_gamma(beta=0.9)).startswith("inverse_gamma(beta=0.9")

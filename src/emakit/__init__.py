@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from . import schedules
+from .averaging import interpolate, update_bn
 from .ema import EMA, STATE_VERSION, unwrap_model
 from .engine import ema_copy_, ema_lerp_
 from .engine.flat import flatten_parameters
@@ -34,6 +35,8 @@ __all__ = [
     "ema_copy_",
     "ema_lerp_",
     "flatten_parameters",
+    "interpolate",
     "schedules",
     "unwrap_model",
+    "update_bn",
 ]

@@ -12,13 +12,13 @@ import contextlib
 import fnmatch
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from copy import deepcopy
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from . import distributed as _dist
 from .engine import Plan, TensorPair, build_plan
 from .engine.flat import rehome_
 from .engine.kernels import Impl
@@ -92,7 +92,7 @@ class _EMABase(nn.Module):
         self.inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
         self.power = check.real("power", power, low=0.0, low_open=True)
         self.min_value = check.real("min_value", min_value, low=0.0, high=1.0)
-        if self.min_value > self.beta:
+        if self.min_value > self.beta and schedule is None:
             raise EMAValueError(
                 f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
             )
@@ -116,7 +116,8 @@ class _EMABase(nn.Module):
         # Decay functions by decay group; group 0 is the default (beta/inv_gamma/power or
         # schedule). EMA(decay_groups=...) appends more.
         self._group_decays: list[Callable[[int], float] | float | None] = [None]
-        self.is_frozen = self.beta == 1.0
+        # beta == 1 freezes the EMA; with a schedule, beta is unused and the schedule rules.
+        self.is_frozen = self.beta == 1.0 and schedule is None
         self._impl: Impl = {None: "flat", True: "foreach", False: "loop"}[self.use_foreach]
         self._step = 0
         self._guards: list[tuple[dict, str, Tensor]] = []
@@ -155,6 +156,10 @@ class _EMABase(nn.Module):
         if t <= 0:
             return 0.0
         decay = float(rule(t))
+        if not 0.0 <= decay <= 1.0:  # also catches NaN
+            raise EMAValueError(
+                f"the decay schedule {rule!r} returned {decay!r} at t={t}; a decay must be in [0, 1]"
+            )
         if getattr(rule, "per_optimizer_step", False):
             decay **= self.update_every
         return min(max(decay, self.min_value), 1.0)
@@ -314,13 +319,16 @@ class _EMABase(nn.Module):
             with torch.no_grad():
                 for p in plan.pairs:
                     online, shadow = p.online, p.shadow
+                    if _dist.is_dtensor(online):
+                        continue  # FSDP2 gathers from its own storage: swap_sharded copies
                     stash.append((online, online.data))
                     if online.dtype == shadow.dtype and online.device == shadow.device:
                         online.data = shadow.data
                     else:
                         online.data = shadow.data.to(online.device, online.dtype)
-            self._swapped = True
-            yield
+            with _dist.swap_sharded(getattr(self, "model", None), plan.pairs):
+                self._swapped = True
+                yield
         finally:
             for online, data in reversed(stash):
                 online.data = data
@@ -467,7 +475,9 @@ class EMA(_EMABase):
             ``torch.float32`` for a bf16 model, so small updates at beta 0.9999 are not
             rounded away. Default None (the model's dtype).
         schedule: keyword-only; a callable ``t -> decay`` (see :mod:`emakit.schedules`)
-            replacing the beta/inv_gamma/power warm-up. Default None.
+            replacing the beta/inv_gamma/power warm-up (``beta``, ``inv_gamma`` and
+            ``power`` are then unused; ``min_value`` still floors the decay). A decay
+            outside [0, 1] (or NaN) raises. Default None.
         decay_groups: keyword-only; "layered EMA": fnmatch patterns over tensor names
             mapped to a beta (the same warm-up with that ceiling) or a schedule, e.g.
             ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
@@ -730,7 +740,7 @@ class EMA(_EMABase):
             elif type(t) is Tensor:
                 memo[id(t)] = empty
         try:
-            copy = deepcopy(model, memo)
+            copy = _dist.copy_module(model, memo, dtype_for=self._shadow_dtype)  # FSDP2: sharded
         except Exception as e:
             raise EMATypeError(
                 f"the model could not be deep-copied ({type(e).__name__}: {e}); pass ema_model= "
@@ -808,11 +818,14 @@ class EMA(_EMABase):
                 f"tensor {p.name!r} is on {s.device} in the EMA but on {o.device} in the model; "
                 f"pass allow_different_devices=True, or move_ema_to_online_device=True"
             )
+        _dist.check_sharded_pair(p.name, s, o)
 
     def _layout_shadow(self, pairs: list[TensorPair], *, from_online: bool) -> None:
         # Lay the shadow out in the online tensors' memory order, averaged tensors first:
         # when the model itself is flat (see flatten_parameters) each group then updates
-        # as one span.
+        # as one span. DTensor (FSDP2) shards stay in FSDP's storage, filled by copy_module.
+        pairs = [p for p in pairs if not _dist.is_dtensor(p.shadow)]
+
         def order(p: TensorPair) -> tuple[bool, int, int, int]:
             return (
                 not p.average,
@@ -854,7 +867,7 @@ class EMA(_EMABase):
                 for name, buf in mod._buffers.items():
                     if buf is not None:
                         guards.append((mod._buffers, name, buf))
-        return guards
+        return guards + _dist.sharded_guards(self.model)
 
     def _before_update(self) -> None:
         if self.ema_model is None:

@@ -12,19 +12,57 @@ The EMA then applies ``shadow.lerp_(online, 1 - decay)``, with the decay clamped
 A schedule whose decay is a rate *per optimizer step* (so that its time constant does
 not depend on ``update_every``) sets the attribute ``per_optimizer_step = True``; the EMA
 then raises it to the power ``update_every`` for each update it performs.
+
+The EMA never asks a schedule for ``t == 0``: that update is a plain copy (decay 0), the
+model that starts the average. So with ``update_after_step=0, update_every=1`` the
+shadow after the update at ``t`` is an average of ``t + 1`` models, which is what the
+exact forms of :func:`cumulative_average` and :func:`power_function` rely on.
+
+Every factory checks its arguments up front. All but :func:`inverse_gamma` (a plain
+function, kept as it was) return a small picklable callable with a readable ``repr``
+(``linear_warmup(beta=0.999, warmup=1000)``) that compares equal to another one built
+from the same arguments:
+
+============================  =================================================================
+factory                       decay at ``t``
+============================  =================================================================
+:func:`constant`              ``beta``
+:func:`inverse_gamma`         ``1 - (1 + t / inv_gamma) ** -power``, in ``[min_value, beta]``
+:func:`linear_warmup`         ``min(beta, (1 + t) / (warmup + 1))``
+:func:`torch_ema_warmup`      ``min(beta, (1 + t) / (10 + t))``
+:func:`half_life`             ``0.5 ** (1 / steps)`` per optimizer step
+:func:`linear_ramp`           ``beta0 + (beta1 - beta0) * min(t / steps, 1)``
+:func:`cosine_momentum`       ``beta1 - (beta1 - beta0) * (cos(pi * min(t, T) / T) + 1) / 2``
+:func:`power_function`        ``(t / (t + update_every)) ** (gamma + 1)``
+:func:`cumulative_average`    ``t / (t + update_every)``
+============================  =================================================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, cast, runtime_checkable
 
 import torch
 
+from . import _validate as check
 from .errors import EMATypeError, EMAValueError
 
-__all__ = ["Schedule", "inverse_gamma", "inverse_gamma_float32"]
+__all__ = [
+    "Schedule",
+    "constant",
+    "cosine_momentum",
+    "cumulative_average",
+    "half_life",
+    "inverse_gamma",
+    "inverse_gamma_float32",
+    "linear_ramp",
+    "linear_warmup",
+    "power_function",
+    "torch_ema_warmup",
+]
 
 
 @runtime_checkable
@@ -94,12 +132,335 @@ def inverse_gamma(
     power = _check_real("power", power, low=0.0, high=math.inf, low_open=True)
     min_value = _check_real("min_value", min_value, low=0.0, high=beta)
 
-    def schedule(t: int) -> float:
+    return _InverseGamma(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
+
+
+# -- the factories ------------------------------------------------------------------------
+#
+# Each schedule is a frozen dataclass: picklable (an EMA holding one can be saved), equal
+# by value, and shown as the factory call that builds it. The factories (lowercase, the
+# public names) validate; the classes only compute.
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Schedule:
+    _factory: ClassVar[str] = ""
+    per_optimizer_step: ClassVar[bool] = False
+
+    def __call__(self, t: int) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{self._factory}({args})"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _InverseGamma(_Schedule):
+    _factory: ClassVar[str] = "inverse_gamma"
+    beta: float
+    inv_gamma: float
+    power: float
+    min_value: float
+
+    def __call__(self, t: int) -> float:
         return inverse_gamma_float32(
-            t, beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value
+            t, beta=self.beta, inv_gamma=self.inv_gamma, power=self.power, min_value=self.min_value
         )
 
-    schedule.__doc__ = (
-        f"inverse_gamma(beta={beta}, inv_gamma={inv_gamma}, power={power}, min_value={min_value})"
+
+def _between(value: float, a: float, b: float) -> float:
+    # Rounding may step one ulp outside the interval the formula stays in; keep it inside.
+    return min(max(value, min(a, b)), max(a, b))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Constant(_Schedule):
+    _factory: ClassVar[str] = "constant"
+    beta: float
+
+    def __call__(self, t: int) -> float:
+        return self.beta
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _LinearWarmup(_Schedule):
+    _factory: ClassVar[str] = "linear_warmup"
+    beta: float
+    warmup: int
+
+    def __call__(self, t: int) -> float:
+        return min(self.beta, (1 + max(t, 0)) / (self.warmup + 1))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _TorchEMAWarmup(_Schedule):
+    _factory: ClassVar[str] = "torch_ema_warmup"
+    beta: float
+
+    def __call__(self, t: int) -> float:
+        t = max(t, 0)
+        return min(self.beta, (1 + t) / (10 + t))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _HalfLife(_Schedule):
+    _factory: ClassVar[str] = "half_life"
+    per_optimizer_step: ClassVar[bool] = True
+    steps: float
+
+    def __call__(self, t: int) -> float:
+        return 0.5 ** (1.0 / self.steps)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _LinearRamp(_Schedule):
+    _factory: ClassVar[str] = "linear_ramp"
+    beta0: float
+    beta1: float
+    steps: int
+
+    def __call__(self, t: int) -> float:
+        if t >= self.steps:
+            return self.beta1
+        value = self.beta0 + (self.beta1 - self.beta0) * (max(t, 0) / self.steps)
+        return _between(value, self.beta0, self.beta1)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _CosineMomentum(_Schedule):
+    _factory: ClassVar[str] = "cosine_momentum"
+    beta0: float
+    total_steps: int
+    beta1: float = 1.0
+
+    def __call__(self, t: int) -> float:
+        if t >= self.total_steps:
+            return self.beta1
+        progress = max(t, 0) / self.total_steps
+        value = self.beta1 - (self.beta1 - self.beta0) * (math.cos(math.pi * progress) + 1) / 2
+        return _between(value, self.beta0, self.beta1)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _PowerFunction(_Schedule):
+    _factory: ClassVar[str] = "power_function"
+    gamma: float
+    update_every: int = 1
+
+    def __call__(self, t: int) -> float:
+        t = max(t, 0)
+        return (t / (t + self.update_every)) ** (self.gamma + 1)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _CumulativeAverage(_Schedule):
+    _factory: ClassVar[str] = "cumulative_average"
+    update_every: int = 1
+
+    def __call__(self, t: int) -> float:
+        t = max(t, 0)
+        return t / (t + self.update_every)
+
+
+def _beta(name: str, value: object) -> float:
+    return check.real(name, value, low=0.0, high=1.0)
+
+
+def _steps(name: str, value: object, *, low: int = 1) -> int:
+    return cast(int, check.integer(name, value, low=low))
+
+
+def constant(beta: float) -> Callable[[int], float]:
+    """The same decay at every step: a plain EMA, no warm-up.
+
+    .. math:: \\text{decay}(t) = \\beta
+
+    The weight of a model ``k`` updates old is ``(1 - beta) * beta ** k``, so the EMA
+    averages over about ``1 / (1 - beta)`` updates. The first update is still a copy
+    (the EMA never asks a schedule for ``t = 0``).
+
+    Args:
+        beta: the decay, in ``[0, 1]``; 1 freezes the EMA.
+
+    Example:
+        >>> s = constant(0.999)
+        >>> s(0), s(10_000)
+        (0.999, 0.999)
+        >>> s
+        constant(beta=0.999)
+    """
+    return _Constant(_beta("beta", beta))
+
+
+def linear_warmup(beta: float, warmup: int) -> Callable[[int], float]:
+    """A decay that rises linearly to ``beta`` (the warm-up of many hand-written EMAs).
+
+    .. math:: \\text{decay}(t) = \\min\\big(\\beta,\\ (1 + t) / (\\text{warmup} + 1)\\big)
+
+    The decay reaches ``beta`` at ``t = beta * (warmup + 1) - 1`` (just before
+    ``t = warmup``) and stays there.
+
+    Args:
+        beta: the final decay, in ``[0, 1]``.
+        warmup: the length of the ramp in optimizer steps, an int >= 0 (0: no warm-up).
+
+    Example:
+        >>> s = linear_warmup(beta=0.999, warmup=1000)
+        >>> s(1), s(499), s(5000)
+        (0.001998001998001998, 0.4995004995004995, 0.999)
+    """
+    return _LinearWarmup(_beta("beta", beta), _steps("warmup", warmup, low=0))
+
+
+def torch_ema_warmup(beta: float) -> Callable[[int], float]:
+    """The warm-up of torch_ema and of diffusers' ``EMAModel(use_ema_warmup=False)``.
+
+    .. math:: \\text{decay}(t) = \\min\\big(\\beta,\\ (1 + t) / (10 + t)\\big)
+
+    Same ``t`` as diffusers (``step - update_after_step - 1``), so with the same
+    ``update_after_step`` the decays agree update for update. torch_ema starts from the
+    model it was built with where emakit copies at the first update; after that the
+    decays agree too. The decay reaches 0.999 at ``t = 8990`` and 0.9999 at
+    ``t = 89990``.
+
+    Args:
+        beta: the ceiling of the decay, in ``[0, 1]``.
+
+    Example:
+        >>> s = torch_ema_warmup(beta=0.9999)
+        >>> s(1), s(90)
+        (0.18181818181818182, 0.91)
+    """
+    return _TorchEMAWarmup(_beta("beta", beta))
+
+
+def half_life(steps: float) -> Callable[[int], float]:
+    """A constant decay given as a half-life in *optimizer steps*, whatever ``update_every``.
+
+    .. math:: \\text{decay}_\\text{step} = 0.5^{1/\\text{steps}},\\qquad
+       \\text{decay}_\\text{update} = \\text{decay}_\\text{step}^{\\,\\text{update\\_every}}
+
+    The returned schedule sets ``per_optimizer_step = True``, so the EMA raises the
+    per-step decay to the power ``update_every`` on each update it performs: a model
+    ``k`` optimizer steps old weighs ``0.5 ** (k / steps)`` relative to the newest, and a
+    step change of the weights is half absorbed after ``steps`` optimizer steps (to
+    within one update interval) for any ``update_every``. A half-life of ``h`` steps is
+    ``beta ~ 1 - ln(2) / h``: 693 steps ~ 0.999, 6931 steps ~ 0.9999.
+
+    Args:
+        steps: the half-life in optimizer steps, a finite number > 0.
+
+    Example:
+        >>> s = half_life(693)
+        >>> round(s(0), 7), s.per_optimizer_step
+        (0.9990003, True)
+    """
+    return _HalfLife(
+        check.real("steps", steps, low=0.0, high=math.inf, low_open=True, high_open=True)
     )
-    return schedule
+
+
+def linear_ramp(beta0: float, beta1: float, steps: int) -> Callable[[int], float]:
+    """A decay that moves linearly from ``beta0`` to ``beta1`` over ``steps`` steps.
+
+    .. math:: \\text{decay}(t) = \\beta_0 + (\\beta_1 - \\beta_0)\\,\\min(t / \\text{steps},\\ 1)
+
+    The "dynamic decay" recipe (e.g. 0.9 to 0.999 over the whole run); ``beta1`` holds
+    after ``steps``.
+
+    Args:
+        beta0: the decay at ``t = 0``, in ``[0, 1]``.
+        beta1: the decay from ``t = steps`` on, in ``[0, 1]``.
+        steps: the length of the ramp in optimizer steps, an int >= 1.
+
+    Example:
+        >>> s = linear_ramp(0.9, 0.999, steps=10_000)
+        >>> s(0), round(s(5_000), 4), s(20_000)
+        (0.9, 0.9495, 0.999)
+    """
+    return _LinearRamp(_beta("beta0", beta0), _beta("beta1", beta1), _steps("steps", steps))
+
+
+def cosine_momentum(beta0: float, total_steps: int, beta1: float = 1.0) -> Callable[[int], float]:
+    """The BYOL / DINO teacher momentum: a half cosine from ``beta0`` up to ``beta1``.
+
+    .. math:: \\text{decay}(t) = \\beta_1 - (\\beta_1 - \\beta_0)\\,
+       \\frac{\\cos(\\pi \\min(t, T) / T) + 1}{2}, \\qquad T = \\text{total\\_steps}
+
+    Starts at ``beta0`` and reaches ``beta1`` at ``t = total_steps`` with zero slope
+    (BYOL: ``beta0=0.996``, DINO: ``0.996`` or ``0.9995``, ``beta1=1``). With
+    ``update_after_step=0`` the last call of a run of ``total_steps`` optimizer steps sees
+    ``t = total_steps - 1``.
+
+    Args:
+        beta0: the momentum at ``t = 0``, in ``[0, 1]``.
+        total_steps: ``T``, the optimizer steps of the run, an int >= 1.
+        beta1: the final momentum, in ``[0, 1]``. Default 1.0.
+
+    Example:
+        >>> s = cosine_momentum(0.996, total_steps=1000)
+        >>> s(0), s(500), s(1000)
+        (0.996, 0.998, 1.0)
+    """
+    return _CosineMomentum(
+        _beta("beta0", beta0), _steps("total_steps", total_steps), _beta("beta1", beta1)
+    )
+
+
+def power_function(gamma: float, update_every: int = 1) -> Callable[[int], float]:
+    """The power-function EMA of Karras et al. 2024 (arXiv:2312.02696, Eq. 2).
+
+    .. math:: \\text{decay}(t) = \\Big(1 - \\frac{1}{n + 1}\\Big)^{\\gamma + 1}
+       = \\Big(\\frac{t}{t + \\text{update\\_every}}\\Big)^{\\gamma + 1},
+       \\qquad n = t / \\text{update\\_every}
+
+    The paper writes ``beta(t) = (1 - 1/t) ** (gamma + 1)`` with ``t = 1`` the first model
+    averaged (``beta = 0``, a copy). Here that first model is the copy the EMA makes at
+    ``t = 0``, so after the update at ``t`` there are ``n + 1`` averaged models and the
+    paper's ``t`` is ``n + 1``. The shadow is then a weighted average of the models seen
+    with weights growing like ``k ** gamma`` (``k`` counts the averaged models), and
+    ``gamma = 0`` is exactly :func:`cumulative_average`. The per-update decay depends on
+    the update count, so pass the EMA's ``update_every`` here (and keep
+    ``update_after_step`` a multiple of it); ``sigma_rel`` 0.05 is ``gamma ~ 16.97``,
+    0.10 is ``gamma ~ 6.94``.
+
+    Args:
+        gamma: the exponent of the averaging profile, a finite number > -1.
+        update_every: the EMA's ``update_every``, an int >= 1. Default 1.
+
+    Example:
+        >>> s = power_function(gamma=0)
+        >>> s(1), s(3)
+        (0.5, 0.75)
+    """
+    return _PowerFunction(
+        check.real("gamma", gamma, low=-1.0, high=math.inf, low_open=True, high_open=True),
+        _steps("update_every", update_every),
+    )
+
+
+def cumulative_average(update_every: int = 1) -> Callable[[int], float]:
+    """An equal-weight average of every model averaged so far (SWA).
+
+    .. math:: \\text{decay}(t) = \\frac{n}{n + 1} = \\frac{t}{t + \\text{update\\_every}},
+       \\qquad n = t / \\text{update\\_every}
+
+    After the update at ``t`` the shadow has averaged ``n + 1`` models: the copy made
+    when averaging began (at ``t = 0``) and the ``n`` updated in since, so giving the
+    newest the weight ``1 / (n + 1)`` keeps the average exact. With
+    ``EMA(model, schedule=cumulative_average(), update_after_step=0, update_every=1)``
+    the EMA is the running mean of the weights at every ``update()`` call; with
+    ``update_every=k`` pass ``cumulative_average(update_every=k)`` (and keep
+    ``update_after_step`` a multiple of ``k``) to average the models at the updating
+    calls. ``min_value`` would bend the average: leave it at 0.
+
+    Args:
+        update_every: the EMA's ``update_every``, an int >= 1. Default 1.
+
+    Example:
+        >>> s = cumulative_average()
+        >>> s(1), s(3)
+        (0.5, 0.75)
+    """
+    return _CumulativeAverage(_steps("update_every", update_every))
