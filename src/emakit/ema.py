@@ -203,7 +203,7 @@ class _EMABase(nn.Module):
     def _stale(self, plan: Plan) -> bool:
         if any(d.get(n) is not t for d, n, t in self._guards):
             return True
-        return plan._to_shadow.flat and plan._to_shadow.stale()
+        return plan.stale()
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # .to()/.cuda()/.half() replace storages: the plan is rebuilt on next use.

@@ -39,7 +39,9 @@ class _FusedGroup:
         runs = _split_runs(onlines)
         ref = self.spans[0]
         same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
-        self.guard = [(onlines[r[0]], onlines[r[0]].data_ptr()) for r in runs if len(r) > 1]
+        self.key = (onlines[0].dtype, onlines[0].device)
+        self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
+        self.ptrs = [t.data_ptr() for t in self.guard]
         if len(runs) == 1 and same:
             self.source = _span(onlines).reshape(-1)
             return
@@ -57,7 +59,10 @@ class _FusedGroup:
             offset += n
 
     def stale(self) -> bool:
-        return any(t.data_ptr() != ptr for t, ptr in self.guard)
+        first = self.onlines[0]
+        if (first.dtype, first.device) != self.key:
+            return True
+        return list(map(Tensor.data_ptr, self.guard)) != self.ptrs
 
     def lerp(self, weights: Sequence[float]) -> None:
         if self.direct:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..distributed import local_tensor
 from .kernels import Impl, _multi_tensor_lerp, _single_tensor_lerp, ema_copy_
 
 __all__ = ["Plan", "TensorPair", "build_plan"]
@@ -85,7 +86,12 @@ class _Flat:
     src: list[Tensor] = field(default_factory=list)
     staging_src: list[Tensor] = field(default_factory=list)  # online runs -> staging views
     staging_dst: list[Tensor] = field(default_factory=list)  # staging views read by dst runs
-    guards: list[tuple[Tensor, int]] = field(default_factory=list)
+    guard_tensors: list[Tensor] = field(default_factory=list)
+    guard_ptrs: list[int] = field(default_factory=list)
+
+    def stale(self) -> bool:
+        # C-level map: about 50 ns a tensor, only for tensors inside multi-tensor spans.
+        return list(map(Tensor.data_ptr, self.guard_tensors)) != self.guard_ptrs
 
 
 def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]]:
@@ -104,11 +110,13 @@ def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]
 
 
 def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor]) -> None:
-    # A multi-tensor span is a view made now; if either end's storage moves later
-    # (e.g. ``model.to()`` swapped ``.data``), the span is stale and the plan rebuilds.
+    # A multi-tensor span is a view made now; if the storage of any tensor in it moves
+    # later (``model.to()``, ``param.data = ...``), the span is stale and the plan
+    # rebuilds. Lone tensors are used live and need no guard.
     if len(run) > 1:
-        for i in (run[0], run[-1]):
-            flat.guards.append((side[i], side[i].data_ptr()))
+        for i in run:
+            flat.guard_tensors.append(side[i])
+            flat.guard_ptrs.append(side[i].data_ptr())
 
 
 def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = False) -> _Flat:
@@ -151,6 +159,7 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
 @dataclass
 class _Group:
     decay_group: int = 0
+    key: tuple = ()
     lerp_dst: list[Tensor] = field(default_factory=list)
     lerp_src: list[Tensor] = field(default_factory=list)
     copy_dst: list[Tensor] = field(default_factory=list)
@@ -168,8 +177,9 @@ class _Direction:
         groups: dict[tuple, _Group] = {}
         for p in pairs:
             dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
+            dst, src = local_tensor(dst), local_tensor(src)  # DTensor: this rank's shard
             key = (p.group if p.average else 0, dst.device, dst.dtype, src.device, src.dtype)
-            g = groups.setdefault(key, _Group(decay_group=key[0]))
+            g = groups.setdefault(key, _Group(decay_group=key[0], key=key[1:]))
             if p.average:
                 g.lerp_dst.append(dst)
                 g.lerp_src.append(src)
@@ -205,9 +215,15 @@ class _Direction:
                     torch._foreach_lerp_(fl.dst, fl.staging_dst, weights[g.decay_group])
 
     def stale(self) -> bool:
+        """Whether storage moved under the plan: a span's tensor was re-pointed, or a group's
+        tensors changed dtype or device (``model.to(...)``); one check per group plus one
+        pointer per tensor inside a multi-tensor span."""
         for g in self.groups:
+            dsts, srcs = g.lerp_dst or g.copy_dst, g.lerp_src or g.copy_src
+            if dsts and (dsts[0].device, dsts[0].dtype, srcs[0].device, srcs[0].dtype) != g.key:
+                return True
             for f in (g.flat_lerp, g.flat_copy):
-                if f is not None and any(t.data_ptr() != ptr for t, ptr in f.guards):
+                if f is not None and f.guard_tensors and f.stale():
                     return True
         return False
 
@@ -294,14 +310,14 @@ class Plan:
             self._to_online = _Direction(self.pairs, to_shadow=False, flat=False)
         return self._to_online
 
-    def _refresh_if_stale(self) -> None:
-        if self._to_shadow.flat and self._to_shadow.stale():
-            self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=True, staged=self.staged)
+    def stale(self) -> bool:
+        """Whether the storage under the plan's spans moved since it was built (the owner
+        then builds a new plan). Per-tensor paths read the live tensors and never go stale."""
+        return self._to_shadow.flat and self._to_shadow.stale()
 
     @torch.no_grad()
     def stage(self, *, non_blocking: bool = False) -> None:
         """Snapshot the online tensors into the staging buffers (staged plans only)."""
-        self._refresh_if_stale()
         self._to_shadow.stage(non_blocking=non_blocking)
 
     @torch.no_grad()
@@ -317,7 +333,6 @@ class Plan:
     @torch.no_grad()
     def lerp_shadow(self, weights: Sequence[float]) -> None:
         """``shadow.lerp_(online, weights[group])`` for averaged pairs; copy the others."""
-        self._refresh_if_stale()
         self._to_shadow.lerp(weights, self.impl)
 
     @torch.no_grad()
@@ -350,7 +365,6 @@ class Plan:
     @torch.no_grad()
     def copy_to_shadow(self) -> None:
         """Copy every tracked online tensor into its shadow."""
-        self._refresh_if_stale()
         self._to_shadow.copy(self.impl)
 
     @torch.no_grad()
