@@ -11,11 +11,20 @@ from __future__ import annotations
 
 from . import schedules
 from .averaging import interpolate, update_bn
+from .checkpoint import load_ema_weights, load_foreign_state, save_ema_weights
 from .ema import EMA, STATE_VERSION, unwrap_model
 from .engine import ema_copy_, ema_lerp_
 from .engine.flat import flatten_parameters
-from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import (
+    EMAError,
+    EMAFileNotFoundError,
+    EMARuntimeError,
+    EMAStateError,
+    EMATypeError,
+    EMAValueError,
+)
 from .multi import MultiEMA
+from .posthoc import KarrasEMA, PostHocEMA, PostHocWarning
 from .pytree import EMAPytree, EMATensor
 
 __version__ = "0.1.0"
@@ -24,18 +33,25 @@ __all__ = [
     "EMA",
     "STATE_VERSION",
     "EMAError",
+    "EMAFileNotFoundError",
     "EMAPytree",
     "EMARuntimeError",
     "EMAStateError",
     "EMATensor",
     "EMATypeError",
     "EMAValueError",
+    "KarrasEMA",
     "MultiEMA",
+    "PostHocEMA",
+    "PostHocWarning",
     "__version__",
     "ema_copy_",
     "ema_lerp_",
     "flatten_parameters",
     "interpolate",
+    "load_ema_weights",
+    "load_foreign_state",
+    "save_ema_weights",
     "schedules",
     "unwrap_model",
     "update_bn",

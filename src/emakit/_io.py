@@ -1,10 +1,23 @@
 """Atomic file writes: a crash mid-write leaves the previous file whole.
 
-Every file emakit writes goes through :func:`atomic_write`: the bytes go to a temporary
-file in the destination's folder, are flushed and fsynced, and the temporary file is then
-renamed over the destination (``os.replace``, atomic on POSIX and Windows). The folder is
-fsynced too where the platform allows, so the rename itself survives a power cut. A failed
-write removes its temporary file, so temporaries do not pile up.
+Every file emakit writes goes through :func:`atomic_path` (or :func:`atomic_write`, built
+on it): the bytes go to a temporary file in the destination's folder, are flushed and
+fsynced, and the temporary file is then renamed over the destination (``os.replace``,
+atomic on POSIX and Windows). The folder is fsynced too where the platform allows, so the
+rename itself survives a power cut. Readers therefore see either the previous file or the
+new one, never a mix.
+
+Temporary files are named ``.<name>.emakit-tmp-XXXXXXXX``. A write that fails with an
+exception removes its own. A process killed mid-write (SIGKILL, OOM killer, power cut)
+runs no cleanup, so it leaves at most one temporary file per write in flight. Such
+leftovers are removed by the next successful write into the same folder: each writer holds
+an exclusive ``flock`` on its temporary file while writing, the lock dies with the process,
+and a temporary file nobody holds a lock on is stale. Where locks are not available
+(Windows, some network file systems) a leftover is removed once it is older than
+:data:`STALE_TEMP_AGE_S`.
+
+The new file keeps the permission bits of the file it replaces; a new file gets the usual
+``0o666 & ~umask`` (not ``tempfile``'s private ``0o600``).
 """
 
 from __future__ import annotations
@@ -12,14 +25,43 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-__all__ = ["TEMP_PREFIX", "atomic_path", "atomic_write", "atomic_write_bytes"]
+fcntl: Any
+try:
+    import fcntl as _fcntl
 
-#: Prefix of emakit's temporary files (``.<name>.emakit-tmp-XXXX``).
+    fcntl = _fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+__all__ = [
+    "STALE_TEMP_AGE_S",
+    "TEMP_PREFIX",
+    "atomic_path",
+    "atomic_write",
+    "atomic_write_bytes",
+    "remove_stale_temps",
+]
+
+#: Marker in the names of emakit's temporary files (``.<name>.emakit-tmp-XXXXXXXX``).
 TEMP_PREFIX = ".emakit-tmp-"
+
+#: Age in seconds after which an unlockable-to-test temporary file counts as stale.
+STALE_TEMP_AGE_S = 3600.0
+
+# Longest part of the destination name kept in a temporary name, so that a destination
+# whose name is near the 255-byte limit still gets a valid temporary name.
+_MAX_STEM = 100
+
+# Temporary files this process is writing right now. Guards against deleting a live one
+# where locks are per process (POSIX fcntl locks, e.g. flock emulated over NFS).
+_live: set[str] = set()
+_live_lock = threading.Lock()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -31,41 +73,181 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    # No /proc: the classic set-and-restore (briefly process-wide).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _target_mode(dest: Path) -> int:
+    try:
+        return dest.stat().st_mode & 0o777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and TEMP_PREFIX in name
+
+
+def _lock_nb(fd: int) -> bool | None:
+    """Try an exclusive non-blocking lock: True held, False busy, None not supported."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _make_temp(dest: Path) -> tuple[int, Path]:
+    """Create and lock a temporary file next to ``dest``.
+
+    Returns ``(fd, path)``: ``fd`` holds the lock until closed, or is -1 where locks are
+    not supported.
+    """
+    prefix = f".{dest.name[:_MAX_STEM]}{TEMP_PREFIX}"
+    for _ in range(100):
+        fd, name = tempfile.mkstemp(prefix=prefix, dir=dest.parent)
+        with _live_lock:
+            _live.add(name)
+        # A cleaner in another process may lock and delete the file between mkstemp and
+        # our lock; then the name no longer points at our file, and we start over.
+        locked = _lock_nb(fd)
+        try:
+            ours = locked is not False and os.path.samestat(os.fstat(fd), os.stat(name))
+        except OSError:
+            ours = False
+        if ours:
+            if locked is None:
+                # Nothing to hold open for; Windows also cannot rename an open file.
+                os.close(fd)
+                fd = -1
+            return fd, Path(name)
+        os.close(fd)
+        with _live_lock:
+            _live.discard(name)
+    raise OSError(f"could not create a temporary file next to {dest}")  # pragma: no cover
+
+
+def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
+    """Delete emakit temporary files in ``folder`` that no live write owns.
+
+    A temporary file is stale when no process holds its lock (the writer was killed), or,
+    where locks cannot be tested, when it is older than :data:`STALE_TEMP_AGE_S`. Called
+    after every successful atomic write; never raises.
+
+    Args:
+        folder: the folder to clean.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if not _is_temp_name(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            with _live_lock:
+                if entry.path in _live:
+                    continue
+            fd = os.open(entry.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                locked = _lock_nb(fd)
+                stale = locked is True or (
+                    locked is None and now - os.fstat(fd).st_mtime > STALE_TEMP_AGE_S
+                )
+                if stale:
+                    os.unlink(entry.path)  # while holding the lock: no writer can own it
+                    removed.append(Path(entry.path))
+            finally:
+                os.close(fd)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically.
 
-    Use it with writers that want a file name (``safetensors.torch.save_file``,
-    ``torch.save``, ``matplotlib``'s ``savefig``)::
+    Use it with writers that want a file name (``torch.save``, ``matplotlib``'s
+    ``savefig``). The writer must write to the yielded path in place (open it for
+    writing); if the block raises, ``path`` is left as it was and the temporary file is
+    removed.
 
-        with atomic_path("ema.safetensors") as tmp:
-            save_file(tensors, tmp)
+    Args:
+        path: the destination. Its folder is created if missing.
+
+    Yields:
+        The temporary path to write.
+
+    Example:
+        >>> import tempfile, torch
+        >>> folder = tempfile.mkdtemp()
+        >>> with atomic_path(f"{folder}/w.pt") as tmp:
+        ...     torch.save({"w": torch.zeros(2)}, tmp)
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}{TEMP_PREFIX}", dir=dest.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    mode = _target_mode(dest)
+    fd, tmp = _make_temp(dest)
     try:
         yield tmp
+        # Reopen by name: the writer may have replaced the inode we created.
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # Only now: a read-only mode set earlier would stop the writer from opening it.
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, mode)
         os.replace(tmp, dest)
         _fsync_dir(dest.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if fd >= 0:
+            os.close(fd)  # releases the lock only once the temporary file is gone
+        with _live_lock:
+            _live.discard(str(tmp))
+    remove_stale_temps(dest.parent)
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` atomically by calling ``write(file_object)`` on a temporary file."""
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+    """Write ``path`` atomically by calling ``write(file_object)`` on a temporary file.
+
+    Args:
+        path: the destination.
+        write: called once with a binary file object opened for writing (seekable).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = atomic_write(f"{folder}/w.pt", lambda f: torch.save(torch.zeros(2), f))
+    """
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
     return Path(path)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically."""
-    return atomic_write(path, lambda f: f.write(data) and None)
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    return atomic_write(path, write)

@@ -52,6 +52,8 @@ __all__ = [
     "local_tensor",
     "save_full_ema_weights",
     "save_sharded_ema",
+    "swap_in_place",
+    "unsharded_pairs",
 ]
 
 
@@ -116,10 +118,17 @@ def check_sharded_pair(name: str, shadow: Tensor, online: Tensor) -> None:
         return
     if s != o:
         where, other = ("the model", "the EMA") if o else ("the EMA", "the model")
+        hint = (
+            "build the EMA after fully_shard (EMA(model) shards its copy like the model), or "
+            "pass an ema_model sharded with the same fully_shard calls"
+            if o
+            else "if the model is FSDP2, its parameters are gathered right now (after a "
+            "no-grad forward of a module with reshard_after_forward=False): call reshard() "
+            "on its FSDP modules first"
+        )
         raise EMAStateError(
-            f"tensor {name!r} is a DTensor (sharded) in {where} but a plain tensor in {other}; "
-            f"let EMA(model) build the EMA copy (it is sharded like the model), or pass an "
-            f"ema_model sharded with the same fully_shard calls"
+            f"tensor {name!r} is a DTensor (sharded) in {where} but a plain tensor in "
+            f"{other}; {hint}"
         )
     ls, lo = local_tensor(shadow), local_tensor(online)
     sp, op = tuple(shadow.placements), tuple(online.placements)  # type: ignore[attr-defined]
@@ -131,6 +140,23 @@ def check_sharded_pair(name: str, shadow: Tensor, online: Tensor) -> None:
             f"{'' if same_mesh else ', on another device mesh'}; shard ema_model with the "
             f"same mesh and fully_shard calls as the model"
         )
+
+
+def unsharded_pairs(pairs: list[TensorPair], *, device: object = None) -> list[TensorPair]:
+    """The pairs whose shadow is not a DTensor: the ones the EMA lays out in its own buffers.
+
+    DTensor shadows stay in FSDP2's shard storage (filled by :func:`copy_module`), on the
+    model's device; an EMA kept on another ``device`` is refused for them.
+    """
+    plain = [p for p in pairs if not is_dtensor(p.shadow)]
+    if device is not None and len(plain) < len(pairs):
+        raise EMATypeError(
+            f"device={device!r} (an offloaded EMA) is not supported for FSDP2 models: each "
+            f"rank's EMA shard stays with its model shard, already 1/world_size of the EMA; "
+            f"to keep shards in CPU memory, shard the model with "
+            f"fully_shard(..., offload_policy=CPUOffloadPolicy()) and the EMA copy follows"
+        )
+    return plain
 
 
 class _AttrView(dict):
@@ -170,6 +196,27 @@ def _reshard(modules: Sequence[nn.Module]) -> None:
 
 
 @contextmanager
+def _copied_in(pairs: Sequence[TensorPair]) -> Iterator[None]:
+    """Copy each shadow into its online tensor in place; copy the online values back on exit.
+
+    The stash holds one copy of each online tensor (for a sharded model: of this rank's
+    shard only).
+    """
+    stash: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for p in pairs:
+                online = local_tensor(p.online)
+                stash.append((online, online.clone()))
+                online.copy_(local_tensor(p.shadow))
+        yield
+    finally:
+        with torch.no_grad():
+            for online, saved in reversed(stash):
+                online.copy_(saved)
+
+
+@contextmanager
 def swap_sharded(model: object, pairs: Sequence[TensorPair]) -> Iterator[None]:
     """Inside the block the model's DTensor shards hold the EMA's; plain pairs are untouched.
 
@@ -183,18 +230,53 @@ def swap_sharded(model: object, pairs: Sequence[TensorPair]) -> Iterator[None]:
         return
     roots = fsdp_modules(model) if isinstance(model, nn.Module) else []
     _reshard(roots)
-    stash: list[tuple[Tensor, Tensor]] = []
     try:
-        with torch.no_grad():
-            for p in sharded:
-                online = local_tensor(p.online)
-                stash.append((online, online.clone()))
-                online.copy_(local_tensor(p.shadow))
-        yield
+        with _copied_in(sharded):
+            yield
     finally:
-        with torch.no_grad():
-            for online, saved in reversed(stash):
-                online.copy_(saved)
+        _reshard(roots)
+
+
+@contextmanager
+def swap_in_place(ema: _EMABase) -> Iterator[None]:
+    """Like ``ema.swap()``, but the EMA values are copied into the model's tensors in place.
+
+    ``swap()`` re-points ``.data``, which frameworks that read their own storage do not
+    see (it already copies for FSDP2 shards). Use this for them, e.g. for an EMA of
+    DeepSpeed ZeRO-3 partitions (``EMA({n: p.ds_tensor for n, p in
+    engine.module.named_parameters()})``), whose ``GatheredParameters`` then gathers the
+    EMA weights. The model's values are stashed (one copy of each tracked tensor, a shard
+    where sharded) and copied back on exit, also when the block raises; ``update()``
+    inside the block is an error, as in ``swap()``.
+
+    Args:
+        ema: an :class:`~emakit.EMA` or :class:`~emakit.EMAPytree`.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2)
+        >>> from emakit import EMA
+        >>> ema = EMA(net, beta=0.9)
+        >>> with swap_in_place(ema):
+        ...     _ = net(torch.zeros(1, 2))  # runs on the EMA weights
+    """
+    from .ema import _EMABase
+    from .errors import EMARuntimeError
+
+    if not isinstance(ema, _EMABase):
+        raise EMATypeError(f"ema must be an emakit EMA or EMAPytree, got {type(ema).__name__}")
+    if ema._swapped:
+        raise EMARuntimeError("swap blocks cannot be nested")
+    ema._sync()
+    pairs = ema._ensure_plan().pairs
+    model = getattr(ema, "model", None)
+    roots = fsdp_modules(model) if isinstance(model, nn.Module) else []
+    _reshard(roots)
+    try:
+        with _copied_in(pairs):
+            ema._swapped = True
+            yield
+    finally:
+        ema._swapped = False
         _reshard(roots)
 
 
@@ -296,6 +378,7 @@ def _copy_fsdp(
 
     fsdp_cls = _fsdp_module_type()
     assert fsdp_cls is not None  # only called when FSDP modules exist
+    _reshard(fsdp_modules(model))  # the sharded parameters registered, not gathered ones
     groups = _shard_groups(model, fsdp_cls)
     online = dict((*model.named_parameters(), *model.named_buffers()))
     sharded = {n: t for n, t in online.items() if is_dtensor(t)}

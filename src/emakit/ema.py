@@ -471,9 +471,10 @@ class EMA(_EMABase):
             are cast before averaging. Default False.
         lazy_init_ema: create the EMA copy at the first :meth:`update` instead of now.
             Default False.
-        ema_dtype: keyword-only; keep floating EMA tensors in this dtype, e.g.
+        ema_dtype: keyword-only; keep floating EMA tensors in at least this dtype, e.g.
             ``torch.float32`` for a bf16 model, so small updates at beta 0.9999 are not
-            rounded away. Default None (the model's dtype).
+            rounded away (a wider tensor, e.g. a float64 buffer, keeps its own dtype).
+            Default None (the model's dtypes).
         schedule: keyword-only; a callable ``t -> decay`` (see :mod:`emakit.schedules`)
             replacing the beta/inv_gamma/power warm-up (``beta``, ``inv_gamma`` and
             ``power`` are then unused; ``min_value`` still floors the decay). A decay
@@ -726,7 +727,10 @@ class EMA(_EMABase):
         return 0
 
     def _shadow_dtype(self, t: Tensor) -> torch.dtype | None:
-        return self.ema_dtype if (self.ema_dtype is not None and t.is_floating_point()) else None
+        # ema_dtype only ever widens: a float64 buffer stays float64 under ema_dtype=float32.
+        if self.ema_dtype is None or not t.is_floating_point():
+            return None
+        return torch.promote_types(t.dtype, self.ema_dtype)
 
     def _copy_model(self, model: nn.Module) -> nn.Module:
         # Deep-copy the module structure with every parameter and buffer replaced by an
@@ -824,7 +828,7 @@ class EMA(_EMABase):
         # Lay the shadow out in the online tensors' memory order, averaged tensors first:
         # when the model itself is flat (see flatten_parameters) each group then updates
         # as one span. DTensor (FSDP2) shards stay in FSDP's storage, filled by copy_module.
-        pairs = [p for p in pairs if not _dist.is_dtensor(p.shadow)]
+        pairs = _dist.unsharded_pairs(pairs, device=self.device)
 
         def order(p: TensorPair) -> tuple[bool, int, int, int]:
             return (

@@ -7,7 +7,14 @@ catch either. Messages echo the offending value and say how to fix it.
 
 from __future__ import annotations
 
-__all__ = ["EMAError", "EMARuntimeError", "EMAStateError", "EMATypeError", "EMAValueError"]
+__all__ = [
+    "EMAError",
+    "EMAFileNotFoundError",
+    "EMARuntimeError",
+    "EMAStateError",
+    "EMATypeError",
+    "EMAValueError",
+]
 
 
 class EMAError(Exception):
@@ -28,3 +35,7 @@ class EMAStateError(EMAError, ValueError):
 
 class EMARuntimeError(EMAError, RuntimeError):
     """An operation is not possible in the current state (e.g. updating inside ``swap()``)."""
+
+
+class EMAFileNotFoundError(EMAError, FileNotFoundError):
+    """A checkpoint or snapshot file or folder does not exist."""

@@ -109,7 +109,9 @@ class EMAPytree(_EMABase):
         rehome_(
             [p.shadow for p in pairs],
             dtype_for=[
-                ema_dtype if (ema_dtype is not None and p.shadow.is_floating_point()) else None
+                torch.promote_types(p.shadow.dtype, ema_dtype)
+                if (ema_dtype is not None and p.shadow.is_floating_point())
+                else None
                 for p in pairs
             ],
         )

@@ -112,6 +112,13 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
         >>> [flat.numel() for flat in flatten_parameters(net)]
         [16]
     """
+    if not isinstance(model, torch.nn.Module):
+        from ..errors import EMATypeError
+
+        raise EMATypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; "
+            f"flatten_parameters re-homes a module's parameters"
+        )
     tensors: list[Tensor] = list(model.parameters())
     if buffers:
         tensors += list(model.buffers())

@@ -1,0 +1,68 @@
+"""Post-hoc EMA (Karras et al. 2024, arXiv:2312.02696): power-function EMAs, snapshots,
+and synthesis of any EMA length after training.
+
+* :class:`KarrasEMA`: one power-function EMA whose decay honours ``update_every``.
+* :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
+  :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
+* :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone.
+* :mod:`emakit.posthoc.math`: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
+  the least-squares weights of Algorithm 3).
+
+The command-line front end (``emakit synthesize``, ``emakit inspect``) lives in
+:mod:`emakit.posthoc.commands`, imported only by the CLI.
+"""
+
+from __future__ import annotations
+
+from .karras import KARRAS_STATE_VERSION, KarrasEMA
+from .math import (
+    SIGMA_REL_MAX,
+    PostHocWarning,
+    WeightSolution,
+    gamma_to_sigma_rel,
+    power_function_beta,
+    power_function_profile,
+    power_function_sample_weights,
+    profile_inner_product,
+    sigma_rel_to_gamma,
+    solve_weights,
+)
+from .posthoc import (
+    POSTHOC_STATE_VERSION,
+    PostHocEMA,
+    SynthesisPlan,
+    plan_synthesis,
+    synthesize_state_dict,
+)
+from .snapshots import (
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_FORMAT_VERSION,
+    SnapshotInfo,
+    list_snapshots,
+    read_snapshot_info,
+)
+
+__all__ = [
+    "KARRAS_STATE_VERSION",
+    "POSTHOC_STATE_VERSION",
+    "SIGMA_REL_MAX",
+    "SNAPSHOT_FORMAT",
+    "SNAPSHOT_FORMAT_VERSION",
+    "KarrasEMA",
+    "PostHocEMA",
+    "PostHocWarning",
+    "SnapshotInfo",
+    "SynthesisPlan",
+    "WeightSolution",
+    "gamma_to_sigma_rel",
+    "list_snapshots",
+    "plan_synthesis",
+    "power_function_beta",
+    "power_function_profile",
+    "power_function_sample_weights",
+    "profile_inner_product",
+    "read_snapshot_info",
+    "sigma_rel_to_gamma",
+    "solve_weights",
+    "synthesize_state_dict",
+]

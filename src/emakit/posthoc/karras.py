@@ -1,0 +1,271 @@
+"""``KarrasEMA``: the power-function EMA of Karras et al. 2024 (arXiv:2312.02696, §3).
+
+It runs on the same planned engine as :class:`~emakit.EMA`; only the decay differs. The
+paper's per-step decay ``beta(t) = (1 - 1/t)^(gamma + 1)`` assumes an update at every
+step. Updating every ``update_every`` steps with that decay (as ema-pytorch 0.8.3 does)
+silently turns the profile into a much longer one. Here each update uses the gap ``dt``
+since the previous averaging update,
+
+.. math:: \\beta = \\Big(1 - \\frac{\\Delta t}{t}\\Big)^{\\gamma + 1},
+
+which gives every sample exactly the profile mass of the steps it stands for, so the
+averaging profile is the paper's for any ``update_every``
+(see :func:`~emakit.posthoc.math.power_function_beta`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ema import EMA
+from ..errors import EMAStateError, EMATypeError, EMAValueError
+from .math import (
+    check_gamma,
+    check_sigma_rel,
+    gamma_to_sigma_rel,
+    power_function_beta,
+    sigma_rel_to_gamma,
+)
+
+__all__ = ["KARRAS_STATE_VERSION", "KarrasEMA"]
+
+#: Version of the extra keys :meth:`KarrasEMA.state_dict` writes (``karras_version``).
+KARRAS_STATE_VERSION = 1
+_KARRAS_KEYS = ("karras_version", "gamma", "t", "dt")
+
+
+def resolve_profile(sigma_rel: object, gamma: object) -> tuple[float, float]:
+    """``(sigma_rel, gamma)`` from exactly one of them, validated.
+
+    Raises:
+        EMAValueError: both or neither given, or a value out of range (see
+            :func:`~emakit.posthoc.math.sigma_rel_to_gamma`).
+    """
+    if (sigma_rel is None) == (gamma is None):
+        raise EMAValueError(
+            f"give exactly one of sigma_rel (relative EMA length, e.g. 0.05) and gamma "
+            f"(its exponent), got {sigma_rel=!r} and {gamma=!r}"
+        )
+    if sigma_rel is not None:
+        s = check_sigma_rel(sigma_rel)
+        return s, sigma_rel_to_gamma(s)
+    g = check_gamma(gamma)
+    return gamma_to_sigma_rel(g), g
+
+
+class KarrasEMA(EMA):
+    """A power-function EMA (arXiv:2312.02696, §3): averages the weights with profile
+    ``p_t(tau) ∝ tau^gamma``, so its length grows with training time.
+
+    Keyword-compatible with ``ema_pytorch.KarrasEMA`` 0.8.3, with its decay fixed for
+    ``update_every > 1``. As in ema-pytorch, the first :meth:`update` copies the model and
+    later calls do work when ``(step - 1) % update_every == 0``. An update at call ``t``
+    that comes ``dt`` calls after the previous averaging update applies
+
+    .. math:: \\hat\\theta \\leftarrow \\beta\\,\\hat\\theta + (1 - \\beta)\\,\\theta,\\qquad
+       \\beta = \\Big(1 - \\frac{\\Delta t}{t}\\Big)^{\\gamma + 1}.
+
+    Args:
+        model: the online (training) module.
+        sigma_rel: the relative EMA length (width of the profile over training time), in
+            ``(0, 1/sqrt(12))``; typical values 0.05 to 0.2. Give this or ``gamma``.
+        gamma: the profile exponent, ``> 0``; ``sigma_rel`` is derived from it by the
+            paper's formula. Give this or ``sigma_rel``.
+        ema_model: a module to hold the EMA weights, or a zero-argument factory. Default
+            None: a copy of ``model``.
+        update_every: only every ``update_every``-th call averages. Default 100.
+        frozen: never average after the first copy. Default False.
+        param_or_buffer_names_no_ema: names copied instead of averaged. Default ().
+        ignore_names: names never touched. Default ().
+        ignore_startswith_names: name prefixes never touched. Default ().
+        allow_different_devices: allow EMA tensors on another device. Default False.
+        move_ema_to_online_device: move the EMA model to the model's device at update
+            time. Default False.
+        use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
+        ema_dtype: keyword-only; keep floating EMA tensors in this dtype (e.g.
+            ``torch.float32`` for a bf16 model). Default None.
+
+    Raises:
+        EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
+            or ``>= 1/sqrt(12)`` (no ``gamma > 0``), ``gamma <= 0``.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 4)
+        >>> ema = KarrasEMA(net, sigma_rel=0.1, update_every=1)
+        >>> round(ema.gamma, 3)
+        6.937
+        >>> for _ in range(3):
+        ...     ema.update()
+        >>> round(ema.get_current_decay(), 5)  # (1 - 1/3) ** (gamma + 1)
+        0.04002
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sigma_rel: float | None = None,
+        gamma: float | None = None,
+        ema_model: nn.Module | Callable[[], nn.Module] | None = None,
+        update_every: int = 100,
+        frozen: bool = False,
+        param_or_buffer_names_no_ema: Iterable[str] = (),
+        ignore_names: Iterable[str] = (),
+        ignore_startswith_names: Iterable[str] = (),
+        allow_different_devices: bool = False,
+        move_ema_to_online_device: bool = False,
+        *,
+        use_foreach: bool | None = None,
+        ema_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
+        if not isinstance(frozen, bool):
+            raise EMATypeError(f"frozen must be True or False, got {frozen=!r}")
+        # Profile time: the step of the last update that touched the weights, and the
+        # gap that update covered. Set before the base class reads ``beta``.
+        self._t = 0
+        self._dt = 0
+        super().__init__(
+            model,
+            ema_model=ema_model,
+            update_after_step=0,
+            update_every=update_every,
+            param_or_buffer_names_no_ema=param_or_buffer_names_no_ema,
+            ignore_names=ignore_names,
+            ignore_startswith_names=ignore_startswith_names,
+            allow_different_devices=allow_different_devices,
+            use_foreach=use_foreach,
+            move_ema_to_online_device=move_ema_to_online_device,
+            ema_dtype=ema_dtype,
+        )
+        self.frozen = frozen
+        self.is_frozen = frozen
+
+    # -- decay ----------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def beta(self) -> float:
+        """The decay of the most recent averaging update (ema-pytorch's ``KarrasEMA.beta``)."""
+        return self.get_current_decay()
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        # The base class stores the ceiling of its inverse-gamma warm-up here; the
+        # power-function decay has none, so the value is only kept for reference.
+        self.__dict__["_beta_ceiling"] = value
+
+    @property
+    def t(self) -> int:
+        """The step the averaging profile ends at: the last update that touched the weights."""
+        return self._t
+
+    def _decay_at(self, step: int, group: int = 0) -> float:
+        # The decay of an averaging update at call ``step``: dt is the gap to the last one.
+        return power_function_beta(step, step - self._t, self.gamma)
+
+    def get_current_decay(self) -> float:
+        """The decay the most recent averaging update used (0 before any, and for the
+        first call's copy).
+
+        .. math:: \\beta = \\Big(1 - \\frac{\\Delta t}{t}\\Big)^{\\gamma + 1}
+
+        with ``t`` the call that updated and ``dt`` the calls since the update before.
+        """
+        if self._dt <= 0:
+            return 0.0
+        return power_function_beta(self._t, self._dt, self.gamma)
+
+    def _first_update(self) -> None:
+        super()._first_update()
+        if self._initted:
+            self._t, self._dt = self._step, 0
+
+    def _after_average(self, step: int) -> None:
+        # ``step`` is the pre-increment counter: the update happened at call step + 1.
+        self._t, self._dt = step + 1, step + 1 - self._t
+        super()._after_average(step)
+
+    def _catch_up(self) -> None:
+        """Average in the current weights if the last averaging update was before the
+        current step, so the profile ends exactly at ``step`` (used before a snapshot).
+
+        Exact for the power-function profile: the new sample gets the mass of the gap.
+        """
+        if not self._initted or self._step <= self._t:
+            return
+        sync = getattr(self, "_sync", None)  # a background update in flight, if any
+        if sync is not None:
+            sync()
+        self._before_update()
+        if not self.is_frozen:
+            self._ensure_plan().lerp_shadow(self._weights_at(self._step))
+        self._t, self._dt = self._step, self._step - self._t
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "karras_version"] = torch.tensor(KARRAS_STATE_VERSION)
+        destination[prefix + "gamma"] = torch.tensor(self.gamma, dtype=torch.float64)
+        destination[prefix + "t"] = torch.tensor(self._t)
+        destination[prefix + "dt"] = torch.tensor(self._dt)
+
+    def _ignorable_key(self, key: str) -> bool:
+        return key in _KARRAS_KEYS or super()._ignorable_key(key)
+
+    def _load_meta(
+        self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
+    ) -> None:
+        version = state_dict.get(prefix + "karras_version")
+        if version is not None and int(version) > KARRAS_STATE_VERSION:
+            raise EMAStateError(
+                f"state_dict has karras_version={int(version)}, newer than this emakit's "
+                f"{KARRAS_STATE_VERSION}; upgrade emakit to load it"
+            )
+        saved_gamma = state_dict.get(prefix + "gamma")
+        if saved_gamma is not None and not math.isclose(
+            float(saved_gamma), self.gamma, rel_tol=1e-9
+        ):
+            raise EMAStateError(
+                f"state_dict is of a power-function EMA with gamma={float(saved_gamma)!r}, but "
+                f"this KarrasEMA has gamma={self.gamma!r}; load it into a KarrasEMA with that gamma"
+            )
+        super()._load_meta(state_dict, prefix, missing_keys)
+        if prefix + "t" in state_dict:
+            self._t = int(state_dict[prefix + "t"])
+            self._dt = int(state_dict.get(prefix + "dt", 0))
+        else:
+            # ema-pytorch 0.8.3 states carry only the step: its last update was at the
+            # last call with (call - 1) % update_every == 0.
+            step, k = self._step, int(self.update_every or 1)
+            self._t = 1 + k * ((step - 1) // k) if step >= 1 else 0
+            self._dt = min(k, self._t - 1) if self._t > 1 else 0
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The EMA state, versioned; the online model is left out.
+
+        Layout (``version`` 1, ``karras_version`` 1), for ``KarrasEMA(nn.Linear(2, 2), sigma_rel=0.1)``::
+
+            {
+                "version": tensor(1),             # EMA layout version
+                "step": tensor(1000),             # update() calls so far
+                "initted": tensor(True),
+                "karras_version": tensor(1),      # layout of the keys below
+                "gamma": tensor(6.9372, dtype=torch.float64),
+                "t": tensor(901),                 # step of the last averaging update
+                "dt": tensor(100),                # the gap that update covered
+                "ema_model.weight": tensor(...),
+                "ema_model.bias": tensor(...),
+            }
+
+        Loading checks ``gamma`` against this EMA's. ema-pytorch 0.8.3 ``KarrasEMA``
+        states (no ``t``) load too.
+        """
+        return super().state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"sigma_rel={self.sigma_rel:.6g}, gamma={self.gamma:.6g}, update_every={self.update_every}"

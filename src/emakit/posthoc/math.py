@@ -1,0 +1,401 @@
+"""Post-hoc EMA math: pure float64 functions, after Karras et al. 2024 (arXiv:2312.02696).
+
+Every function here is a pure function of Python floats (the linear algebra of
+:func:`solve_weights` runs on float64 CPU tensors); nothing touches a model. The
+references are to arXiv:2312.02696 (EDM2): §3 introduces the power-function EMA and the
+post-hoc reconstruction, Appendix C derives them, Algorithm 2 turns ``sigma_rel`` into
+``gamma`` and Algorithm 3 solves the reconstruction weights. The code is written from
+those formulas, not taken from any implementation.
+
+Notation (the paper's): training time ``t`` counts optimizer steps, ``theta(t)`` are the
+weights after step ``t``, and an EMA with exponent ``gamma`` averages them with the
+power-function profile
+
+.. math:: p_{t,\\gamma}(\\tau) = \\frac{\\gamma + 1}{t^{\\gamma + 1}}\\,\\tau^{\\gamma}
+   \\quad (0 < \\tau \\le t), \\qquad 0 \\text{ elsewhere},
+
+whose width relative to ``t`` is ``sigma_rel``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import EMATypeError, EMAValueError
+
+__all__ = [
+    "COND_LIMIT",
+    "SIGMA_REL_MAX",
+    "PostHocWarning",
+    "WeightSolution",
+    "check_gamma",
+    "check_sigma_rel",
+    "gamma_to_sigma_rel",
+    "power_function_beta",
+    "power_function_profile",
+    "power_function_sample_weights",
+    "profile_inner_product",
+    "sigma_rel_to_gamma",
+    "solve_weights",
+]
+
+#: ``sigma_rel`` of ``gamma = 0`` (the uniform average), ``1 / sqrt(12)``: every
+#: ``gamma > 0`` has a smaller ``sigma_rel``, so valid values lie in ``(0, SIGMA_REL_MAX)``.
+SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
+
+#: Condition number of the Gram matrix above which :func:`solve_weights` switches from an
+#: exact solve to least squares. float64 keeps about ``16 - log10(cond)`` digits of the
+#: weights; 1e12 still leaves four, far below what snapshots in float16/32 resolve.
+COND_LIMIT = 1e12
+
+
+class PostHocWarning(UserWarning):
+    """A post-hoc reconstruction that runs but deserves attention (e.g. least squares)."""
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EMATypeError(
+            f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
+        )
+    return float(value)
+
+
+def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
+    """``sigma_rel`` as a float in ``(0, SIGMA_REL_MAX)``; anything else raises.
+
+    Raises:
+        EMATypeError: not a real number.
+        EMAValueError: NaN, infinite, ``<= 0``, or ``>= 1/sqrt(12)`` (no ``gamma > 0``).
+    """
+    v = _real(name, sigma_rel)
+    if not (0.0 < v < SIGMA_REL_MAX):  # also False for NaN
+        raise EMAValueError(
+            f"{name} must be in (0, {SIGMA_REL_MAX:.6f}) (the relative widths a power-function "
+            f"EMA with gamma > 0 can have; typical values 0.05 to 0.2), got {name}={sigma_rel!r}"
+        )
+    return v
+
+
+def check_gamma(gamma: object, name: str = "gamma") -> float:
+    """``gamma`` as a finite float ``> 0``; anything else raises.
+
+    Raises:
+        EMATypeError: not a real number.
+        EMAValueError: NaN, infinite or ``<= 0``.
+    """
+    v = _real(name, gamma)
+    if not (0.0 < v < math.inf):
+        raise EMAValueError(
+            f"{name} must be a finite number > 0 (e.g. 6.94 for sigma_rel=0.1), got {name}={gamma!r}"
+        )
+    return v
+
+
+def gamma_to_sigma_rel(gamma: float) -> float:
+    """The relative standard deviation of the power-function profile (§3, Appendix C).
+
+    .. math:: \\sigma_{rel} = \\sqrt{\\frac{\\gamma + 1}{(\\gamma + 2)^2 (\\gamma + 3)}}
+
+    Args:
+        gamma: the exponent, finite and ``> 0``.
+
+    Returns:
+        ``sigma_rel`` in ``(0, 1/sqrt(12))``.
+
+    Example:
+        >>> round(gamma_to_sigma_rel(6.94), 4)
+        0.1
+    """
+    g = check_gamma(gamma)
+    return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
+
+
+def sigma_rel_to_gamma(sigma_rel: float) -> float:
+    """The exponent ``gamma`` whose profile has relative width ``sigma_rel`` (Algorithm 2).
+
+    Squaring :func:`gamma_to_sigma_rel` and clearing denominators gives the paper's cubic
+
+    .. math:: \\gamma^3 + 7\\gamma^2 + (16 - \\sigma_{rel}^{-2})\\,\\gamma
+       + (12 - \\sigma_{rel}^{-2}) = 0 .
+
+    For ``0 < sigma_rel < 1/sqrt(12)`` it has exactly one positive root (one sign change
+    in its coefficients), and the cubic is convex there with ``f(0) < 0``, so Newton's
+    method started to the right of the root descends to it monotonically; it stops when
+    the iterate no longer decreases, i.e. at the float64 root.
+
+    Args:
+        sigma_rel: the relative EMA length, in ``(0, 1/sqrt(12))``.
+
+    Returns:
+        ``gamma > 0``.
+
+    Raises:
+        EMAValueError: ``sigma_rel`` NaN, ``<= 0`` or ``>= 1/sqrt(12)`` (no ``gamma > 0``).
+
+    Example:
+        >>> round(sigma_rel_to_gamma(0.05), 2), round(sigma_rel_to_gamma(0.1), 2)
+        (16.97, 6.94)
+    """
+    s = check_sigma_rel(sigma_rel) ** -2.0
+    c1, c0 = 16.0 - s, 12.0 - s
+
+    def f(g: float) -> float:
+        return ((g + 7.0) * g + c1) * g + c0
+
+    def df(g: float) -> float:
+        return (3.0 * g + 14.0) * g + c1
+
+    # gamma ~ sqrt(s) - 3 for large s; start a little right of the root, where f > 0.
+    g = math.sqrt(s) + 1.0
+    if f(g) <= 0.0:
+        g = s  # f(s) = s^3 + 6 s^2 + 15 s + 12 > 0
+    for _ in range(200):
+        step = f(g) / df(g)
+        nxt = g - step
+        if not nxt < g:
+            break
+        g = nxt
+    return g
+
+
+def power_function_profile(tau: float, t: float, gamma: float) -> float:
+    """The power-function EMA profile ``p_{t,gamma}(tau)`` (§3, Appendix C).
+
+    .. math:: p_{t,\\gamma}(\\tau) = \\frac{\\gamma + 1}{t}\\Big(\\frac{\\tau}{t}\\Big)^{\\gamma}
+       \\quad (0 < \\tau \\le t), \\qquad 0 \\text{ elsewhere}.
+
+    It integrates to 1 over ``(0, t]``.
+    """
+    if not 0.0 < tau <= t:
+        return 0.0
+    return (gamma + 1.0) / t * (tau / t) ** gamma
+
+
+def power_function_beta(t: float, dt: float, gamma: float) -> float:
+    """The decay of a power-function EMA update at step ``t``, ``dt`` steps after the last.
+
+    §3 gives the per-step recursion with ``beta(t) = (1 - 1/t)^(gamma + 1)``. When the EMA
+    is updated only every ``dt`` steps, the weights in between are not seen; giving the
+    new sample the profile mass of the whole gap ``(t - dt, t]`` keeps the profile exact:
+
+    .. math:: \\beta = \\Big(1 - \\frac{\\Delta t}{t}\\Big)^{\\gamma + 1},\\qquad
+       \\hat\\theta(t) = \\beta\\,\\hat\\theta(t - \\Delta t) + (1 - \\beta)\\,\\theta(t).
+
+    Unrolled, sample ``theta(t_j)`` ends up with weight
+    ``(t_j^(gamma+1) - t_(j-1)^(gamma+1)) / t^(gamma+1)``, the integral of
+    :func:`power_function_profile` over ``(t_(j-1), t_j]`` (see
+    :func:`power_function_sample_weights`).
+
+    Args:
+        t: the current step, ``> 0``.
+        dt: steps since the previous update, ``>= 0``; ``dt >= t`` gives 0 (a copy).
+        gamma: the exponent.
+
+    Example:
+        >>> power_function_beta(100, 10, 1.0)  # (1 - 10/100)^2
+        0.81
+    """
+    if dt <= 0:
+        return 1.0
+    if dt >= t:
+        return 0.0
+    return (1.0 - dt / t) ** (gamma + 1.0)
+
+
+def power_function_sample_weights(sample_steps: Sequence[float], gamma: float) -> list[float]:
+    """The weight each sample has in a power-function EMA updated at ``sample_steps``.
+
+    For an EMA initialized at ``sample_steps[0]`` and updated with
+    :func:`power_function_beta` at each later step, sample ``j`` carries
+
+    .. math:: w_j = \\frac{t_j^{\\gamma + 1} - t_{j-1}^{\\gamma + 1}}{t_n^{\\gamma + 1}}
+       = \\int_{t_{j-1}}^{t_j} p_{t_n,\\gamma}(\\tau)\\,d\\tau, \\qquad t_{-1} = 0,
+
+    which sum to 1. Computed as differences of ``(t_j / t_n)^(gamma + 1)`` to stay in range.
+
+    Args:
+        sample_steps: strictly increasing steps ``t_0 < t_1 < ... < t_n``, ``t_0 > 0``.
+        gamma: the exponent.
+    """
+    if not sample_steps:
+        return []
+    last = float(sample_steps[-1])
+    out, prev = [], 0.0
+    for t in sample_steps:
+        cur = (float(t) / last) ** (gamma + 1.0)
+        out.append(cur - prev)
+        prev = cur
+    return out
+
+
+def profile_inner_product(t_a: float, gamma_a: float, t_b: float, gamma_b: float) -> float:
+    """``<p_a, p_b>``, the L2 inner product of two power-function profiles (Algorithm 3).
+
+    With ``m = min(t_a, t_b)`` the integral of the product over ``(0, m]`` is
+
+    .. math:: \\langle p_{t_a,\\gamma_a}, p_{t_b,\\gamma_b}\\rangle
+       = \\frac{(\\gamma_a + 1)(\\gamma_b + 1)}{(\\gamma_a + \\gamma_b + 1)\\,t_{max}}
+         \\Big(\\frac{t_{min}}{t_{max}}\\Big)^{\\gamma_{max}}
+
+    where ``gamma_max`` is the exponent of the profile with the later ``t`` (the ratio form
+    avoids overflowing ``t^gamma``).
+    """
+    if t_a <= t_b:
+        t_min, t_max, g_late = t_a, t_b, gamma_b
+    else:
+        t_min, t_max, g_late = t_b, t_a, gamma_a
+    num = (gamma_a + 1.0) * (gamma_b + 1.0) * (t_min / t_max) ** g_late
+    return num / ((gamma_a + gamma_b + 1.0) * t_max)
+
+
+@dataclass(frozen=True)
+class WeightSolution:
+    """The result of :func:`solve_weights`.
+
+    Attributes:
+        weights: one weight per snapshot, summing to 1.
+        raw_sum: the sum of the weights before normalization (1 for an exact fit).
+        residual: ``||sum_i w_i p_i - p_r|| / ||p_r||``, the relative L2 error of the
+            reconstructed profile (0 when the target is one of the snapshots).
+        method: ``"solve"`` (exact linear solve) or ``"lstsq"`` (least-squares fallback).
+        cond: the 2-norm condition number of the Gram matrix.
+    """
+
+    weights: tuple[float, ...]
+    raw_sum: float
+    residual: float
+    method: str
+    cond: float
+
+    @property
+    def amplification(self) -> float:
+        """``sum |w_i|``: how much the snapshots' rounding error can grow in the sum."""
+        return sum(abs(w) for w in self.weights)
+
+
+def solve_weights(
+    ts: Sequence[float],
+    gammas: Sequence[float],
+    t_r: float,
+    gamma_r: float,
+    *,
+    cond_limit: float = COND_LIMIT,
+) -> WeightSolution:
+    """Weights that combine snapshot EMAs into the EMA with exponent ``gamma_r`` at ``t_r``.
+
+    Algorithm 3: snapshot ``i`` holds the EMA with profile ``p_i = p_{t_i, gamma_i}``; the
+    combination ``sum_i x_i theta_hat_i`` has profile ``sum_i x_i p_i``, and the ``x``
+    minimizing ``||sum_i x_i p_i - p_r||_2`` solves the normal equations
+
+    .. math:: A x = b, \\qquad A_{ij} = \\langle p_i, p_j \\rangle,\\quad
+       b_i = \\langle p_i, p_r \\rangle .
+
+    Two changes from the paper's listing, both deliberate:
+
+    * **Normalization.** Every profile has unit mass, so an exact fit has ``sum x = 1``;
+      dividing by the sum makes a constant parameter come back unchanged instead of scaled
+      by the fit error.
+    * **Degenerate sets.** Duplicate snapshots (same ``t`` and ``gamma``) make ``A``
+      singular and near-duplicates make it ill-conditioned (``cond(A) > cond_limit``);
+      these fall back to minimum-norm least squares (SVD, ``gelsd``) with a
+      :class:`PostHocWarning`.
+
+    Times are divided by ``t_r`` first: ``A`` and ``b`` then scale together, which leaves
+    ``x`` unchanged and keeps the entries near 1.
+
+    Args:
+        ts: snapshot times (optimizer steps), each in ``(0, t_r]``: only snapshots taken at
+            or before the target can be used (a later one averages weights from after it).
+        gammas: snapshot exponents, one per time, each ``> 0``.
+        t_r: the target time, ``> 0``.
+        gamma_r: the target exponent, ``> 0``.
+        cond_limit: condition number above which least squares is used. Default 1e12.
+
+    Returns:
+        A :class:`WeightSolution`; ``weights[i]`` multiplies snapshot ``i``.
+
+    Raises:
+        EMAValueError: empty or mismatched inputs, a time after ``t_r``, a non-positive
+            time or exponent, or a set whose fit captures no mass of the target (weights
+            summing to about 0: the snapshots cannot represent it).
+
+    Example:
+        >>> sol = solve_weights([500, 500, 1000, 1000], [6.94, 16.97] * 2, 1000, 16.97)
+        >>> [round(w, 6) + 0.0 for w in sol.weights]  # the tracked profile itself
+        [0.0, 0.0, 0.0, 1.0]
+        >>> sol = solve_weights([500, 500, 1000, 1000], [6.94, 16.97] * 2, 1000, 10.0)
+        >>> round(sum(sol.weights), 12), sol.method
+        (1.0, 'solve')
+    """
+    if len(ts) != len(gammas):
+        raise EMAValueError(
+            f"ts and gammas must pair one to one, got {len(ts)=} and {len(gammas)=}"
+        )
+    if not ts:
+        raise EMAValueError("no snapshots to combine: ts is empty; save snapshots first")
+    t_r = _real("t_r", t_r)
+    if not 0.0 < t_r < math.inf:
+        raise EMAValueError(f"t_r must be a finite number > 0, got {t_r=}")
+    gamma_r = check_gamma(gamma_r, "gamma_r")
+    times = [_real("ts", t) / t_r for t in ts]
+    exps = [check_gamma(g, "gammas") for g in gammas]
+    bad = [t for t in ts if not 0.0 < float(t) <= t_r]
+    if bad:
+        raise EMAValueError(
+            f"every snapshot time must be in (0, t_r={t_r:g}], got {bad[:5]}; drop snapshots "
+            f"taken after the target step (they average weights from after it)"
+        )
+
+    n = len(times)
+    a = torch.empty(n, n, dtype=torch.float64)
+    b = torch.empty(n, 1, dtype=torch.float64)
+    for i in range(n):
+        b[i, 0] = profile_inner_product(times[i], exps[i], 1.0, gamma_r)
+        for j in range(i, n):
+            a[i, j] = a[j, i] = profile_inner_product(times[i], exps[i], times[j], exps[j])
+
+    cond = float(torch.linalg.cond(a)) if n > 1 else 1.0
+    pairs = list(zip(times, exps, strict=True))
+    duplicates = n - len(set(pairs))
+    if duplicates or not cond < cond_limit:
+        why = (
+            f"{duplicates} duplicate snapshot(s) (same step and gamma)"
+            if duplicates
+            else f"an ill-conditioned snapshot set (cond={cond:.3g} > {cond_limit:.3g})"
+        )
+        warnings.warn(
+            f"post-hoc EMA: {why}; solving by least squares (minimum-norm) instead of exactly",
+            PostHocWarning,
+            stacklevel=2,
+        )
+        x = torch.linalg.lstsq(a, b, rcond=n * 2.2e-16, driver="gelsd").solution
+        method = "lstsq"
+    else:
+        x = torch.linalg.solve(a, b)
+        method = "solve"
+
+    raw_sum = float(x.sum())
+    if not (math.isfinite(raw_sum) and raw_sum > 1e-6 * float(x.abs().sum()) and raw_sum > 1e-9):
+        raise EMAValueError(
+            f"the snapshots at or before t_r={t_r:g} cannot represent the target profile "
+            f"(gamma_r={gamma_r:g}): its least-squares weights sum to {raw_sum:.3g} instead of "
+            f"about 1; pick a target step closer to the snapshots or a longer EMA"
+        )
+    x = x / raw_sum
+    # Relative L2 error of the normalized fit: ||p_r||^2 - 2 x.b + x.A.x over ||p_r||^2.
+    prr = profile_inner_product(1.0, gamma_r, 1.0, gamma_r)
+    err2 = prr - 2.0 * float((x * b).sum()) + float((x.T @ a @ x).sum())
+    residual = math.sqrt(max(err2, 0.0) / prr)
+    return WeightSolution(
+        weights=tuple(float(w) for w in x[:, 0]),
+        raw_sum=raw_sum,
+        residual=residual,
+        method=method,
+        cond=cond,
+    )

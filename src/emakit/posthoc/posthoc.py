@@ -1,0 +1,764 @@
+"""``PostHocEMA``: track power-function EMAs while training, choose the EMA length after.
+
+Karras et al. 2024 (arXiv:2312.02696, §3 and Appendix C): train with a couple of
+power-function EMA profiles, save their states (snapshots) every so often, and after
+training reconstruct the EMA of *any* length at any saved step as a weighted sum of the
+snapshots, the weights coming from a float64 least-squares fit of the profiles
+(Algorithm 3, :func:`~emakit.posthoc.math.solve_weights`).
+
+Synthesis streams the snapshots: one file is open at a time and its tensors are added,
+one by one, into a float32 accumulator, so memory stays at about one model however many
+snapshots there are. Buffers (BatchNorm statistics, counters) and other non-averaged
+tensors are not summed (a weighted sum with negative weights can make a variance
+negative); they come from the latest snapshot at or before the target step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor, nn
+
+from ..ema import unwrap_model
+from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .karras import KarrasEMA, resolve_profile
+from .math import PostHocWarning, WeightSolution, check_gamma, check_sigma_rel, solve_weights
+from .snapshots import (
+    SnapshotInfo,
+    is_writer,
+    list_snapshots,
+    snapshot_filename,
+    write_snapshot,
+)
+
+__all__ = [
+    "POSTHOC_STATE_VERSION",
+    "PostHocEMA",
+    "SynthesisPlan",
+    "plan_synthesis",
+    "synthesize_state_dict",
+]
+
+#: Version of the layout :meth:`PostHocEMA.state_dict` writes.
+POSTHOC_STATE_VERSION = 1
+_POSTHOC_KEYS = ("version", "gammas")
+
+#: A reconstruction whose profile misses the target by more than this (relative L2) warns.
+RESIDUAL_WARN = 0.1
+
+_KARRAS_KWARGS = frozenset(
+    {
+        "frozen",
+        "param_or_buffer_names_no_ema",
+        "ignore_names",
+        "ignore_startswith_names",
+        "allow_different_devices",
+        "move_ema_to_online_device",
+        "use_foreach",
+        "ema_dtype",
+    }
+)
+
+
+# -- synthesis ------------------------------------------------------------------------------
+
+
+def _check_step(step: object) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise EMATypeError(f"step must be an int or None, got {step=!r} ({type(step).__name__})")
+    if step < 1:
+        raise EMAValueError(f"step must be >= 1 (a training step), got {step=}")
+    return step
+
+
+# Unit roundoff (half the machine epsilon) of the floating safetensors dtype codes.
+_ROUNDOFF = {
+    "F64": 2.0**-53,
+    "F32": 2.0**-24,
+    "F16": 2.0**-11,
+    "BF16": 2.0**-8,
+    "F8_E4M3": 2.0**-4,
+    "F8_E5M2": 2.0**-3,
+}
+
+
+@dataclass(frozen=True)
+class SynthesisPlan:
+    """What a synthesis will combine, decided from the snapshot headers alone.
+
+    Attributes:
+        sigma_rel: the target relative EMA length.
+        gamma: the target exponent.
+        step: the target step.
+        snapshots: the snapshots used (all taken at or before ``step``), in order.
+        solution: the float64 weights, one per snapshot (sum 1), with the fit's residual.
+        buffers_from: the snapshot that buffers and other non-averaged tensors come from:
+            the latest at or before ``step`` (of those, the one with the closest gamma).
+    """
+
+    sigma_rel: float
+    gamma: float
+    step: int
+    snapshots: tuple[SnapshotInfo, ...]
+    solution: WeightSolution
+    buffers_from: SnapshotInfo
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self.solution.weights
+
+    def run(
+        self,
+        *,
+        dtype: torch.dtype | None = torch.float32,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Tensor]:
+        """Stream the snapshots into the reconstructed state dict.
+
+        .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
+
+        accumulated in float32 (complex64 for complex tensors), one snapshot file open and
+        one tensor loaded at a time.
+
+        Args:
+            dtype: dtype of the averaged tensors returned; None keeps the snapshots'
+                dtype. Default ``torch.float32``. Copied tensors keep their stored dtype.
+            progress: called as ``progress(done, total)`` after each snapshot.
+
+        Returns:
+            name -> tensor (on CPU), loadable with ``model.load_state_dict``.
+
+        Raises:
+            EMAStateError: the snapshots disagree on tensor names or shapes.
+        """
+        from safetensors import safe_open
+
+        base = self.buffers_from
+        with safe_open(str(base.path), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+            copied = {n: f.get_tensor(n) for n in names if n in base.copied}
+        averaged = [n for n in names if n not in base.copied]
+        stored: dict[str, torch.dtype] = {}
+        acc: dict[str, Tensor] = {}
+        total = len(self.snapshots)
+        for i, (snap, w) in enumerate(zip(self.snapshots, self.weights, strict=True)):
+            with safe_open(str(snap.path), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                if keys != set(names) or snap.copied != base.copied:
+                    missing, extra = sorted(set(names) - keys), sorted(keys - set(names))
+                    raise EMAStateError(
+                        f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
+                        f"missing {missing[:10]}, extra {extra[:10]}"
+                        + ("" if missing or extra else ", and a different set of copied names")
+                        + "; keep only snapshots of one model in the folder"
+                    )
+                for name in averaged:
+                    x = f.get_tensor(name)
+                    if tuple(x.shape) != shapes[name]:
+                        raise EMAStateError(
+                            f"tensor {name!r} has shape {tuple(x.shape)} in {snap.path} but "
+                            f"{shapes[name]} in {base.path}; keep only snapshots of one model"
+                        )
+                    stored.setdefault(name, x.dtype)
+                    if name not in acc:
+                        wide = torch.complex64 if x.is_complex() else torch.float32
+                        acc[name] = torch.zeros(x.shape, dtype=wide)
+                    acc[name].add_(x, alpha=w)  # fp16 -> fp32 inside the kernel, no temp
+                    del x
+            if progress is not None:
+                progress(i + 1, total)
+        out: dict[str, Tensor] = {}
+        for name in names:
+            if name in copied:
+                out[name] = copied[name]
+            else:
+                target = dtype if dtype is not None else stored[name]
+                t = acc.pop(name)
+                out[name] = t if (t.is_complex() or t.dtype == target) else t.to(target)
+        return out
+
+
+def plan_synthesis(
+    folder: str | os.PathLike[str],
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: int | None = None,
+) -> SynthesisPlan:
+    """Choose the snapshots and solve the weights for one target EMA (no tensor is read).
+
+    Args:
+        folder: the snapshot folder.
+        sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``. Give this or
+            ``gamma``.
+        gamma: the target exponent, ``> 0``.
+        step: the target step; only snapshots taken at or before it are used. Default
+            None: the latest snapshot's step.
+
+    Returns:
+        A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
+
+    Raises:
+        EMAValueError: bad target, missing folder, a folder with no snapshots, or a
+            ``step`` before the first snapshot.
+
+    Warns:
+        PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
+            step far after the last snapshot), the weights amplify the snapshots'
+            rounding noticeably, or the solve fell back to least squares.
+    """
+    sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
+    step = _check_step(step)
+    snaps = list_snapshots(folder)
+    if not snaps:
+        raise EMAValueError(
+            f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
+            f"written by PostHocEMA); train with PostHocEMA and call checkpoint() first"
+        )
+    if step is None:
+        step = snaps[-1].step
+    usable = tuple(s for s in snaps if s.step <= step)
+    if not usable:
+        raise EMAValueError(
+            f"step={step} is before the first snapshot (step {snaps[0].step}) in "
+            f"{str(folder)!r}; pass a step in [{snaps[0].step}, {snaps[-1].step}]"
+        )
+    solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
+    last = max(s.step for s in usable)
+    buffers_from = min(
+        (s for s in usable if s.step == last),
+        key=lambda s: (abs(math.log(s.gamma / gamma)), s.path.name),
+    )
+    if solution.residual > RESIDUAL_WARN:
+        warnings.warn(
+            f"post-hoc EMA: the snapshots at or before step {step} reconstruct the "
+            f"sigma_rel={sigma_rel:.4g} profile only roughly (relative profile error "
+            f"{solution.residual:.2g}); the last usable snapshot is at step {last}. Pick a step "
+            f"that has a snapshot, or save snapshots more often",
+            PostHocWarning,
+            stacklevel=2,
+        )
+    noise = solution.amplification * _stored_roundoff(buffers_from)
+    if noise > 1e-2:
+        warnings.warn(
+            f"post-hoc EMA: the weights (sum |w| = {solution.amplification:.3g}) amplify the "
+            f"snapshots' rounding to about {noise:.2g} relative; store snapshots in float32 "
+            f"(checkpoint_dtype=torch.float32) or use fewer, farther-apart snapshots",
+            PostHocWarning,
+            stacklevel=2,
+        )
+    return SynthesisPlan(
+        sigma_rel=sigma_rel,
+        gamma=gamma,
+        step=step,
+        snapshots=usable,
+        solution=solution,
+        buffers_from=buffers_from,
+    )
+
+
+def _stored_roundoff(snap: SnapshotInfo) -> float:
+    from safetensors import safe_open
+
+    with safe_open(str(snap.path), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            if name not in snap.copied:
+                return _ROUNDOFF.get(f.get_slice(name).get_dtype(), 0.0)
+    return 0.0
+
+
+def synthesize_state_dict(
+    folder: str | os.PathLike[str],
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: int | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Tensor]:
+    """Reconstruct the EMA with ``sigma_rel`` (or ``gamma``) at ``step`` from a snapshot
+    folder, without the model: ``plan_synthesis(...).run(...)``.
+
+    Args:
+        folder: the snapshot folder.
+        sigma_rel: the target relative EMA length. Give this or ``gamma``.
+        gamma: the target exponent.
+        step: the target step. Default None: the latest snapshot's.
+        dtype: dtype of the averaged tensors. Default ``torch.float32``.
+        progress: called as ``progress(done, total)`` after each snapshot.
+
+    Returns:
+        name -> tensor, loadable straight into the model class with ``load_state_dict``.
+
+    Example:
+        >>> sd = synthesize_state_dict("./post-hoc-ema-checkpoints", sigma_rel=0.15)  # doctest: +SKIP
+        >>> net.load_state_dict(sd)  # doctest: +SKIP
+    """
+    return plan_synthesis(folder, sigma_rel=sigma_rel, gamma=gamma, step=step).run(
+        dtype=dtype, progress=progress
+    )
+
+
+# -- the training-time wrapper --------------------------------------------------------------
+
+
+def _profiles(
+    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
+) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
+    if sigma_rels is not None and gammas is not None:
+        raise EMAValueError(
+            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
+        )
+    if sigma_rels is None and gammas is None:
+        sigma_rels = (0.05, 0.28)
+    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
+    values = tuple(values)
+    if not values:
+        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
+    if name == "sigma_rels":
+        srs = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
+        resolved = [resolve_profile(s, None) for s in srs]
+        out_srs: tuple[float | None, ...] = srs
+    else:
+        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
+        out_srs = tuple(None for _ in values)
+    gs = tuple(g for _, g in resolved)
+    names = [snapshot_filename(0, s, g) for s, g in resolved]
+    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
+        raise EMAValueError(
+            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
+        )
+    return out_srs, gs
+
+
+class PostHocEMA(nn.Module):
+    """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
+
+    Karras et al. 2024 (arXiv:2312.02696, §3): track a few :class:`KarrasEMA` profiles
+    while training, write their states to ``checkpoint_folder`` every
+    ``checkpoint_every_num_steps`` calls, and after training call
+    :meth:`synthesize_ema_model` for any ``sigma_rel`` at any saved step.
+
+    Keyword-compatible with ``ema_pytorch.PostHocEMA`` 0.8.3 and fixing its defects:
+    the decay honours ``update_every``; synthesis weights are normalized and use only
+    snapshots taken at or before the target step; integer buffers are stored exactly
+    (not cast to float16); snapshots are self-describing, readably named, atomically
+    written and written by rank 0 only; each profile owns its EMA copy.
+
+    Args:
+        model: the online (training) module (DDP and ``torch.compile`` wrappers unwrapped).
+        ema_model: a module to copy for each profile (deep-copied per profile, never
+            shared), or a zero-argument factory called per profile. Default None: copies
+            of ``model``.
+        sigma_rels: relative EMA lengths to track, each in ``(0, 1/sqrt(12))``. Give this
+            or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
+        gammas: profile exponents to track, each ``> 0``.
+        checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
+            ``"manual"`` to write only on :meth:`checkpoint`. Default 1000.
+        checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
+            writing to it. Default ``"./post-hoc-ema-checkpoints"``.
+        checkpoint_dtype: dtype floating tensors are stored in; None keeps the EMA's.
+            Integer and bool tensors are always stored exactly. Default ``torch.float16``.
+        update_every: keyword-only; each profile averages every this many calls.
+            Default 100.
+        **kwargs: passed to each :class:`KarrasEMA`: ``frozen``,
+            ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
+            ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
+            ``ema_dtype``.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 4)
+        >>> ema = PostHocEMA(net, sigma_rels=(0.05, 0.28), update_every=10,
+        ...                  checkpoint_every_num_steps=100, checkpoint_folder=folder)  # doctest: +SKIP
+        >>> for _ in range(1000):  # doctest: +SKIP
+        ...     train_step(net); ema.update()
+        >>> synth = ema.synthesize_ema_model(sigma_rel=0.15)  # doctest: +SKIP
+        >>> y = synth(x)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ema_model: nn.Module | Callable[[], nn.Module] | None = None,
+        sigma_rels: Sequence[float] | None = None,
+        gammas: Sequence[float] | None = None,
+        checkpoint_every_num_steps: int | Literal["manual"] = 1000,
+        checkpoint_folder: str | os.PathLike[str] = "./post-hoc-ema-checkpoints",
+        checkpoint_dtype: torch.dtype | None = torch.float16,
+        *,
+        update_every: int = 100,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise EMATypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        unknown = sorted(set(kwargs) - _KARRAS_KWARGS)
+        if unknown:
+            raise EMATypeError(
+                f"PostHocEMA got unknown keyword arguments {unknown}; it accepts those of "
+                f"KarrasEMA: {sorted(_KARRAS_KWARGS)}"
+            )
+        every = checkpoint_every_num_steps
+        if every != "manual" and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise EMAValueError(
+                f"checkpoint_every_num_steps must be an int >= 1 or 'manual', got "
+                f"checkpoint_every_num_steps={every!r}"
+            )
+        if not isinstance(checkpoint_folder, (str, os.PathLike)):
+            raise EMATypeError(
+                f"checkpoint_folder must be a str or os.PathLike, got {checkpoint_folder=!r}"
+            )
+        if checkpoint_dtype is not None and not (
+            isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
+        ):
+            raise EMATypeError(
+                f"checkpoint_dtype must be a floating torch.dtype (e.g. torch.float16) or None, "
+                f"got {checkpoint_dtype=!r}"
+            )
+        if ema_model is not None and not (isinstance(ema_model, nn.Module) or callable(ema_model)):
+            raise EMATypeError(
+                f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
+            )
+        srs, gs = _profiles(sigma_rels, gammas)
+        model = unwrap_model(model)
+        self._model = [model]  # a list keeps it out of the module tree and state_dict
+        self._ema_template = [ema_model]
+        self._karras_kwargs = dict(kwargs)
+        self.ema_models = nn.ModuleList(
+            KarrasEMA(
+                model,
+                sigma_rel=s,
+                gamma=None if s is not None else g,
+                ema_model=self._new_ema_model(),
+                update_every=update_every,
+                **kwargs,
+            )
+            for s, g in zip(srs, gs, strict=True)
+        )
+        self.update_every = int(self.profiles[0].update_every or 1)
+        self.gammas = gs
+        self.sigma_rels = tuple(m.sigma_rel for m in self.profiles)
+        self.num_ema_models = len(gs)
+        self.checkpoint_every_num_steps = every
+        self.checkpoint_folder = Path(checkpoint_folder)
+        self.checkpoint_dtype = checkpoint_dtype
+        self._folder_checked = False
+        if is_writer():
+            self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
+
+    def _new_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
+        template = self._ema_template[0]
+        if isinstance(template, nn.Module):
+            # Each profile needs its own storage: sharing one module would make every
+            # profile average into the same tensors.
+            return copy.deepcopy(template)
+        return template
+
+    @property
+    def model(self) -> nn.Module:
+        """The online (training) model."""
+        return self._model[0]
+
+    @property
+    def profiles(self) -> list[KarrasEMA]:
+        """The tracked :class:`KarrasEMA` profiles (``ema_models``, typed)."""
+        return cast("list[KarrasEMA]", list(self.ema_models))
+
+    @property
+    def step(self) -> Any:
+        """``update()`` calls so far (an ``int``; ``.item()`` also works)."""
+        return self.profiles[0].step
+
+    def update(self) -> None:
+        """Update every profile; write snapshots every ``checkpoint_every_num_steps`` calls.
+
+        Call it after every ``optimizer.step()``.
+        """
+        for ema in self.profiles:
+            ema.update()
+        every = self.checkpoint_every_num_steps
+        if every != "manual" and int(self.step) % every == 0:
+            self.checkpoint()
+
+    def copy_params_from_model_to_ema(self) -> None:
+        """Copy the model into every profile."""
+        for ema in self.profiles:
+            ema.copy_params_from_model_to_ema()
+
+    def copy_params_from_ema_to_model(self) -> None:
+        """Copy the EMA weights into the model (ema-pytorch's behaviour: every profile in
+        turn, so the last profile's weights remain)."""
+        for ema in self.profiles:
+            ema.copy_params_from_ema_to_model()
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots in :attr:`checkpoint_folder`, sorted by step."""
+        return list_snapshots(self.checkpoint_folder)
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def _snapshot_tensors(self, ema: KarrasEMA) -> tuple[dict[str, Tensor], set[str]]:
+        if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
+            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
+        dtype = self.checkpoint_dtype
+        out: dict[str, Tensor] = {}
+        overflow: list[str] = []
+        for name, v in ema.ema_model.state_dict().items():
+            v = v.detach()
+            target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
+            c = v.to(device="cpu", dtype=target, copy=True).contiguous()
+            if target != v.dtype and c.isinf().any() and not v.isinf().any():
+                overflow.append(name)
+            out[name] = c
+        if overflow:
+            warnings.warn(
+                f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
+                f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
+                PostHocWarning,
+                stacklevel=3,
+            )
+        no_ema, ignored, prefixes = (
+            ema.param_or_buffer_names_no_ema,
+            ema.ignore_names,
+            tuple(ema.ignore_startswith_names),
+        )
+        averaged = {
+            n
+            for n, p in ema.ema_model.named_parameters(remove_duplicate=False)
+            if (p.is_floating_point() or p.is_complex())
+            and n not in no_ema
+            and n not in ignored
+            and not n.startswith(prefixes)
+        }
+        return out, set(out) - averaged
+
+    def _check_folder(self, step: int) -> None:
+        self._folder_checked = True
+        later = [s for s in list_snapshots(self.checkpoint_folder) if s.step > step]
+        if later:
+            warnings.warn(
+                f"{str(self.checkpoint_folder)!r} already holds {len(later)} snapshot(s) after "
+                f"step {step} (up to step {later[-1].step}), from another run or from before a "
+                f"resume. Snapshots of this run overwrite them as training passes their steps; "
+                f"synthesis at or before step {step} ignores them",
+                PostHocWarning,
+                stacklevel=3,
+            )
+
+    def checkpoint(self) -> list[Path]:
+        """Write one snapshot per profile for the current step (rank 0 only).
+
+        A profile whose last averaging update was before the current step first averages
+        in the current weights (exact for the power-function profile), so every snapshot's
+        profile ends at its step. Files are written atomically and named like
+        ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``.
+
+        Returns:
+            The files written (empty on ranks other than 0).
+
+        Raises:
+            EMARuntimeError: called before the first :meth:`update`.
+        """
+        step = int(self.step)
+        if step == 0 or not all(bool(e.initted) for e in self.profiles):
+            raise EMARuntimeError(
+                "checkpoint() needs at least one update() first: there is no EMA to save yet"
+            )
+        writer = is_writer()
+        if writer and not self._folder_checked:
+            self._check_folder(step)
+        written: list[Path] = []
+        for index, ema in enumerate(self.profiles):
+            ema._catch_up()
+            if not writer:
+                continue
+            tensors, copied = self._snapshot_tensors(ema)
+            path = self.checkpoint_folder / snapshot_filename(step, ema.sigma_rel, ema.gamma)
+            write_snapshot(
+                path,
+                tensors,
+                step=step,
+                t=ema.t,
+                gamma=ema.gamma,
+                sigma_rel=ema.sigma_rel,
+                profile=index,
+                update_every=int(ema.update_every or 1),
+                copied=copied,
+            )
+            written.append(path)
+            del tensors
+        return written
+
+    # -- synthesis ------------------------------------------------------------------------
+
+    def synthesize_ema_model(
+        self,
+        sigma_rel: float | None = None,
+        gamma: float | None = None,
+        step: int | None = None,
+    ) -> KarrasEMA:
+        """Reconstruct the power-function EMA with ``sigma_rel`` (or ``gamma``) at ``step``.
+
+        Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
+        before ``step`` only), then a streamed weighted sum of the snapshots (see
+        :class:`SynthesisPlan`). Buffers come from the latest snapshot at or before
+        ``step``.
+
+        Args:
+            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``. Give this
+                or ``gamma``.
+            gamma: the target exponent, ``> 0``.
+            step: the target step. Default None: the latest snapshot's step.
+
+        Returns:
+            A :class:`KarrasEMA` of the model with that profile, whose ``ema_model`` holds
+            the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
+            use ``synth.ema_model``.
+
+        Raises:
+            EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
+                first snapshot.
+            EMAStateError: the snapshots do not match the model.
+        """
+        plan = plan_synthesis(self.checkpoint_folder, sigma_rel=sigma_rel, gamma=gamma, step=step)
+        state = plan.run(dtype=torch.float32)
+        synth = KarrasEMA(
+            self.model,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            ema_model=self._new_ema_model(),
+            update_every=self.update_every,
+            **self._karras_kwargs,
+        )
+        target = synth.ema_model
+        if target is None:  # pragma: no cover - KarrasEMA builds its model eagerly
+            raise EMARuntimeError("the synthesized KarrasEMA has no ema_model")
+        try:
+            target.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise EMAStateError(
+                f"the snapshots in {str(self.checkpoint_folder)!r} do not match the model: {e}"
+            ) from e
+        synth._step = plan.step
+        synth._t, synth._dt = plan.step, 0
+        synth._initted = True
+        synth._plan = None
+        return synth
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Run every profile's EMA model (eval mode, no grad); one output per profile."""
+        return tuple(ema(*args, **kwargs) for ema in self.profiles)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "version"] = torch.tensor(POSTHOC_STATE_VERSION)
+        destination[prefix + "gammas"] = torch.tensor(self.gammas, dtype=torch.float64)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        version = state_dict.get(prefix + "version")
+        if version is not None and int(version) > POSTHOC_STATE_VERSION:
+            raise EMAStateError(
+                f"state_dict has version={int(version)}, newer than this emakit's "
+                f"{POSTHOC_STATE_VERSION}; upgrade emakit to load it"
+            )
+        saved = state_dict.get(prefix + "gammas")
+        if saved is not None:
+            saved_gammas = [float(g) for g in torch.as_tensor(saved).reshape(-1)]
+            if len(saved_gammas) != len(self.gammas) or not all(
+                math.isclose(a, b, rel_tol=1e-9)
+                for a, b in zip(saved_gammas, self.gammas, strict=False)
+            ):
+                raise EMAStateError(
+                    f"state_dict tracks gammas={saved_gammas}, but this PostHocEMA tracks "
+                    f"gammas={list(self.gammas)}; build it with the same sigma_rels/gammas"
+                )
+        before = len(unexpected_keys)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        ours = {prefix + k for k in _POSTHOC_KEYS}
+        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k not in ours]
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Resume from a state written by :meth:`state_dict` (or by ema-pytorch 0.8.3).
+
+        Snapshots already in :attr:`checkpoint_folder` stay and are used; the resumed run
+        keeps writing there.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise EMATypeError(
+                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+            )
+        if assign:
+            raise EMAValueError("assign=True is not supported: each profile keeps its own storage")
+        try:
+            result = super().load_state_dict(state_dict, strict=strict)
+        except EMAError:
+            raise
+        except RuntimeError as e:
+            raise EMAStateError(str(e)) from e
+        for ema in self.profiles:
+            ema._plan = None
+        self._folder_checked = False
+        return result
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The state of every profile, versioned; the online model is left out.
+
+        Layout (version 1), for ``PostHocEMA(net, sigma_rels=(0.05, 0.28))``::
+
+            {
+                "version": tensor(1),
+                "gammas": tensor([16.9722, 0.1693], dtype=torch.float64),
+                "ema_models.0.version": tensor(1),   # KarrasEMA.state_dict() of profile 0
+                "ema_models.0.step": tensor(1000),
+                "ema_models.0.karras_version": tensor(1),
+                "ema_models.0.gamma": tensor(16.9722, dtype=torch.float64),
+                "ema_models.0.t": tensor(1000),
+                "ema_models.0.dt": tensor(100),
+                "ema_models.0.ema_model.weight": tensor(...),
+                ...
+                "ema_models.1.ema_model.weight": tensor(...),
+            }
+
+        Snapshots live in :attr:`checkpoint_folder`, not in the state.
+        """
+        return super().state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        every = self.checkpoint_every_num_steps
+        return (
+            f"sigma_rels={tuple(round(s, 6) for s in self.sigma_rels)}, "
+            f"update_every={self.update_every}, checkpoint_every_num_steps={every!r}, "
+            f"checkpoint_folder={str(self.checkpoint_folder)!r}"
+        )

@@ -1,0 +1,215 @@
+"""Atomic writes (emakit._io): replace-or-nothing, permissions, and stale temporary files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from emakit import _io
+from emakit._io import (
+    TEMP_PREFIX,
+    atomic_path,
+    atomic_write,
+    atomic_write_bytes,
+    remove_stale_temps,
+)
+
+IO_FILE = Path(_io.__file__)
+posix_only = pytest.mark.skipif(_io.fcntl is None, reason="needs POSIX flock")
+
+
+def temps(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if TEMP_PREFIX in p.name)
+
+
+def fake_temp(folder: Path, dest: str = "ckpt.pt") -> Path:
+    p = folder / f".{dest}{TEMP_PREFIX}abc123"
+    p.write_bytes(b"half a checkpoint")
+    return p
+
+
+# Loads _io.py on its own (it imports nothing from emakit), so children start fast.
+CHILD_PRELUDE = f"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("emakit_io", {str(IO_FILE)!r})
+io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)
+"""
+
+
+def test_write_creates_folders_and_replaces(tmp_path):
+    dest = tmp_path / "a" / "b" / "file.bin"
+    assert atomic_write_bytes(dest, b"one") == dest
+    assert dest.read_bytes() == b"one"
+    atomic_write(dest, lambda f: f.write(b"two"))
+    assert dest.read_bytes() == b"two"
+    assert temps(dest.parent) == []
+
+
+def test_atomic_path_with_a_named_writer(tmp_path):
+    dest = tmp_path / "w.pt"
+    with atomic_path(dest) as tmp:
+        assert tmp.parent == tmp_path and TEMP_PREFIX in tmp.name
+        assert not dest.exists()
+        torch.save({"w": torch.arange(3)}, tmp)
+    assert torch.equal(torch.load(dest)["w"], torch.arange(3))
+    assert temps(tmp_path) == []
+
+
+def test_failure_keeps_previous_file_and_removes_temp(tmp_path):
+    dest = tmp_path / "file.bin"
+    atomic_write_bytes(dest, b"previous")
+
+    def boom(f):
+        f.write(b"partial")
+        raise RuntimeError("writer failed")
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        atomic_write(dest, boom)
+    assert dest.read_bytes() == b"previous"
+    assert temps(tmp_path) == []
+
+    def interrupted() -> None:
+        with atomic_path(dest) as tmp:
+            tmp.write_bytes(b"partial")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    assert dest.read_bytes() == b"previous"
+    assert temps(tmp_path) == []
+
+
+def test_new_file_gets_umask_mode_and_existing_mode_is_kept(tmp_path):
+    old = os.umask(0o027)
+    try:
+        dest = tmp_path / "new.bin"
+        atomic_write_bytes(dest, b"x")
+        assert stat.S_IMODE(dest.stat().st_mode) == 0o640  # not mkstemp's 0o600
+    finally:
+        os.umask(old)
+    dest.chmod(0o604)
+    atomic_write_bytes(dest, b"y")
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o604
+    dest.chmod(0o444)  # read-only: replaced all the same (the folder is writable), mode kept
+    atomic_write(dest, lambda f: torch.save(torch.zeros(1), f))
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o444
+    assert torch.equal(torch.load(dest), torch.zeros(1))
+
+
+def test_long_destination_name(tmp_path):
+    dest = tmp_path / ("n" * 240 + ".pt")
+    atomic_write_bytes(dest, b"ok")
+    assert dest.read_bytes() == b"ok"
+
+
+def test_concurrent_writers_of_one_file(tmp_path):
+    dest = tmp_path / "shared.bin"
+    payloads = [bytes([i]) * 200_000 for i in range(8)]
+    threads = [threading.Thread(target=atomic_write_bytes, args=(dest, p)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert dest.read_bytes() in payloads
+    assert temps(tmp_path) == []
+
+
+@posix_only
+def test_unlocked_leftover_is_removed_by_next_write(tmp_path):
+    left = fake_temp(tmp_path, "other.pt")
+    (tmp_path / ".hidden").write_bytes(b"not ours")
+    folder_like = tmp_path / f".x{TEMP_PREFIX}dir"
+    folder_like.mkdir()
+    atomic_write_bytes(tmp_path / "ckpt.pt", b"data")
+    assert not left.exists()
+    assert (tmp_path / ".hidden").exists() and folder_like.is_dir()
+    assert temps(tmp_path) == [folder_like]
+
+
+@posix_only
+def test_temp_locked_by_a_live_writer_is_kept(tmp_path):
+    held = fake_temp(tmp_path)
+    code = (
+        CHILD_PRELUDE
+        + f"""
+import fcntl, os
+fd = os.open({str(held)!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        assert remove_stale_temps(tmp_path) == []
+        assert held.exists()
+    finally:
+        child.kill()
+        child.wait()
+    assert remove_stale_temps(tmp_path) == [held]  # the lock died with the process
+
+
+def test_own_live_temp_is_kept(tmp_path, monkeypatch):
+    # Even where locks are per process (fcntl emulation on NFS), this process's own
+    # in-flight temporary files are never taken for leftovers.
+    monkeypatch.setattr(_io, "STALE_TEMP_AGE_S", 0.0)
+    with atomic_path(tmp_path / "outer.pt") as outer:
+        outer.write_bytes(b"outer")
+        os.utime(outer, (time.time() - 10, time.time() - 10))
+        atomic_write_bytes(tmp_path / "inner.pt", b"inner")
+        monkeypatch.setattr(_io, "fcntl", None)
+        assert remove_stale_temps(tmp_path) == []
+        assert outer.exists()
+    assert (tmp_path / "outer.pt").read_bytes() == b"outer"
+
+
+def test_without_locks_leftovers_expire_by_age(tmp_path, monkeypatch):
+    monkeypatch.setattr(_io, "fcntl", None)
+    fresh, old = fake_temp(tmp_path, "a.pt"), fake_temp(tmp_path, "b.pt")
+    past = time.time() - _io.STALE_TEMP_AGE_S - 60
+    os.utime(old, (past, past))
+    atomic_write_bytes(tmp_path / "c.pt", b"c")
+    assert fresh.exists() and not old.exists()
+    assert (tmp_path / "c.pt").read_bytes() == b"c"
+
+
+@posix_only
+def test_sigkill_mid_write_leaves_one_temp_then_cleaned(tmp_path):
+    dest = tmp_path / "ckpt.bin"
+    atomic_write_bytes(dest, b"previous")
+    code = (
+        CHILD_PRELUDE
+        + f"""
+with io.atomic_path({str(dest)!r}) as tmp:
+    with open(tmp, "wb") as f:
+        f.write(b"half")
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(60)
+"""
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    # No cleanup runs on SIGKILL: the previous file is whole and one temp file remains.
+    assert dest.read_bytes() == b"previous"
+    (left,) = temps(tmp_path)
+    assert left.read_bytes() == b"half"
+    atomic_write_bytes(dest, b"next")
+    assert dest.read_bytes() == b"next"
+    assert temps(tmp_path) == []
+
+
+def test_remove_stale_temps_never_raises(tmp_path):
+    assert remove_stale_temps(tmp_path / "missing") == []

@@ -1,0 +1,171 @@
+"""``emakit synthesize`` and ``emakit inspect``, invoked through click's test runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from emakit.posthoc import PostHocEMA, plan_synthesis
+from emakit.posthoc.commands import inspect_cmd, synthesize
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[PostHocEMA, Path]:
+    folder = tmp_path_factory.mktemp("snapshots")
+    net = make_net()
+    ema = PostHocEMA(
+        net,
+        sigma_rels=(0.05, 0.28),
+        update_every=2,
+        checkpoint_every_num_steps=20,
+        checkpoint_folder=folder,
+        checkpoint_dtype=torch.float32,
+    )
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(200):
+        net(torch.randn(16, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+    (folder / "notes.txt").write_text("unrelated")
+    return ema, folder
+
+
+def test_synthesize_writes_a_file_that_loads_into_the_model(trained, tmp_path: Path):
+    ema, folder = trained
+    out = tmp_path / "ema.safetensors"
+    result = CliRunner().invoke(
+        synthesize, [str(folder), "--sigma-rel", "0.1", "--out", str(out), "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output and "sigma_rel=0.1" in result.output
+    net = make_net()
+    net.load_state_dict(load_file(str(out)))  # strict: every key of the model
+    expected = ema.synthesize_ema_model(sigma_rel=0.1).ema_model
+    assert torch.equal(net[0].weight, expected[0].weight)
+    assert int(net[1].num_batches_tracked) == 200
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "emakit.posthoc.synthesized"
+    assert (meta["sigma_rel"], meta["step"]) == ("0.1", "200")
+
+
+def test_several_sigma_rels_give_several_clearly_named_files(trained, tmp_path: Path):
+    _, folder = trained
+    out = tmp_path / "out" / "ema.safetensors"
+    result = CliRunner().invoke(
+        synthesize,
+        [str(folder), "--sigma-rel", "0.05, 0.1,0.15", "--step", "120", "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names == [
+        "ema.sigma_rel-0.05.safetensors",
+        "ema.sigma_rel-0.1.safetensors",
+        "ema.sigma_rel-0.15.safetensors",
+    ]
+    for name in names:
+        with safe_open(str(out.parent / name), framework="pt") as f:
+            assert f.metadata()["step"] == "120"
+    # --gamma works too and matches the same sigma_rel
+    gamma = plan_synthesis(folder, sigma_rel=0.1).gamma
+    by_gamma = tmp_path / "g.safetensors"
+    result = CliRunner().invoke(
+        synthesize, [str(folder), "--gamma", repr(gamma), "--step", "120", "--out", str(by_gamma)]
+    )
+    assert result.exit_code == 0, result.output
+    a, b = load_file(str(by_gamma)), load_file(str(out.parent / "ema.sigma_rel-0.1.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sigma-rel", "0.5"], "sigma_rel must be in (0, 0.288675)"),
+        (["--sigma-rel", "nan"], "sigma_rel must be in"),
+        (["--sigma-rel", "0.1", "--step", "5"], "step=5 is before the first snapshot (step 20)"),
+        (["--sigma-rel", "abc"], "expected comma-separated numbers"),
+        ([], "give exactly one of --sigma-rel and --gamma"),
+        (["--sigma-rel", "0.1", "--gamma", "3"], "give exactly one"),
+    ],
+)
+def test_synthesize_bad_input_gives_clear_errors(trained, tmp_path: Path, args, message):
+    _, folder = trained
+    result = CliRunner().invoke(
+        synthesize, [str(folder), *args, "--out", str(tmp_path / "x.safetensors")]
+    )
+    assert result.exit_code != 0
+    assert message in result.output
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_synthesize_missing_or_empty_folder(tmp_path: Path):
+    runner = CliRunner()
+    result = runner.invoke(
+        synthesize, [str(tmp_path / "nope"), "--sigma-rel", "0.1", "--out", str(tmp_path / "x")]
+    )
+    assert result.exit_code == 1 and "does not exist" in result.output
+    result = runner.invoke(
+        synthesize, [str(tmp_path), "--sigma-rel", "0.1", "--out", str(tmp_path / "x")]
+    )
+    assert result.exit_code == 1 and "no post-hoc EMA snapshots" in result.output
+
+
+def test_inspect_folder_lists_profiles(trained):
+    _, folder = trained
+    result = CliRunner().invoke(inspect_cmd, [str(folder)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "sigma_rel" in out and "gamma" in out
+    assert "0.05" in out and "16.9722" in out and "0.28" in out and "0.169344" in out
+    assert "20..200" in out and "F32" in out
+    assert "20 snapshots at 10 steps" in out
+    assert "1 other file(s) in the folder ignored" in out
+
+
+def test_inspect_files(trained, tmp_path: Path):
+    ema, folder = trained
+    runner = CliRunner()
+    snap = sorted(folder.glob("step-*.safetensors"))[0]
+    result = runner.invoke(inspect_cmd, [str(snap)])
+    assert result.exit_code == 0, result.output
+    assert "post-hoc EMA snapshot" in result.output and "step 20" in result.output
+    assert "gamma=" in result.output and "copied" in result.output
+
+    out = tmp_path / "ema.safetensors"
+    runner.invoke(synthesize, [str(folder), "--sigma-rel", "0.1", "--out", str(out)])
+    result = runner.invoke(inspect_cmd, [str(out)])
+    assert result.exit_code == 0 and "emakit.posthoc.synthesized" in result.output
+
+    state = tmp_path / "state.pt"
+    torch.save(ema.state_dict(), state)
+    result = runner.invoke(inspect_cmd, [str(state)])
+    assert result.exit_code == 0, result.output
+    assert "gammas" in result.output and "torch checkpoint" in result.output
+
+    result = runner.invoke(inspect_cmd, [str(tmp_path / "missing")])
+    assert result.exit_code == 1 and "does not exist" in result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(inspect_cmd, [str(empty)])
+    assert result.exit_code == 1 and "no emakit post-hoc snapshots" in result.output
