@@ -26,10 +26,9 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +36,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._io import atomic_write_bytes
+
 __all__ = [
     "DEFAULTS",
+    "INSTALL_HINT",
     "MODEL_LABELS",
     "PLOT_NAME",
     "SUMMARY_NAME",
+    "TABLE_ROWS",
     "DemoDependencyError",
     "DemoSettings",
-    "atomic_write_bytes",
-    "atomic_write_text",
     "check_dependencies",
+    "evaluate",
+    "late_statistics",
     "load_digits_split",
     "make_model",
     "new_output_dir",
+    "plot_history",
+    "results_table",
     "run_demo",
+    "summary_metrics",
+    "train",
 ]
 
 SUMMARY_NAME = "summary.json"
@@ -84,8 +91,10 @@ class DemoSettings:
         batch_size: examples per step, small on purpose. Default 16.
         label_noise: fraction of training labels replaced by a random class. Default 0.2.
         test_fraction: fraction of the digits held out for evaluation. Default 0.3.
-        eval_every: steps between held-out evaluations. Default 25.
-        threads: torch CPU threads during the run. Default 2 (or fewer CPUs).
+        eval_every: steps between held-out evaluations. Default 50.
+        threads: torch CPU threads during the run. Default 1: the model is so small that
+            intra-op parallelism costs more in synchronization than it saves, and on a
+            busy machine extra threads slow the run down many times over.
     """
 
     steps: int = 1500
@@ -98,8 +107,8 @@ class DemoSettings:
     batch_size: int = 16
     label_noise: float = 0.2
     test_fraction: float = 0.3
-    eval_every: int = 25
-    threads: int = 2
+    eval_every: int = 50
+    threads: int = 1
 
 
 DEFAULTS = DemoSettings()
@@ -134,38 +143,6 @@ def check_dependencies(*, plot: bool = True) -> None:
 
 
 # -- files -----------------------------------------------------------------------------
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same folder, then
-    ``os.replace``. A crash leaves either the old file or the new one, never a torn one.
-
-    Args:
-        path: the destination file; its folder must exist.
-        data: the bytes to write.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """UTF-8 text version of :func:`atomic_write_bytes`.
-
-    Args:
-        path: the destination file; its folder must exist.
-        text: the text to write.
-    """
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def new_output_dir(parent: Path | None = None, *, now: _dt.datetime | None = None) -> Path:
@@ -264,7 +241,7 @@ def evaluate(forward: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> dict[
     """
     logits = forward(x)
     return {
-        "accuracy": (logits.argmax(1) == y).float().mean().item(),
+        "accuracy": int((logits.argmax(1) == y).sum()) / len(y),
         "loss": F.cross_entropy(logits, y).item(),
     }
 
@@ -287,6 +264,7 @@ def train(
     settings: DemoSettings,
     data: tuple[Tensor, Tensor, Tensor, Tensor],
     on_eval: Callable[[int, Mapping[str, Mapping[str, float]]], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Train the online model with noisy SGD and track its EMA.
 
@@ -295,6 +273,7 @@ def train(
         data: ``(x_train, y_train, x_test, y_test)`` from :func:`load_digits_split`.
         on_eval: called as ``on_eval(step, metrics)`` after each held-out evaluation,
             ``metrics`` mapping each key of :data:`MODEL_LABELS` to its metrics.
+        on_step: called as ``on_step(step)`` after each optimizer step and EMA update.
 
     Returns:
         ``{"final": {model: {"accuracy", "loss"}}, "history": {...}}`` where the
@@ -320,9 +299,10 @@ def train(
     def online(x: Tensor) -> Tensor:
         net.eval()
         try:
-            return net(x)
+            logits: Tensor = net(x)
         finally:
             net.train()
+        return logits
 
     evaluators: dict[str, Callable[[Tensor], Tensor]] = {"online": online, "ema": ema}
     history: dict[str, list[float]] = {"step": [], "decay": []}
@@ -356,9 +336,34 @@ def train(
         opt.step()
         ema.update()
         history["decay"].append(ema.get_current_decay())
+        if on_step is not None:
+            on_step(step)
         if step % settings.eval_every == 0 or step == settings.steps:
             metrics = record(step)
-    return {"final": metrics, "history": history}
+    final = {key: {**metrics[key], **late_statistics(history, key)} for key in metrics}
+    return {"final": final, "history": history}
+
+
+def late_statistics(history: Mapping[str, Sequence[float]], key: str) -> dict[str, float]:
+    """Mean and standard deviation of a model's held-out accuracy over the second half of
+    training: a final accuracy is one noisy sample, these show the level and the jitter.
+
+    Args:
+        history: the evaluation history (``step`` and ``<key>_accuracy`` lists).
+        key: the model key, e.g. ``"online"``.
+
+    Returns:
+        ``{"accuracy_late_mean": ..., "accuracy_late_std": ...}`` over the evaluations at
+        steps greater than half the last evaluated step (population std; 0 for one value).
+    """
+    steps = history["step"]
+    half = steps[-1] / 2 if steps else 0
+    acc = [a for s, a in zip(steps, history[f"{key}_accuracy"], strict=True) if s > half]
+    if not acc:
+        return {}
+    mean = sum(acc) / len(acc)
+    std = math.sqrt(sum((a - mean) ** 2 for a in acc) / len(acc))
+    return {"accuracy_late_mean": mean, "accuracy_late_std": std}
 
 
 # -- reporting --------------------------------------------------------------------------------
@@ -376,15 +381,25 @@ def summary_metrics(final: Mapping[str, Mapping[str, float]]) -> dict[str, float
     return {f"{key}_{name}": value for key, m in final.items() for name, value in m.items()}
 
 
+#: Rows of the results table: ``(metric, label, format, higher_is_better)``. A model that
+#: lacks a metric (e.g. one evaluated only at the end) shows a dash in that row.
+TABLE_ROWS: tuple[tuple[str, str, Callable[[float], str], bool | None], ...] = (
+    ("accuracy", "accuracy (final)", lambda v: f"{100 * v:.2f}%", True),
+    ("loss", "loss (final, cross-entropy)", lambda v: f"{v:.4f}", False),
+    ("accuracy_late_mean", "accuracy (mean, 2nd half)", lambda v: f"{100 * v:.2f}%", True),
+    ("accuracy_late_std", "accuracy (std, 2nd half)", lambda v: f"{100 * v:.2f}%", None),
+)
+
+
 def results_table(final: Mapping[str, Mapping[str, float]], title: str | None = None) -> Any:
     """A rich table with one column per model and one row per held-out metric.
 
     Args:
-        final: final metrics per model key (keys of :data:`MODEL_LABELS`).
+        final: metrics per model key (keys of :data:`MODEL_LABELS`, in that order).
         title: the table title. Default None.
 
     Returns:
-        A ``rich.table.Table``. The best value of each row is bold.
+        A ``rich.table.Table``; the best value of each ranked row is bold.
     """
     from rich.table import Table
 
@@ -393,16 +408,18 @@ def results_table(final: Mapping[str, Mapping[str, float]], title: str | None = 
     keys = [k for k in MODEL_LABELS if k in final]
     for key in keys:
         table.add_column(MODEL_LABELS[key], justify="right")
-    rows: Sequence[tuple[str, str, Callable[[float], str], bool]] = (
-        ("accuracy", "accuracy", lambda v: f"{100 * v:.2f}%", True),
-        ("loss", "loss (cross-entropy)", lambda v: f"{v:.4f}", False),
-    )
-    for metric, label, fmt, higher_is_better in rows:
-        values = [final[k][metric] for k in keys]
-        best = max(values) if higher_is_better else min(values)
-        table.add_row(
-            label, *(f"[bold]{fmt(v)}[/bold]" if v == best else fmt(v) for v in values)
-        )
+    for metric, label, fmt, higher_is_better in TABLE_ROWS:
+        values = [final[k].get(metric) for k in keys]
+        present = [v for v in values if v is not None]
+        if not present:
+            continue
+        best = None
+        if higher_is_better is not None and len(present) > 1:
+            best = max(present) if higher_is_better else min(present)
+        cells = [
+            "-" if v is None else f"[bold]{fmt(v)}[/bold]" if v == best else fmt(v) for v in values
+        ]
+        table.add_row(label, *cells)
     return table
 
 
@@ -421,37 +438,51 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(11, 4.4), layout="constrained")
     acc_ax, decay_ax = fig.subplots(1, 2)
+    warm = settings.update_after_step
+    for ax in (acc_ax, decay_ax):
+        # Until update_after_step the EMA is a plain copy of the model.
+        ax.axvspan(0, warm, color="0.9", zorder=0, label="EMA copies (warm-up)")
+        ax.grid(alpha=0.3)
     for key, label in MODEL_LABELS.items():
-        acc_ax.plot(history["step"], [100 * a for a in history[f"{key}_accuracy"]], label=label)
+        acc_ax.plot(
+            history["step"],
+            [100 * a for a in history[f"{key}_accuracy"]],
+            label=label,
+            linewidth=2 if key != "online" else 1.2,
+        )
     acc_ax.set(
         xlabel="optimizer step",
         ylabel="held-out accuracy (%)",
-        title=f"digits, noisy SGD (lr {settings.lr}, batch {settings.batch_size}, "
-        f"{settings.label_noise:.0%} label noise)",
+        title=f"held-out accuracy: noisy SGD (lr {settings.lr:g}, batch "
+        f"{settings.batch_size},\n{settings.label_noise:.0%} label noise), seed {settings.seed}",
     )
-    acc_ax.grid(alpha=0.3)
     acc_ax.legend(loc="lower right")
-    tail = history["step"][len(history["step"]) // 4 :]
-    if tail:
-        tail_acc = [
-            100 * a
-            for key in MODEL_LABELS
-            for a in history[f"{key}_accuracy"][len(history["step"]) // 4 :]
-        ]
-        acc_ax.set_ylim(max(0.0, min(tail_acc) - 5), 100.5)
+    n_eval = len(history["step"])
+    if n_eval:
+        tail = [100 * a for key in MODEL_LABELS for a in history[f"{key}_accuracy"][n_eval // 4 :]]
+        acc_ax.set_ylim(max(0.0, min(tail) - 3), 100.5)
 
-    steps = range(1, len(history["decay"]) + 1)
-    decay_ax.plot(steps, history["decay"], color="tab:orange")
-    decay_ax.axhline(settings.beta, color="gray", linestyle="--", linewidth=1, label="beta")
+    # A logit axis spreads 0.9, 0.99, 0.999 evenly; the warm-up's zero decay is masked.
+    steps = list(range(1, len(history["decay"]) + 1))
+    decay_ax.plot(steps, history["decay"], color="tab:orange", linewidth=2, label="decay")
+    averaged = [d for d in history["decay"] if 0 < d < 1]
+    if averaged:  # a run that ends within the warm-up has nothing to spread out
+        decay_ax.set_yscale("logit", nonpositive="mask")
+        ticks = sorted({0.5, 0.9, 0.99, 0.999, 0.9999} | ({settings.beta} - {0.0, 1.0}))
+        decay_ax.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
+        decay_ax.set_yticks([], minor=True)
+        top = max(max(averaged), settings.beta if settings.beta < 1 else 0)
+        decay_ax.set_ylim(min(0.3, min(averaged)), 1 - (1 - top) / 3)
+    if 0 < settings.beta < 1:
+        decay_ax.axhline(settings.beta, color="gray", linestyle="--", linewidth=1, label="beta")
     decay_ax.set(
         xlabel="optimizer step",
         ylabel="EMA decay",
-        title=f"decay schedule (inverse gamma, power {settings.power:.3g}, "
-        f"update_after_step {settings.update_after_step})",
+        title=f"decay schedule: inverse gamma, power {settings.power:.3g}, beta "
+        f"{settings.beta:g},\nupdate_after_step {warm}, update_every {settings.update_every}",
     )
-    decay_ax.grid(alpha=0.3)
     decay_ax.legend(loc="lower right")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -505,7 +536,13 @@ def run_demo(
         ValueError: a setting is out of range (the message names it).
         NotADirectoryError: ``out`` exists and is not a folder.
     """
-    settings = DemoSettings(**{**asdict(DEFAULTS), **overrides, "steps": steps, "seed": seed, "beta": beta})
+    unknown = sorted(set(overrides) - set(asdict(DEFAULTS)))
+    if unknown:
+        raise TypeError(
+            f"run_demo() got unknown settings {unknown}; the settings are the fields of "
+            f"DemoSettings: {sorted(asdict(DEFAULTS))}"
+        )
+    settings = replace(DEFAULTS, **overrides, steps=steps, seed=seed, beta=beta)
     _check_settings(settings)
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -533,16 +570,23 @@ def run_demo(
         "files": files,
         "history": result["history"],
     }
+    # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._io).
     if plot:
         atomic_write_bytes(out / PLOT_NAME, plot_history(result["history"], settings))
-    atomic_write_text(out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+    atomic_write_bytes(out / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
 
     if progress:
         from rich.console import Console
 
         console = console or Console()
-        console.print(results_table(final, title=f"emakit demo: {settings.steps} steps, seed {settings.seed}"))
-        console.print(f"wrote {out / SUMMARY_NAME}" + (f" and {out / PLOT_NAME}" if plot else "") + f" in {elapsed:.1f} s")
+        console.print(
+            results_table(final, title=f"emakit demo: {settings.steps} steps, seed {settings.seed}")
+        )
+        console.print(
+            f"wrote {out / SUMMARY_NAME}"
+            + (f" and {out / PLOT_NAME}" if plot else "")
+            + f" in {elapsed:.1f} s"
+        )
     return summary
 
 
@@ -554,10 +598,12 @@ def _check_settings(s: DemoSettings) -> None:
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise bad(name, v, "an integer >= 1")
-    for name in ("seed", "update_after_step"):
+    for name, high in (("seed", 2**32 - 1), ("update_after_step", math.inf)):
         v = getattr(s, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise bad(name, v, "an integer >= 0")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= high:
+            raise bad(
+                name, v, "an integer >= 0" if high == math.inf else f"an integer in [0, {high}]"
+            )
     for name, low, high in (("beta", 0.0, 1.0), ("label_noise", 0.0, 1.0)):
         v = getattr(s, name)
         if not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
@@ -597,6 +643,9 @@ def _train_with_progress(
             status = "  ".join(
                 f"{MODEL_LABELS[k]} {100 * m['accuracy']:.1f}%" for k, m in metrics.items()
             )
-            bar.update(task, completed=step, status=status)
+            bar.update(task, status=status)
 
-        return train(settings, data, on_eval=on_eval)
+        def on_step(step: int) -> None:
+            bar.update(task, completed=step)
+
+        return train(settings, data, on_eval=on_eval, on_step=on_step)
