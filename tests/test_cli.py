@@ -127,3 +127,27 @@ def test_import_emakit_loads_no_cli_or_demo_dependency() -> None:
     proc = _run("-c", code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_bench_command_runs_and_reports_the_floor():
+    from click.testing import CliRunner
+
+    from emakit.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "1", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "floor" in result.output
+    assert "default after flatten_parameters" in result.output
+    bad = CliRunner().invoke(main, ["bench", "--model", "nope"])
+    assert bad.exit_code != 0
+    assert "--model" in bad.output
+
+
+def test_posthoc_commands_are_registered():
+    from click.testing import CliRunner
+
+    from emakit.cli import main
+
+    result = CliRunner().invoke(main, ["--help"])
+    assert "synthesize" in result.output
+    assert "inspect" in result.output

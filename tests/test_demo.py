@@ -125,7 +125,16 @@ def test_cli_end_to_end_and_rerun_into_the_same_folder(tmp_path: Path) -> None:
     assert (out / "notes.txt").read_text() == "mine"
     assert is_png(out / "demo.png")
     assert (out / "demo.png").read_bytes() != old_png
-    assert sorted(p.name for p in out.iterdir()) == ["demo.png", "notes.txt", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "demo.png",
+        "notes.txt",
+        "posthoc-snapshots",
+        "summary.json",
+    ]
+    # the post-hoc snapshots are the second run's own, not a mix of both runs
+    snaps = sorted((out / "posthoc-snapshots").iterdir())
+    assert snaps
+    assert all("step-000000030" in p.name for p in snaps)
 
 
 def test_cli_without_out_makes_a_new_folder(
@@ -142,7 +151,7 @@ def test_cli_without_out_makes_a_new_folder(
     assert len(folders) == 2  # the second run did not reuse the first one's folder
     for folder in folders:
         assert folder.name.startswith("emakit-demo-")
-        assert sorted(p.name for p in folder.iterdir()) == ["summary.json"]
+        assert sorted(p.name for p in folder.iterdir()) == ["posthoc-snapshots", "summary.json"]
 
 
 def test_new_output_dir_never_reuses_a_folder(tmp_path: Path) -> None:

@@ -104,3 +104,69 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
         # A folder we named and that stayed empty (interrupted run) is not worth keeping.
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
+
+
+@main.command(short_help="Time one EMA update per engine path vs the memory-bandwidth floor.")
+@click.option(
+    "--model",
+    type=click.Choice(["tiny", "transformer", "mlp", "resnet"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: 1200 small tensors; transformer: 12 encoder layers (21M); mlp: 6 x 2048^2; "
+    "resnet: torchvision ResNet-50.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the model and its EMA live.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Timed calls per path; the median is reported.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch CPU threads (default: torch's own choice). On a busy machine 1 gives "
+    "steadier numbers.",
+)
+def bench(model: str, device: str, repeats: int, threads: int | None) -> None:
+    """Time one averaging update() of each engine path on a standard model.
+
+    The floor is one lerp_ over a flat tensor with as many elements: the cost of streaming
+    the weights through memory once. A ratio near 1.0 is as fast as an update can be.
+    """
+    import torch
+
+    from .bench import MODELS, bench_update
+    from .errors import EMAError
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        rows = bench_update(model, device, repeats)
+    except EMAError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(
+        f"{MODELS[model][0]} on {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads, median of {repeats}"
+    )
+    click.echo(f"{'path':<36}{'time':>12}{'x floor':>10}")
+    for label, seconds, ratio in rows:
+        click.echo(f"{label:<36}{seconds * 1e6:>10.0f}us{ratio:>10.2f}")
+
+
+def _register_posthoc_commands() -> None:
+    from .posthoc.commands import inspect_cmd, synthesize
+
+    main.add_command(synthesize)
+    main.add_command(inspect_cmd)
+
+
+_register_posthoc_commands()

@@ -88,10 +88,32 @@ class _Flat:
     staging_dst: list[Tensor] = field(default_factory=list)  # staging views read by dst runs
     guard_tensors: list[Tensor] = field(default_factory=list)
     guard_ptrs: list[int] = field(default_factory=list)
+    # (storage handle, reference count) of the storages under the guarded spans
+    guard_counts: list[tuple[int, int]] = field(default_factory=list)
+
+    def seal(self) -> None:
+        """Record the reference counts of the storages under the guarded spans."""
+        if _use_count is None:
+            return
+        handles = {t.untyped_storage()._cdata for t in self.guard_tensors}
+        self.guard_counts = [(h, _use_count(h)) for h in handles]
 
     def stale(self) -> bool:
-        # C-level map: about 50 ns a tensor, only for tensors inside multi-tensor spans.
-        return list(map(Tensor.data_ptr, self.guard_tensors)) != self.guard_ptrs
+        # Fast path: re-pointing a tensor's .data away from a span's storage drops that
+        # storage's reference count. If no count moved, nothing moved; if one did (a view
+        # was made or freed somewhere), check every pointer, then accept the new counts.
+        if self.guard_counts and all(_use_count(h) == n for h, n in self.guard_counts):
+            return False
+        # C-level map: about 90 ns a tensor, only for tensors inside multi-tensor spans.
+        moved = list(map(Tensor.data_ptr, self.guard_tensors)) != self.guard_ptrs
+        if not moved:
+            self.seal()
+        return moved
+
+
+#: ``torch._C._storage_Use_Count`` (private, present in the torch versions emakit
+#: supports); without it every update checks every pointer.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]]:
@@ -109,12 +131,14 @@ def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]
     return runs
 
 
-def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor]) -> None:
-    # A multi-tensor span is a view made now; if the storage of any tensor in it moves
-    # later (``model.to()``, ``param.data = ...``), the span is stale and the plan
-    # rebuilds. Lone tensors are used live and need no guard.
+def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor], *, every: bool = True) -> None:
+    # A multi-tensor span is a view made now; if the storage of a tensor in it moves later
+    # (``model.to()``, ``param.data = ...``), the span is stale and the plan rebuilds.
+    # Online spans guard every tensor (a user may re-point any one parameter); the EMA's
+    # own spans guard their ends, which catches ``ema_model.to()`` (``EMA.to()`` rebuilds
+    # anyway). Lone tensors are used live and need no guard.
     if len(run) > 1:
-        for i in run:
+        for i in run if every else (run[0], run[-1]):
             flat.guard_tensors.append(side[i])
             flat.guard_ptrs.append(side[i].data_ptr())
 
@@ -127,7 +151,7 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
         for run in _runs_both(dsts, srcs):
             flat.dst.append(_span([dsts[i] for i in run]))
             flat.src.append(_span([srcs[i] for i in run]))
-            _guard(flat, run, dsts)
+            _guard(flat, run, dsts, every=False)
             _guard(flat, run, srcs)
         return flat
     # Different dtype or device: copy online runs into a staging buffer laid out pair by
@@ -152,7 +176,7 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
     for run in _split_runs(dsts):
         flat.dst.append(_span([dsts[i] for i in run]))
         flat.staging_dst.append(staging_view(run, dsts))
-        _guard(flat, run, dsts)
+        _guard(flat, run, dsts, every=False)
     return flat
 
 
@@ -193,6 +217,9 @@ class _Direction:
             for g in self.groups:
                 g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src, staged=staged)
                 g.flat_copy = _flatten(g.copy_dst, g.copy_src, staged=staged)
+            for g in self.groups:
+                for f in (g.flat_lerp, g.flat_copy):
+                    f.seal()
 
     def stage(self, *, non_blocking: bool) -> None:
         """First half of a staged transfer: snapshot the sources into the staging buffers."""
@@ -241,7 +268,12 @@ class _Direction:
             elif impl == "foreach":
                 if g.copy_dst:
                     torch._foreach_copy_(g.copy_dst, g.copy_src)
-                _multi_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
+                src0 = g.lerp_src[0] if g.lerp_src else None
+                if src0 is not None and (src0.device, src0.dtype) == g.key[:2]:
+                    # grouped by (device, dtype), and still so: nothing to convert
+                    torch._foreach_lerp_(g.lerp_dst, g.lerp_src, weight)
+                else:
+                    _multi_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
             else:
                 ema_copy_(g.copy_dst, g.copy_src, impl="loop")
                 _single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)

@@ -1,0 +1,573 @@
+"""Update cost and memory of an EMA of model weights: emakit's paths against its peers, on CPU.
+
+Usage::
+
+    python benchmarks/bench_update.py [--quick] [--json OUT] [--threads N]
+
+What is timed, for each of three models:
+
+* one averaging ``update()`` (``update_after_step=0, update_every=1``, after warm-up, so
+  every timed call really runs ``lerp``) for emakit (``use_foreach=False``, ``True``,
+  ``None`` = the default, and the default on a copy of the model re-homed by
+  ``flatten_parameters``), ema-pytorch 0.8.3 (loop and ``use_foreach=True``), timm
+  ``ModelEmaV3``, torch ``AveragedModel`` with ``get_ema_multi_avg_fn`` and torch_ema
+  ``ExponentialMovingAverage``;
+* the floor: one ``lerp_`` over a flat float32 tensor with as many elements as the model.
+
+The contenders of one model are timed side by side in one process, round-robin over
+several repeats (each sample is a batch of back-to-back calls lasting ~20 ms, at least one
+call). Each sample records the wall clock and this thread's CPU time (``time.thread_time``:
+with torch single-threaded it is what the calls cost even while other processes compete
+for the cores); the tables show the median (and the wall minimum) per call and the ratios
+to the floor by each measure.
+
+Also measured: the cost of a *skipped* call (``update_every=10``, a call that does
+nothing), and peak memory (process RSS high-water mark, ``VmHWM`` in
+``/proc/self/status``, reset through ``/proc/self/clear_refs`` and read in a fresh
+subprocess per contender) of creating an EMA of the transformer and of ``swap()``.
+
+Torch runs single-threaded by default (``--threads``), because on small shared VMs the
+second OpenMP thread of an element-wise kernel is often scheduled late, which turns a
+0.2 ms ``lerp_`` into 8 ms at random and drowns every ratio in noise.
+
+This file is a script, not part of the test suite; it asserts nothing about timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import emakit
+from emakit import EMA, flatten_parameters
+
+BETA = 0.999
+FLOOR = "floor: one lerp_ over a flat tensor"
+EMAKIT_DEFAULT = "emakit default (use_foreach=None)"
+EMAKIT_FLAT = "emakit default, after flatten_parameters"
+EMAPT_FOREACH = "ema-pytorch 0.8.3 use_foreach=True"
+
+# -- models ----------------------------------------------------------------------------
+
+
+def tiny_1200() -> nn.Module:
+    """300 x (Linear(64, 64) + LayerNorm(64)): 1200 tiny tensors."""
+    return nn.Sequential(*[m for _ in range(300) for m in (nn.Linear(64, 64), nn.LayerNorm(64))])
+
+
+def transformer() -> nn.Module:
+    """A 12-layer encoder, d=384: 144 tensors, about 21M parameters."""
+    layer = nn.TransformerEncoderLayer(384, 6, 1536, batch_first=True)
+    return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+
+
+def linear_2048() -> nn.Module:
+    """6 x Linear(2048, 2048): 12 tensors, about 25M parameters."""
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(6)])
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "1200 tiny tensors (300 x Linear(64,64)+LayerNorm(64))": tiny_1200,
+    "TransformerEncoder 12 x d384 (144 tensors)": transformer,
+    "6 x Linear(2048, 2048) (12 tensors)": linear_2048,
+}
+
+
+def describe(model: nn.Module) -> tuple[int, int]:
+    """(number of parameter tensors, number of elements)."""
+    params = list(model.parameters())
+    return len(params), sum(p.numel() for p in params)
+
+
+# -- contenders: each builds an EMA of the model and returns its update() ----------------
+
+
+def c_emakit(use_foreach: bool | None) -> Callable[[nn.Module], Callable[[], None]]:
+    def make(model: nn.Module) -> Callable[[], None]:
+        ema = EMA(model, beta=BETA, update_after_step=0, update_every=1, use_foreach=use_foreach)
+        return ema.update
+
+    return make
+
+
+def c_emakit_flat(model: nn.Module) -> Callable[[], None]:
+    flat_model = copy.deepcopy(model)
+    flatten_parameters(flat_model)
+    ema = EMA(flat_model, beta=BETA, update_after_step=0, update_every=1)
+    return ema.update
+
+
+def c_ema_pytorch(use_foreach: bool) -> Callable[[nn.Module], Callable[[], None]]:
+    def make(model: nn.Module) -> Callable[[], None]:
+        import ema_pytorch
+
+        ema = ema_pytorch.EMA(
+            model,
+            beta=BETA,
+            update_after_step=0,
+            update_every=1,
+            use_foreach=use_foreach,
+            include_online_model=False,
+        )
+        return ema.update
+
+    return make
+
+
+def c_timm(model: nn.Module) -> Callable[[], None]:
+    from timm.utils.model_ema import ModelEmaV3
+
+    ema = ModelEmaV3(model, decay=BETA)
+    return lambda: ema.update(model)
+
+
+def c_averaged_model(model: nn.Module) -> Callable[[], None]:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(BETA))
+    return lambda: ema.update_parameters(model)
+
+
+def c_torch_ema(model: nn.Module) -> Callable[[], None]:
+    from torch_ema import ExponentialMovingAverage
+
+    ema = ExponentialMovingAverage(model.parameters(), decay=BETA, use_num_updates=False)
+    return ema.update
+
+
+def c_floor(model: nn.Module) -> Callable[[], None]:
+    n = describe(model)[1]
+    shadow, online = torch.randn(n), torch.randn(n)
+    return lambda: shadow.lerp_(online, 1.0 - BETA)
+
+
+CONTENDERS: dict[str, Callable[[nn.Module], Callable[[], None]]] = {
+    "emakit use_foreach=False (reference loop)": c_emakit(False),
+    "emakit use_foreach=True": c_emakit(True),
+    EMAKIT_DEFAULT: c_emakit(None),
+    EMAKIT_FLAT: c_emakit_flat,
+    "ema-pytorch 0.8.3 loop": c_ema_pytorch(False),
+    EMAPT_FOREACH: c_ema_pytorch(True),
+    "timm ModelEmaV3": c_timm,
+    "torch AveragedModel + get_ema_multi_avg_fn": c_averaged_model,
+    "torch_ema ExponentialMovingAverage": c_torch_ema,
+    FLOOR: c_floor,
+}
+
+# -- timing ------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """Per-call samples of one contender: wall clock and this thread's CPU time, in µs."""
+
+    name: str
+    batch: int
+    wall_us: list[float] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+
+    def add(self, wall_s: float, cpu_s: float, calls: int) -> None:
+        self.wall_us.append(wall_s / calls * 1e6)
+        self.cpu_us.append(cpu_s / calls * 1e6)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "median_us": statistics.median(self.wall_us),
+            "min_us": min(self.wall_us),
+            "cpu_median_us": statistics.median(self.cpu_us),
+            "samples": len(self.wall_us),
+            "batch": self.batch,
+        }
+
+
+def _batch_seconds(fn: Callable[[], None], batch: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread) for ``batch`` back-to-back calls.
+
+    With torch single-threaded all the work runs on this thread, so the CPU time is what
+    the calls cost even while other processes compete for the cores; the wall time
+    includes the waits.
+    """
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(batch):
+        fn()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def time_side_by_side(
+    fns: dict[str, Callable[[], None]], *, repeats: int, sample_s: float, warmup: int
+) -> dict[str, Timing]:
+    """Round-robin timing: every repeat times one batch of each contender in turn."""
+    timings = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        once = min(_batch_seconds(fn, 1)[1] for _ in range(3))
+        timings[name] = Timing(name, batch=max(1, math.ceil(sample_s / max(once, 1e-7))))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = timings[name]
+            t.add(*_batch_seconds(fn, t.batch), t.batch)
+    return timings
+
+
+def bench_update(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for model_name, build in MODELS.items():
+        torch.manual_seed(0)
+        model = build()
+        n_tensors, n_elems = describe(model)
+        fns = {name: make(model) for name, make in CONTENDERS.items()}
+        timings = time_side_by_side(
+            fns, repeats=args.repeats, sample_s=args.sample_ms / 1e3, warmup=args.warmup
+        )
+        stats = {name: t.summary() for name, t in timings.items()}
+        floor = stats[FLOOR]
+        rows = [
+            {
+                "contender": name,
+                **st,
+                "x_floor": st["median_us"] / floor["median_us"],
+                "x_floor_min": st["min_us"] / floor["min_us"],
+                "x_floor_cpu": st["cpu_median_us"] / floor["cpu_median_us"],
+            }
+            for name, st in stats.items()
+        ]
+        results.append(
+            {
+                "model": model_name,
+                "tensors": n_tensors,
+                "elements": n_elems,
+                "rows": rows,
+                "emapt_foreach_over_emakit_default": {
+                    clock: stats[EMAPT_FOREACH][clock] / stats[EMAKIT_DEFAULT][clock]
+                    for clock in ("median_us", "min_us", "cpu_median_us")
+                },
+                "emapt_foreach_over_emakit_flat": {
+                    clock: stats[EMAPT_FOREACH][clock] / stats[EMAKIT_FLAT][clock]
+                    for clock in ("median_us", "min_us", "cpu_median_us")
+                },
+            }
+        )
+        del fns, timings, model
+        gc.collect()
+    return results
+
+
+# -- skipped calls -----------------------------------------------------------------------
+
+
+def bench_skipped(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per-call cost of calls that do nothing (update_every=10, between averaging calls).
+
+    Each sample times the 9 skipped calls that follow an averaging call; the averaging
+    call itself runs untimed. Model: the 1200-tensor one (the cost must not depend on it).
+    """
+    import ema_pytorch
+
+    torch.manual_seed(0)
+    every = 10
+    kw = {"beta": BETA, "update_after_step": 0, "update_every": every}
+    wrappers = {}
+    # After an averaging call over the 1200-tensor model (10 MB touched) the wrapper's
+    # Python objects are out of the CPU caches, as they are after a training step; with
+    # a one-layer model they stay warm. The skip does the same work in both cases.
+    for label, model in (("1200-tensor model", tiny_1200()), ("Linear(4, 4)", nn.Linear(4, 4))):
+        wrappers[f"emakit EMA (default), {label}"] = EMA(model, **kw)
+        wrappers[f"ema-pytorch 0.8.3 EMA, {label}"] = ema_pytorch.EMA(
+            model, include_online_model=False, **kw
+        )
+    timings = {name: Timing(name, batch=every - 1) for name in wrappers}
+    noop = Timing("reference: an empty Python function call", batch=every - 1)
+
+    def nothing() -> None:
+        pass
+
+    for ema in wrappers.values():
+        for _ in range(3 * every):  # initialized, warmed up, averaged at least twice
+            ema.update()
+    for _ in range(max(20, args.repeats * 20)):
+        for name, ema in wrappers.items():
+            # Align so the next update_every - 1 calls are all skips: emakit averages when
+            # the pre-increment step is a multiple of update_every, as ema-pytorch does.
+            while int(ema.step) % every != 1:
+                ema.update()
+            timings[name].add(*_batch_seconds(ema.update, every - 1), every - 1)
+        noop.add(*_batch_seconds(nothing, every - 1), every - 1)
+    return [{"contender": t.name, **t.summary()} for t in (*timings.values(), noop)]
+
+
+# -- memory (each contender in a fresh subprocess) -----------------------------------------
+
+MEMORY_CASES = {
+    "create: emakit EMA": "create_emakit",
+    "create: ema-pytorch 0.8.3 EMA (deepcopy)": "create_emapt",
+    "create: timm ModelEmaV3 (deepcopy)": "create_timm",
+    "create: torch AveragedModel (deepcopy)": "create_averaged",
+    "create: torch_ema ExponentialMovingAverage": "create_torch_ema",
+    "swap: emakit `with ema.swap():`": "swap_emakit",
+    "swap: emakit, bf16 model with ema_dtype=float32 shadow": "swap_emakit_bf16",
+    "swap by copy: clone model state, copy EMA in, load back (ema-pytorch pattern)": "swap_emapt",
+}
+
+
+def _vm_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0])
+    return out
+
+
+def _reset_peak() -> None:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_worker(case: str) -> dict[str, float]:
+    """Run one memory case in this (fresh) process; return MiB deltas over the baseline."""
+    # Import every peer library first: importing timm alone adds ~200 MiB of RSS, which
+    # must not be charged to creating its EMA.
+    import ema_pytorch
+    import torch_ema
+    from timm.utils import model_ema
+    from torch.optim import swa_utils
+
+    del ema_pytorch, torch_ema, model_ema, swa_utils
+    torch.manual_seed(0)
+    model = transformer()
+    if case == "swap_emakit_bf16":
+        model = model.to(torch.bfloat16)
+    model_mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    keep: list[Any] = []
+    if case.startswith("swap"):
+        if case == "swap_emakit_bf16":
+            ema = EMA(model, update_after_step=0, update_every=1, ema_dtype=torch.float32)
+        elif case == "swap_emakit":
+            ema = EMA(model, update_after_step=0, update_every=1)
+        else:
+            import ema_pytorch
+
+            ema = ema_pytorch.EMA(
+                model, update_after_step=0, update_every=1, include_online_model=False
+            )
+        ema.update()
+        keep.append(ema)
+    gc.collect()
+    _reset_peak()
+    base = _vm_kib()["VmRSS"]
+
+    if case == "create_emakit":
+        ema = EMA(model, update_after_step=0, update_every=1)
+        ema.update()
+        keep.append(ema)
+    elif case == "create_emapt":
+        import ema_pytorch
+
+        ema = ema_pytorch.EMA(
+            model, update_after_step=0, update_every=1, include_online_model=False
+        )
+        ema.update()
+        keep.append(ema)
+    elif case == "create_timm":
+        from timm.utils.model_ema import ModelEmaV3
+
+        keep.append(ModelEmaV3(model, decay=BETA))
+        keep[-1].update(model)
+    elif case == "create_averaged":
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        keep.append(AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(BETA)))
+        keep[-1].update_parameters(model)
+    elif case == "create_torch_ema":
+        from torch_ema import ExponentialMovingAverage
+
+        keep.append(ExponentialMovingAverage(model.parameters(), decay=BETA))
+        keep[-1].update()
+    elif case in ("swap_emakit", "swap_emakit_bf16"):
+        with keep[0].swap():
+            pass
+    elif case == "swap_emapt":
+        backup = {k: v.clone() for k, v in model.state_dict().items()}
+        keep[0].copy_params_from_ema_to_model()
+        model.load_state_dict(backup)
+        del backup
+    else:
+        raise SystemExit(f"unknown memory case {case!r}")
+    gc.collect()
+    after = _vm_kib()
+    return {
+        "peak_mib": (after["VmHWM"] - base) / 1024,
+        "retained_mib": (after["VmRSS"] - base) / 1024,
+        "model_mib": model_mib,
+    }
+
+
+def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for label, case in MEMORY_CASES.items():
+        proc = subprocess.run(
+            [sys.executable, __file__, "--memory-worker", case, "--threads", str(args.threads)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            rows.append({"case": label, "error": proc.stderr.strip().splitlines()[-1:]})
+            continue
+        rows.append({"case": label, **json.loads(proc.stdout.strip().splitlines()[-1])})
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "emakit": emakit.__version__,
+        "emakit_path": os.path.dirname(emakit.__file__),
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text fallback
+        print(json.dumps(report, indent=2))
+        return
+    console = Console(width=130)
+    console.print(f"[bold]machine[/]: {report['machine']}")
+    console.print(
+        f"load average (1, 5, 15 min) at start {report['loadavg_at_start']}, "
+        f"at end {report['loadavg_at_end']}"
+    )
+    for res in report["update"]:
+        table = Table(
+            title=f"{res['model']}: {res['tensors']} tensors, {res['elements']:,} elements"
+        )
+        cols = (
+            "contender",
+            "wall median µs",
+            "wall min µs",
+            "CPU median µs",
+            "x floor (wall median)",
+            "x floor (wall min)",
+            "x floor (CPU median)",
+        )
+        for col in cols:
+            table.add_column(col, justify="left" if col == "contender" else "right")
+        for r in res["rows"]:
+            table.add_row(
+                r["contender"],
+                f"{r['median_us']:,.1f}",
+                f"{r['min_us']:,.1f}",
+                f"{r['cpu_median_us']:,.1f}",
+                f"{r['x_floor']:.2f}",
+                f"{r['x_floor_min']:.2f}",
+                f"{r['x_floor_cpu']:.2f}",
+            )
+        console.print(table)
+        for key, label in (
+            ("emapt_foreach_over_emakit_default", "emakit default"),
+            ("emapt_foreach_over_emakit_flat", "emakit after flatten_parameters"),
+        ):
+            r = res[key]
+            console.print(
+                f"ema-pytorch use_foreach=True / {label}: {r['median_us']:.1f}x (wall median), "
+                f"{r['min_us']:.1f}x (wall min), {r['cpu_median_us']:.1f}x (CPU median)"
+            )
+        console.print()
+    table = Table(title="skipped call (update_every=10)")
+    for col in ("contender", "wall median µs", "wall min µs", "CPU median µs"):
+        table.add_column(col)
+    for r in report["skipped"]:
+        table.add_row(
+            r["contender"],
+            f"{r['median_us']:.2f}",
+            f"{r['min_us']:.2f}",
+            f"{r['cpu_median_us']:.2f}",
+        )
+    console.print(table)
+    if report.get("memory"):
+        table = Table(title="memory, TransformerEncoder (RSS high-water mark delta, fresh process)")
+        for col in ("case", "peak MiB", "retained MiB", "model MiB"):
+            table.add_column(col)
+        for r in report["memory"]:
+            if "error" in r:
+                table.add_row(r["case"], "error", str(r["error"]), "")
+            else:
+                table.add_row(
+                    r["case"],
+                    f"{r['peak_mib']:.1f}",
+                    f"{r['retained_mib']:.1f}",
+                    f"{r['model_mib']:.1f}",
+                )
+        console.print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON here")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_worker:
+        print(json.dumps(memory_worker(args.memory_worker)))
+        return
+    args.repeats, args.sample_ms, args.warmup = (5, 5.0, 3) if args.quick else (21, 20.0, 5)
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "loadavg_at_start": os.getloadavg(),
+        "mode": "quick" if args.quick else "full",
+        "repeats": args.repeats,
+        "sample_ms": args.sample_ms,
+        "update": bench_update(args),
+        "skipped": bench_skipped(args),
+        "memory": [] if args.no_memory else bench_memory(args),
+    }
+    report["loadavg_at_end"] = os.getloadavg()
+    report["seconds"] = time.perf_counter() - started
+    _print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

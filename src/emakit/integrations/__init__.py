@@ -1,0 +1,18 @@
+"""Integrations with training frameworks, each an optional extra imported on demand.
+
+============================================  ===============================================
+``emakit.integrations.lightning``             :class:`EMACallback` for Lightning's ``Trainer``
+                                              (``pip install 'emakit[lightning]'``)
+``emakit.integrations.accelerate``            :func:`prepare_ema` for Hugging Face Accelerate
+                                              (``pip install 'emakit[accelerate]'``)
+``emakit.integrations.transformers``          :class:`EMATrainerCallback` for the Hugging Face
+                                              ``Trainer`` (``pip install 'emakit[transformers]'``)
+============================================  ===============================================
+
+This package imports nothing itself: ``import emakit.integrations`` never loads a
+framework; each submodule imports its framework when it is imported.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

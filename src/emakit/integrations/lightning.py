@@ -1,0 +1,314 @@
+"""Lightning integration: :class:`EMACallback` keeps an :class:`~emakit.EMA` of the
+``LightningModule`` during ``Trainer.fit`` and evaluates on it.
+
+Importing this module imports Lightning (``lightning.pytorch``, or the standalone
+``pytorch_lightning`` package when only that is installed); ``import emakit`` does not.
+
+Example:
+    >>> import lightning.pytorch as pl
+    >>> from emakit.integrations.lightning import EMACallback
+    >>> ema_cb = EMACallback(beta=0.999, update_after_step=100, update_every=1)
+    >>> trainer = pl.Trainer(callbacks=[ema_cb], max_epochs=10)  # doctest: +SKIP
+    >>> trainer.fit(module, datamodule)  # doctest: +SKIP
+    >>> ema_cb.ema.ema_model  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from .. import _validate as check
+from ..ema import EMA
+from ..errors import EMARuntimeError, EMAStateError, EMATypeError
+from ._common import check_ema_kwargs
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.utilities.rank_zero import rank_zero_warn  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "emakit.integrations.lightning needs Lightning: pip install 'emakit[lightning]' "
+            "(or pip install lightning)"
+        ) from e
+
+__all__ = ["CHECKPOINT_KEY", "CHECKPOINT_VERSION", "ONLINE_STATE_DICT_KEY", "EMACallback"]
+
+#: Top-level checkpoint key holding the EMA (see :meth:`EMACallback.on_save_checkpoint`).
+CHECKPOINT_KEY = "emakit_ema"
+#: Version of the layout stored under :data:`CHECKPOINT_KEY`.
+CHECKPOINT_VERSION = 1
+#: Where the raw (training) weights go when ``save_ema_weights_as_state_dict=True``.
+ONLINE_STATE_DICT_KEY = "emakit_online_state_dict"
+
+# Strategies that shard or re-own the parameters: a per-rank deep copy of the module and
+# swapping ``.data`` do not describe a sharded weight, so they are refused up front.
+_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+class EMACallback(pl.Callback):
+    """Keep an EMA of the ``LightningModule``'s weights; validate and test on it.
+
+    * **Creation:** at ``on_fit_start`` (after the strategy has moved the module to its
+      device and wrapped it), as ``EMA(pl_module, **ema_kwargs)``; ``callback.ema`` is the
+      :class:`~emakit.EMA` and ``callback.ema.ema_model`` a copy of the module.
+    * **Updates:** one ``ema.update()`` per *optimizer* step: ``on_train_batch_end``
+      updates only when ``trainer.global_step`` has advanced, so
+      ``accumulate_grad_batches=k`` gives one update per ``k`` batches. ``update_every`` and
+      ``update_after_step`` therefore count optimizer steps.
+    * **Evaluation:** validation (including the sanity check) and test run inside
+      :meth:`emakit.EMA.swap`: the module holds the EMA weights, by reference, no copy.
+      The raw weights are back after ``on_validation_end``/``on_test_end`` and also when
+      the loop raises (``on_exception``). Standalone ``trainer.validate``/``test`` use the
+      EMA when the callback holds one for that module, or when ``ckpt_path`` names a
+      checkpoint with an EMA.
+    * **Checkpoints:** the EMA state is saved under ``checkpoint["emakit_ema"]`` and
+      restored by ``trainer.fit(ckpt_path=...)``; a resumed fit ends with the same EMA,
+      bit for bit, as an uninterrupted one. With ``save_ema_weights_as_state_dict=True``
+      the checkpoint's ``state_dict`` holds the EMA weights instead (so
+      ``Module.load_from_checkpoint`` gives the EMA model for inference) and the raw
+      weights go to ``checkpoint["emakit_online_state_dict"]``, from where a resumed fit
+      takes them back.
+
+    Checkpoint layout (version 1)::
+
+        checkpoint["emakit_ema"] = {
+            "version": 1,
+            "ema": ema.state_dict(),  # see emakit.EMA.state_dict
+        }
+
+    Strategies: single device, DDP and DDP-spawn (every rank keeps an identical EMA; rank
+    0 writes the checkpoint; with DDP-spawn the EMA lives in the worker processes, so read
+    it from the checkpoint). FSDP, DeepSpeed and ModelParallel (FSDP2) are refused at
+    ``setup``: they shard the parameters, and Lightning's own weight-averaging callbacks do
+    not support sharded models either. Use one ``EMACallback`` per ``Trainer``.
+
+    Args:
+        validate_with_ema: run validation on the EMA weights. Default True.
+        test_with_ema: run test on the EMA weights. Default True.
+        save_ema_weights_as_state_dict: write the EMA weights as the checkpoint's
+            ``state_dict`` (inference export). Default False.
+        **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_after_step``,
+            ``update_every``, ``ema_dtype``, ...), checked now. Its defaults apply
+            (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
+
+    Raises:
+        EMATypeError: a keyword is not one of :class:`~emakit.EMA`'s, or a flag is not a bool.
+
+    Example:
+        >>> cb = EMACallback(beta=0.999, update_every=1)
+        >>> cb.ema is None  # created when fit starts
+        True
+    """
+
+    def __init__(
+        self,
+        validate_with_ema: bool = True,
+        test_with_ema: bool = True,
+        save_ema_weights_as_state_dict: bool = False,
+        **ema_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
+        self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
+        self.save_ema_weights_as_state_dict = check.boolean(
+            "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
+        )
+        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs))
+        #: The :class:`~emakit.EMA`, created when fit starts (None before).
+        self.ema: EMA | None = None
+        self._pending: Mapping[str, Any] | None = None
+        self._last_global_step = 0
+        self._swap: contextlib.ExitStack | None = None
+        self._warned_no_ema = False
+
+    # -- creation -----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse sharded strategies and a second ``EMACallback`` before any work is done."""
+        name = type(trainer.strategy).__name__
+        if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
+            raise EMATypeError(
+                f"EMACallback does not support the {name} strategy: it shards the "
+                f"parameters, so each rank would average a fragment under names that do not "
+                f"match the module; use strategy='ddp' (or a single device)"
+            )
+        callbacks = getattr(trainer, "callbacks", ())
+        others = [cb for cb in callbacks if isinstance(cb, EMACallback) and cb is not self]
+        if others:
+            raise EMATypeError(
+                "use one EMACallback per Trainer: both would save under checkpoint['emakit_ema']"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Create the EMA of ``pl_module`` (on its final device) and apply a loaded state."""
+        self._ensure_ema(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remember the optimizer step count the loop starts from (restored on resume)."""
+        self._ensure_ema(pl_module)
+        self._last_global_step = trainer.global_step
+
+    def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
+        ema = self.ema
+        if ema is None or ema.model is not pl_module:
+            ema = self.ema = EMA(pl_module, **self.ema_kwargs)
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            try:
+                ema.load_state_dict(state)
+            except EMAStateError as e:
+                raise EMAStateError(
+                    f"the checkpoint's EMA does not fit this module and EMACallback "
+                    f"keywords ({self.ema_kwargs}): {e}"
+                ) from e
+        return ema
+
+    # -- updates --------------------------------------------------------------------------
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Update the EMA when this batch ended with an optimizer step."""
+        step = trainer.global_step
+        if step > self._last_global_step:
+            self._last_global_step = step
+            ema = self.ema
+            if ema is None:  # pragma: no cover - on_fit_start always runs first
+                ema = self._ensure_ema(pl_module)
+            ema.update()
+
+    # -- evaluation ---------------------------------------------------------------------
+
+    def _ema_for_eval(self, pl_module: pl.LightningModule) -> EMA | None:
+        if self._pending is not None:
+            return self._ensure_ema(pl_module)
+        if self.ema is not None and self.ema.model is pl_module:
+            return self.ema
+        if not self._warned_no_ema:
+            self._warned_no_ema = True
+            rank_zero_warn(
+                "EMACallback has no EMA of this module (it is created by trainer.fit, or "
+                "loaded from a checkpoint passed as ckpt_path=); evaluating the raw weights"
+            )
+        return None
+
+    def _enter_swap(self, pl_module: pl.LightningModule) -> None:
+        if self._swap is not None:
+            return
+        ema = self._ema_for_eval(pl_module)
+        if ema is None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(ema.swap())
+        self._swap = stack
+
+    def _leave_swap(self) -> None:
+        stack, self._swap = self._swap, None
+        if stack is not None:
+            stack.close()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Swap the EMA weights into the module (``validate_with_ema``)."""
+        if self.validate_with_ema:
+            self._enter_swap(pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the raw weights back."""
+        self._leave_swap()
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Swap the EMA weights into the module (``test_with_ema``)."""
+        if self.test_with_ema:
+            self._enter_swap(pl_module)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the raw weights back."""
+        self._leave_swap()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Put the raw weights back when a loop raised inside the swap."""
+        self._leave_swap()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Put the raw weights back (a no-op unless a loop ended inside the swap)."""
+        self._leave_swap()
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Store the EMA under ``checkpoint["emakit_ema"]``; optionally export its weights
+        as ``checkpoint["state_dict"]``.
+
+        A checkpoint written during validation (module swapped) still gets the raw weights
+        as its training state.
+        """
+        ema = self.ema
+        if ema is None or ema.model is not pl_module:
+            return
+        if self._swap is not None:
+            # state_dict was gathered while the module held the EMA weights.
+            self._leave_swap()
+            try:
+                checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+            finally:
+                self._enter_swap(pl_module)
+        checkpoint[CHECKPOINT_KEY] = {"version": CHECKPOINT_VERSION, "ema": ema.state_dict()}
+        if self.save_ema_weights_as_state_dict:
+            checkpoint[ONLINE_STATE_DICT_KEY] = checkpoint["state_dict"]
+            ctx = ema.swap() if self._swap is None else contextlib.nullcontext()
+            with ctx:
+                checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Take the EMA state from the checkpoint; put the raw weights back into the module
+        when the checkpoint's ``state_dict`` holds the EMA weights.
+
+        Lightning calls this before the EMA exists (``on_fit_start``) for most strategies:
+        the state is kept and applied when the EMA is created.
+        """
+        if ONLINE_STATE_DICT_KEY in checkpoint:
+            online = checkpoint[ONLINE_STATE_DICT_KEY]
+            trainer.strategy.load_model_state_dict(
+                {"state_dict": online}, strict=getattr(pl_module, "strict_loading", True)
+            )
+            checkpoint["state_dict"] = online
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None:
+            rank_zero_warn(
+                "the checkpoint holds no EMA (it was not written with EMACallback); the EMA "
+                "starts from the loaded weights"
+            )
+            return
+        if not isinstance(entry, Mapping) or "ema" not in entry:
+            raise EMAStateError(
+                f"checkpoint[{CHECKPOINT_KEY!r}] should be a mapping with an 'ema' entry, got "
+                f"{type(entry).__name__} with keys {sorted(entry) if isinstance(entry, Mapping) else []}"
+            )
+        version = int(entry.get("version", CHECKPOINT_VERSION))
+        if version > CHECKPOINT_VERSION:
+            raise EMAStateError(
+                f"checkpoint[{CHECKPOINT_KEY!r}] has version={version}, newer than this "
+                f"emakit's {CHECKPOINT_VERSION}; upgrade emakit to load it"
+            )
+        self._pending = entry["ema"]
+        if self.ema is not None and self.ema.model is pl_module:
+            if self._swap is not None:
+                raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
+            self._ensure_ema(pl_module)
