@@ -177,3 +177,76 @@ def test_stream_update_matches_sync():  # pragma: no cover - runs on GPU machine
         ema.update()
         ref.update()
     assert torch.equal(ema.ema_model[0].weight, ref.ema_model[0].weight)
+
+
+def test_optimizer_hooked_async_reads_live_weights_and_matches_sync(monkeypatch):
+    """With the optimizer hooks, background updates take no snapshot of the parameters
+    (the staging path is never used) and still give the synchronous EMA bit for bit."""
+    torch.manual_seed(0)
+    net = make_net()
+    ref_net = copy.deepcopy(net)
+    bg = EMA(net, beta=0.9, update_after_step=3, update_every=2, async_update=True)
+    ref = EMA(ref_net, beta=0.9, update_after_step=3, update_every=2, use_foreach=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref_net)]
+    handle = bg.add_to_optimizer_post_step_hook(opts[0])
+    staged = []
+    original_stage = plan_mod.Plan.stage
+    monkeypatch.setattr(plan_mod.Plan, "stage", lambda self, **kw: staged.append(1) or original_stage(self, **kw))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(15):
+        x = torch.randn(8, 6, generator=gen)
+        for m, opt in zip((net, ref_net), opts, strict=True):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        ref.update()
+    assert int(bg.step) == int(ref.step) == 15
+    assert not staged  # every update after hooking was zero-copy
+    for (k, a), (_, b) in zip(bg.ema_model.state_dict().items(), ref.ema_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    handle.remove()
+    assert bg._live is None
+    opts[0].step()  # no EMA update any more
+    assert int(bg.step) == 15
+
+
+def test_optimizer_step_waits_for_the_background_update(monkeypatch):
+    """The worker is held at a gate: the next optimizer.step() must not run (and so must
+    not write the weights the worker reads) until the update has finished."""
+    net = make_net()
+    ema = EMA(net, update_after_step=0, update_every=1, async_update=True, schedule=lambda t: 0.5)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ema.add_to_optimizer_post_step_hook(opt)
+    net(torch.randn(4, 6)).sum().backward()
+    opt.step()  # first update: synchronous copy
+    gate, entered = threading.Event(), threading.Event()
+    original = plan_mod.Plan.lerp_shadow
+
+    def slow(self, weights):
+        if threading.current_thread() is not threading.main_thread():  # the worker's part
+            entered.set()
+            assert gate.wait(timeout=30)
+        return original(self, weights)
+
+    monkeypatch.setattr(plan_mod.Plan, "lerp_shadow", slow)
+    before = net[0].weight.detach().clone()
+    net(torch.randn(4, 6)).sum().backward()
+    opt.step()  # returns: the post-step update is in the background, held at the gate
+    assert entered.wait(timeout=30)
+    after_first = net[0].weight.detach().clone()
+    assert not torch.equal(before, after_first)
+    done = threading.Event()
+
+    def step_again():
+        opt.step()
+        done.set()
+
+    worker = threading.Thread(target=step_again)
+    worker.start()
+    assert not done.wait(timeout=0.2)  # the step waits for the pending update
+    assert torch.equal(net[0].weight, after_first)  # and has not written the weights
+    gate.set()
+    worker.join(timeout=30)
+    assert done.is_set()
+    monkeypatch.setattr(plan_mod.Plan, "lerp_shadow", original)
+    ema._sync()

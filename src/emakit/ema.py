@@ -33,6 +33,20 @@ STATE_VERSION = 1
 _META_KEYS = ("version", "step", "initted", "num_skipped_nonfinite")
 
 
+class _Handles:
+    """Several hook handles removed together."""
+
+    def __init__(self, *handles: Any, on_remove: Callable[[], None] | None = None) -> None:
+        self.handles = handles
+        self.on_remove = on_remove
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        if self.on_remove is not None:
+            self.on_remove()
+
+
 def _as_device(device: object) -> torch.device | None:
     if device is None or isinstance(device, torch.device):
         return device
@@ -110,6 +124,9 @@ class _EMABase(nn.Module):
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
         self.num_skipped_nonfinite = 0
         self.async_update = check.boolean("async_update", async_update)
+        # (plan, parameter plan, buffer plan) once an optimizer pre-step hook allows
+        # zero-copy background updates (see add_to_optimizer_post_step_hook); else None.
+        self._live: tuple[Any, Any, Any] | None = None
         self._worker: BackgroundWorker | StreamWorker | None = (
             BackgroundWorker() if self.async_update else None
         )
@@ -241,18 +258,39 @@ class _EMABase(nn.Module):
         if self.skip_nonfinite and not self._online_finite(plan):
             return
         worker = self._worker
-        if step <= self.update_after_step:
-            if worker is not None:
-                worker.submit(plan, None)
-            else:
+        weights = None if step <= self.update_after_step else self._weights_at(step + 1)
+        if worker is None:
+            if weights is None:
                 plan.copy_to_shadow()
-            return
-        if not self.is_frozen:
-            if worker is not None:
-                worker.submit(plan, self._weights_at(step + 1))
+            elif not self.is_frozen:
+                plan.lerp_shadow(weights)
+        elif weights is None or not self.is_frozen:
+            if self._live is not None and isinstance(worker, BackgroundWorker):
+                self._submit_live(plan, weights)
             else:
-                plan.lerp_shadow(self._weights_at(step + 1))
-        self._after_average(step)
+                worker.submit(plan, weights)
+        if weights is not None:
+            self._after_average(step)
+
+    def _submit_live(self, plan: Plan, weights: list[float] | None) -> None:
+        # Zero-copy background update, possible once an optimizer pre-step hook guarantees
+        # that no step writes the weights while the worker reads them: buffers (which the
+        # next forward may write, e.g. BatchNorm statistics) are updated here and now, the
+        # parameters on the worker straight from the live tensors.
+        live = self._live
+        if live is None or live[0] is not plan or live[1].stale() or live[2].stale():
+            params = [p for p in plan.pairs if not p.buffer]
+            buffers = [p for p in plan.pairs if p.buffer]
+            live = self._live = (plan, build_plan(params, self._impl), build_plan(buffers, self._impl))
+        _, params_plan, buffers_plan = live
+        worker: BackgroundWorker = self._worker  # type: ignore[assignment]
+        worker.wait()
+        if weights is None:
+            buffers_plan.copy_to_shadow()
+            worker.run(params_plan.copy_to_shadow)
+        else:
+            buffers_plan.lerp_shadow(weights)
+            worker.run(params_plan.lerp_shadow, weights)
 
     def _sync(self) -> None:
         """Wait for a background update in flight (``async_update=True``); no-op otherwise."""
@@ -423,6 +461,7 @@ class _EMABase(nn.Module):
         self._sync()
         state = self.__dict__.copy()
         state["_plan"] = None  # rebuilt on first use; it only holds references
+        state["_live"] = None  # a copy has no optimizer hooks
         state["_guards"] = []
         state["_swapped"] = False
         return state
@@ -795,6 +834,7 @@ class EMA(_EMABase):
                 f"{' ...' if len(missing) > 10 else ''}, not in the model {extra[:10]}"
                 f"{' ...' if len(extra) > 10 else ''}; build ema_model with the same structure"
             )
+        buffers = {n for n, _ in model.named_buffers()}
         pairs = []
         for name, o in online.items():
             s = shadow[name]
@@ -805,7 +845,7 @@ class EMA(_EMABase):
                 )
             floating = o.is_floating_point() or o.is_complex()
             average = floating and name not in self.param_or_buffer_names_no_ema
-            pairs.append(TensorPair(name, s, o, average, self._group_of(name)))
+            pairs.append(TensorPair(name, s, o, average, self._group_of(name), name in buffers))
         return pairs
 
     def _check_pair(self, p: TensorPair) -> None:
@@ -913,13 +953,32 @@ class EMA(_EMABase):
 
     def add_to_optimizer_post_step_hook(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call :meth:`update` after every ``optimizer.step()``; returns the hook handle
-        (``handle.remove()`` detaches it)."""
+        (``handle.remove()`` detaches it).
+
+        With ``async_update=True`` on a CPU model this also registers a *pre*-step hook that
+        waits for the pending background update. Since no optimizer step can then write the
+        weights while the worker reads them, updates stop snapshotting the parameters: the
+        worker averages straight from the live tensors, and the training thread only
+        updates the (small) buffers, which the next forward may write.
+        """
         if not hasattr(optimizer, "register_step_post_hook"):
             raise EMATypeError(
                 f"optimizer must be a torch.optim.Optimizer (with register_step_post_hook), "
                 f"got {type(optimizer).__name__}"
             )
-        return optimizer.register_step_post_hook(lambda *_: self.update())
+        post = optimizer.register_step_post_hook(lambda *_: self.update())
+        if not isinstance(self._worker, BackgroundWorker):
+            return post
+        if any(p.is_cuda for p in self.model.parameters()):
+            return post  # the staged path already copies non-blocking on the GPU
+        pre = optimizer.register_step_pre_hook(lambda *_: self._sync())
+        self._live = (None, None, None)
+
+        def detach() -> None:
+            self._sync()
+            self._live = None  # no pre-step hook any more: back to snapshots
+
+        return _Handles(post, pre, on_remove=detach)
 
     # -- forward ----------------------------------------------------------------------
 

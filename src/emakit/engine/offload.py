@@ -65,6 +65,11 @@ class BackgroundWorker:
             event.record()
         self._run(_finish, plan, weights, event)
 
+    def run(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the worker after the pending update (no snapshot taken)."""
+        self.wait()
+        self._run(fn, *args)
+
     def _run(self, fn: Callable[..., None], *args: Any) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emakit-ema")

@@ -37,7 +37,8 @@ class TensorPair:
     ``average`` is True for tensors that are averaged (``lerp_``) and False for tensors
     that are copied (integer buffers, names in ``param_or_buffer_names_no_ema``).
     ``group`` is the decay group (0 the default; see ``EMA(decay_groups=...)``): averaged
-    tensors of one group share one lerp weight.
+    tensors of one group share one lerp weight. ``buffer`` marks module buffers (which a
+    forward pass may write, unlike parameters).
     """
 
     name: str
@@ -45,6 +46,7 @@ class TensorPair:
     online: Tensor
     average: bool
     group: int = 0
+    buffer: bool = False
 
 
 def _adjacent(a: Tensor, b: Tensor) -> bool:
