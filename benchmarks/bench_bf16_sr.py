@@ -44,18 +44,24 @@ def run(updates: int, beta: float, numel: int, seed: int) -> dict[str, tuple[flo
             for k, v in shadows.items():
                 err = ((v.double() - ref).norm() / ref.norm()).item()
                 worst[k] = max(worst[k], err)
-    return {k: (((v.double() - ref).norm() / ref.norm()).item(), worst[k]) for k, v in shadows.items()}
+    return {
+        k: (((v.double() - ref).norm() / ref.norm()).item(), worst[k]) for k, v in shadows.items()
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--updates", type=int, default=10_000)
     parser.add_argument("--beta", type=float, default=0.9999)
     parser.add_argument("--numel", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     res = run(args.updates, args.beta, args.numel, args.seed)
-    print(f"{args.updates} updates at beta {args.beta}, {args.numel} weights; relative error vs float64")
+    print(
+        f"{args.updates} updates at beta {args.beta}, {args.numel} weights; relative error vs float64"
+    )
     print(f"{'shadow':<18}{'final':>12}{'max over run':>14}")
     for k, (final, worst) in res.items():
         print(f"{k:<18}{final:>12.2e}{worst:>14.2e}")

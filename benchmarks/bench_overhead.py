@@ -59,8 +59,14 @@ def contenders(every: int) -> dict[str, Factory]:
         def make(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[int], None]:
             from ema_pytorch import EMA
 
-            ema = EMA(model, beta=0.999, update_after_step=0, update_every=every,
-                      use_foreach=foreach, include_online_model=False)
+            ema = EMA(
+                model,
+                beta=0.999,
+                update_after_step=0,
+                update_every=every,
+                use_foreach=foreach,
+                include_online_model=False,
+            )
             return lambda step: ema.update()
 
         return make
@@ -137,7 +143,9 @@ def run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
@@ -145,9 +153,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), ResNet-18, "
-          f"batch {args.batch} x 3 x {args.size} x {args.size}, SGD; median of {args.rounds} rounds "
-          f"x {args.steps} steps")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), ResNet-18, "
+        f"batch {args.batch} x 3 x {args.size} x {args.size}, SGD; median of {args.rounds} rounds "
+        f"x {args.steps} steps"
+    )
     print("columns: median step time; EMA cost = mean time of optimizer.step() + the EMA call,")
     print("minus the same without EMA, as % of the no-EMA step (what the training thread waits")
     print("for); step delta = whole step vs no EMA (includes background work and noise)")

@@ -28,7 +28,9 @@ import emakit
 
 def many_small(device: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(300)]).to(device)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(300)]
+    ).to(device)
 
 
 def check_no_sync() -> list[tuple[str, str]]:
@@ -96,7 +98,13 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
     x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, 1000, (batch,), device="cuda")
     setups = {}
-    for name in ("no EMA", "emakit on-GPU", "emakit stream=True", "emakit device='cpu'", "ema-pytorch foreach"):
+    for name in (
+        "no EMA",
+        "emakit on-GPU",
+        "emakit stream=True",
+        "emakit device='cpu'",
+        "ema-pytorch foreach",
+    ):
         model = make()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if name == "no EMA":
@@ -106,9 +114,18 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
 
             hook = EMA(model, beta=0.999, update_after_step=0, update_every=1, use_foreach=True)
         else:
-            kw = {"emakit stream=True": dict(stream=True), "emakit device='cpu'": dict(device="cpu")}.get(name, {})
-            hook = emakit.EMA(model, beta=0.999, update_after_step=0, update_every=1,
-                              ema_dtype=torch.float32, **kw)
+            kw = {
+                "emakit stream=True": dict(stream=True),
+                "emakit device='cpu'": dict(device="cpu"),
+            }.get(name, {})
+            hook = emakit.EMA(
+                model,
+                beta=0.999,
+                update_after_step=0,
+                update_every=1,
+                ema_dtype=torch.float32,
+                **kw,
+            )
         setups[name] = (model, opt, hook)
     times: dict[str, list[float]] = {n: [] for n in setups}
     loss_fn = nn.CrossEntropyLoss()
@@ -129,7 +146,9 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
@@ -143,7 +162,9 @@ def main() -> None:
     print("\n2. CUDA kernels per averaging update, 1200 tiny tensors")
     for name, n in count_kernels():
         print(f"  {name:<34}{n}")
-    print(f"\n3. ResNet-50 bf16 training step, batch {args.batch}, median of 5 rounds x {args.steps} steps")
+    print(
+        f"\n3. ResNet-50 bf16 training step, batch {args.batch}, median of 5 rounds x {args.steps} steps"
+    )
     res = step_overhead(args.steps, args.batch)
     base = res["no EMA"]
     for name, t in res.items():

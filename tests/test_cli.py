@@ -134,7 +134,9 @@ def test_bench_command_runs_and_reports_the_floor():
 
     from emakit.cli import main
 
-    result = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "1", "--threads", "1"])
+    result = CliRunner().invoke(
+        main, ["bench", "--model", "mlp", "--repeats", "1", "--threads", "1"]
+    )
     assert result.exit_code == 0, result.output
     assert "floor" in result.output
     assert "default after flatten_parameters" in result.output

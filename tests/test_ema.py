@@ -55,7 +55,9 @@ def test_first_update_copies_and_counts_calls():
     ema.update()
     assert int(ema.step) == 1 and ema.step.item() == 1
     assert bool(ema.initted)
-    for (_, a), (_, b) in zip(net.state_dict().items(), ema.ema_model.state_dict().items(), strict=True):
+    for (_, a), (_, b) in zip(
+        net.state_dict().items(), ema.ema_model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -109,7 +111,9 @@ def test_integer_buffers_copied_not_averaged():
 
 def test_no_ema_names_are_copied():
     net = make_net()
-    ema = EMA(net, beta=0.99, update_after_step=0, update_every=1, param_or_buffer_names_no_ema={"4.bias"})
+    ema = EMA(
+        net, beta=0.99, update_after_step=0, update_every=1, param_or_buffer_names_no_ema={"4.bias"}
+    )
     train_steps(net, ema, 5)
     assert torch.equal(ema.ema_model[4].bias, net[4].bias)
     assert not torch.equal(ema.ema_model[4].weight, net[4].weight)
@@ -117,8 +121,14 @@ def test_no_ema_names_are_copied():
 
 def test_ignored_names_never_touched():
     net = make_net()
-    ema = EMA(net, beta=0.9, update_after_step=2, update_every=1, ignore_names={"4.bias"},
-              ignore_startswith_names={"1."})
+    ema = EMA(
+        net,
+        beta=0.9,
+        update_after_step=2,
+        update_every=1,
+        ignore_names={"4.bias"},
+        ignore_startswith_names={"1."},
+    )
     sentinel_bias = ema.ema_model[4].bias.detach().clone()
     sentinel_bn = ema.ema_model[1].running_mean.detach().clone()
     train_steps(net, ema, 6)
@@ -133,8 +143,14 @@ def test_ignored_names_never_touched():
 
 def test_update_model_with_ema_hare_and_tortoise():
     net = make_net()
-    ema = EMA(net, beta=0.9, update_after_step=0, update_every=1, update_model_with_ema_every=3,
-              update_model_with_ema_beta=0.25)
+    ema = EMA(
+        net,
+        beta=0.9,
+        update_after_step=0,
+        update_every=1,
+        update_model_with_ema_every=3,
+        update_model_with_ema_beta=0.25,
+    )
     train_steps(net, ema, 3)
     online_before = net[0].weight.detach().clone()
     # the fourth call (pre-increment step 3) averages, then pulls the model toward the EMA
@@ -174,7 +190,9 @@ def test_optimizer_post_step_hook():
 
 def test_ema_model_factory_and_module():
     net = make_net()
-    ema = EMA(net, ema_model=lambda: make_net(seed=3), beta=0.9, update_after_step=0, update_every=1)
+    ema = EMA(
+        net, ema_model=lambda: make_net(seed=3), beta=0.9, update_after_step=0, update_every=1
+    )
     ema.update()
     assert torch.equal(ema.ema_model[0].weight, net[0].weight)
     given = make_net(seed=4)
@@ -386,8 +404,12 @@ def test_resume_is_bit_identical(tmp_path, use_foreach):
     run(net_b, ema_b, opt_b, data[:13])
     path = tmp_path / "ckpt.pt"
     torch.save(
-        {"model": net_b.state_dict(), "opt": opt_b.state_dict(), "ema": ema_b.state_dict(),
-         "rng": torch.get_rng_state()},
+        {
+            "model": net_b.state_dict(),
+            "opt": opt_b.state_dict(),
+            "ema": ema_b.state_dict(),
+            "rng": torch.get_rng_state(),
+        },
         path,
     )
     ckpt = torch.load(path)
@@ -458,7 +480,9 @@ def test_pytree_nested_state_and_int_leaves():
     assert torch.equal(ema.ema_pytree["inner"][1][0], torch.tensor([11, 12]))
     sd = ema.state_dict()
     assert {"ema.w", "ema.inner.0", "ema.inner.1.0", "version", "step"} <= set(sd)
-    fresh = EMAPytree({"w": torch.zeros(2, 2), "inner": [torch.zeros(3), (torch.tensor([0, 0]), "x")]})
+    fresh = EMAPytree(
+        {"w": torch.zeros(2, 2), "inner": [torch.zeros(3), (torch.tensor([0, 0]), "x")]}
+    )
     fresh.load_state_dict(sd)
     assert torch.equal(fresh.ema_pytree["w"], ema.ema_pytree["w"])
     assert int(fresh.step) == 2
@@ -499,7 +523,9 @@ BAD_ARGS = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "name"), BAD_ARGS, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_ARGS)])
+@pytest.mark.parametrize(
+    ("kwargs", "name"), BAD_ARGS, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_ARGS)]
+)
 def test_bad_arguments_raise_named_errors(kwargs, name):
     with pytest.raises(EMAError) as info:
         EMA(make_net(), **kwargs)
@@ -511,6 +537,8 @@ def test_dtype_and_device_mismatch_errors():
     net = make_net()
     with pytest.raises(EMAStateError, match="coerce_dtype"):
         EMA(net, ema_model=make_net().double())
-    ema = EMA(net, ema_model=make_net().double(), coerce_dtype=True, update_after_step=0, update_every=1)
+    ema = EMA(
+        net, ema_model=make_net().double(), coerce_dtype=True, update_after_step=0, update_every=1
+    )
     ema.update()
     assert torch.equal(ema.ema_model[0].weight, net[0].weight.double())

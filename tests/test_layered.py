@@ -36,7 +36,11 @@ def test_each_group_follows_its_own_decay(use_foreach, flatten):
     if flatten:
         emakit.flatten_parameters(net)
     ema = EMA(
-        net, beta=0.9999, update_after_step=0, update_every=1, use_foreach=use_foreach,
+        net,
+        beta=0.9999,
+        update_after_step=0,
+        update_every=1,
+        use_foreach=use_foreach,
         decay_groups={"backbone.*": 0.9, "head.*": lambda t: 0.5},
     )
     ref = {n: p.detach().clone().double() for n, p in net.named_parameters()}
@@ -64,8 +68,13 @@ def test_each_group_follows_its_own_decay(use_foreach, flatten):
 
 def test_unmatched_names_use_default_and_first_pattern_wins():
     net = Net()
-    ema = EMA(net, beta=0.9, update_after_step=0, update_every=1,
-              decay_groups={"head.weight": 1.0, "head.*": 0.5})
+    ema = EMA(
+        net,
+        beta=0.9,
+        update_after_step=0,
+        update_every=1,
+        decay_groups={"head.weight": 1.0, "head.*": 0.5},
+    )
     ema.update()
     head_w = ema.ema_model.head.weight.detach().clone()
     drift(net, 1)
@@ -85,12 +94,15 @@ def test_flattened_groups_update_in_few_kernels():
     assert ema._plan.num_kernels <= 4
 
 
-@pytest.mark.parametrize(("groups", "match"), [
-    ({"nothing.*": 0.9}, "matches no tensor"),
-    ({"head.*": 1.5}, "decay_groups"),
-    ({"head.*": "0.9"}, "decay_groups"),
-    ([("head.*", 0.9)], "decay_groups"),
-])
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ({"nothing.*": 0.9}, "matches no tensor"),
+        ({"head.*": 1.5}, "decay_groups"),
+        ({"head.*": "0.9"}, "decay_groups"),
+        ([("head.*", 0.9)], "decay_groups"),
+    ],
+)
 def test_bad_decay_groups(groups, match):
     with pytest.raises(emakit.EMAError, match=match):
         EMA(Net(), decay_groups=groups)
@@ -99,8 +111,14 @@ def test_bad_decay_groups(groups, match):
 @pytest.mark.parametrize("use_foreach", [False, True, None])
 def test_skip_nonfinite_keeps_ema_clean(use_foreach):
     net = Net()
-    ema = EMA(net, beta=0.9, update_after_step=0, update_every=1, skip_nonfinite=True,
-              use_foreach=use_foreach)
+    ema = EMA(
+        net,
+        beta=0.9,
+        update_after_step=0,
+        update_every=1,
+        skip_nonfinite=True,
+        use_foreach=use_foreach,
+    )
     ema.update()
     drift(net, 0)
     ema.update()
@@ -146,10 +164,18 @@ def test_schedule_overrides_beta_and_pickles():
     from emakit import schedules
 
     net = Net()
-    ema = EMA(net, beta=1.0, schedule=schedules.inverse_gamma(beta=0.9), update_after_step=0, update_every=1)
+    ema = EMA(
+        net,
+        beta=1.0,
+        schedule=schedules.inverse_gamma(beta=0.9),
+        update_after_step=0,
+        update_every=1,
+    )
     assert not ema.is_frozen
     ema.update()
     drift(net, 0)
     ema.update()
-    assert not torch.equal(ema.ema_model.head.weight, pickle.loads(pickle.dumps(ema)).model.head.weight)
+    assert not torch.equal(
+        ema.ema_model.head.weight, pickle.loads(pickle.dumps(ema)).model.head.weight
+    )
     assert repr(schedules.inverse_gamma(beta=0.9)).startswith("inverse_gamma(beta=0.9")

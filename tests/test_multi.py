@@ -44,14 +44,18 @@ def test_each_member_equals_a_lone_ema(flatten, ema_dtype, gather_below, monkeyp
     assert multi.step == 25
     for m, e in zip(multi, lone, strict=True):
         assert int(m.step) == int(e.step)
-        for (k, a), (_, b) in zip(m.ema_model.state_dict().items(), e.ema_model.state_dict().items(), strict=True):
+        for (k, a), (_, b) in zip(
+            m.ema_model.state_dict().items(), e.ema_model.state_dict().items(), strict=True
+        ):
             assert torch.equal(a, b), k
     assert multi._fused is not None  # the fused path really ran
 
 
 def test_schedules_and_swap_and_state():
     net = make_net()
-    multi = MultiEMA(net, schedules=[lambda t: 0.5, lambda t: 0.0], update_after_step=0, update_every=1)
+    multi = MultiEMA(
+        net, schedules=[lambda t: 0.5, lambda t: 0.0], update_after_step=0, update_every=1
+    )
     train(net, [multi], steps=5)
     # decay 0 tracks the model exactly
     for k, v in multi[1].ema_model.state_dict().items():
@@ -76,14 +80,17 @@ def test_copy_is_independent():
     assert clone.step == 5 and multi.step == 3
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"betas": ()}, "at least one"),
-    ({"betas": 0.9}, "betas"),
-    ({"betas": (0.9, 1.5)}, "beta"),
-    ({"schedules": [0.9]}, "schedules"),
-    ({"update_model_with_ema_every": 2}, "update_model_with_ema_every"),
-    ({"beta": 0.9}, "beta"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"betas": ()}, "at least one"),
+        ({"betas": 0.9}, "betas"),
+        ({"betas": (0.9, 1.5)}, "beta"),
+        ({"schedules": [0.9]}, "schedules"),
+        ({"update_model_with_ema_every": 2}, "update_model_with_ema_every"),
+        ({"beta": 0.9}, "beta"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(emakit.EMAError, match=match):
         MultiEMA(make_net(), **kwargs)

@@ -37,13 +37,20 @@ def test_async_equals_sync_bit_for_bit(flatten, ema_dtype):
     net = make_net()
     if flatten:
         emakit.flatten_parameters(net)
-    kw = dict(beta=0.95, update_after_step=4, update_every=2, ema_dtype=ema_dtype,
-              param_or_buffer_names_no_ema={"3.bias"})
+    kw = dict(
+        beta=0.95,
+        update_after_step=4,
+        update_every=2,
+        ema_dtype=ema_dtype,
+        param_or_buffer_names_no_ema={"3.bias"},
+    )
     sync = EMA(net, use_foreach=False, **kw)
     bg = EMA(net, device="cpu", **kw)
     assert bg.async_update and bg._worker is not None
     train(net, [sync, bg])
-    for (k, a), (_, b) in zip(sync.ema_model.state_dict().items(), bg.ema_model.state_dict().items(), strict=True):
+    for (k, a), (_, b) in zip(
+        sync.ema_model.state_dict().items(), bg.ema_model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), k
 
 
@@ -191,7 +198,9 @@ def test_optimizer_hooked_async_reads_live_weights_and_matches_sync(monkeypatch)
     handle = bg.add_to_optimizer_post_step_hook(opts[0])
     staged = []
     original_stage = plan_mod.Plan.stage
-    monkeypatch.setattr(plan_mod.Plan, "stage", lambda self, **kw: staged.append(1) or original_stage(self, **kw))
+    monkeypatch.setattr(
+        plan_mod.Plan, "stage", lambda self, **kw: staged.append(1) or original_stage(self, **kw)
+    )
     gen = torch.Generator().manual_seed(5)
     for _ in range(15):
         x = torch.randn(8, 6, generator=gen)
@@ -202,7 +211,9 @@ def test_optimizer_hooked_async_reads_live_weights_and_matches_sync(monkeypatch)
         ref.update()
     assert int(bg.step) == int(ref.step) == 15
     assert not staged  # every update after hooking was zero-copy
-    for (k, a), (_, b) in zip(bg.ema_model.state_dict().items(), ref.ema_model.state_dict().items(), strict=True):
+    for (k, a), (_, b) in zip(
+        bg.ema_model.state_dict().items(), ref.ema_model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), k
     handle.remove()
     assert bg._live is None

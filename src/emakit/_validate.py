@@ -40,28 +40,38 @@ def real(
     return v
 
 
-def integer(name: str, value: object, *, low: int, allow_none: bool = False) -> int | None:
-    """``value`` as an int >= ``low`` (None passes when ``allow_none``)."""
-    if value is None and allow_none:
-        return None
+def integer(name: str, value: object, *, low: int) -> int:
+    """``value`` as an int >= ``low`` (booleans are refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        hint = " or None" if allow_none else ""
-        raise EMATypeError(
-            f"{name} must be an int{hint}, got {name}={value!r} ({type(value).__name__})"
-        )
+        raise EMATypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
     if value < low:
         raise EMAValueError(f"{name} must be >= {low}, got {name}={value!r}")
     return value
 
 
-def boolean(name: str, value: object, *, allow_none: bool = False) -> bool | None:
-    if value is None and allow_none:
+def optional_integer(name: str, value: object, *, low: int) -> int | None:
+    """``value`` as an int >= ``low``, or None."""
+    if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EMATypeError(
+            f"{name} must be an int or None, got {name}={value!r} ({type(value).__name__})"
+        )
+    return integer(name, value, low=low)
+
+
+def boolean(name: str, value: object) -> bool:
+    """``value`` if it is a bool (0/1 and other truthy values are refused)."""
     if not isinstance(value, bool):
         raise EMATypeError(
             f"{name} must be True or False, got {name}={value!r} ({type(value).__name__})"
         )
     return value
+
+
+def optional_boolean(name: str, value: object) -> bool | None:
+    """``value`` if it is a bool or None."""
+    return None if value is None else boolean(name, value)
 
 
 def names(name: str, value: object) -> frozenset[str]:

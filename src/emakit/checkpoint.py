@@ -74,7 +74,6 @@ FOREIGN_FORMATS = (
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-
 # -- safetensors, streamed ------------------------------------------------------------------
 
 _ST_DTYPES: dict[torch.dtype, str] = {

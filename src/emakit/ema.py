@@ -54,7 +54,9 @@ def _as_device(device: object) -> torch.device | None:
         try:
             return torch.device(device)
         except RuntimeError as e:
-            raise EMAValueError(f"device must name a torch device such as 'cpu', got {device=!r}") from e
+            raise EMAValueError(
+                f"device must name a torch device such as 'cpu', got {device=!r}"
+            ) from e
     raise EMATypeError(f"device must be a str or torch.device, got {device=!r}")
 
 
@@ -113,7 +115,7 @@ class _EMABase(nn.Module):
         self.allow_different_devices = check.boolean(
             "allow_different_devices", allow_different_devices
         )
-        self.use_foreach = check.boolean("use_foreach", use_foreach, allow_none=True)
+        self.use_foreach = check.optional_boolean("use_foreach", use_foreach)
         self.coerce_dtype = check.boolean("coerce_dtype", coerce_dtype)
         self.ema_dtype = check.floating_dtype("ema_dtype", ema_dtype)
         if schedule is not None and not callable(schedule):
@@ -135,7 +137,8 @@ class _EMABase(nn.Module):
         self._group_decays: list[Callable[[int], float] | float | None] = [None]
         # beta == 1 freezes the EMA; with a schedule, beta is unused and the schedule rules.
         self.is_frozen = self.beta == 1.0 and schedule is None
-        self._impl: Impl = {None: "flat", True: "foreach", False: "loop"}[self.use_foreach]
+        impls: dict[bool | None, Impl] = {None: "flat", True: "foreach", False: "loop"}
+        self._impl: Impl = impls[self.use_foreach]
         self._step = 0
         self._guards: list[tuple[dict, str, Tensor]] = []
         self._initted = False
@@ -213,7 +216,9 @@ class _EMABase(nn.Module):
         plan = self._plan
         if plan is None or self._stale(plan):
             self._sync()
-            plan = self._plan = build_plan(self._pairs(), self._impl, staged=self._worker is not None)
+            plan = self._plan = build_plan(
+                self._pairs(), self._impl, staged=self._worker is not None
+            )
             self._guards = self._buffer_guards()
         return plan
 
@@ -281,7 +286,11 @@ class _EMABase(nn.Module):
         if live is None or live[0] is not plan or live[1].stale() or live[2].stale():
             params = [p for p in plan.pairs if not p.buffer]
             buffers = [p for p in plan.pairs if p.buffer]
-            live = self._live = (plan, build_plan(params, self._impl), build_plan(buffers, self._impl))
+            live = self._live = (
+                plan,
+                build_plan(params, self._impl),
+                build_plan(buffers, self._impl),
+            )
         _, params_plan, buffers_plan = live
         worker: BackgroundWorker = self._worker  # type: ignore[assignment]
         worker.wait()
@@ -625,8 +634,8 @@ class EMA(_EMABase):
             "ignore_startswith_names", ignore_startswith_names
         )
         self.include_online_model = check.boolean("include_online_model", include_online_model)
-        self.update_model_with_ema_every = check.integer(
-            "update_model_with_ema_every", update_model_with_ema_every, low=1, allow_none=True
+        self.update_model_with_ema_every = check.optional_integer(
+            "update_model_with_ema_every", update_model_with_ema_every, low=1
         )
         self.update_model_with_ema_beta = check.real(
             "update_model_with_ema_beta", update_model_with_ema_beta, low=0.0, high=1.0
@@ -669,6 +678,15 @@ class EMA(_EMABase):
                 )
         else:
             self.init_ema(ema_model)
+
+    def _ema(self) -> nn.Module:
+        """The EMA model, which exists after construction (or the first update when lazy)."""
+        ema_model = self.ema_model
+        if ema_model is None:
+            raise EMARuntimeError(
+                "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
+            )
+        return ema_model
 
     def __getattr__(self, name: str) -> Any:
         if name == "ema_model":
@@ -815,8 +833,8 @@ class EMA(_EMABase):
         for name in self.forward_method_names:
             setattr(self, name, getattr(ema_model, name))
         pairs = self._pair(self.model, ema_model, placeholders=fresh)
-        for p in pairs:
-            self._check_pair(p)
+        for pair in pairs:
+            self._check_pair(pair)
         self._layout_shadow(pairs, from_online=fresh)
         self._plan = None
 
@@ -877,7 +895,7 @@ class EMA(_EMABase):
                 not p.average,
                 p.group,
                 p.online.untyped_storage().data_ptr(),
-                p.online.storage_offset(),
+                int(p.online.storage_offset()),
             )
 
         ordered = sorted(pairs, key=order)
@@ -897,9 +915,11 @@ class EMA(_EMABase):
         )
 
     def _pairs(self) -> list[TensorPair]:
-        if self.ema_model is None:
+        ema_model = self.ema_model
+        if ema_model is None:
             self.init_ema()
-        pairs = self._pair(self.model, self.ema_model)
+            ema_model = self._ema()
+        pairs = self._pair(self.model, ema_model)
         for p in pairs:
             self._check_pair(p)
         return pairs
@@ -908,7 +928,7 @@ class EMA(_EMABase):
         # Buffers are often replaced rather than updated in place (module.to() does it);
         # an identity check per buffer is how the plan notices.
         guards = []
-        for root in (self.model, self.ema_model):
+        for root in (self.model, self._ema()):
             for mod in root.modules():
                 for name, buf in mod._buffers.items():
                     if buf is not None:
@@ -921,8 +941,9 @@ class EMA(_EMABase):
         if self.move_ema_to_online_device:
             pairs = self._ensure_plan().pairs
             if pairs and pairs[0].online.device != pairs[0].shadow.device:
-                self.ema_model.to(pairs[0].online.device)
-                self.init_ema(self.ema_model)
+                ema_model = self._ema()
+                ema_model.to(pairs[0].online.device)
+                self.init_ema(ema_model)
 
     # -- model with EMA ---------------------------------------------------------------
 
@@ -1018,7 +1039,7 @@ class EMA(_EMABase):
             self.init_ema()
         super()._load_meta(state_dict, prefix, missing_keys)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The EMA state, versioned. The online model is left out unless
         ``include_online_model=True``.
 

@@ -121,14 +121,20 @@ class MultiEMA(nn.Module):
                 )
         if schedules is not None:
             if isinstance(schedules, (str, bytes)) or not all(callable(s) for s in schedules):
-                raise EMATypeError(f"schedules must be a sequence of callables t -> decay, got {schedules!r}")
+                raise EMATypeError(
+                    f"schedules must be a sequence of callables t -> decay, got {schedules!r}"
+                )
             configs: list[dict[str, Any]] = [{"schedule": s} for s in schedules]
         else:
             if isinstance(betas, (int, float)):
-                raise EMATypeError(f"betas must be a sequence of floats, e.g. (0.999, 0.9999), got {betas=}")
+                raise EMATypeError(
+                    f"betas must be a sequence of floats, e.g. (0.999, 0.9999), got {betas=}"
+                )
             configs = [{"beta": b} for b in betas]
         if not configs:
-            raise EMAValueError("MultiEMA needs at least one EMA: give a non-empty betas= or schedules=")
+            raise EMAValueError(
+                "MultiEMA needs at least one EMA: give a non-empty betas= or schedules="
+            )
         ema_kwargs.pop("ema_model", None)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
         self._fused: list[_FusedGroup] | None = None
@@ -146,7 +152,7 @@ class MultiEMA(nn.Module):
     @property
     def step(self) -> int:
         """Number of :meth:`update` calls so far."""
-        return int(self.emas[0].step)
+        return self[0]._step
 
     def _build_fused(self) -> list[_FusedGroup] | None:
         plans = [e._ensure_plan() for e in self]
@@ -184,7 +190,11 @@ class MultiEMA(nn.Module):
         if lead.skip_nonfinite and not lead._online_finite(plans[0]):
             return
         fused = self._fused
-        if fused is None or self._plans_seen != [id(p) for p in plans] or any(g.stale() for g in fused):
+        if (
+            fused is None
+            or self._plans_seen != [id(p) for p in plans]
+            or any(g.stale() for g in fused)
+        ):
             fused = self._fused = self._build_fused()
             self._plans_seen = [id(p) for p in plans]
         if fused is None:

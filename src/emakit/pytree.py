@@ -159,7 +159,7 @@ class EMAPytree(_EMABase):
         """Copy every online leaf into the EMA (ema-pytorch's name)."""
         self.copy_params_from_model_to_ema()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """``{"version", "step", "initted", "ema.<path>": tensor, ...}`` (see :class:`EMA`)."""
         return super().state_dict(*args, **kwargs)
 

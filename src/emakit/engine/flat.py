@@ -78,7 +78,9 @@ def rehome_(
     with torch.no_grad():
         for (dev, dtype), members in groups.items():
             pin = pin_memory and dev.type == "cpu"
-            flat = torch.empty(sum(s.numel() for _, s in members), device=dev, dtype=dtype, pin_memory=pin)
+            flat = torch.empty(
+                sum(s.numel() for _, s in members), device=dev, dtype=dtype, pin_memory=pin
+            )
             offset = 0
             for t, src in members:
                 view = _view_like(flat, offset, src)

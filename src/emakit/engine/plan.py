@@ -51,7 +51,7 @@ class TensorPair:
 
 def _adjacent(a: Tensor, b: Tensor) -> bool:
     """Whether contiguous ``b`` starts right where contiguous ``a`` ends, in one storage."""
-    return (
+    return bool(
         a.is_contiguous()
         and b.is_contiguous()
         and a.dtype == b.dtype
@@ -104,7 +104,8 @@ class _Flat:
         # Fast path: re-pointing a tensor's .data away from a span's storage drops that
         # storage's reference count. If no count moved, nothing moved; if one did (a view
         # was made or freed somewhere), check every pointer, then accept the new counts.
-        if self.guard_counts and all(_use_count(h) == n for h, n in self.guard_counts):
+        counts = self.guard_counts
+        if counts and _use_count is not None and all(_use_count(h) == n for h, n in counts):
             return False
         # C-level map: about 90 ns a tensor, only for tensors inside multi-tensor spans.
         moved = list(map(Tensor.data_ptr, self.guard_tensors)) != self.guard_ptrs
@@ -220,7 +221,7 @@ class _Direction:
                 g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src, staged=staged)
                 g.flat_copy = _flatten(g.copy_dst, g.copy_src, staged=staged)
             for g in self.groups:
-                for f in (g.flat_lerp, g.flat_copy):
+                for f in (g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY):
                     f.seal()
 
     def stage(self, *, non_blocking: bool) -> None:
@@ -323,7 +324,9 @@ class Plan:
         self.pairs = list(pairs)
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
-        self._to_shadow = _Direction(self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged)
+        self._to_shadow = _Direction(
+            self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
+        )
         self._to_online: _Direction | None = None
 
     @property
