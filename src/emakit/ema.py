@@ -536,7 +536,9 @@ class EMA(_EMABase):
             so it is still updated in as few kernels as its tensors allow. Default None.
         stream: keyword-only; for a GPU model with a GPU shadow: snapshot the weights on the
             current stream and average on a CUDA side stream ordered by events, with no
-            host sync; readers wait on the GPU. Default False.
+            host sync; readers wait on the GPU. Not for CUDA-graph capture: the decay is a
+            Python float, so a captured update would replay the decay of the capture.
+            Default False.
         device: keyword-only; keep the EMA on this device, e.g. ``"cpu"`` for a GPU model
             (offload: pinned memory, non-blocking copies). Implies
             ``allow_different_devices=True``. Default None (the model's device).
