@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .errors import EMATypeError, EMAValueError
+from .errors import EMAStateError, EMATypeError, EMAValueError
 
 
 def real(
@@ -98,3 +98,19 @@ def floating_dtype(name: str, value: object) -> torch.dtype | None:
             f"{name} must be a floating torch.dtype such as torch.float32, got {name}={value!r}"
         )
     return value
+
+
+def not_newer(what: str, field: str, version: object, supported: int) -> None:
+    """Refuse a state, file or snapshot written in a newer layout than this emakit reads.
+
+    Args:
+        what: what holds it, for the message (``"state_dict"``, a file name).
+        field: the version field's name (``"version"``, ``"format_version"``).
+        version: the value found (None or absent: an old, unversioned layout, accepted).
+        supported: the newest version this emakit reads.
+    """
+    if version is not None and int(version) > supported:  # type: ignore[call-overload]
+        raise EMAStateError(
+            f"{what} has {field}={int(version)}, newer than this emakit's {supported}; "  # type: ignore[call-overload]
+            f"upgrade emakit to read it"
+        )

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import _validate as check
 from ._io import atomic_path, atomic_write
+from ._validate import not_newer
 from .ema import EMA, STATE_VERSION, _EMABase
 from .errors import (
     EMAError,
@@ -352,11 +353,7 @@ def load_ema_weights(
     initted = True
     if metadata.get("format") == WEIGHTS_FORMAT:
         version = _int_meta(metadata, "format_version", src)
-        if version is not None and version > WEIGHTS_FORMAT_VERSION:
-            raise EMAStateError(
-                f"{src} has format_version={version}, newer than this emakit's "
-                f"{WEIGHTS_FORMAT_VERSION}; upgrade emakit to load it"
-            )
+        not_newer(str(src), "format_version", version, WEIGHTS_FORMAT_VERSION)
         kind = "pytree" if isinstance(ema, EMAPytree) else "module"
         if metadata.get("kind", kind) != kind:
             raise EMAStateError(

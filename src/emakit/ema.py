@@ -397,12 +397,7 @@ class _EMABase(nn.Module):
     def _load_meta(
         self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
     ) -> None:
-        version = state_dict.get(prefix + "version")
-        if version is not None and int(version) > STATE_VERSION:
-            raise EMAStateError(
-                f"state_dict has version={int(version)}, newer than this emakit's "
-                f"{STATE_VERSION}; upgrade emakit to load it"
-            )
+        check.not_newer("state_dict", "version", state_dict.get(prefix + "version"), STATE_VERSION)
         for key in ("step", "initted"):
             if prefix + key not in state_dict:
                 missing_keys.append(prefix + key)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._validate import not_newer
 from ..ema import EMA
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .math import (
@@ -221,11 +222,7 @@ class KarrasEMA(EMA):
         self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
     ) -> None:
         version = state_dict.get(prefix + "karras_version")
-        if version is not None and int(version) > KARRAS_STATE_VERSION:
-            raise EMAStateError(
-                f"state_dict has karras_version={int(version)}, newer than this emakit's "
-                f"{KARRAS_STATE_VERSION}; upgrade emakit to load it"
-            )
+        not_newer("state_dict", "karras_version", version, KARRAS_STATE_VERSION)
         saved_gamma = state_dict.get(prefix + "gamma")
         if saved_gamma is not None and not math.isclose(
             float(saved_gamma), self.gamma, rel_tol=1e-9

@@ -27,6 +27,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from .._validate import not_newer
 from ..ema import unwrap_model
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, resolve_profile
@@ -684,11 +685,7 @@ class PostHocEMA(nn.Module):
         error_msgs: list[str],
     ) -> None:
         version = state_dict.get(prefix + "version")
-        if version is not None and int(version) > POSTHOC_STATE_VERSION:
-            raise EMAStateError(
-                f"state_dict has version={int(version)}, newer than this emakit's "
-                f"{POSTHOC_STATE_VERSION}; upgrade emakit to load it"
-            )
+        not_newer("state_dict", "version", version, POSTHOC_STATE_VERSION)
         saved = state_dict.get(prefix + "gammas")
         if saved is not None:
             saved_gammas = [float(g) for g in torch.as_tensor(saved).reshape(-1)]

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from .._io import TEMP_PREFIX, atomic_path
+from .._validate import not_newer
 from ..errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
 from .math import PostHocWarning
 
@@ -183,11 +184,7 @@ def _field(meta: Mapping[str, str], key: str, kind: type, path: Path) -> object:
 
 def _parse(path: Path, meta: Mapping[str, str]) -> SnapshotInfo:
     version = int(_field(meta, "format_version", int, path))  # type: ignore[call-overload]
-    if version > SNAPSHOT_FORMAT_VERSION:
-        raise EMAStateError(
-            f"snapshot {path} has format_version={version}, newer than this emakit's "
-            f"{SNAPSHOT_FORMAT_VERSION}; upgrade emakit to read it"
-        )
+    not_newer(f"snapshot {path}", "format_version", version, SNAPSHOT_FORMAT_VERSION)
     try:
         copied = json.loads(meta.get("copied", "[]"))
     except ValueError as e:
