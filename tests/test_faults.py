@@ -106,7 +106,9 @@ def test_sigkill_mid_save_leaves_one_complete_save(tmp_path):
     deadline = time.monotonic() + BUDGET_S
     while rounds < ROUNDS and time.monotonic() < deadline:
         rounds += 1
-        done = ctx.Value("q", -1)
+        # lock=False: a child killed while holding a Value's lock would leave the parent
+        # blocked forever on its next read; an aligned 8-byte store/load needs no lock.
+        done = ctx.Value("q", -1, lock=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
             child = ctx.Process(target=saver, args=(ema, tmp_path, rounds * 1000, done))
