@@ -150,7 +150,7 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
 
 
 def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
-    from ema_pytorch import EMA as EmaPytorch
+    import ema_pytorch
 
     def timed(fn) -> float:  # median seconds per call, device-synchronized
         fn()
@@ -170,7 +170,7 @@ def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
     contenders = {
         "emakit default": emakit.EMA(model, **kw),
         "emakit after flatten_parameters": emakit.EMA(flat_model, **kw),
-        "ema-pytorch use_foreach=True": EmaPytorch(model, use_foreach=True, **kw),
+        "ema-pytorch use_foreach=True": ema_pytorch.EMA(model, use_foreach=True, **kw),
     }
     n = sum(p.numel() for p in model.parameters())
     a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
