@@ -936,7 +936,9 @@ class EMA(_EMABase):
         if self.ema_model is None:
             self.init_ema()
         if self.move_ema_to_online_device:
-            pairs = self._ensure_plan().pairs
+            # the plan's tensors are live objects, so a not-yet-revalidated plan can answer
+            # this; update() checks staleness right after, once
+            pairs = (self._plan or self._ensure_plan()).pairs
             if pairs and pairs[0].online.device != pairs[0].shadow.device:
                 ema_model = self._ema()
                 ema_model.to(pairs[0].online.device)
