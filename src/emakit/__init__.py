@@ -27,7 +27,7 @@ from .multi import MultiEMA
 from .posthoc import KarrasEMA, PostHocEMA, PostHocWarning
 from .pytree import EMAPytree, EMATensor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "EMA",

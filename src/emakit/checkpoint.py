@@ -214,7 +214,7 @@ def _schedule_name(schedule: Any) -> str:
 def _header(
     ema: _EMABase, tensors: Mapping[str, Tensor], dtype: torch.dtype | None
 ) -> dict[str, str]:
-    from . import __version__
+    from ._version import __version__
 
     schedule = getattr(ema, "schedule", None)
     inner = ema.ema_pytree if isinstance(ema, EMAPytree) else ema.ema_model

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from ._version import __version__
 from .demo import DEFAULTS, DemoDependencyError, check_dependencies, new_output_dir, run_demo
 
 __all__ = ["main"]

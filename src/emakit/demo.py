@@ -530,7 +530,7 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
 
 
 def _versions() -> dict[str, str]:
-    from . import __version__
+    from ._version import __version__
 
     return {"emakit": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

@@ -136,7 +136,7 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int,
 def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPlan) -> None:
     from safetensors.torch import save_file
 
-    from .. import __version__
+    from .._version import __version__
 
     metadata = {
         "format": SYNTHESIZED_FORMAT,

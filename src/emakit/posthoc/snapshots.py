@@ -151,7 +151,7 @@ def write_snapshot(
     """
     from safetensors.torch import save_file
 
-    from .. import __version__
+    from .._version import __version__
 
     metadata = {
         "format": SNAPSHOT_FORMAT,
