@@ -12,6 +12,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import emakit
+from _models import bn_mlp
 from emakit import (
     EMA,
     EMAError,
@@ -34,14 +36,11 @@ from emakit import (
 from emakit.checkpoint import (
     EMAFileNotFoundError,
     load_ema_weights,
-    load_foreign_state,
     save_ema_weights,
 )
+from emakit.foreign import load_foreign_state
 
-
-def make_net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+make_net = partial(bn_mlp, 3, 4, 2)
 
 
 @pytest.fixture

@@ -20,13 +20,11 @@ import emakit
 from emakit import EMA, EMAPytree, EMAStateError
 from emakit import _io as io_mod
 from emakit.checkpoint import (
-    FOREIGN_FORMATS,
     WEIGHTS_FORMAT,
-    detect_format,
     load_ema_weights,
-    load_foreign_state,
     save_ema_weights,
 )
+from emakit.foreign import FOREIGN_FORMATS, detect_format, load_foreign_state
 
 
 class Net(nn.Module):
@@ -246,13 +244,13 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
     before = path.read_bytes()
     from emakit import checkpoint
 
-    real = checkpoint._write_safetensors
+    real = checkpoint.write_safetensors
 
     def broken(f, tensors, metadata, dtype=None):
         real(f, dict(list(tensors.items())[:2]), metadata, dtype)
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_write_safetensors", broken)
+    monkeypatch.setattr(checkpoint, "write_safetensors", broken)
     with torch.no_grad():
         ema.ema_model.conv.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):

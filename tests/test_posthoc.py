@@ -38,8 +38,8 @@ from emakit.posthoc import (
     sigma_rel_to_gamma,
     synthesize_state_dict,
 )
-from emakit.posthoc import posthoc as posthoc_module
 from emakit.posthoc import snapshots as snapshots_module
+from emakit.posthoc import synthesis as synthesis_module
 
 T = 4000  # training steps of the smooth trajectory
 EVERY = 200  # snapshot interval
@@ -825,7 +825,7 @@ def test_snapshot_from_a_newer_emakit_is_refused(tmp_path: Path, monkeypatch: py
 
 def test_poor_reconstruction_warns(runs: dict):
     _, folder = runs[10]
-    assert posthoc_module.RESIDUAL_WARN == 0.1
+    assert synthesis_module.RESIDUAL_WARN == 0.1
     with pytest.warns(PostHocWarning, match="only roughly"):
         plan_synthesis(folder, sigma_rel=0.2, step=5000)  # 1000 steps after the last snapshot
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from . import schedules
 from .averaging import interpolate, update_bn
-from .checkpoint import load_ema_weights, load_foreign_state, save_ema_weights
+from .checkpoint import load_ema_weights, save_ema_weights
 from .ema import EMA, STATE_VERSION, unwrap_model
 from .engine import ema_copy_, ema_lerp_
 from .engine.flat import flatten_parameters
@@ -23,6 +23,7 @@ from .errors import (
     EMATypeError,
     EMAValueError,
 )
+from .foreign import load_foreign_state
 from .multi import MultiEMA
 from .posthoc import KarrasEMA, PostHocEMA, PostHocWarning
 from .pytree import EMAPytree, EMATensor

@@ -541,7 +541,8 @@ def save_full_ema_weights(
     """
     from . import _validate as check
     from ._io import atomic_path
-    from .checkpoint import _header, _write_safetensors, save_ema_weights
+    from ._safetensors import write_safetensors
+    from .checkpoint import save_ema_weights, weights_header
 
     ema = _ema_module(ema)
     dest = Path(os.fspath(path))
@@ -559,12 +560,12 @@ def save_full_ema_weights(
             dict[str, Tensor], get_model_state_dict(ema_model, options=options)
         )  # a collective
         if is_rank_zero():
-            header = _header(ema, tensors, dtype)
+            header = weights_header(ema, tensors, dtype)
             fsdp_cls = _fsdp_module_type()
             cls = next(c for c in type(ema_model).__mro__ if not issubclass(c, fsdp_cls or ()))
             header["model_class"] = cls.__name__
             with atomic_path(dest) as tmp, open(tmp, "wb") as f:
-                _write_safetensors(f, tensors, header, dtype)
+                write_safetensors(f, tensors, header, dtype)
     elif is_rank_zero():
         save_ema_weights(ema, dest, dtype=dtype)
     if _dist_ready():

@@ -27,13 +27,7 @@ from .math import (
     sigma_rel_to_gamma,
     solve_weights,
 )
-from .posthoc import (
-    POSTHOC_STATE_VERSION,
-    PostHocEMA,
-    SynthesisPlan,
-    plan_synthesis,
-    synthesize_state_dict,
-)
+from .posthoc import POSTHOC_STATE_VERSION, PostHocEMA
 from .snapshots import (
     SNAPSHOT_FORMAT,
     SNAPSHOT_FORMAT_VERSION,
@@ -41,6 +35,7 @@ from .snapshots import (
     list_snapshots,
     read_snapshot_info,
 )
+from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
 
 __all__ = [
     "KARRAS_STATE_VERSION",

@@ -28,12 +28,12 @@ import torch
 from .._io import atomic_path
 from ..errors import EMAError
 from .math import SIGMA_REL_MAX
-from .posthoc import SynthesisPlan, plan_synthesis
 from .snapshots import (
     SNAPSHOT_FORMAT,
     SnapshotInfo,
     list_snapshots,
 )
+from .synthesis import SynthesisPlan, plan_synthesis
 
 __all__ = ["SYNTHESIZED_FORMAT", "inspect_cmd", "synthesize"]
 

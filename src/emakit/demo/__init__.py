@@ -1,0 +1,75 @@
+"""The ``emakit demo``: online weights vs their EMA on a noisy training run.
+
+A small convnet learns scikit-learn's bundled digits (8x8 images, 1797 samples, no
+download) with deliberately noisy SGD: a small batch, a high constant learning rate and
+a fraction of the training labels flipped. The online weights keep jittering around a
+good solution; an :class:`~emakit.EMA` of them averages the jitter out. The demo
+evaluates both on a held-out split while training and reports the final numbers.
+
+Everything here is a plain function (:func:`run_demo` is the entry point) so it can be
+tested without the command line. scikit-learn, matplotlib and rich are loaded only when
+the demo runs (they are the ``emakit[demo]`` extra); ``import emakit`` never loads them.
+
+This package only re-exports; the code lives in three modules, imported one way
+(``runner`` -> ``report`` -> ``training``):
+
+* :mod:`emakit.demo.training`: settings, data, model, evaluation and the training loop.
+* :mod:`emakit.demo.report`: summary keys, the rich results table and the matplotlib plot.
+* :mod:`emakit.demo.runner`: :func:`run_demo`, the dependency check and the output folder.
+
+Example:
+    >>> from pathlib import Path
+    >>> summary = run_demo(Path("demo-out"), steps=200, progress=False)  # doctest: +SKIP
+    >>> summary["ema_accuracy"] >= 0.0  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+# POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED were never in __all__ (not part of
+# ``from emakit.demo import *``); the ``X as X`` imports keep them importable from here.
+from .report import TABLE_ROWS, plot_history, results_table, summary_metrics
+from .runner import (
+    INSTALL_HINT,
+    PLOT_NAME,
+    SUMMARY_NAME,
+    DemoDependencyError,
+    check_dependencies,
+    new_output_dir,
+    run_demo,
+)
+from .runner import POSTHOC_DIR as POSTHOC_DIR
+from .training import (
+    DEFAULTS,
+    MODEL_LABELS,
+    DemoSettings,
+    evaluate,
+    late_statistics,
+    load_digits_split,
+    make_model,
+    train,
+)
+from .training import POSTHOC_SIGMA_REL as POSTHOC_SIGMA_REL
+from .training import POSTHOC_TRACKED as POSTHOC_TRACKED
+
+__all__ = [
+    "DEFAULTS",
+    "INSTALL_HINT",
+    "MODEL_LABELS",
+    "PLOT_NAME",
+    "SUMMARY_NAME",
+    "TABLE_ROWS",
+    "DemoDependencyError",
+    "DemoSettings",
+    "check_dependencies",
+    "evaluate",
+    "late_statistics",
+    "load_digits_split",
+    "make_model",
+    "new_output_dir",
+    "plot_history",
+    "results_table",
+    "run_demo",
+    "summary_metrics",
+    "train",
+]
