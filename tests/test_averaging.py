@@ -7,20 +7,18 @@ import math
 import subprocess
 import sys
 from collections import OrderedDict
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
+from _models import conv_bn_classifier
 from emakit import EMA, EMAStateError, EMATypeError, EMAValueError
 from emakit import schedules as S
 from emakit.averaging import interpolate, update_bn
 
-
-def _net() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)
-    )
+_net = partial(conv_bn_classifier, image_size=6, out_features=2, seed=None)  # callers seed
 
 
 def _randomized(seed: int) -> nn.Module:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import emakit
+from _models import conv_bn_net as make_net
 from emakit.schedules import inverse_gamma_float32
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
@@ -36,26 +37,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class Net(nn.Module):
-    """Conv + BatchNorm (float running stats, integer num_batches_tracked) + Linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 3)
-        self.bn_out = nn.BatchNorm1d(3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.conv(x)))
-        return self.bn_out(self.fc(x.mean((2, 3))))
-
-
-def make_net(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,25 +6,17 @@ import copy
 import io
 import pickle
 import threading
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 import emakit
+from _models import conv_bn_classifier
 from emakit import EMA, EMAError, EMAPytree, EMARuntimeError, EMAStateError
 
-
-def make_net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3),
-        nn.BatchNorm2d(4),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 5),
-        nn.Dropout(0.5),
-    )
+make_net = partial(conv_bn_classifier, image_size=8, out_features=5, dropout=0.5)
 
 
 def train_steps(net: nn.Module, ema: EMA | None, steps: int, seed: int = 1) -> None:

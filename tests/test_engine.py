@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import emakit
+from _models import ConvBNLayerNormNet as Net
+from _models import conv_bn_layernorm_net as make_net
+from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit.engine import IMPLS, Plan, ema_copy_, ema_lerp_
 from emakit.schedules import inverse_gamma_float32
@@ -38,23 +41,6 @@ def _one_thread() -> Iterator[None]:
 # -- models and helpers ---------------------------------------------------------------------
 
 
-class Net(nn.Module):
-    """Conv + BatchNorm (float and integer buffers) + LayerNorm + Linear layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.lin = nn.Linear(4, 6)
-        self.norm = nn.LayerNorm(6)
-        self.bn2 = nn.BatchNorm1d(6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.conv(x))).mean((2, 3))
-        return self.head(F.relu(self.bn2(self.norm(self.lin(x)))))
-
-
 class MLP(nn.Module):
     """No buffers at all: only parameters can tell the plan that storage moved."""
 
@@ -66,11 +52,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(F.relu(self.b(F.relu(self.a(x)))))
-
-
-def make_net(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net()
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -137,13 +118,7 @@ class RefEMA:
         decay = inverse_gamma_float32(
             max(step - self.after, 0), beta=self.beta, inv_gamma=1.0, power=2 / 3, min_value=0.0
         )
-        with torch.no_grad():
-            for n, s in self.shadow.items():
-                o = live[n]
-                if not o.is_floating_point() or n in self.no_ema:
-                    s.copy_(o)
-                else:
-                    s.lerp_(o.to(s.dtype), 1.0 - decay)
+        reference_ema_step(self.shadow, live, decay, copy_names=self.no_ema)
 
     def assert_matches(self, ema_model: nn.Module, what: str) -> None:
         ours = named_tensors(ema_model)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from _models import reference_ema_step
 from emakit import EMA
 
 STEPS = 3000
@@ -56,12 +57,10 @@ def _run(
                 online[n].copy_(w)
         ema.update()
         decay = ema.get_current_decay()
-        for n, w in online.items():
-            w64 = w.detach().double()
-            if decay == 0.0:  # the first update copies the model
-                ref[n] = w64.clone()
-            else:
-                ref[n].lerp_(w64, 1.0 - decay)
+        if decay == 0.0:  # the first update copies the model
+            ref = {n: w.detach().double().clone() for n, w in online.items()}
+        else:
+            reference_ema_step(ref, online, decay)
     return ema, model, ref
 
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 import emakit
+from _models import bn_mlp
 from emakit import EMA, MultiEMA
 
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+make_net = partial(bn_mlp, 4, 8, 3, relu=True)
 
 
 def train(net: nn.Module, updaters: list, steps: int = 25) -> None:

@@ -5,19 +5,18 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 import emakit
+from _models import bn_mlp
 from emakit import EMA
 from emakit.engine import plan as plan_mod
 
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+make_net = partial(bn_mlp, 6, 16, 3, relu=True)
 
 
 def train(net: nn.Module, emas: list[EMA], steps: int = 20) -> None:

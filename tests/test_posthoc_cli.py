@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch import nn
 
+from _models import bn_mlp
 from emakit.posthoc import PostHocEMA, plan_synthesis
 from emakit.posthoc.commands import inspect_cmd, synthesize
 
@@ -23,9 +24,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+make_net = partial(bn_mlp, 4, 8, 2)
 
 
 @pytest.fixture(scope="module")

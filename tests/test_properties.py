@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from _models import reference_ema_step
 from emakit import EMA, EMAError, EMAPytree, flatten_parameters, schedules
 from emakit.schedules import inverse_gamma_float32
 
@@ -148,11 +149,7 @@ def reference_run(cfg: Config, use_gen_seed: int) -> dict[str, torch.Tensor]:
             continue
         t = max(step - cfg.update_after_step - 1, 0)
         decay = inverse_gamma_float32(t, beta=cfg.beta, inv_gamma=1.0, power=2 / 3, min_value=0.0)
-        for k, v in online.items():
-            if v.is_floating_point():
-                shadow[k].lerp_(v.to(shadow[k].dtype), 1.0 - decay)
-            else:
-                shadow[k].copy_(v)
+        reference_ema_step(shadow, online, decay)
     assert shadow is not None
     return shadow
 

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from _models import bn_mlp
 from emakit import EMA, STATE_VERSION
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def make_net() -> nn.Module:
-    torch.manual_seed(123)  # deliberately not the weights the fixture was saved from
-    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+# seed 123: deliberately not the weights the fixture was saved from
+make_net = partial(bn_mlp, 3, 4, 2, seed=123)
 
 
 def test_version_1_fixture_loads_and_continues():
