@@ -102,7 +102,9 @@ def test_export_header_metadata(tmp_path):
     assert meta["update_after_step"] == "2" and meta["update_every"] == "3"
     assert float(meta["min_value"]) == 0.1
     assert float(meta["decay"]) == ema.get_current_decay()
-    assert meta["schedule"] == "inverse_gamma" and meta["kind"] == "module"
+    # the decay rule with its values, not a signature (the default is inverse_gamma)
+    assert meta["schedule"] == "inverse_gamma(beta=0.99, inv_gamma=1.0, power=0.75, min_value=0.1)"
+    assert meta["kind"] == "module"
     assert meta["model_class"] == "Net" and meta["run"] == "abc"
 
 

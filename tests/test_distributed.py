@@ -289,7 +289,7 @@ def fsdp_worker(rank: int, out: Path) -> dict:
         train_step(model, opt, rank_batch(x, rank), rank_batch(y, rank))
         ema.update()
         ema64.update()
-        plans.add(id(ema._plan))
+        plans.add(id(ema.tracker.plan()))
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         side.load_state_dict(full)
         side_ema.update()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 import threading
@@ -448,10 +449,15 @@ def test_to_rebuilds_plan():
 # -- pytree -------------------------------------------------------------------------------------
 
 
-def test_non_module_routes_to_pytree():
+def test_non_module_is_an_ema_of_a_pytree_with_the_real_signature():
+    """EMA(tensor) is an EMA (not a different class behind __new__) tracking the pytree,
+    and EMA's signature is its real one (bug of the __new__ routing)."""
+    assert "beta" in inspect.signature(EMA).parameters
+    assert "model" in inspect.signature(EMA).parameters
     t = torch.zeros(3)
     ema = EMA(t, update_after_step=0, update_every=1, schedule=lambda t: 0.5)
-    assert isinstance(ema, EMAPytree)
+    assert isinstance(ema, EMA) and ema.kind == "pytree"
+    assert ema.pytree is t
     ema.update()
     t.fill_(2.0)
     ema.update()
@@ -534,3 +540,12 @@ def test_dtype_and_device_mismatch_errors():
     )
     ema.update()
     assert torch.equal(ema.ema_model[0].weight, net[0].weight.double())
+
+
+def test_module_only_keywords_are_refused_for_a_pytree():
+    with pytest.raises(emakit.EMAValueError, match="update_model_with_ema_every"):
+        EMA(torch.zeros(3), update_model_with_ema_every=2)
+    with pytest.raises(emakit.EMAValueError, match="decay_groups"):
+        EMA({"w": torch.zeros(3)}, decay_groups={"w": 0.9})
+    ema = EMAPytree({"w": torch.zeros(3)})
+    assert isinstance(ema, EMA) and ema.kind == "pytree"

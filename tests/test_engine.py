@@ -22,6 +22,7 @@ from _models import ConvBNLayerNormNet as Net
 from _models import conv_bn_layernorm_net as make_net
 from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
+from emakit.core.tracker import Tracker
 from emakit.engine import IMPLS, Plan, ema_copy_, ema_lerp_
 from emakit.schedules import inverse_gamma_float32
 
@@ -315,8 +316,8 @@ def test_every_path_matches_the_loop(setup, kw, coerce_to, flatten):
     assert loop.get_current_decay() > 0
     for n, t in ignored_before.items():
         assert torch.equal(named_tensors(loop.ema_model)[n], t), f"ignored {n} was touched"
-    assert emas[None]._plan is not None and emas[None]._plan.impl == "flat"
-    assert emas[True]._plan.impl == "foreach" and loop._plan.impl == "loop"
+    assert emas[None].tracker.plan().impl == "flat"
+    assert emas[True].tracker.plan().impl == "foreach" and loop.tracker.plan().impl == "loop"
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5])
@@ -371,8 +372,9 @@ def num_kernels_after_update(model: nn.Module, **kw: Any) -> dict[Any, int]:
         ema = EMA(model, beta=0.9, update_after_step=0, update_every=1, use_foreach=uf, **kw)
         ema.update()
         ema.update()  # one averaging update
-        assert isinstance(ema._plan, Plan)
-        out[uf] = ema._plan.num_kernels
+        plan = ema.tracker.plan()
+        assert isinstance(plan, Plan)
+        out[uf] = plan.num_kernels
     return out
 
 
@@ -506,7 +508,7 @@ def test_ema_of_a_flattened_model_trains_and_updates_with_one_span_per_group():
         ema_plain.update()
         assert_bit_identical(ema.ema_model, ema_plain.ema_model, f"call {s + 1}")
     assert ema.get_current_decay() > 0
-    assert ema._plan.num_kernels == 2  # one float span, one integer span
+    assert ema.tracker.plan().num_kernels == 2  # one float span, one integer span
 
 
 # -- the plan follows storage moves ----------------------------------------------------------
@@ -721,12 +723,13 @@ def test_skipped_call_does_nothing_observable(use_foreach, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     perturb(model, gen)
     shadow_before, online_before = snapshot(ema.ema_model), snapshot(model)
-    plan_before = ema._plan
+    plan_before = ema.tracker.plan()
     with monkeypatch.context() as mp:
         for cls, name in (
-            (EMA, "_ensure_plan"),
-            (EMA, "_before_update"),
-            (Plan, "lerp_shadow"),
+            (Tracker, "plan"),
+            (Tracker, "apply"),
+            (Plan, "run"),
+            (Plan, "stale"),
             (Plan, "copy_to_shadow"),
             (Plan, "lerp_online"),
             (Plan, "copy_to_online"),
@@ -738,7 +741,7 @@ def test_skipped_call_does_nothing_observable(use_foreach, monkeypatch):
         for _ in range(3):  # calls with pre-increment steps 1, 2, 3 are skipped
             ema.update()
     assert int(ema.step) == 4
-    assert ema._plan is plan_before
+    assert ema.tracker.plan() is plan_before
     assert_bit_identical_dicts(snapshot(ema.ema_model), shadow_before)
     assert_bit_identical_dicts(snapshot(model), online_before)
     ema.update()  # pre-increment step 4 averages

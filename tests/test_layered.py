@@ -91,7 +91,7 @@ def test_flattened_groups_update_in_few_kernels():
     ema.update()
     ema.update()
     # float params+buffers split into two decay groups (each one span) + the int copy
-    assert ema._plan.num_kernels <= 4
+    assert ema.tracker.plan().num_kernels <= 4
 
 
 @pytest.mark.parametrize(

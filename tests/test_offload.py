@@ -15,6 +15,7 @@ import emakit
 from _models import bn_mlp
 from emakit import EMA
 from emakit.engine import plan as plan_mod
+from emakit.engine.runners import ThreadRunner
 
 make_net = partial(bn_mlp, 6, 16, 3, relu=True)
 
@@ -45,7 +46,7 @@ def test_async_equals_sync_bit_for_bit(flatten, ema_dtype):
     )
     sync = EMA(net, use_foreach=False, **kw)
     bg = EMA(net, device="cpu", **kw)
-    assert bg.async_update and bg._worker is not None
+    assert bg.async_update and isinstance(bg.tracker.runner, ThreadRunner)
     train(net, [sync, bg])
     for (k, a), (_, b) in zip(
         sync.ema_model.state_dict().items(), bg.ema_model.state_dict().items(), strict=True
@@ -70,32 +71,44 @@ def test_readers_wait_for_a_slow_background_update(monkeypatch):
     gate, entered = threading.Event(), threading.Event()
     original = plan_mod.Plan.finish
 
-    def slow_finish(self, weights):
+    def slow_finish(self, action):
         entered.set()
         assert gate.wait(timeout=30)
-        return original(self, weights)
+        return original(self, action)
 
     monkeypatch.setattr(plan_mod.Plan, "finish", slow_finish)
     ema.update()  # returns although the worker is held at the gate
     assert entered.wait(timeout=30)
-    assert ema._worker.pending
+    assert ema.tracker.runner.pending
 
     readers = {
         "forward": lambda: ema(torch.ones(2, 6)),
         "state_dict": lambda: ema.state_dict()["ema_model.0.weight"],
         "ema_model": lambda: ema.ema_model[0].weight.detach().clone(),
     }
+    waiting = {name: threading.Event() for name in readers}
+    original_wait = ThreadRunner.wait
+
+    def traced_wait(self):
+        event = waiting.get(threading.current_thread().name)
+        if event is not None:
+            event.set()
+        return original_wait(self)
+
+    monkeypatch.setattr(ThreadRunner, "wait", traced_wait)
     results: dict[str, torch.Tensor] = {}
 
     def read(name):
         results[name] = readers[name]()
 
-    threads = [threading.Thread(target=read, args=(n,)) for n in readers]
+    threads = [threading.Thread(target=read, args=(n,), name=n) for n in readers]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=0.2)
-    assert not results  # nobody got past the pending update
+    for name, event in waiting.items():
+        assert event.wait(timeout=30), f"{name} never waited for the runner"
+    # Every reader is inside wait(), which cannot return before the gated worker does.
+    assert not results
+    assert ema.tracker.runner.pending
     gate.set()
     for t in threads:
         t.join(timeout=30)
@@ -110,7 +123,7 @@ def test_worker_errors_surface_on_next_read(monkeypatch):
     ema = EMA(net, update_after_step=0, update_every=1, async_update=True)
     ema.update()
 
-    def broken(self, weights):
+    def broken(self, action):
         raise RuntimeError("worker failed")
 
     monkeypatch.setattr(plan_mod.Plan, "finish", broken)
@@ -215,7 +228,7 @@ def test_optimizer_hooked_async_reads_live_weights_and_matches_sync(monkeypatch)
     ):
         assert torch.equal(a, b), k
     handle.remove()
-    assert bg._live is None
+    assert not bg.tracker.runner.live
     opts[0].step()  # no EMA update any more
     assert int(bg.step) == 15
 
@@ -230,33 +243,41 @@ def test_optimizer_step_waits_for_the_background_update(monkeypatch):
     net(torch.randn(4, 6)).sum().backward()
     opt.step()  # first update: synchronous copy
     gate, entered = threading.Event(), threading.Event()
-    original = plan_mod.Plan.lerp_shadow
+    original = plan_mod.Plan.run
 
-    def slow(self, weights):
-        if threading.current_thread() is not threading.main_thread():  # the worker's part
+    def slow(self, action):
+        if threading.current_thread().name.startswith("emakit-ema"):  # the worker's part
             entered.set()
             assert gate.wait(timeout=30)
-        return original(self, weights)
+        return original(self, action)
 
-    monkeypatch.setattr(plan_mod.Plan, "lerp_shadow", slow)
+    monkeypatch.setattr(plan_mod.Plan, "run", slow)
     before = net[0].weight.detach().clone()
     net(torch.randn(4, 6)).sum().backward()
     opt.step()  # returns: the post-step update is in the background, held at the gate
     assert entered.wait(timeout=30)
     after_first = net[0].weight.detach().clone()
     assert not torch.equal(before, after_first)
-    done = threading.Event()
+    done, waiting = threading.Event(), threading.Event()
+    original_wait = ThreadRunner.wait
+
+    def traced_wait(self):
+        if threading.current_thread().name == "stepper":
+            waiting.set()
+        return original_wait(self)
+
+    monkeypatch.setattr(ThreadRunner, "wait", traced_wait)
 
     def step_again():
         opt.step()
         done.set()
 
-    worker = threading.Thread(target=step_again)
-    worker.start()
-    assert not done.wait(timeout=0.2)  # the step waits for the pending update
-    assert torch.equal(net[0].weight, after_first)  # and has not written the weights
+    stepper = threading.Thread(target=step_again, name="stepper")
+    stepper.start()
+    assert waiting.wait(timeout=30)  # the step's pre-hook waits for the pending update...
+    assert not done.is_set()  # ...which cannot finish while the worker is held
+    assert torch.equal(net[0].weight, after_first)  # so the step has not written the weights
     gate.set()
-    worker.join(timeout=30)
+    stepper.join(timeout=30)
     assert done.is_set()
-    monkeypatch.setattr(plan_mod.Plan, "lerp_shadow", original)
-    ema._sync()
+    ema.tracker.runner.wait()

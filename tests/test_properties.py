@@ -291,7 +291,7 @@ def schedule_names() -> list[str]:
     names = []
     for name in schedules.__all__:
         obj = getattr(schedules, name)
-        if callable(obj) and not inspect.isclass(obj):
+        if callable(obj) and not inspect.isclass(obj) and name != "describe":
             names.append(name)
     return names
 

@@ -37,16 +37,25 @@ def test_import_emakit_loads_no_optional_framework():
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
 def test_ruff_is_clean():
-    result = subprocess.run(["ruff", "check", "--output-format", "concise", str(ROOT)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["ruff", "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_mypy_is_clean_on_src():
     pytest.importorskip("mypy")
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", str(ROOT / "src" / "emakit"), "--ignore-missing-imports",
-         "--cache-dir", str(ROOT / ".mypy_cache")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            str(ROOT / "src" / "emakit"),
+            "--ignore-missing-imports",
+            "--cache-dir",
+            str(ROOT / ".mypy_cache"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -28,7 +28,9 @@ def test_version_1_fixture_loads_and_continues():
     assert bool(ema.initted)
     for key, value in state.items():
         if key.startswith("ema_model."):
-            assert torch.equal(ema.ema_model.state_dict()[key.removeprefix("ema_model.")], value), key
+            assert torch.equal(ema.ema_model.state_dict()[key.removeprefix("ema_model.")], value), (
+                key
+            )
     # continuing averages toward the online weights with the step-6 decay
     before = ema.ema_model[0].weight.detach().clone()
     ema.update()

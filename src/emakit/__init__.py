@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from . import schedules
+from ._version import __version__
 from .averaging import interpolate, update_bn
 from .checkpoint import load_ema_weights, save_ema_weights
 from .ema import EMA, STATE_VERSION, unwrap_model
@@ -27,8 +28,6 @@ from .foreign import load_foreign_state
 from .multi import MultiEMA
 from .posthoc import KarrasEMA, PostHocEMA, PostHocWarning
 from .pytree import EMAPytree, EMATensor
-
-from ._version import __version__
 
 __all__ = [
     "EMA",

@@ -20,23 +20,31 @@ def real(
     low_open: bool = False,
     high_open: bool = False,
 ) -> float:
-    """``value`` as a float within the given bounds (booleans are refused)."""
+    """``value`` as a finite float within the given bounds; every real-number argument of
+    emakit (EMA keywords, schedules, post-hoc profiles) is checked here.
+
+    Booleans, NaN and infinities are refused; an infinite bound is always open, so the
+    message shows the interval actually accepted, e.g. ``(0.0, inf)``.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise EMATypeError(
             f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
         )
     v = float(value)
+    low_open = low_open or math.isinf(low)
+    high_open = high_open or math.isinf(high)
     bad = (
-        math.isnan(v)
+        not math.isfinite(v)
         or v < low
         or v > high
         or (low_open and v == low)
         or (high_open and v == high)
-        or (math.isinf(v) and not (math.isinf(low) or math.isinf(high)))
     )
     if bad:
         lb, hb = "(" if low_open else "[", ")" if high_open else "]"
-        raise EMAValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {name}={value!r}")
+        raise EMAValueError(
+            f"{name} must be a finite number in {lb}{low}, {high}{hb}, got {name}={value!r}"
+        )
     return v
 
 

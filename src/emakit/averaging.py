@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .ema import _EMABase, unwrap_model
+from .ema import EMA, unwrap_model
 from .errors import EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["interpolate", "update_bn"]
@@ -36,7 +36,7 @@ __all__ = ["interpolate", "update_bn"]
 
 
 def _as_state_dict(i: int, source: object) -> Mapping[str, Any]:
-    if isinstance(source, _EMABase):
+    if isinstance(source, EMA):
         ema_model = getattr(source, "ema_model", None)
         if not isinstance(ema_model, nn.Module):
             raise EMATypeError(
@@ -323,7 +323,7 @@ def update_bn(
         >>> int(net[1].num_batches_tracked)
         4
     """
-    if isinstance(model, _EMABase):
+    if isinstance(model, EMA):
         ema_model = getattr(model, "ema_model", None)
         if not isinstance(ema_model, nn.Module):
             raise EMATypeError(

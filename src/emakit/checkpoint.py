@@ -28,7 +28,8 @@ from . import _validate as check
 from ._io import atomic_path, atomic_write
 from ._safetensors import read_safetensors, write_safetensors
 from ._validate import not_newer
-from .ema import EMA, STATE_VERSION, _EMABase
+from .core.tree import leaves
+from .ema import EMA
 from .errors import (
     EMAError,
     EMAFileNotFoundError,
@@ -37,7 +38,6 @@ from .errors import (
     EMATypeError,
     EMAValueError,
 )
-from .pytree import EMAPytree, _leaves
 
 __all__ = [
     "WEIGHTS_FORMAT",
@@ -67,9 +67,9 @@ def as_path(name: str, value: object) -> Path:
     return Path(value)
 
 
-def check_ema(ema: object) -> _EMABase:
+def check_ema(ema: object) -> EMA:
     """``ema`` if it is an emakit EMA or EMAPytree, or an error saying how to wrap a model."""
-    if not isinstance(ema, _EMABase):
+    if not isinstance(ema, EMA):
         raise EMATypeError(
             f"ema must be an emakit EMA or EMAPytree, got ema={type(ema).__name__}; "
             f"wrap the model first: ema = emakit.EMA(model)"
@@ -77,10 +77,10 @@ def check_ema(ema: object) -> _EMABase:
     return ema
 
 
-def _shadow_tensors(ema: _EMABase) -> dict[str, Tensor]:
+def _shadow_tensors(ema: EMA) -> dict[str, Tensor]:
     """The EMA weights by the names the model class uses."""
-    if isinstance(ema, EMAPytree):
-        return _leaves(ema.ema_pytree)
+    if ema.kind == "pytree":
+        return leaves(ema.ema_pytree)
     assert isinstance(ema, EMA)
     if ema.ema_model is None:
         raise EMARuntimeError(
@@ -89,28 +89,18 @@ def _shadow_tensors(ema: _EMABase) -> dict[str, Tensor]:
     return ema.ema_model.state_dict()
 
 
-def _schedule_name(schedule: Any) -> str:
-    if schedule is None:
-        return "inverse_gamma"
-    doc = (getattr(schedule, "__doc__", None) or "").strip()
-    if doc and "\n" not in doc and len(doc) <= 200:
-        return doc  # emakit's schedule factories set a one-line repr-like docstring
-    return str(getattr(schedule, "__qualname__", None) or type(schedule).__name__)
-
-
 def weights_header(
-    ema: _EMABase, tensors: Mapping[str, Tensor], dtype: torch.dtype | None
+    ema: EMA, tensors: Mapping[str, Tensor], dtype: torch.dtype | None
 ) -> dict[str, str]:
     """The header metadata :func:`save_ema_weights` writes for ``ema`` and ``tensors``."""
     from ._version import __version__
 
-    schedule = getattr(ema, "schedule", None)
-    inner = ema.ema_pytree if isinstance(ema, EMAPytree) else ema.ema_model
+    inner = ema.ema_pytree if ema.kind == "pytree" else ema.ema_model
     return {
         "format": WEIGHTS_FORMAT,
         "format_version": str(WEIGHTS_FORMAT_VERSION),
         "emakit_version": __version__,
-        "kind": "pytree" if isinstance(ema, EMAPytree) else "module",
+        "kind": "pytree" if ema.kind == "pytree" else "module",
         "model_class": type(inner).__name__,
         "step": str(int(ema.step)),
         "initted": "true" if bool(ema.initted) else "false",
@@ -121,7 +111,7 @@ def weights_header(
         "inv_gamma": repr(ema.inv_gamma),
         "power": repr(ema.power),
         "min_value": repr(ema.min_value),
-        "schedule": _schedule_name(schedule),
+        "schedule": repr(ema.tracker.rule.decays[0]),
         "dtypes": ",".join(
             sorted(
                 {
@@ -134,7 +124,7 @@ def weights_header(
 
 
 def save_ema_weights(
-    ema: _EMABase,
+    ema: EMA,
     path: str | os.PathLike[str],
     *,
     dtype: torch.dtype | None = None,
@@ -202,7 +192,7 @@ def int_meta(metadata: Mapping[str, str], key: str, path: Path) -> int | None:
 
 
 def load_ema_weights(
-    ema: _EMABase,
+    ema: EMA,
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
@@ -243,7 +233,7 @@ def load_ema_weights(
     if metadata.get("format") == WEIGHTS_FORMAT:
         version = int_meta(metadata, "format_version", src)
         not_newer(str(src), "format_version", version, WEIGHTS_FORMAT_VERSION)
-        kind = "pytree" if isinstance(ema, EMAPytree) else "module"
+        kind = "pytree" if ema.kind == "pytree" else "module"
         if metadata.get("kind", kind) != kind:
             raise EMAStateError(
                 f"{src} holds the weights of an EMA of a {metadata['kind']}, but ema is an "
@@ -257,7 +247,7 @@ def load_ema_weights(
 
 
 def load_weights(
-    ema: _EMABase,
+    ema: EMA,
     weights: Mapping[str, Tensor],
     *,
     step: int | None,
@@ -267,18 +257,16 @@ def load_weights(
     what: str = "",
 ) -> None:
     """Copy ``weights`` (model names) into the shadow, set step/initted, pairing strictly."""
-    if isinstance(ema, EMAPytree):
-        expected = set(_leaves(ema.ema_pytree))
+    if ema.kind == "pytree":
+        expected = set(leaves(ema.ema_pytree))
         prefix = "ema."
     else:
-        assert isinstance(ema, EMA)
         if ema.ema_model is None:
             ema.init_ema()
-        assert ema.ema_model is not None
         expected = set(ema.ema_model.state_dict())
         prefix = "ema_model."
     weights = _align_keys(weights, expected)
-    if isinstance(ema, EMA):
+    if ema.kind == "module":
         weights = _fill_tied(ema, weights)
     missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if strict and (missing or extra):
@@ -295,7 +283,6 @@ def load_weights(
             f"{source}{what} has tensors of other shapes than the model: {_few(bad)}"
         )
     state: dict[str, Any] = {
-        "version": torch.tensor(STATE_VERSION),
         "step": torch.tensor(int(ema.step) if step is None else step),
         "initted": torch.tensor(initted),
     }
@@ -312,7 +299,6 @@ def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     ``safetensors.torch.save_model`` and other exporters store a tied tensor once; the
     model still has it under each name.
     """
-    assert ema.ema_model is not None
     out = dict(weights)
     groups: dict[int, list[str]] = {}
     model = ema.ema_model
@@ -331,7 +317,7 @@ def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _shapes(
-    ema: _EMABase, weights: Mapping[str, Tensor], expected: set[str], source: str
+    ema: EMA, weights: Mapping[str, Tensor], expected: set[str], source: str
 ) -> list[tuple[str, Tensor, Tensor]]:
     current = _shadow_tensors(ema)
     out = []

@@ -26,7 +26,6 @@ from ._safetensors import read_safetensors, require_file
 from .checkpoint import WEIGHTS_FORMAT, check_ema, int_meta, load_weights
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
-from .pytree import EMAPytree
 
 __all__ = ["FOREIGN_FORMATS", "detect_format", "load_foreign_state"]
 
@@ -165,7 +164,7 @@ def _as_int(value: Any) -> int | None:
 
 
 def load_foreign_state(
-    ema: EMA | EMAPytree,
+    ema: EMA,
     obj: Any,
     format: str = "auto",
     *,
@@ -262,7 +261,7 @@ def load_foreign_state(
             f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
             f"accepted formats: {', '.join(FOREIGN_FORMATS)} (pass format= to choose one)"
         )
-    if isinstance(ema, EMAPytree) and fmt != "emakit":
+    if ema.kind == "pytree" and fmt != "emakit":
         raise EMATypeError(
             f"an EMAPytree loads only emakit state dicts, got format={fmt!r} from {source}"
         )
@@ -318,7 +317,7 @@ def load_foreign_state(
     return fmt
 
 
-def _warn_if_warming_up(ema: EMA | EMAPytree, source: str) -> None:
+def _warn_if_warming_up(ema: EMA, source: str) -> None:
     if int(ema.step) <= int(ema.update_after_step or 0):
         warnings.warn(
             f"after loading {source}, ema.step={int(ema.step)} <= update_after_step="

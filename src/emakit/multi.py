@@ -5,76 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
+from .decay import SKIP, Action
 from .ema import EMA
-from .engine.plan import _span, _split_runs
-from .errors import EMATypeError, EMAValueError
+from .engine.fused import FusedPlan
+from .engine.plan import Plan
+from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]
-
-
-#: Mean elements per tensor below which gathering the online tensors once into a staging
-#: buffer beats one lerp per tensor per EMA (the update is then launch-bound, not
-#: bandwidth-bound). Measured on CPU with benchmarks/bench_multi.py.
-GATHER_BELOW = 1 << 16
-
-
-class _FusedGroup:
-    """One (device, dtype) group of averaged tensors, shared by every EMA of the set.
-
-    Three forms, picked once: the online tensors already form one span of the shadow's
-    dtype (each EMA takes one ``lerp_`` from it); they are many small tensors (gather them
-    once into ``staging``, then one ``lerp_`` per EMA); or they are large (one foreach
-    ``lerp_`` per EMA straight from them: a gather would only add a pass over memory).
-    """
-
-    def __init__(self, onlines: list[Tensor], shadows: list[list[Tensor]]) -> None:
-        self.spans = [_span(s).reshape(-1) for s in shadows]
-        self.shadows = shadows
-        self.onlines = onlines
-        self.src: list[Tensor] = []
-        self.direct = False
-        runs = _split_runs(onlines)
-        ref = self.spans[0]
-        same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
-        self.key = (onlines[0].dtype, onlines[0].device)
-        self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
-        self.ptrs = [t.data_ptr() for t in self.guard]
-        if len(runs) == 1 and same:
-            self.source = _span(onlines).reshape(-1)
-            return
-        if same and ref.numel() / len(onlines) >= GATHER_BELOW:
-            self.direct = True
-            return
-        self.source = torch.empty(ref.numel(), dtype=ref.dtype, device=ref.device)
-        self.dst: list[Tensor] = []
-        offset = 0
-        for run in runs:
-            n = sum(onlines[i].numel() for i in run)
-            view = self.source.narrow(0, offset, n)
-            self.dst.append(view.view(onlines[run[0]].shape) if len(run) == 1 else view)
-            self.src.append(_span([onlines[i] for i in run]))
-            offset += n
-
-    def stale(self) -> bool:
-        first = self.onlines[0]
-        if (first.dtype, first.device) != self.key:
-            return True
-        return list(map(Tensor.data_ptr, self.guard)) != self.ptrs
-
-    def lerp(self, weights: Sequence[float]) -> None:
-        if self.direct:
-            for shadows, w in zip(self.shadows, weights, strict=True):
-                if w:
-                    torch._foreach_lerp_(shadows, self.onlines, w)
-            return
-        if self.src:
-            torch._foreach_copy_(self.dst, self.src)
-        for span, w in zip(self.spans, weights, strict=True):
-            if w:
-                span.lerp_(self.source, w)
 
 
 class MultiEMA(nn.Module):
@@ -137,7 +76,12 @@ class MultiEMA(nn.Module):
             )
         ema_kwargs.pop("ema_model", None)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
-        self._fused: list[_FusedGroup] | None = None
+        # One runner for the set: a fused update is one piece of work, and every EMA's
+        # readers (state_dict, swap, forward) wait for it.
+        runner = self[0].tracker.runner
+        for e in self:
+            e.tracker.runner = runner
+        self._fused: FusedPlan | None = None
         self._plans_seen: list[int] = []
 
     def __len__(self) -> int:
@@ -152,63 +96,49 @@ class MultiEMA(nn.Module):
     @property
     def step(self) -> int:
         """Number of :meth:`update` calls so far."""
-        return self[0]._step
+        return int(self[0].step)
 
-    def _build_fused(self) -> list[_FusedGroup] | None:
-        plans = [e._ensure_plan() for e in self]
-        first = plans[0].pairs
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(first):
-            if p.average:
-                key = (p.shadow.device, p.shadow.dtype)
-                groups.setdefault(key, []).append(i)
-        fused = []
-        for idx in groups.values():
-            # every EMA laid its shadow out in the same (memory) order; follow it
-            idx.sort(key=lambda i: first[i].shadow.storage_offset())
-            onlines = [first[i].online for i in idx]
-            shadows = [[plan.pairs[i].shadow for i in idx] for plan in plans]
-            if any(len(_split_runs(s)) != 1 for s in shadows):
-                return None  # layouts differ; fall back to per-EMA plans
-            fused.append(_FusedGroup(onlines, shadows))
-        return fused
+    def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
+        if self._plans_seen != [id(p) for p in plans] or (
+            self._fused is not None and self._fused.stale()
+        ):
+            self._fused = FusedPlan.build(
+                plans,
+                frozen=[e.is_frozen for e in self],
+                staged=self[0].tracker.runner.staged,
+            )
+            self._plans_seen = [id(p) for p in plans]
+        return self._fused
 
     def update(self) -> None:
-        """Advance every EMA by one training step (see :meth:`EMA.update`)."""
-        lead = self[0]
-        step = lead._step
-        if not lead._initted or step % lead.update_every or step <= lead.update_after_step:
-            for e in self:
-                e.update()
+        """Advance every EMA by one training step (see :meth:`EMA.update`).
+
+        Averaging calls read the online tensors once for all EMAs (a fused pass, on the
+        set's shared runner: inline, background thread or CUDA stream); the first call and
+        warm-up copies go through each EMA's own plan.
+        """
+        trackers = [e.tracker for e in self]
+        if any(t.swapped for t in trackers):
+            raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
+        actions = [t.advance() for t in trackers]
+        if actions[0] is SKIP:
             return
-        for e in self:
-            if e._swapped:
-                e.update()  # raises the swap error
-            e._step = step + 1
-            e._before_update()
-        plans = [e._ensure_plan() for e in self]
-        if lead.skip_nonfinite and not lead._online_finite(plans[0]):
-            return
-        fused = self._fused
-        if (
-            fused is None
-            or self._plans_seen != [id(p) for p in plans]
-            or any(g.stale() for g in fused)
-        ):
-            fused = self._fused = self._build_fused()
-            self._plans_seen = [id(p) for p in plans]
-        if fused is None:
-            for e, plan in zip(self, plans, strict=True):
-                if not e.is_frozen:
-                    plan.lerp_shadow(e._weights_at(step + 1))
-            return
-        weights = [0.0 if e.is_frozen else 1.0 - e._decay_at(step + 1) for e in self]
-        with torch.no_grad():
-            for g in fused:
-                g.lerp(weights)
-            for e, plan in zip(self, plans, strict=True):
-                if not e.is_frozen:
-                    plan._to_shadow.copy_only(plan.impl)
+        if all(a.averages for a in actions):
+            plans = [t.plan() for t in trackers]
+            if trackers[0].skip_nonfinite and not trackers[0].online_finite(plans[0]):
+                for t in trackers[1:]:
+                    t.count_nonfinite()
+                return
+            fused = self._fused_for(plans)
+            if fused is not None:
+                weights = tuple(a.weights[0] if a.kind == "lerp" else 0.0 for a in actions)
+                if any(weights):
+                    trackers[0].runner.submit(fused, Action("lerp", weights, actions[0].call))
+                for t, a in zip(trackers, actions, strict=True):
+                    t.record(a)
+                return
+        for t, a in zip(trackers, actions, strict=True):
+            t.apply(a)
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run every EMA model (eval mode, no grad); returns their outputs in order."""

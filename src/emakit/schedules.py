@@ -48,13 +48,14 @@ from typing import ClassVar, Protocol, cast, runtime_checkable
 import torch
 
 from . import _validate as check
-from .errors import EMATypeError, EMAValueError
+from .errors import EMAValueError
 
 __all__ = [
     "Schedule",
     "constant",
     "cosine_momentum",
     "cumulative_average",
+    "describe",
     "half_life",
     "inverse_gamma",
     "inverse_gamma_float32",
@@ -70,20 +71,6 @@ class Schedule(Protocol):
     """``t -> decay``: the decay to apply at ``t`` steps after averaging began."""
 
     def __call__(self, t: int, /) -> float: ...
-
-
-def _check_real(
-    name: str, value: object, *, low: float, high: float, low_open: bool = False
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EMATypeError(
-            f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
-        )
-    v = float(value)
-    if not math.isfinite(v) or v < low or v > high or (low_open and v == low):
-        bracket = "(" if low_open else "["
-        raise EMAValueError(f"{name} must be in {bracket}{low}, {high}], got {name}={value!r}")
-    return v
 
 
 def inverse_gamma_float32(
@@ -127,10 +114,14 @@ def inverse_gamma(
         >>> round(s(10_000), 4)
         0.999
     """
-    beta = _check_real("beta", beta, low=0.0, high=1.0)
-    inv_gamma = _check_real("inv_gamma", inv_gamma, low=0.0, high=math.inf, low_open=True)
-    power = _check_real("power", power, low=0.0, high=math.inf, low_open=True)
-    min_value = _check_real("min_value", min_value, low=0.0, high=beta)
+    beta = check.real("beta", beta, low=0.0, high=1.0)
+    inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
+    power = check.real("power", power, low=0.0, low_open=True)
+    if isinstance(min_value, (int, float)) and not isinstance(min_value, bool) and min_value > beta:
+        raise EMAValueError(
+            f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
+        )
+    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
 
     return _InverseGamma(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
 
@@ -261,6 +252,26 @@ class _CumulativeAverage(_Schedule):
     def __call__(self, t: int) -> float:
         t = max(t, 0)
         return t / (t + self.update_every)
+
+
+def describe(schedule: object) -> str:
+    """A one-line description of a decay schedule, for file headers and logs.
+
+    emakit's schedules describe themselves as the factory call that builds them; ``None``
+    is the default inverse-gamma warm-up; any other callable is named by its qualified
+    name (its values cannot be known).
+
+    Example:
+        >>> describe(linear_warmup(beta=0.999, warmup=1000))
+        'linear_warmup(beta=0.999, warmup=1000)'
+        >>> describe(None)
+        'inverse_gamma'
+    """
+    if schedule is None:
+        return "inverse_gamma"
+    if isinstance(schedule, _Schedule):
+        return repr(schedule)
+    return str(getattr(schedule, "__qualname__", None) or type(schedule).__name__)
 
 
 def _beta(name: str, value: object) -> float:

@@ -35,17 +35,16 @@ def _converted(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> list[Tensor]:
     ]
 
 
-def _single_tensor_lerp(
-    shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float
-) -> None:
-    # The reference: one lerp_ per pair, exactly as ema-pytorch's non-foreach path.
+def single_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
+    """The reference kernel: one ``lerp_`` per pair, exactly as ema-pytorch's loop."""
     for s, o in zip(shadows, onlines, strict=True):
         if o.dtype != s.dtype or o.device != s.device:
             o = o.to(s.device, s.dtype)
         s.lerp_(o, weight)
 
 
-def _multi_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
+def multi_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
+    """One ``torch._foreach_lerp_`` over all pairs (onlines cast/moved where they differ)."""
     if shadows:
         torch._foreach_lerp_(list(shadows), _converted(onlines, shadows), weight)
 
@@ -83,9 +82,9 @@ def ema_lerp_(
         )
     with torch.no_grad():
         if impl == "loop":
-            _single_tensor_lerp(shadows, onlines, weight)
+            single_tensor_lerp(shadows, onlines, weight)
         else:
-            _multi_tensor_lerp(shadows, onlines, weight)
+            multi_tensor_lerp(shadows, onlines, weight)
 
 
 def ema_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, impl: Impl = "foreach") -> None:

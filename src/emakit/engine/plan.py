@@ -20,64 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..distributed import local_tensor
-from .kernels import Impl, _multi_tensor_lerp, _single_tensor_lerp, ema_copy_
+from .._dtensor import local_tensor
+from .guards import Guards
+from .kernels import Impl, ema_copy_, multi_tensor_lerp, single_tensor_lerp
+from .pairs import TensorPair
+from .spans import runs_both, span, split_runs
+
+if TYPE_CHECKING:
+    from ..decay import Action
 
 __all__ = ["Plan", "TensorPair", "build_plan"]
-
-
-@dataclass(frozen=True)
-class TensorPair:
-    """One tracked tensor: its name, the EMA copy, the training copy, and its role.
-
-    ``average`` is True for tensors that are averaged (``lerp_``) and False for tensors
-    that are copied (integer buffers, names in ``param_or_buffer_names_no_ema``).
-    ``group`` is the decay group (0 the default; see ``EMA(decay_groups=...)``): averaged
-    tensors of one group share one lerp weight. ``buffer`` marks module buffers (which a
-    forward pass may write, unlike parameters).
-    """
-
-    name: str
-    shadow: Tensor
-    online: Tensor
-    average: bool
-    group: int = 0
-    buffer: bool = False
-
-
-def _adjacent(a: Tensor, b: Tensor) -> bool:
-    """Whether contiguous ``b`` starts right where contiguous ``a`` ends, in one storage."""
-    return bool(
-        a.is_contiguous()
-        and b.is_contiguous()
-        and a.dtype == b.dtype
-        and a.device == b.device
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() + a.numel() == b.storage_offset()
-    )
-
-
-def _span(tensors: Sequence[Tensor]) -> Tensor:
-    """One 1-D view covering adjacent contiguous tensors (the tensor itself if alone)."""
-    if len(tensors) == 1:
-        return tensors[0]
-    first = tensors[0].detach()
-    return torch.as_strided(first, (sum(t.numel() for t in tensors),), (1,), first.storage_offset())
-
-
-def _split_runs(items: Sequence[Tensor]) -> list[list[int]]:
-    """Indices of ``items`` cut into maximal runs of memory-adjacent tensors."""
-    runs: list[list[int]] = []
-    for i, t in enumerate(items):
-        if runs and _adjacent(items[runs[-1][-1]], t):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
 
 
 @dataclass
@@ -119,21 +76,6 @@ class _Flat:
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]]:
-    """Maximal runs of pairs that are memory-adjacent on both sides at once."""
-    runs: list[list[int]] = []
-    for i in range(len(dsts)):
-        if (
-            runs
-            and _adjacent(dsts[runs[-1][-1]], dsts[i])
-            and _adjacent(srcs[runs[-1][-1]], srcs[i])
-        ):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
 def _guard(flat: _Flat, run: list[int], side: Sequence[Tensor], *, every: bool = True) -> None:
     # A multi-tensor span is a view made now; if the storage of a tensor in it moves later
     # (``model.to()``, ``param.data = ...``), the span is stale and the plan rebuilds.
@@ -151,9 +93,9 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
     if not dsts:
         return flat
     if not staged and dsts[0].dtype == srcs[0].dtype and dsts[0].device == srcs[0].device:
-        for run in _runs_both(dsts, srcs):
-            flat.dst.append(_span([dsts[i] for i in run]))
-            flat.src.append(_span([srcs[i] for i in run]))
+        for run in runs_both(dsts, srcs):
+            flat.dst.append(span([dsts[i] for i in run]))
+            flat.src.append(span([srcs[i] for i in run]))
             _guard(flat, run, dsts, every=False)
             _guard(flat, run, srcs)
         return flat
@@ -172,12 +114,12 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
         view = staging.narrow(0, offsets[run[0]], sum(like[i].numel() for i in run))
         return view.view(like[run[0]].shape) if len(run) == 1 else view
 
-    for run in _split_runs(srcs):
-        flat.src.append(_span([srcs[i] for i in run]))
+    for run in split_runs(srcs):
+        flat.src.append(span([srcs[i] for i in run]))
         flat.staging_src.append(staging_view(run, srcs))
         _guard(flat, run, srcs)
-    for run in _split_runs(dsts):
-        flat.dst.append(_span([dsts[i] for i in run]))
+    for run in split_runs(dsts):
+        flat.dst.append(span([dsts[i] for i in run]))
         flat.staging_dst.append(staging_view(run, dsts))
         _guard(flat, run, dsts, every=False)
     return flat
@@ -276,10 +218,10 @@ class _Direction:
                     # grouped by (device, dtype), and still so: nothing to convert
                     torch._foreach_lerp_(g.lerp_dst, g.lerp_src, weight)
                 else:
-                    _multi_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
+                    multi_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
             else:
                 ema_copy_(g.copy_dst, g.copy_src, impl="loop")
-                _single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
+                single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
 
     def copy_only(self, impl: Impl) -> None:
         """Copy the non-averaged pairs (integer buffers, no-EMA names) only."""
@@ -324,10 +266,16 @@ class Plan:
         self.pairs = list(pairs)
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
+        self.guards = Guards(self.pairs)
         self._to_shadow = _Direction(
             self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
         )
         self._to_online: _Direction | None = None
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
+        return bool(self.pairs) and self.pairs[0].online.is_cuda
 
     @property
     def num_kernels(self) -> int:
@@ -348,9 +296,23 @@ class Plan:
         return self._to_online
 
     def stale(self) -> bool:
-        """Whether the storage under the plan's spans moved since it was built (the owner
-        then builds a new plan). Per-tensor paths read the live tensors and never go stale."""
-        return self._to_shadow.flat and self._to_shadow.stale()
+        """Whether the model changed under the plan: a tracked tensor was replaced (see
+        :class:`~emakit.engine.guards.Guards`), or storage moved under it (a group's dtype
+        or device changed, a span's tensor was re-pointed). The owner then pairs the live
+        tensors by name again and builds a new plan."""
+        if self.guards.replaced() is not None:
+            return True
+        return self._to_shadow.stale()
+
+    @torch.no_grad()
+    def run(self, action: Action) -> None:
+        """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
+        nothing (``"hold"``, ``"skip"``)."""
+        kind = action.kind
+        if kind == "lerp":
+            self._to_shadow.lerp(action.weights, self.impl)
+        elif kind in ("init", "copy"):
+            self._to_shadow.copy(self.impl)
 
     @torch.no_grad()
     def stage(self, *, non_blocking: bool = False) -> None:
@@ -358,9 +320,12 @@ class Plan:
         self._to_shadow.stage(non_blocking=non_blocking)
 
     @torch.no_grad()
-    def finish(self, weights: Sequence[float] | None) -> None:
-        """Average (or copy, with ``weights=None``) the staged snapshot into the shadow."""
-        self._to_shadow.finish(weights)
+    def finish(self, action: Action) -> None:
+        """Carry out ``action`` from the staged snapshot (see :meth:`stage`)."""
+        if action.kind == "lerp":
+            self._to_shadow.finish(action.weights)
+        elif action.kind in ("init", "copy"):
+            self._to_shadow.finish(None)
 
     @property
     def num_decay_groups(self) -> int:
@@ -398,6 +363,11 @@ class Plan:
             for ts in by_device.values()
         ]
         return all(bool(f) for f in flags)
+
+    @torch.no_grad()
+    def copy_unaveraged(self) -> None:
+        """Copy only the pairs that are never averaged (integer buffers, no-EMA names)."""
+        self._to_shadow.copy_only(self.impl)
 
     @torch.no_grad()
     def copy_to_shadow(self) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._validate import not_newer
+from ..core.state import StateCodec, integer, real
+from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .math import (
@@ -37,7 +38,9 @@ __all__ = ["KARRAS_STATE_VERSION", "KarrasEMA"]
 
 #: Version of the extra keys :meth:`KarrasEMA.state_dict` writes (``karras_version``).
 KARRAS_STATE_VERSION = 1
-_KARRAS_KEYS = ("karras_version", "gamma", "t", "dt")
+_CODEC = StateCodec(
+    "karras_version", KARRAS_STATE_VERSION, [real("gamma"), integer("t"), integer("dt")]
+)
 
 
 def resolve_profile(sigma_rel: object, gamma: object) -> tuple[float, float]:
@@ -126,10 +129,6 @@ class KarrasEMA(EMA):
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         if not isinstance(frozen, bool):
             raise EMATypeError(f"frozen must be True or False, got {frozen=!r}")
-        # Profile time: the step of the last update that touched the weights, and the
-        # gap that update covered. Set before the base class reads ``beta``.
-        self._t = 0
-        self._dt = 0
         super().__init__(
             model,
             ema_model=ema_model,
@@ -144,7 +143,12 @@ class KarrasEMA(EMA):
             ema_dtype=ema_dtype,
         )
         self.frozen = frozen
-        self.is_frozen = frozen
+        self.tracker.rule = DecayRule(
+            [PowerDecay(self.gamma, power_function_beta)],
+            update_every=self.update_every,
+            update_after_step=0,
+            frozen=frozen,
+        )
 
     # -- decay ----------------------------------------------------------------------------
 
@@ -155,18 +159,14 @@ class KarrasEMA(EMA):
 
     @beta.setter
     def beta(self, value: float) -> None:
-        # The base class stores the ceiling of its inverse-gamma warm-up here; the
-        # power-function decay has none, so the value is only kept for reference.
+        # EMA stores the ceiling of its inverse-gamma warm-up here; the power-function
+        # decay has none, so the value is only kept for reference.
         self.__dict__["_beta_ceiling"] = value
 
     @property
     def t(self) -> int:
         """The step the averaging profile ends at: the last update that touched the weights."""
-        return self._t
-
-    def _decay_at(self, step: int, group: int = 0) -> float:
-        # The decay of an averaging update at call ``step``: dt is the gap to the last one.
-        return power_function_beta(step, step - self._t, self.gamma)
+        return self.tracker.last
 
     def get_current_decay(self) -> float:
         """The decay the most recent averaging update used (0 before any, and for the
@@ -176,71 +176,62 @@ class KarrasEMA(EMA):
 
         with ``t`` the call that updated and ``dt`` the calls since the update before.
         """
-        if self._dt <= 0:
+        t = self.tracker
+        if t.gap <= 0:
             return 0.0
-        return power_function_beta(self._t, self._dt, self.gamma)
+        return power_function_beta(t.last, t.gap, self.gamma)
 
-    def _first_update(self) -> None:
-        super()._first_update()
-        if self._initted:
-            self._t, self._dt = self._step, 0
+    def current_decays(self) -> dict[str, float]:
+        """``{"default": get_current_decay()}`` (a power-function EMA has one group)."""
+        return {"default": self.get_current_decay()}
 
-    def _after_average(self, step: int) -> None:
-        # ``step`` is the pre-increment counter: the update happened at call step + 1.
-        self._t, self._dt = step + 1, step + 1 - self._t
-        super()._after_average(step)
-
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Average in the current weights if the last averaging update was before the
         current step, so the profile ends exactly at ``step`` (used before a snapshot).
 
         Exact for the power-function profile: the new sample gets the mass of the gap.
         """
-        if not self._initted or self._step <= self._t:
-            return
-        sync = getattr(self, "_sync", None)  # a background update in flight, if any
-        if sync is not None:
-            sync()
-        self._before_update()
-        if not self.is_frozen:
-            self._ensure_plan().lerp_shadow(self._weights_at(self._step))
-        self._t, self._dt = self._step, self._step - self._t
+        self.tracker.catch_up()
 
     # -- state ----------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "karras_version"] = torch.tensor(KARRAS_STATE_VERSION)
-        destination[prefix + "gamma"] = torch.tensor(self.gamma, dtype=torch.float64)
-        destination[prefix + "t"] = torch.tensor(self._t)
-        destination[prefix + "dt"] = torch.tensor(self._dt)
+        t = self.tracker
+        _CODEC.encode({"gamma": self.gamma, "t": t.last, "dt": t.gap}, destination, prefix)
 
-    def _ignorable_key(self, key: str) -> bool:
-        return key in _KARRAS_KEYS or super()._ignorable_key(key)
+    def _owns_key(self, key: str) -> bool:
+        return key in _CODEC.keys or super()._owns_key(key)
 
-    def _load_meta(
-        self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
-        version = state_dict.get(prefix + "karras_version")
-        not_newer("state_dict", "karras_version", version, KARRAS_STATE_VERSION)
-        saved_gamma = state_dict.get(prefix + "gamma")
-        if saved_gamma is not None and not math.isclose(
-            float(saved_gamma), self.gamma, rel_tol=1e-9
-        ):
+        values = _CODEC.decode(state_dict, prefix, missing_keys)
+        saved_gamma = values.get("gamma")
+        if saved_gamma is not None and not math.isclose(saved_gamma, self.gamma, rel_tol=1e-9):
             raise EMAStateError(
-                f"state_dict is of a power-function EMA with gamma={float(saved_gamma)!r}, but "
+                f"state_dict is of a power-function EMA with gamma={saved_gamma!r}, but "
                 f"this KarrasEMA has gamma={self.gamma!r}; load it into a KarrasEMA with that gamma"
             )
-        super()._load_meta(state_dict, prefix, missing_keys)
-        if prefix + "t" in state_dict:
-            self._t = int(state_dict[prefix + "t"])
-            self._dt = int(state_dict.get(prefix + "dt", 0))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        t = self.tracker
+        if "t" in values:
+            t.last, t.gap = values["t"], values.get("dt", 0)
         else:
             # ema-pytorch 0.8.3 states carry only the step: its last update was at the
             # last call with (call - 1) % update_every == 0.
-            step, k = self._step, int(self.update_every or 1)
-            self._t = 1 + k * ((step - 1) // k) if step >= 1 else 0
-            self._dt = min(k, self._t - 1) if self._t > 1 else 0
+            step, k = t.step, int(self.update_every or 1)
+            t.last = 1 + k * ((step - 1) // k) if step >= 1 else 0
+            t.gap = min(k, t.last - 1) if t.last > 1 else 0
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The EMA state, versioned; the online model is left out.

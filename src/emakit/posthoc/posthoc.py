@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validate import not_newer
-from ..ema import unwrap_model
+from ..core.shadow import unwrap_model
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
@@ -335,7 +335,7 @@ class PostHocEMA(nn.Module):
             self._check_folder(step)
         written: list[Path] = []
         for index, ema in enumerate(self.profiles):
-            ema._catch_up()
+            ema.catch_up()
             if not writer:
                 continue
             tensors, copied = self._snapshot_tensors(ema)
@@ -405,10 +405,7 @@ class PostHocEMA(nn.Module):
             raise EMAStateError(
                 f"the snapshots in {str(self.checkpoint_folder)!r} do not match the model: {e}"
             ) from e
-        synth._step = plan.step
-        synth._t, synth._dt = plan.step, 0
-        synth._initted = True
-        synth._plan = None
+        synth.tracker.reset(plan.step)
         return synth
 
     # -- forward --------------------------------------------------------------------------
@@ -475,7 +472,7 @@ class PostHocEMA(nn.Module):
         except RuntimeError as e:
             raise EMAStateError(str(e)) from e
         for ema in self.profiles:
-            ema._plan = None
+            ema.tracker.invalidate()
         self._folder_checked = False
         return result
 

@@ -1,0 +1,163 @@
+"""The EMA copy of a module: which tensors it tracks, how it is built and laid out.
+
+* :func:`module_tensors` walks a module once and returns its parameters and buffers by
+  name (as ``named_parameters()``/``named_buffers()`` name them), where each is registered
+  (so a replaced tensor can be seen) and which are buffers.
+* :func:`copy_model` deep-copies a module's structure with every tensor replaced by an
+  empty placeholder (no weight or gradient is duplicated); FSDP2 models are rebuilt
+  sharded (see :mod:`emakit.core.sharding`).
+* :func:`layout_shadow` gives the shadow tensors their storage: one flat buffer per
+  (device, dtype), in the online tensors' memory order, averaged tensors first, so a
+  flattened model updates each group as one span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._dtensor import is_dtensor
+from ..engine.flat import rehome_
+from ..engine.pairs import Slot, TensorPair
+from ..errors import EMATypeError
+from .sharding import copy_module, unsharded_pairs
+
+__all__ = ["copy_model", "layout_shadow", "module_tensors", "unwrap_model"]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module that holds the weights: strips DDP/DataParallel ``.module`` and
+    ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def module_tensors(
+    module: nn.Module, skip: Callable[[str], bool] = lambda name: False
+) -> tuple[dict[str, Tensor], dict[str, Slot], set[str]]:
+    """``(tensors, slots, buffer names)`` of ``module``, minus names ``skip`` refuses.
+
+    Names and order are those of ``named_parameters()`` then ``named_buffers()`` (tied
+    tensors once, under their first name); ``slots[name]`` is the ``(dict, key)`` the
+    tensor is registered in.
+    """
+    tensors: dict[str, Tensor] = {}
+    slots: dict[str, Slot] = {}
+    buffers: set[str] = set()
+    for kind in ("_parameters", "_buffers"):
+        seen: set[int] = set()
+        for prefix, mod in module.named_modules(remove_duplicate=True):
+            registry = mod.__dict__[kind]
+            for key, t in registry.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                name = f"{prefix}.{key}" if prefix else key
+                if skip(name):
+                    continue
+                tensors[name] = t
+                slots[name] = (registry, key)
+                if kind == "_buffers":
+                    buffers.add(name)
+    return tensors, slots, buffers
+
+
+def copy_model(
+    model: nn.Module,
+    *,
+    dtype_for: Callable[[Tensor], torch.dtype | None],
+    tracked: Callable[[str], bool],
+) -> nn.Module:
+    """A copy of ``model`` whose tracked tensors are empty placeholders to be laid out.
+
+    Untracked (ignored) tensors get a clone of the model's, since the copy still needs
+    them to run.
+
+    Args:
+        model: the module to copy.
+        dtype_for: the dtype a sharded parameter's copy should have (None: the same).
+        tracked: whether a name is tracked by the EMA.
+
+    Raises:
+        EMATypeError: the model cannot be deep-copied (the message says the fix).
+    """
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        empty = torch.empty(0, dtype=t.dtype, device=t.device)
+        if type(t) is nn.Parameter:
+            memo[id(t)] = nn.Parameter(empty, requires_grad=False)
+        elif type(t) is Tensor:
+            memo[id(t)] = empty
+    try:
+        copy = copy_module(model, memo, dtype_for=dtype_for)  # FSDP2: sharded
+    except EMATypeError:
+        raise
+    except Exception as e:
+        raise EMATypeError(
+            f"the model could not be deep-copied ({type(e).__name__}: {e}); pass ema_model= "
+            f"a Module with the same structure, or a zero-argument factory that builds one"
+        ) from e
+    online = dict((*model.named_parameters(), *model.named_buffers()))
+    with torch.no_grad():
+        for name, t in (*copy.named_parameters(), *copy.named_buffers()):
+            if not tracked(name) and t.numel() != online[name].numel():
+                t.data = online[name].detach().clone()
+    for p in copy.parameters():
+        p.requires_grad_(False)
+    return copy
+
+
+def layout_shadow(
+    pairs: Sequence[TensorPair],
+    *,
+    from_online: bool,
+    dtype_for: Callable[[Tensor], torch.dtype | None],
+    device: torch.device | None = None,
+) -> None:
+    """Give the shadow tensors of ``pairs`` their storage (see the module docstring).
+
+    Args:
+        pairs: the tracked pairs.
+        from_online: take the values from the online tensors (a fresh copy) instead of the
+            shadow's own.
+        dtype_for: the shadow dtype of a tensor (None: keep it); ``ema_dtype`` widens here.
+        device: keep the shadow on this device (offload), pinned when the model is on an
+            accelerator. Default None: each tensor's own device.
+    """
+    plain = unsharded_pairs(list(pairs), device=device)
+
+    def order(p: TensorPair) -> tuple[bool, int, int, int]:
+        return (
+            not p.average,
+            p.group,
+            p.online.untyped_storage().data_ptr(),
+            int(p.online.storage_offset()),
+        )
+
+    ordered = sorted(plain, key=order)
+    pin = (
+        device is not None
+        and device.type == "cpu"
+        and torch.cuda.is_available()
+        and any(p.online.is_cuda for p in ordered)
+    )
+    rehome_(
+        [p.shadow for p in ordered],
+        sources=[p.online if from_online else p.shadow for p in ordered],
+        dtype_for=[dtype_for(p.shadow) for p in ordered],
+        device=device,
+        pin_memory=pin,
+    )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor."""
+    return any(is_dtensor(p) for p in model.parameters())

@@ -1,0 +1,200 @@
+"""What an EMA tracks: a module (:class:`ModuleSource`) or a pytree (:class:`TreeSource`).
+
+A source knows which tensors of the online model are tracked and how (averaged or copied,
+which decay group, which shadow dtype), builds the EMA copy, and pairs online and shadow
+tensors through :func:`~emakit.engine.pairs.pair_tensors`, the one validation routine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.pairs import TensorPair, pair_tensors
+from ..errors import EMATypeError
+from .shadow import copy_model, layout_shadow, module_tensors
+from .tree import leaves, tree_copy
+
+__all__ = ["ModuleSource", "TreeSource", "call_factory"]
+
+
+def call_factory(factory: Any) -> nn.Module:
+    """The module a zero-argument ``ema_model`` factory returns (checked)."""
+    if not callable(factory):
+        raise EMATypeError(
+            f"ema_model must be a Module or a zero-argument factory, got {type(factory).__name__}"
+        )
+    ema_model = factory()
+    if not isinstance(ema_model, nn.Module):
+        raise EMATypeError(
+            f"the ema_model factory must return a Module, it returned {type(ema_model).__name__}"
+        )
+    return ema_model
+
+
+class _Source:
+    def __init__(
+        self,
+        *,
+        ema_dtype: torch.dtype | None,
+        cast: bool,
+        other_devices: bool,
+        device: torch.device | None = None,
+    ) -> None:
+        self.ema_dtype = ema_dtype
+        self.cast = cast
+        self.other_devices = other_devices
+        self.device = device
+
+    def shadow_dtype(self, t: Tensor) -> torch.dtype | None:
+        """The shadow dtype of ``t`` (None: its own). ``ema_dtype`` only ever widens: a
+        float64 buffer stays float64 under ``ema_dtype=torch.float32``."""
+        if self.ema_dtype is None or not t.is_floating_point():
+            return None
+        return torch.promote_types(t.dtype, self.ema_dtype)
+
+
+class ModuleSource(_Source):
+    """The tracked tensors of a module and their EMA copy.
+
+    Args:
+        ignore_names: names never touched.
+        ignore_prefixes: name prefixes never touched.
+        no_ema: names copied instead of averaged.
+        group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
+        move_to_online: move the EMA to the model's device when they differ.
+        ema_dtype, cast, other_devices, device: see :class:`~emakit.EMA`.
+    """
+
+    kind = "module"
+
+    def __init__(
+        self,
+        *,
+        ignore_names: frozenset[str] = frozenset(),
+        ignore_prefixes: tuple[str, ...] = (),
+        no_ema: frozenset[str] = frozenset(),
+        group_patterns: Sequence[str] = (),
+        move_to_online: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.ignore_names = ignore_names
+        self.ignore_prefixes = ignore_prefixes
+        self.no_ema = no_ema
+        self.group_patterns = list(group_patterns)
+        self.move_to_online = move_to_online
+
+    def ignored(self, name: str) -> bool:
+        """Whether ``name`` is never touched."""
+        return name in self.ignore_names or name.startswith(self.ignore_prefixes)
+
+    def group_of(self, name: str) -> int:
+        """The decay group of ``name`` (0 when no pattern matches)."""
+        for g, pattern in enumerate(self.group_patterns, start=1):
+            if fnmatch.fnmatchcase(name, pattern):
+                return g
+        return 0
+
+    def build(self, model: nn.Module, ema_model: nn.Module | None) -> nn.Module:
+        """The EMA copy of ``model`` (``ema_model`` adopted if given), laid out."""
+        fresh = ema_model is None
+        if ema_model is None:
+            ema_model = copy_model(
+                model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)
+            )
+        for p in ema_model.parameters():
+            p.requires_grad_(False)
+        pairs = self.pair(model, ema_model, placeholders=fresh)
+        layout_shadow(pairs, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        return ema_model
+
+    def pair(
+        self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
+    ) -> list[TensorPair]:
+        """The pairs of ``model`` and ``ema_model``, by name, validated."""
+        online, oslots, buffers = module_tensors(model, self.ignored)
+        shadow, sslots, _ = module_tensors(ema_model, self.ignored)
+        no_ema = self.no_ema
+        return pair_tensors(
+            online,
+            shadow,
+            average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
+            group=self.group_of,
+            buffers=buffers,
+            online_slots=oslots,
+            shadow_slots=sslots,
+            cast=self.cast,
+            other_devices=self.other_devices or self.move_to_online,
+            placeholders=placeholders,
+        )
+
+    def pairs(self, model: nn.Module, ema_model: nn.Module) -> list[TensorPair]:
+        """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""
+        pairs = self.pair(model, ema_model)
+        if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
+            ema_model.to(pairs[0].online.device)
+            pairs = self.pair(model, ema_model)
+            layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        return pairs
+
+
+class TreeSource(_Source):
+    """The leaves of a pytree and their EMA copy (saved as ``ema.<path>``)."""
+
+    kind = "pytree"
+
+    def build(self, tree: Any, shadow: Any) -> Any:
+        """The EMA copy of ``tree`` (``shadow``, or a factory's result, adopted if given)."""
+        if shadow is None:
+            shadow = tree_copy(tree)
+        elif callable(shadow) and not isinstance(shadow, (Tensor, nn.Module)):
+            shadow = shadow()
+        pairs = self.pairs(tree, shadow)
+        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        return shadow
+
+    def pairs(self, tree: Any, shadow: Any) -> list[TensorPair]:
+        """The pairs of leaves, by path, validated."""
+        return pair_tensors(
+            leaves(tree),
+            leaves(shadow),
+            average=lambda n, t: t.is_floating_point() or t.is_complex(),
+            cast=self.cast,
+            other_devices=self.other_devices,
+            shadow_arg="ema_pytree",
+            item="leaf",
+        )
+
+    @staticmethod
+    def save(shadow: Any, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """Write the EMA leaves under ``prefix + "ema." + path``."""
+        for name, t in leaves(shadow).items():
+            destination[prefix + "ema." + name] = t if keep_vars else t.detach()
+
+    @staticmethod
+    def load(
+        shadow: Any,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        missing_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Copy the leaves saved by :meth:`save` into ``shadow``."""
+        with torch.no_grad():
+            for name, t in leaves(shadow).items():
+                key = prefix + "ema." + name
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                value = state_dict[key]
+                if value.shape != t.shape:
+                    error_msgs.append(
+                        f"size mismatch for {key}: {tuple(value.shape)} vs {tuple(t.shape)}"
+                    )
+                else:
+                    t.copy_(value)

@@ -1,0 +1,116 @@
+"""Swapping the EMA weights into the online model, and back: the one implementation.
+
+:class:`Swap` is both a context manager (``with ema.swap():``) and an object with explicit
+:meth:`~Swap.enter` and :meth:`~Swap.exit`, which framework callbacks use across hooks
+(validation start and end). Per tensor it swaps
+
+* **by reference** when the shadow has the online tensor's dtype and device: the online
+  tensor's ``.data`` points at the shadow; nothing is copied or allocated;
+* **by cast** when they differ (``ema_dtype``, an offloaded shadow): ``.data`` points at a
+  temporary cast of the shadow, freed on exit;
+* **by copy** for FSDP2 DTensors (FSDP2 all-gathers from its own shard storage, so
+  re-pointing ``.data`` would not be seen) and when asked (``in_place=True``, for
+  frameworks that read their own storage): the shadow is copied into the online tensor
+  and the online values, stashed, are copied back on exit. FSDP2 modules are resharded on
+  entry and exit, so no stale gathered weight is used.
+
+The original weights come back on exit, also when the block raises. Updating the EMA
+while swapped is an error.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+
+from .._dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
+from ..errors import EMARuntimeError
+from .tracker import Tracker
+
+__all__ = ["Swap"]
+
+
+class Swap:
+    """The EMA weights in the online model between :meth:`enter` and :meth:`exit`.
+
+    Args:
+        tracker: the EMA's tracker (its plan says which tensors pair).
+        model: the online module (its FSDP2 modules are resharded), or None.
+        in_place: copy every tensor instead of re-pointing ``.data``. Default False.
+    """
+
+    def __init__(self, tracker: Tracker, model: object = None, *, in_place: bool = False) -> None:
+        self.tracker = tracker
+        self.model = model
+        self.in_place = in_place
+        self._pointed: list[tuple[Tensor, Tensor]] = []
+        self._copied: list[tuple[Tensor, Tensor]] = []
+        self._roots: list[nn.Module] = []
+        self.active = False
+
+    def enter(self) -> Swap:
+        """Put the EMA weights into the online model."""
+        tracker = self.tracker
+        if tracker.swapped:
+            raise EMARuntimeError("swap() blocks cannot be nested")
+        tracker.runner.wait()
+        self._roots = fsdp_modules(self.model)
+        reshard(self._roots)  # the sharded parameters registered, not gathered ones
+        pairs = tracker.plan().pairs
+        copies = False
+        try:
+            with torch.no_grad():
+                for p in pairs:
+                    online, shadow = p.online, p.shadow
+                    if self.in_place or is_dtensor(online):
+                        copies = True
+                        local = local_tensor(online)
+                        self._copied.append((local, local.clone()))
+                        local.copy_(local_tensor(shadow))
+                        continue
+                    self._pointed.append((online, online.data))
+                    if online.dtype == shadow.dtype and online.device == shadow.device:
+                        online.data = shadow.data
+                    else:
+                        online.data = shadow.data.to(online.device, online.dtype)
+            if copies:
+                reshard(self._roots)
+            else:
+                self._roots = []
+        except BaseException:
+            self._restore()
+            raise
+        tracker.swapped = self.active = True
+        return self
+
+    def exit(self) -> None:
+        """Put the online weights back (a no-op when not entered)."""
+        if not self.active:
+            return
+        try:
+            self._restore()
+        finally:
+            self.tracker.swapped = self.active = False
+
+    def _restore(self) -> None:
+        with torch.no_grad():
+            for online, data in reversed(self._pointed):
+                online.data = data
+            for local, saved in reversed(self._copied):
+                local.copy_(saved)
+        self._pointed, self._copied = [], []
+        reshard(self._roots)
+        self._roots = []
+
+    def __enter__(self) -> Swap:
+        return self.enter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.exit()

@@ -1,0 +1,166 @@
+"""The bookkeeping of one EMA, shared by every EMA kind: counters, rule, plan and runner.
+
+A :class:`Tracker` owns the call counter (``step``), whether the first call has happened
+(``initted``), the last averaging call and its gap (the power-function EMA needs them),
+the count of updates skipped for non-finite weights, and the swap flag. Its
+:meth:`~Tracker.update` is the one update path of emakit:
+
+1. :meth:`~Tracker.advance` counts the call and asks the pure
+   :class:`~emakit.decay.DecayRule` what it does (the first call always initializes);
+2. :meth:`~Tracker.apply` makes sure the plan still matches the model (rebuilding it from
+   the owner's ``pairs`` callable when a tensor was replaced or moved), optionally checks
+   the weights are finite, and hands the action to the runner.
+
+Facades (``EMA``, ``MultiEMA``, ``KarrasEMA`` ...) only wire a tracker to a model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from ..decay import INIT, SKIP, Action, DecayRule
+from ..engine.kernels import Impl
+from ..engine.pairs import TensorPair
+from ..engine.plan import Plan, build_plan
+from ..engine.runners import Runner, SyncRunner
+from ..errors import EMARuntimeError
+
+__all__ = ["Tracker"]
+
+
+class Tracker:
+    """Counters, decay rule, plan and runner of one EMA (see the module docstring).
+
+    Args:
+        rule: what each call does.
+        pairs: builds the current pairs of online and shadow tensors (called whenever the
+            plan must be built: first use, or after the model changed); it validates them
+            and raises :class:`~emakit.EMAStateError` naming a tensor that no longer pairs.
+        impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
+        runner: where updates run. Default: a :class:`~emakit.engine.runners.SyncRunner`.
+        skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
+    """
+
+    def __init__(
+        self,
+        rule: DecayRule,
+        pairs: Callable[[], list[TensorPair]],
+        *,
+        impl: Impl,
+        runner: Runner | None = None,
+        skip_nonfinite: bool = False,
+    ) -> None:
+        self.rule = rule
+        self.pairs = pairs
+        self.impl: Impl = impl
+        self.runner: Runner = runner if runner is not None else SyncRunner()
+        self.skip_nonfinite = skip_nonfinite
+        self.step = 0
+        self.initted = False
+        self.last = 0
+        self.gap = 0
+        self.num_skipped_nonfinite = 0
+        self.swapped = False
+        self._plan: Plan | None = None
+
+    # -- the plan -------------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        """The current plan, rebuilt from the live tensors if the model changed under it."""
+        plan = self._plan
+        if plan is None or plan.stale():
+            self.runner.wait()
+            plan = self._plan = build_plan(self.pairs(), self.impl, staged=self.runner.staged)
+        return plan
+
+    def invalidate(self) -> None:
+        """Drop the plan (after the owner moved or re-laid out its tensors)."""
+        self.runner.wait()
+        self._plan = None
+
+    def reset(self, step: int) -> None:
+        """Start over at ``step`` as an initialized EMA whose last averaging update was at
+        ``step`` (e.g. an EMA reconstructed from snapshots)."""
+        self.runner.wait()
+        self.step, self.initted, self.last, self.gap = step, True, step, 0
+        self._plan = None
+
+    # -- the update -----------------------------------------------------------------------
+
+    def update(self) -> Action:
+        """Count one call and carry out what it does; returns the action applied
+        (:data:`~emakit.decay.SKIP` when nothing happened)."""
+        action = self.advance()
+        if action is SKIP:
+            return action
+        return self.apply(action)
+
+    def advance(self) -> Action:
+        """Count one call and return what it does, touching no tensor."""
+        if self.swapped:
+            raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
+        step = self.step
+        self.step = step + 1
+        if not self.initted:
+            return INIT
+        return self.rule.action(step, self.last)
+
+    def apply(self, action: Action) -> Action:
+        """Carry out ``action`` (from :meth:`advance`) on the current plan."""
+        plan = self.plan()
+        if self.skip_nonfinite and not self.online_finite(plan):
+            return SKIP
+        if action.kind != "hold":
+            self.runner.submit(plan, action)
+        self.record(action)
+        return action
+
+    def record(self, action: Action) -> None:
+        """Update the counters after ``action`` was carried out (by :meth:`apply` or by a
+        caller that ran it itself, e.g. a fused update of several EMAs)."""
+        if action.kind == "init":
+            self.initted = True
+            self.last, self.gap = self.step, 0
+        elif action.averages:
+            self.last, self.gap = action.call, action.call - self.last
+
+    def catch_up(self) -> None:
+        """Average in the current weights now if the last averaging update came before the
+        current call, so the averaging profile ends exactly at ``step`` (the post-hoc EMA
+        does this before a snapshot)."""
+        if not self.initted or self.step <= self.last:
+            return
+        if self.rule.frozen:
+            action = Action("hold", call=self.step)
+        else:
+            action = Action("lerp", self.rule.weights(self.step, self.last), self.step)
+        self.runner.wait()
+        self.plan().run(action)
+        self.record(action)
+
+    def online_finite(self, plan: Plan) -> bool:
+        """Whether ``plan``'s online weights are finite; counts (and warns once) if not."""
+        if plan.online_finite():
+            return True
+        self.count_nonfinite()
+        return False
+
+    def count_nonfinite(self) -> None:
+        """Count one update skipped because the weights held NaN or Inf (warn the first time)."""
+        self.num_skipped_nonfinite += 1
+        if self.num_skipped_nonfinite == 1:
+            warnings.warn(
+                f"skipped an EMA update at step {self.step}: the model's weights hold NaN or "
+                f"Inf (skip_nonfinite=True; further skips are counted in "
+                f"num_skipped_nonfinite)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def __getstate__(self) -> dict:
+        self.runner.wait()
+        state = self.__dict__.copy()
+        state["_plan"] = None  # rebuilt on first use; it only holds references
+        state["swapped"] = False
+        return state

@@ -1,0 +1,40 @@
+"""Pytrees (a tensor, or nested dicts/lists/tuples of tensors) as EMA sources.
+
+Leaves are named by their path (``"a.0.b"`` for ``{"a": [{"b": t}]}``); a lone tensor is
+``"leaf"``. Non-tensor leaves are left alone.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+from torch import Tensor
+from torch.utils import _pytree as tree_utils
+
+__all__ = ["leaves", "tree_copy"]
+
+
+def _key_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts) or "leaf"
+
+
+def leaves(tree: Any) -> dict[str, Tensor]:
+    """The tensor leaves of ``tree`` by path."""
+    flat, _ = tree_utils.tree_flatten_with_path(tree)
+    return {_key_name(path): leaf for path, leaf in flat if isinstance(leaf, Tensor)}
+
+
+def tree_copy(tree: Any) -> Any:
+    """A deep copy of ``tree`` whose tensors are detached clones."""
+    return tree_utils.tree_map(
+        lambda x: x.detach().clone() if isinstance(x, Tensor) else deepcopy(x), tree
+    )

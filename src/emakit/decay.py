@@ -1,0 +1,255 @@
+"""The decay rule: what one ``update()`` call does, as a pure function of the call count.
+
+Every EMA kind (``EMA``, its decay groups, ``MultiEMA``, ``KarrasEMA``) asks one
+:class:`DecayRule` what a call does:
+
+.. math:: \\text{action}(s, \\ell) = \\begin{cases}
+   \\text{skip} & s \\bmod \\text{update\\_every} \\ne 0 \\\\
+   \\text{copy} & s \\le \\text{update\\_after\\_step} \\\\
+   \\text{hold} & \\text{frozen} \\\\
+   \\text{lerp}\\big(1 - d_g(s + 1, \\ell)\\big)_g & \\text{otherwise}
+   \\end{cases}
+
+where ``s`` is the number of calls before this one (ema-pytorch's ``step`` before its
+increment), ``ℓ`` the call number of the last update that averaged (or of the first,
+initializing copy), and ``d_g`` the decay of decay group ``g``. The first call of all is
+always the initializing copy; the owner handles it before asking the rule.
+
+A decay is a callable ``(call, last) -> decay``. :class:`ScheduleDecay` adapts a
+``t -> decay`` schedule (see :mod:`emakit.schedules`; the inverse-gamma warm-up is just
+the default schedule), :class:`PowerDecay` is the power-function decay of Karras et al.
+(arXiv:2312.02696), which depends on the gap to the last averaging update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from . import _validate as check
+from .errors import EMATypeError, EMAValueError
+from .schedules import describe, inverse_gamma
+
+__all__ = [
+    "COPY",
+    "HOLD",
+    "INIT",
+    "SKIP",
+    "Action",
+    "Decay",
+    "DecayRule",
+    "PowerDecay",
+    "ScheduleDecay",
+    "ema_rule",
+]
+
+
+@dataclass(frozen=True)
+class Action:
+    """What one ``update()`` call does to the EMA weights.
+
+    ``kind`` is ``"skip"`` (nothing), ``"init"`` (the first call: copy the model),
+    ``"copy"`` (warm-up: copy the model), ``"hold"`` (an averaging call of a frozen EMA:
+    nothing moves, but it counts as an averaging update) or ``"lerp"``
+    (``shadow.lerp_(online, weights[group])``). ``call`` is the call number (1-based).
+    """
+
+    kind: Literal["skip", "init", "copy", "hold", "lerp"]
+    weights: tuple[float, ...] = ()
+    call: int = 0
+
+    @property
+    def averages(self) -> bool:
+        """Whether this is an averaging call (``"lerp"`` or ``"hold"``)."""
+        return self.kind in ("lerp", "hold")
+
+
+SKIP = Action("skip")
+INIT = Action("init")
+COPY = Action("copy")
+HOLD = Action("hold")
+
+
+class Decay(Protocol):
+    """``(call, last) -> decay`` for an averaging update at 1-based ``call``, the last
+    averaging (or initializing) update having been at ``last``."""
+
+    def __call__(self, call: int, last: int, /) -> float: ...
+
+
+class ScheduleDecay:
+    """A ``t -> decay`` schedule as a :class:`Decay`, ema-pytorch's way.
+
+    .. math:: t = \\max(\\text{call} - \\text{update\\_after\\_step} - 1, 0), \\quad
+       d = \\text{clamp}(\\text{schedule}(t), \\text{floor}, 1), \\quad d(t \\le 0) = 0
+
+    A schedule with ``per_optimizer_step = True`` is raised to the power
+    ``update_every``. A decay outside ``[0, 1]`` (or NaN) raises.
+
+    Args:
+        schedule: the ``t -> decay`` callable.
+        update_after_step: the warm-up length in calls.
+        update_every: calls between updates.
+        floor: the lowest decay (``min_value``); 0 leaves the schedule's value alone,
+            so the default inverse-gamma schedule keeps ema-pytorch's float32 bits.
+    """
+
+    def __init__(
+        self,
+        schedule: Callable[[int], float],
+        *,
+        update_after_step: int,
+        update_every: int,
+        floor: float = 0.0,
+    ) -> None:
+        self.schedule = schedule
+        self.update_after_step = update_after_step
+        self.power = update_every if getattr(schedule, "per_optimizer_step", False) else 1
+        self.floor = floor
+
+    def __repr__(self) -> str:
+        return describe(self.schedule)
+
+    def __call__(self, call: int, last: int = 0) -> float:
+        t = call - self.update_after_step - 1
+        if t <= 0:
+            return 0.0
+        decay = float(self.schedule(t))
+        if not 0.0 <= decay <= 1.0:  # also catches NaN
+            raise EMAValueError(
+                f"the decay schedule {self.schedule!r} returned {decay!r} at t={t}; "
+                f"a decay must be in [0, 1]"
+            )
+        if self.power != 1:
+            decay **= self.power
+        if self.floor:
+            decay = min(max(decay, self.floor), 1.0)
+        return decay
+
+
+class PowerDecay:
+    """The power-function decay (arXiv:2312.02696, Eq. 1 generalized to a gap ``dt``).
+
+    .. math:: \\beta = \\Big(1 - \\frac{\\Delta t}{t}\\Big)^{\\gamma + 1},
+       \\quad t = \\text{call},\\ \\Delta t = \\text{call} - \\text{last}
+
+    Args:
+        gamma: the profile exponent, > 0.
+        beta: the function ``(t, dt, gamma) -> beta`` (see
+            :func:`emakit.posthoc.math.power_function_beta`).
+    """
+
+    def __init__(self, gamma: float, beta: Callable[[float, float, float], float]) -> None:
+        self.gamma = gamma
+        self.beta = beta
+
+    def __repr__(self) -> str:
+        return f"power_function(gamma={self.gamma!r})"
+
+    def __call__(self, call: int, last: int) -> float:
+        return self.beta(call, call - last, self.gamma)
+
+
+class DecayRule:
+    """The pure rule of an EMA: ``action(step, last)`` (see the module docstring).
+
+    Args:
+        decays: one :class:`Decay` per decay group (group 0 the default); ``None`` marks
+            a frozen group (beta 1: its weight is 0).
+        update_every: only calls with ``step % update_every == 0`` do work.
+        update_after_step: calls with ``step <= update_after_step`` copy.
+        frozen: the whole EMA is frozen (beta 1): averaging calls hold.
+    """
+
+    def __init__(
+        self,
+        decays: Sequence[Decay | None],
+        *,
+        update_every: int,
+        update_after_step: int,
+        frozen: bool = False,
+    ) -> None:
+        self.decays = tuple(decays)
+        self.update_every = update_every
+        self.update_after_step = update_after_step
+        self.frozen = frozen
+
+    def action(self, step: int, last: int) -> Action:
+        """What the call after ``step`` earlier calls does (``last``: see the module)."""
+        if step % self.update_every:
+            return SKIP
+        if step <= self.update_after_step:
+            return COPY
+        if self.frozen:
+            return Action("hold", call=step + 1)
+        return Action("lerp", self.weights(step + 1, last), step + 1)
+
+    def weights(self, call: int, last: int) -> tuple[float, ...]:
+        """``1 - decay`` of every group for an averaging update at ``call``."""
+        return tuple(0.0 if d is None else 1.0 - d(call, last) for d in self.decays)
+
+    def decay(self, call: int, last: int = 0, group: int = 0) -> float:
+        """The decay of ``group`` for an averaging update at ``call`` (1 when frozen)."""
+        d = self.decays[group]
+        return 1.0 if d is None else d(call, last)
+
+
+def ema_rule(
+    *,
+    beta: float,
+    update_after_step: int,
+    update_every: int,
+    inv_gamma: float,
+    power: float,
+    min_value: float,
+    schedule: Callable[[int], float] | None = None,
+    groups: Sequence[float | Callable[[int], float]] = (),
+) -> DecayRule:
+    """The rule of an :class:`~emakit.EMA` from its keywords, each validated here.
+
+    Without ``schedule`` the default group follows the inverse-gamma warm-up
+    (:func:`~emakit.schedules.inverse_gamma` with ``beta``, ``inv_gamma``, ``power``,
+    ``min_value``); with it, ``schedule`` floored at ``min_value``. Each entry of
+    ``groups`` is another decay group: a beta (the same warm-up with that ceiling; 1
+    freezes the group) or a schedule. The EMA is frozen (averaging calls hold) when
+    ``beta == 1`` without a schedule and every extra group is frozen too.
+
+    Raises:
+        EMAValueError, EMATypeError: a keyword out of range or of the wrong type.
+    """
+    beta = check.real("beta", beta, low=0.0, high=1.0)
+    update_after_step = check.integer("update_after_step", update_after_step, low=0)
+    update_every = check.integer("update_every", update_every, low=1)
+    inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
+    power = check.real("power", power, low=0.0, low_open=True)
+    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
+    if schedule is not None and not callable(schedule):
+        raise EMATypeError(
+            f"schedule must be a callable t -> decay (see emakit.schedules), got {schedule=!r}"
+        )
+    timing = {"update_after_step": update_after_step, "update_every": update_every}
+
+    def warmup(ceiling: float) -> ScheduleDecay:
+        curve = inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
+        return ScheduleDecay(curve, **timing)
+
+    if schedule is None:
+        if min_value > beta:
+            raise EMAValueError(
+                f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
+            )
+        decays: list[Decay | None] = [warmup(beta)]
+    else:
+        decays = [ScheduleDecay(schedule, **timing, floor=min_value)]
+    frozen = beta == 1.0 and schedule is None
+    for rule in groups:
+        if callable(rule):
+            decays.append(ScheduleDecay(rule, **timing, floor=min_value))
+            frozen = False
+        elif rule == 1.0:
+            decays.append(None)
+        else:
+            decays.append(warmup(rule))
+            frozen = False
+    return DecayRule(decays, frozen=frozen, **timing)

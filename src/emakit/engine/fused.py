@@ -1,0 +1,159 @@
+"""Several EMAs of one model in one pass: the online tensors are read once for all of them.
+
+:class:`FusedPlan` pairs the plans of N EMAs whose shadows are laid out alike (each one
+span per device and dtype, in the same order, which is how emakit lays them out). Each
+group of averaged tensors takes one of three forms, picked once:
+
+* the online tensors already form one span of the shadow's dtype: each EMA takes one
+  ``lerp_`` from it;
+* they are many small tensors: they are gathered once into a staging buffer, then each EMA
+  takes one ``lerp_`` from it (the update is launch-bound, not bandwidth-bound);
+* they are large: one foreach ``lerp_`` per EMA straight from them (a gather would only
+  add a pass over memory).
+
+For a background runner (``staged=True``) every group gathers, so :meth:`FusedPlan.stage`
+is the snapshot and :meth:`FusedPlan.finish` the N lerps. Tensors that are copied rather
+than averaged (integer buffers, no-EMA names) are copied by each EMA's own plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .plan import Plan
+from .spans import span, split_runs
+
+if TYPE_CHECKING:
+    from ..decay import Action
+
+__all__ = ["GATHER_BELOW", "FusedPlan"]
+
+#: Mean elements per tensor below which gathering the online tensors once into a staging
+#: buffer beats one lerp per tensor per EMA. Measured on CPU with benchmarks/bench_multi.py.
+GATHER_BELOW = 1 << 16
+
+
+class _Group:
+    """One (device, dtype) group of averaged tensors, shared by every EMA of the set."""
+
+    def __init__(self, onlines: list[Tensor], shadows: list[list[Tensor]], staged: bool) -> None:
+        self.spans = [span(s).reshape(-1) for s in shadows]
+        self.shadows = shadows
+        self.onlines = onlines
+        self.src: list[Tensor] = []
+        self.dst: list[Tensor] = []
+        self.direct = False
+        runs = split_runs(onlines)
+        ref = self.spans[0]
+        same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
+        self.key = (onlines[0].dtype, onlines[0].device)
+        self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
+        self.ptrs = [t.data_ptr() for t in self.guard]
+        if not staged and len(runs) == 1 and same:
+            self.source = span(onlines).reshape(-1)
+            return
+        if not staged and same and ref.numel() / len(onlines) >= GATHER_BELOW:
+            self.direct = True
+            return
+        pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
+        self.source = torch.empty(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
+        offset = 0
+        for run in runs:
+            n = sum(onlines[i].numel() for i in run)
+            view = self.source.narrow(0, offset, n)
+            self.dst.append(view.view(onlines[run[0]].shape) if len(run) == 1 else view)
+            self.src.append(span([onlines[i] for i in run]))
+            offset += n
+
+    def stale(self) -> bool:
+        first = self.onlines[0]
+        if (first.dtype, first.device) != self.key:
+            return True
+        return list(map(Tensor.data_ptr, self.guard)) != self.ptrs
+
+    def gather(self, non_blocking: bool = False) -> None:
+        if self.src:
+            torch._foreach_copy_(self.dst, self.src, non_blocking=non_blocking)
+
+    def lerp(self, weights: Sequence[float]) -> None:
+        if self.direct:
+            for shadows, w in zip(self.shadows, weights, strict=True):
+                if w:
+                    torch._foreach_lerp_(shadows, self.onlines, w)
+            return
+        for s, w in zip(self.spans, weights, strict=True):
+            if w:
+                s.lerp_(self.source, w)
+
+
+class FusedPlan:
+    """One averaging pass for the plans of several EMAs of one model.
+
+    Build it with :meth:`build`, which returns None when the shadows are not laid out
+    alike (the caller then updates each plan on its own). An action's ``weights`` hold one
+    lerp weight per EMA (0 leaves that EMA unchanged).
+    """
+
+    def __init__(self, plans: Sequence[Plan], groups: list[_Group], frozen: Sequence[bool]) -> None:
+        self.plans = list(plans)
+        self.groups = groups
+        self.frozen = list(frozen)
+
+    @classmethod
+    def build(
+        cls, plans: Sequence[Plan], *, frozen: Sequence[bool] | None = None, staged: bool = False
+    ) -> FusedPlan | None:
+        """The fused plan of ``plans`` (same model, same pair order), or None.
+
+        ``frozen`` marks EMAs that never change (beta 1): their copied tensors are left
+        alone too, as a frozen :class:`~emakit.EMA` leaves them.
+        """
+        first = plans[0].pairs
+        by_key: dict[tuple, list[int]] = {}
+        for i, p in enumerate(first):
+            if p.average:
+                by_key.setdefault((p.shadow.device, p.shadow.dtype), []).append(i)
+        groups = []
+        for idx in by_key.values():
+            # every EMA laid its shadow out in the same (memory) order; follow it
+            idx.sort(key=lambda i: first[i].shadow.storage_offset())
+            onlines = [first[i].online for i in idx]
+            shadows = [[plan.pairs[i].shadow for i in idx] for plan in plans]
+            if any(len(split_runs(s)) != 1 for s in shadows):
+                return None
+            groups.append(_Group(onlines, shadows, staged))
+        return cls(plans, groups, frozen or [False] * len(plans))
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the online tensors live on a CUDA device."""
+        return self.plans[0].on_accelerator
+
+    def stale(self) -> bool:
+        """Whether any group's online storage moved since the plan was built."""
+        return any(g.stale() for g in self.groups)
+
+    @torch.no_grad()
+    def run(self, action: Action) -> None:
+        """Average every EMA now (``action.weights``: one weight per EMA)."""
+        self.stage()
+        self.finish(action)
+
+    @torch.no_grad()
+    def stage(self, *, non_blocking: bool = False) -> None:
+        """Copy the never-averaged tensors of every EMA and gather the averaged ones."""
+        for plan, frozen in zip(self.plans, self.frozen, strict=True):
+            if not frozen:
+                plan.copy_unaveraged()
+        for g in self.groups:
+            g.gather(non_blocking)
+
+    @torch.no_grad()
+    def finish(self, action: Action) -> None:
+        """One ``lerp_`` per EMA and group from the gathered tensors."""
+        for g in self.groups:
+            g.lerp(action.weights)

@@ -1,0 +1,98 @@
+"""Staleness: how a plan sees that the tensors it holds are no longer the model's.
+
+A plan holds tensor objects, as an optimizer does, so in-place writes are always seen.
+What it must notice is the model changing under it:
+
+* a Parameter, buffer or submodule **replaced** (``model.head = nn.Linear(...)``,
+  ``load_state_dict(..., assign=True)``, ``register_buffer``): torch's global registration
+  hooks bump a process-wide epoch, and only when the epoch moved does the plan compare each
+  tracked tensor with what its module holds now (so an unchanged model pays one integer
+  compare);
+* a buffer replaced without registration (``module.to()`` assigns ``_buffers`` directly),
+  or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
+  update, which costs one lookup per buffer and per sharded tensor;
+* ``.data`` re-pointed, ``.to()`` of the weights: the plan's groups and spans check their
+  dtype, device and storage (see :mod:`emakit.engine.plan`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from .._dtensor import is_dtensor
+
+__all__ = ["Guards", "registration_epoch"]
+
+_counter = itertools.count(1)
+_epoch = 0
+_hooked: bool | None = None  # None: not tried yet; False: hooks unavailable
+
+
+def _bump(*_: Any) -> None:
+    global _epoch
+    _epoch = next(_counter)
+
+
+def registration_epoch() -> int:
+    """A number that changes whenever any module registers a parameter, buffer or submodule.
+
+    Installs torch's global registration hooks on first use. Where they are unavailable,
+    every call returns a new number, so callers fall back to checking every time.
+    """
+    global _hooked
+    if _hooked is None:
+        try:
+            from torch.nn.modules import module as torch_module
+
+            torch_module.register_module_parameter_registration_hook(_bump)
+            torch_module.register_module_buffer_registration_hook(_bump)
+            torch_module.register_module_module_registration_hook(_bump)
+            _hooked = True
+        except AttributeError:  # pragma: no cover - torch without registration hooks
+            _hooked = False
+    if not _hooked:  # pragma: no cover
+        _bump()
+    return _epoch
+
+
+class Guards:
+    """Identity guards over the tensors of a list of pairs (see the module docstring).
+
+    Args:
+        pairs: the plan's pairs; each may carry an ``online_slot`` and a ``shadow_slot``.
+    """
+
+    def __init__(self, pairs: Sequence[Any]) -> None:
+        self.epoch = registration_epoch()
+        always: list[tuple[Any, str, Tensor]] = []
+        on_epoch: list[tuple[Any, str, Tensor]] = []
+        self.sharded: list[tuple[Tensor, Tensor]] = []
+        for p in pairs:
+            for slot, t in ((p.online_slot, p.online), (p.shadow_slot, p.shadow)):
+                if is_dtensor(t):
+                    self.sharded.append((t, t._local_tensor))  # type: ignore[attr-defined]
+                if slot is None:
+                    continue
+                (on_epoch if isinstance(t, nn.Parameter) else always).append((*slot, t))
+        self.always = always
+        self.on_epoch = on_epoch
+
+    def replaced(self) -> str | None:
+        """The name of a tracked tensor that is no longer the one registered, else None."""
+        for container, key, t in self.always:
+            if container.get(key) is not t:
+                return key
+        for d, local in self.sharded:
+            if d._local_tensor is not local:  # type: ignore[attr-defined]
+                return "a DTensor's local shard"
+        epoch = registration_epoch()
+        if epoch != self.epoch:
+            for container, key, t in self.on_epoch:
+                if container.get(key) is not t:
+                    return key
+            self.epoch = epoch
+        return None

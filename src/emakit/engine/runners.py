@@ -1,0 +1,293 @@
+"""Runners: where and when the arithmetic of an update runs, behind one small interface.
+
+A runner takes *work* (a :class:`~emakit.engine.plan.Plan`, or a
+:class:`~emakit.engine.fused.FusedPlan` for several EMAs of one model) and an
+:class:`~emakit.decay.Action`, and carries the action out:
+
+* :class:`SyncRunner` at once, on the caller's thread;
+* :class:`ThreadRunner` on a background thread: the online tensors are first snapshot into
+  the work's staging buffers (a non-blocking copy into pinned memory when they live on an
+  accelerator), then the worker averages while training goes on. With ``live=True`` (set
+  when an optimizer pre-step hook waits for the worker, so no step can write the weights
+  while it reads them) the parameters are averaged straight from the live tensors, with no
+  snapshot, and only the buffers, which the next forward may write, are done at once;
+* :class:`StreamRunner` on a CUDA side stream, ordered by events: no host sync at all.
+
+Every reader of the EMA (``state_dict``, ``swap``, ``forward``, ``ema_model``, the copy
+helpers) calls :meth:`wait` first, explicitly. At most one action is pending at a time:
+``submit`` waits for the previous one, so a staging buffer is never overwritten while read.
+Exceptions raised on a worker re-raise in the caller at the next :meth:`wait`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .plan import Plan, build_plan
+
+if TYPE_CHECKING:
+    from ..decay import Action
+
+__all__ = [
+    "Handles",
+    "Runner",
+    "StreamRunner",
+    "SyncRunner",
+    "ThreadRunner",
+    "Work",
+    "hook_optimizer",
+]
+
+
+class Work(Protocol):
+    """What a runner runs: all at once (:meth:`run`), or as a snapshot (:meth:`stage`)
+    followed by the arithmetic (:meth:`finish`)."""
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the online tensors live on an accelerator (non-blocking snapshots)."""
+        ...
+
+    def run(self, action: Action) -> None:
+        """Carry out ``action`` now."""
+        ...
+
+    def stage(self, *, non_blocking: bool = False) -> None:
+        """Snapshot the online tensors into the staging buffers."""
+        ...
+
+    def finish(self, action: Action) -> None:
+        """Carry out ``action`` from the snapshot."""
+        ...
+
+
+class Runner(Protocol):
+    """The interface every runner has."""
+
+    #: Whether work for this runner must be built with staging buffers.
+    staged: bool
+
+    @property
+    def pending(self) -> bool:
+        """Whether an action was submitted and not yet waited for."""
+        ...
+
+    def submit(self, work: Work, action: Action) -> None:
+        """Carry out ``action`` on ``work`` (now, or later: see :meth:`wait`)."""
+        ...
+
+    def wait(self) -> None:
+        """Block (or order the current CUDA stream) until the pending action is done."""
+        ...
+
+    def close(self) -> None:
+        """Wait, then release threads or streams."""
+        ...
+
+
+class SyncRunner:
+    """Runs every action at once, on the caller's thread."""
+
+    staged = False
+    pending = False
+
+    def submit(self, work: Work, action: Action) -> None:
+        """Run ``action`` now."""
+        work.run(action)
+
+    def wait(self) -> None:
+        """Nothing is ever pending."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class ThreadRunner:
+    """Runs the arithmetic of each action on one background thread, strictly in order.
+
+    Args:
+        live: average parameters straight from the live tensors (see the module
+            docstring); only safe while an optimizer pre-step hook calls :meth:`wait`.
+            Default False.
+    """
+
+    staged = True
+
+    def __init__(self, *, live: bool = False) -> None:
+        self.live = live
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        # (plan, its parameter plan, its buffer plan) for live updates
+        self._split: tuple[Plan, Plan, Plan] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether an action was submitted and not yet waited for."""
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Block until the pending action (if any) is done; re-raise its exception."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result()  # several threads may wait on the same action
+        finally:
+            if self._pending is pending:
+                self._pending = None
+
+    def submit(self, work: Work, action: Action) -> None:
+        """Snapshot the online tensors now and carry out ``action`` in the background."""
+        self.wait()
+        if self.live and isinstance(work, Plan):
+            self._submit_live(work, action)
+            return
+        on_accelerator = work.on_accelerator
+        work.stage(non_blocking=on_accelerator)
+        event = None
+        if on_accelerator:
+            event = torch.cuda.Event()
+            event.record()
+        self._run(_finish, work, action, event)
+
+    def _submit_live(self, plan: Plan, action: Action) -> None:
+        split = self._split
+        if split is None or split[0] is not plan or split[1].stale() or split[2].stale():
+            params = [p for p in plan.pairs if not p.buffer]
+            buffers = [p for p in plan.pairs if p.buffer]
+            split = self._split = (
+                plan,
+                build_plan(params, plan.impl),
+                build_plan(buffers, plan.impl),
+            )
+        split[2].run(action)
+        self._run(split[1].run, action)
+
+    def _run(self, fn: Any, *args: Any) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emakit-ema")
+        self._pending = self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        """Wait for the pending action and stop the thread."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.wait()
+        return {"live": False, "_pool": None, "_pending": None, "_split": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _finish(work: Work, action: Action, event: Any) -> None:
+    if event is not None:
+        event.synchronize()  # the snapshot copy has landed; waits on the worker thread only
+    work.finish(action)
+
+
+class StreamRunner:
+    """Runs each action on a CUDA side stream, ordered by events: no host sync anywhere.
+
+    ``submit`` snapshots the online weights into the staging buffers on the current stream
+    (a device-to-device copy, so the next optimizer step may overwrite the weights at
+    once), then averages from the snapshot on the side stream. ``wait`` makes the current
+    stream wait for that work on the GPU; the host never blocks.
+
+    Args:
+        device: the CUDA device of the model.
+    """
+
+    staged = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: Any = None
+        self._done: Any = None
+        self._pending = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether an action was submitted and not yet waited for."""
+        return self._pending
+
+    def wait(self) -> None:
+        """Order the current stream after the pending side-stream action (GPU-side)."""
+        if self._pending and self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+        self._pending = False
+
+    def submit(self, work: Work, action: Action) -> None:
+        """Snapshot on the current stream, carry out ``action`` on the side stream."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._done = torch.cuda.Event()
+        current = torch.cuda.current_stream(self.device)
+        if self._pending:
+            current.wait_event(self._done)  # the staging buffer is free again
+        work.stage(non_blocking=True)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            work.finish(action)
+            self._done.record(self._stream)
+        self._pending = True
+
+    def close(self) -> None:
+        """Order the current stream after the pending action."""
+        self.wait()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._pending and self._done is not None:
+            self._done.synchronize()
+        return {"device": self.device, "_stream": None, "_done": None, "_pending": False}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class Handles:
+    """Several hook handles removed together (``handle.remove()``)."""
+
+    def __init__(self, *handles: Any, on_remove: Callable[[], None] | None = None) -> None:
+        self.handles = handles
+        self.on_remove = on_remove
+
+    def remove(self) -> None:
+        """Remove every hook, then run the cleanup."""
+        for h in self.handles:
+            h.remove()
+        if self.on_remove is not None:
+            self.on_remove()
+
+
+def hook_optimizer(
+    optimizer: torch.optim.Optimizer,
+    update: Callable[[], None],
+    runner: Runner,
+    *,
+    on_accelerator: bool,
+) -> Any:
+    """Call ``update()`` after every ``optimizer.step()``; returns the handle.
+
+    With a :class:`ThreadRunner` for a CPU model, also wait for the pending update before
+    every step, which makes the runner's zero-copy ``live`` mode safe; removing the handle
+    turns it off again. On an accelerator the staged path already copies non-blocking.
+    """
+    post = optimizer.register_step_post_hook(lambda *_: update())
+    if not isinstance(runner, ThreadRunner) or on_accelerator:
+        return post
+    pre = optimizer.register_step_pre_hook(lambda *_: runner.wait())
+    runner.live = True
+
+    def detach() -> None:
+        runner.wait()
+        runner.live = False  # no pre-step hook any more: back to snapshots
+
+    return Handles(post, pre, on_remove=detach)
