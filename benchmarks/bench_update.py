@@ -2,7 +2,11 @@
 
 Usage::
 
-    python benchmarks/bench_update.py [--quick] [--json OUT] [--threads N]
+    python benchmarks/bench_update.py [--quick] [--json OUT] [--threads N] [--before DIR]
+
+``--before DIR`` also times an older emakit, loaded from its package directory (for
+example a ``git worktree`` of an earlier commit: ``--before /tmp/emakit-before/src/emakit``)
+as a second top-level package ``emakit_before``, side by side with the current one.
 
 What is timed, for each of three models:
 
@@ -12,7 +16,12 @@ What is timed, for each of three models:
   ``flatten_parameters``), ema-pytorch 0.8.3 (loop and ``use_foreach=True``), timm
   ``ModelEmaV3``, torch ``AveragedModel`` with ``get_ema_multi_avg_fn`` and torch_ema
   ``ExponentialMovingAverage``;
-* the floor: one ``lerp_`` over a flat float32 tensor with as many elements as the model.
+* bare ``torch._foreach_lerp_(shadows, onlines, 1 - beta)`` over the model's own tensors
+  (separate shadow copies of its parameters, lists built once): what the default path
+  costs at best without flattening;
+* the floor: one ``lerp_`` over a flat float32 tensor with as many elements as the model;
+* with ``--before``: the older emakit's default path, and its default path after its own
+  ``flatten_parameters``.
 
 The contenders of one model are timed side by side in one process, round-robin over
 several repeats (each sample is a batch of back-to-back calls lasting ~20 ms, at least one
@@ -22,13 +31,19 @@ for the cores); the tables show the median (and the wall minimum) per call and t
 to the floor by each measure.
 
 Also measured: the cost of a *skipped* call (``update_every=10``, a call that does
-nothing), and peak memory (process RSS high-water mark, ``VmHWM`` in
-``/proc/self/status``, reset through ``/proc/self/clear_refs`` and read in a fresh
-subprocess per contender) of creating an EMA of the transformer and of ``swap()``.
+nothing; with ``--before`` for the older emakit too), and peak memory (process RSS
+high-water mark, ``VmHWM`` in ``/proc/self/status``, reset through
+``/proc/self/clear_refs`` and read in a fresh subprocess per contender) of creating an EMA
+of the transformer and of ``swap()``.
 
 Torch runs single-threaded by default (``--threads``), because on small shared VMs the
 second OpenMP thread of an element-wise kernel is often scheduled late, which turns a
 0.2 ms ``lerp_`` into 8 ms at random and drowns every ratio in noise.
+
+At the end a "targets" table checks the redesign's targets by both medians (wall, CPU):
+(a) the default path costs at most 1.05x the bare ``_foreach_lerp_``; (b) a skipped call
+costs at most 1 µs; (c) after ``flatten_parameters`` the default path costs at most 1.25x
+the floor.
 
 This file is a script, not part of the test suite; it asserts nothing about timings.
 """
@@ -38,6 +53,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -48,6 +64,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -58,9 +76,19 @@ from emakit import EMA, flatten_parameters
 
 BETA = 0.999
 FLOOR = "floor: one lerp_ over a flat tensor"
+BARE_FOREACH = "bare torch._foreach_lerp_ over the model's tensors"
 EMAKIT_DEFAULT = "emakit default (use_foreach=None)"
 EMAKIT_FLAT = "emakit default, after flatten_parameters"
+BEFORE_DEFAULT = "emakit before: default (use_foreach=None)"
+BEFORE_FLAT = "emakit before: default, after flatten_parameters"
 EMAPT_FOREACH = "ema-pytorch 0.8.3 use_foreach=True"
+CLOCKS = ("median_us", "min_us", "cpu_median_us")
+# The redesign's targets: (a) default / bare foreach, (b) skipped call in µs,
+# (c) default after flatten_parameters / floor.
+TARGET_DEFAULT_OVER_BARE = 1.05
+TARGET_SKIPPED_US = 1.0
+TARGET_FLAT_OVER_FLOOR = 1.25
+SKIPPED_MODELS = ("1200-tensor model", "Linear(4, 4)")
 
 # -- models ----------------------------------------------------------------------------
 
@@ -112,6 +140,19 @@ def c_emakit_flat(model: nn.Module) -> Callable[[], None]:
     return ema.update
 
 
+def c_before(pkg: ModuleType, *, flat: bool) -> Callable[[nn.Module], Callable[[], None]]:
+    """The older emakit's default path (``--before``), optionally after its own flattening."""
+
+    def make(model: nn.Module) -> Callable[[], None]:
+        if flat:
+            model = copy.deepcopy(model)
+            pkg.flatten_parameters(model)
+        ema = pkg.EMA(model, beta=BETA, update_after_step=0, update_every=1)
+        return ema.update
+
+    return make
+
+
 def c_ema_pytorch(use_foreach: bool) -> Callable[[nn.Module], Callable[[], None]]:
     def make(model: nn.Module) -> Callable[[], None]:
         import ema_pytorch
@@ -150,6 +191,23 @@ def c_torch_ema(model: nn.Module) -> Callable[[], None]:
     return ema.update
 
 
+def c_bare_foreach(model: nn.Module) -> Callable[[], None]:
+    """``torch._foreach_lerp_`` over separate shadow copies of the model's parameters.
+
+    The EMA also averages buffers; the benchmark models have none, so the parameters are
+    exactly the tensors its default path averages.
+    """
+    if list(model.buffers()):
+        raise SystemExit(
+            f"{type(model).__name__} has buffers: the bare _foreach_lerp_ contender averages "
+            "parameters only, so it would not cover the same tensors as the EMA"
+        )
+    shadows = [p.detach().clone() for p in model.parameters()]
+    onlines = [p.detach() for p in model.parameters()]
+    weight = 1.0 - BETA
+    return lambda: torch._foreach_lerp_(shadows, onlines, weight)
+
+
 def c_floor(model: nn.Module) -> Callable[[], None]:
     n = describe(model)[1]
     shadow, online = torch.randn(n), torch.randn(n)
@@ -166,8 +224,55 @@ CONTENDERS: dict[str, Callable[[nn.Module], Callable[[], None]]] = {
     "timm ModelEmaV3": c_timm,
     "torch AveragedModel + get_ema_multi_avg_fn": c_averaged_model,
     "torch_ema ExponentialMovingAverage": c_torch_ema,
+    BARE_FOREACH: c_bare_foreach,
     FLOOR: c_floor,
 }
+
+
+def contenders(before: ModuleType | None) -> dict[str, Callable[[nn.Module], Callable[[], None]]]:
+    """CONTENDERS, plus the older emakit's two default paths next to the current ones."""
+    if before is None:
+        return dict(CONTENDERS)
+    out = {}
+    for name, make in CONTENDERS.items():
+        out[name] = make
+        if name == EMAKIT_FLAT:
+            out[BEFORE_DEFAULT] = c_before(before, flat=False)
+            out[BEFORE_FLAT] = c_before(before, flat=True)
+    return out
+
+
+def load_before(directory: str) -> ModuleType:
+    """Import the emakit package in ``directory`` as a second top-level package.
+
+    It is registered as ``emakit_before``; emakit imports itself only relatively, so its
+    submodules load as ``emakit_before.*`` from that directory, apart from the current
+    ``emakit``.
+    """
+    pkg_dir = Path(directory).resolve()
+    init = pkg_dir / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"--before {directory}: no __init__.py there (want .../src/emakit)")
+    if pkg_dir == Path(emakit.__file__).resolve().parent:
+        raise SystemExit(f"--before {directory} is the emakit being benchmarked")
+    spec = importlib.util.spec_from_file_location(
+        "emakit_before", init, submodule_search_locations=[str(pkg_dir)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--before {directory}: cannot load {init}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["emakit_before"] = module
+    spec.loader.exec_module(module)
+    strays = [
+        name
+        for name, mod in sys.modules.items()
+        if not name.startswith("emakit_before")
+        and str(getattr(mod, "__file__", None) or "").startswith(str(pkg_dir) + os.sep)
+    ]
+    if strays:
+        raise SystemExit(f"--before {directory}: loaded outside emakit_before: {strays}")
+    return module
+
 
 # -- timing ------------------------------------------------------------------------------
 
@@ -225,13 +330,17 @@ def time_side_by_side(
     return timings
 
 
-def bench_update(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _ratio(stats: dict[str, dict[str, float]], num: str, den: str) -> dict[str, float]:
+    return {clock: stats[num][clock] / stats[den][clock] for clock in CLOCKS}
+
+
+def bench_update(args: argparse.Namespace, before: ModuleType | None) -> list[dict[str, Any]]:
     results = []
     for model_name, build in MODELS.items():
         torch.manual_seed(0)
         model = build()
         n_tensors, n_elems = describe(model)
-        fns = {name: make(model) for name, make in CONTENDERS.items()}
+        fns = {name: make(model) for name, make in contenders(before).items()}
         timings = time_side_by_side(
             fns, repeats=args.repeats, sample_s=args.sample_ms / 1e3, warmup=args.warmup
         )
@@ -247,22 +356,24 @@ def bench_update(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
             for name, st in stats.items()
         ]
-        results.append(
-            {
-                "model": model_name,
-                "tensors": n_tensors,
-                "elements": n_elems,
-                "rows": rows,
-                "emapt_foreach_over_emakit_default": {
-                    clock: stats[EMAPT_FOREACH][clock] / stats[EMAKIT_DEFAULT][clock]
-                    for clock in ("median_us", "min_us", "cpu_median_us")
-                },
-                "emapt_foreach_over_emakit_flat": {
-                    clock: stats[EMAPT_FOREACH][clock] / stats[EMAKIT_FLAT][clock]
-                    for clock in ("median_us", "min_us", "cpu_median_us")
-                },
+        res: dict[str, Any] = {
+            "model": model_name,
+            "tensors": n_tensors,
+            "elements": n_elems,
+            "rows": rows,
+            "emapt_foreach_over_emakit_default": _ratio(stats, EMAPT_FOREACH, EMAKIT_DEFAULT),
+            "emapt_foreach_over_emakit_flat": _ratio(stats, EMAPT_FOREACH, EMAKIT_FLAT),
+            "default_over_bare_foreach": _ratio(stats, EMAKIT_DEFAULT, BARE_FOREACH),
+            "flat_over_floor": _ratio(stats, EMAKIT_FLAT, FLOOR),
+        }
+        if before is not None:
+            res["before_default_over_bare_foreach"] = _ratio(stats, BEFORE_DEFAULT, BARE_FOREACH)
+            res["before_flat_over_floor"] = _ratio(stats, BEFORE_FLAT, FLOOR)
+            res["after_over_before"] = {
+                "default": _ratio(stats, EMAKIT_DEFAULT, BEFORE_DEFAULT),
+                "flat": _ratio(stats, EMAKIT_FLAT, BEFORE_FLAT),
             }
-        )
+        results.append(res)
         del fns, timings, model
         gc.collect()
     return results
@@ -271,7 +382,7 @@ def bench_update(args: argparse.Namespace) -> list[dict[str, Any]]:
 # -- skipped calls -----------------------------------------------------------------------
 
 
-def bench_skipped(args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_skipped(args: argparse.Namespace, before: ModuleType | None) -> list[dict[str, Any]]:
     """Per-call cost of calls that do nothing (update_every=10, between averaging calls).
 
     Each sample times the 9 skipped calls that follow an averaging call; the averaging
@@ -286,8 +397,10 @@ def bench_skipped(args: argparse.Namespace) -> list[dict[str, Any]]:
     # After an averaging call over the 1200-tensor model (10 MB touched) the wrapper's
     # Python objects are out of the CPU caches, as they are after a training step; with
     # a one-layer model they stay warm. The skip does the same work in both cases.
-    for label, model in (("1200-tensor model", tiny_1200()), ("Linear(4, 4)", nn.Linear(4, 4))):
+    for label, model in zip(SKIPPED_MODELS, (tiny_1200(), nn.Linear(4, 4)), strict=True):
         wrappers[f"emakit EMA (default), {label}"] = EMA(model, **kw)
+        if before is not None:
+            wrappers[f"emakit before EMA (default), {label}"] = before.EMA(model, **kw)
         wrappers[f"ema-pytorch 0.8.3 EMA, {label}"] = ema_pytorch.EMA(
             model, include_online_model=False, **kw
         )
@@ -439,7 +552,31 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
 # -- report ------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
+def _git(directory: str, *args: str) -> str | None:
+    """Output of a read-only git command in ``directory`` (None outside a checkout)."""
+    try:
+        proc = subprocess.run(
+            ["git", "--no-optional-locks", "-C", directory, *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _version(directory: str) -> dict[str, Any]:
+    """Where a benchmarked emakit comes from: its directory, commit, uncommitted changes."""
+    status = _git(directory, "status", "--porcelain", "--", ".")
+    return {
+        "path": directory,
+        "commit": _git(directory, "rev-parse", "--short", "HEAD"),
+        "uncommitted_changes": None if status is None else bool(status),
+    }
+
+
+def machine(before: ModuleType | None) -> dict[str, Any]:
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -457,7 +594,69 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "emakit": emakit.__version__,
         "emakit_path": os.path.dirname(emakit.__file__),
+        "emakit_source": _version(os.path.dirname(emakit.__file__)),
+        "emakit_before_source": None
+        if before is None
+        else _version(os.path.dirname(before.__file__)),
     }
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The redesign's targets (a), (b), (c), each judged by the wall and CPU medians.
+
+    (a) and (c) are ratios of contenders timed side by side in one run; (b) is µs per
+    skipped call. ``before`` is the same measure for the older emakit (``--before``).
+    """
+    rows = []
+
+    def row(target: str, case: str, limit: float, unit: str, now: dict, old: dict | None) -> None:
+        def pick(r: dict | None) -> dict[str, float] | None:
+            return None if r is None else {k: r[k] for k in ("median_us", "cpu_median_us")}
+
+        rows.append(
+            {
+                "target": target,
+                "case": case,
+                "limit": limit,
+                "unit": unit,
+                "emakit": pick(now),
+                "before": pick(old),
+                "met": {
+                    "wall median": now["median_us"] <= limit,
+                    "CPU median": now["cpu_median_us"] <= limit,
+                },
+            }
+        )
+
+    for res in report["update"]:
+        row(
+            f"(a) default <= {TARGET_DEFAULT_OVER_BARE}x bare foreach",
+            res["model"],
+            TARGET_DEFAULT_OVER_BARE,
+            "x",
+            res["default_over_bare_foreach"],
+            res.get("before_default_over_bare_foreach"),
+        )
+    skipped = {r["contender"]: r for r in report["skipped"]}
+    for label in SKIPPED_MODELS:
+        row(
+            f"(b) skipped call <= {TARGET_SKIPPED_US:g} µs",
+            label,
+            TARGET_SKIPPED_US,
+            "µs",
+            skipped[f"emakit EMA (default), {label}"],
+            skipped.get(f"emakit before EMA (default), {label}"),
+        )
+    for res in report["update"]:
+        row(
+            f"(c) flattened <= {TARGET_FLAT_OVER_FLOOR}x floor",
+            res["model"],
+            TARGET_FLAT_OVER_FLOOR,
+            "x",
+            res["flat_over_floor"],
+            res.get("before_flat_over_floor"),
+        )
+    return rows
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -508,6 +707,23 @@ def _print_report(report: dict[str, Any]) -> None:
                 f"ema-pytorch use_foreach=True / {label}: {r['median_us']:.1f}x (wall median), "
                 f"{r['min_us']:.1f}x (wall min), {r['cpu_median_us']:.1f}x (CPU median)"
             )
+        ratios = [
+            (res["default_over_bare_foreach"], "emakit default / bare _foreach_lerp_"),
+            (res["flat_over_floor"], "emakit after flatten_parameters / floor"),
+        ]
+        if "after_over_before" in res:
+            ratios += [
+                (res["after_over_before"]["default"], "emakit default: after / before"),
+                (
+                    res["after_over_before"]["flat"],
+                    "emakit after flatten_parameters: after / before",
+                ),
+            ]
+        for r, label in ratios:
+            console.print(
+                f"{label}: {r['median_us']:.3f}x (wall median), "
+                f"{r['min_us']:.3f}x (wall min), {r['cpu_median_us']:.3f}x (CPU median)"
+            )
         console.print()
     table = Table(title="skipped call (update_every=10)")
     for col in ("contender", "wall median µs", "wall min µs", "CPU median µs"):
@@ -535,6 +751,39 @@ def _print_report(report: dict[str, Any]) -> None:
                     f"{r['model_mib']:.1f}",
                 )
         console.print(table)
+    _print_targets(console, report["targets"])
+
+
+def _print_targets(console: Any, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    def fmt(value: float, unit: str) -> str:
+        return f"{value:.3f}x" if unit == "x" else f"{value:.2f} µs"
+
+    table = Table(title="targets, by median per call (met: by both the wall and the CPU median)")
+    cols = ("target", "case", "emakit wall", "emakit CPU", "met", "before wall", "before CPU")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("target", "case", "met") else "right")
+    for r in rows:
+        met = r["met"]
+        verdict = (
+            "met"
+            if all(met.values())
+            else "not met"
+            if not any(met.values())
+            else "met by " + " and ".join(k for k, v in met.items() if v) + " only"
+        )
+        old = r["before"]
+        table.add_row(
+            r["target"],
+            r["case"].split(" (")[0],  # the model's name without its description
+            fmt(r["emakit"]["median_us"], r["unit"]),
+            fmt(r["emakit"]["cpu_median_us"], r["unit"]),
+            verdict,
+            "" if old is None else fmt(old["median_us"], r["unit"]),
+            "" if old is None else fmt(old["cpu_median_us"], r["unit"]),
+        )
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -543,6 +792,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON here")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument(
+        "--before",
+        metavar="DIR",
+        help="also time an older emakit package directory (e.g. a worktree's src/emakit)",
+    )
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -550,19 +804,21 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(memory_worker(args.memory_worker)))
         return
     args.repeats, args.sample_ms, args.warmup = (5, 5.0, 3) if args.quick else (21, 20.0, 5)
+    before = None if args.before is None else load_before(args.before)
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "machine": machine(),
+        "machine": machine(before),
         "loadavg_at_start": os.getloadavg(),
         "mode": "quick" if args.quick else "full",
         "repeats": args.repeats,
         "sample_ms": args.sample_ms,
-        "update": bench_update(args),
-        "skipped": bench_skipped(args),
+        "update": bench_update(args, before),
+        "skipped": bench_skipped(args, before),
         "memory": [] if args.no_memory else bench_memory(args),
     }
     report["loadavg_at_end"] = os.getloadavg()
     report["seconds"] = time.perf_counter() - started
+    report["targets"] = targets(report)
     _print_report(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -36,8 +36,6 @@ _MODULE_ONLY = {
     "forward_method_names": (),
     "move_ema_to_online_device": False,
     "lazy_init_ema": False,
-    "device": None,
-    "async_update": False,
     "stream": False,
 }
 

@@ -170,6 +170,7 @@ class EMA(nn.Module):
             "ema_dtype": self.ema_dtype,
             "cast": self.coerce_dtype or self.ema_dtype is not None,
             "other_devices": self.allow_different_devices,
+            "device": self.device,
         }
         self._source: ModuleSource | TreeSource
         if include_online_model:
@@ -187,7 +188,6 @@ class EMA(nn.Module):
             no_ema=self.param_or_buffer_names_no_ema,
             group_patterns=list(opts.decay_groups),
             move_to_online=self.move_ema_to_online_device,
-            device=self.device,
             **common,
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):

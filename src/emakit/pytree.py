@@ -35,8 +35,9 @@ class EMAPytree(EMA):
             zero-argument factory. Default None: a copy of ``pytree``.
         beta, update_after_step, update_every, inv_gamma, power, min_value,
         allow_different_devices, coerce_dtype, use_foreach, ema_dtype, schedule,
-        skip_nonfinite: as for :class:`~emakit.EMA` (defaults 0.9999, 100, 10, 1.0, 2/3,
-            0.0, False, False, None, None, None, False).
+        skip_nonfinite, device, async_update: as for :class:`~emakit.EMA` (defaults
+            0.9999, 100, 10, 1.0, 2/3, 0.0, False, False, None, None, None, False, None,
+            None).
 
     Example:
         >>> w = torch.zeros(3)
@@ -63,6 +64,8 @@ class EMAPytree(EMA):
         ema_dtype: torch.dtype | None = None,
         schedule: Callable[[int], float] | None = None,
         skip_nonfinite: bool = False,
+        device: torch.device | str | None = None,
+        async_update: bool | None = None,
     ) -> None:
         super().__init__(
             pytree,
@@ -79,6 +82,8 @@ class EMAPytree(EMA):
             ema_dtype=ema_dtype,
             schedule=schedule,
             skip_nonfinite=skip_nonfinite,
+            device=device,
+            async_update=async_update,
         )
 
 

@@ -155,7 +155,7 @@ class TreeSource(_Source):
         elif callable(shadow) and not isinstance(shadow, (Tensor, nn.Module)):
             shadow = shadow()
         pairs = self.pairs(tree, shadow)
-        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype, device=self.device)
         return shadow
 
     def pairs(self, tree: Any, shadow: Any) -> list[TensorPair]:

@@ -69,9 +69,14 @@ class Tracker:
     def plan(self) -> Plan:
         """The current plan, rebuilt from the live tensors if the model changed under it."""
         plan = self._plan
-        if plan is None or plan.stale():
-            self.runner.wait()
-            plan = self._plan = build_plan(self.pairs(), self.impl, staged=self.runner.staged)
+        freshness = "stale" if plan is None else plan.freshness()
+        if freshness == "fresh":
+            return plan  # type: ignore[return-value]
+        self.runner.wait()
+        pairs = self.pairs()  # the live tensors by name; raises when they no longer pair
+        if freshness == "check" and plan is not None and plan.same_pairs(pairs):
+            return plan
+        plan = self._plan = build_plan(pairs, self.impl, staged=self.runner.staged)
         return plan
 
     def invalidate(self) -> None:

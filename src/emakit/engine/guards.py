@@ -3,11 +3,12 @@
 A plan holds tensor objects, as an optimizer does, so in-place writes are always seen.
 What it must notice is the model changing under it:
 
-* a Parameter, buffer or submodule **replaced** (``model.head = nn.Linear(...)``,
-  ``load_state_dict(..., assign=True)``, ``register_buffer``): torch's global registration
-  hooks bump a process-wide epoch, and only when the epoch moved does the plan compare each
-  tracked tensor with what its module holds now (so an unchanged model pays one integer
-  compare);
+* a Parameter, buffer or submodule **replaced or added** (``model.head = nn.Linear(...)``,
+  ``load_state_dict(..., assign=True)``, ``register_buffer``, ``add_module``): torch's
+  global registration hooks bump a process-wide epoch, and only when the epoch moved does
+  the owner walk the model again and compare the live pairs with the plan's (so an
+  unchanged model pays one integer compare per update, and a registration elsewhere one
+  walk);
 * a buffer replaced without registration (``module.to()`` assigns ``_buffers`` directly),
   or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
   update, which costs one lookup per buffer and per sharded tensor;
@@ -81,18 +82,24 @@ class Guards:
         self.always = always
         self.on_epoch = on_epoch
 
-    def replaced(self) -> str | None:
-        """The name of a tracked tensor that is no longer the one registered, else None."""
+    def check(self) -> str:
+        """``"stale"`` if a tracked tensor is no longer the one registered; ``"check"`` if
+        something, anywhere, registered a parameter, buffer or module since (the owner
+        then compares the live pairs with the plan's, see :meth:`accept`); else
+        ``"fresh"``."""
         for container, key, t in self.always:
             if container.get(key) is not t:
-                return key
+                return "stale"
         for d, local in self.sharded:
             if d._local_tensor is not local:  # type: ignore[attr-defined]
-                return "a DTensor's local shard"
-        epoch = registration_epoch()
-        if epoch != self.epoch:
-            for container, key, t in self.on_epoch:
-                if container.get(key) is not t:
-                    return key
-            self.epoch = epoch
-        return None
+                return "stale"
+        if registration_epoch() == self.epoch:
+            return "fresh"
+        for container, key, t in self.on_epoch:
+            if container.get(key) is not t:
+                return "stale"
+        return "check"
+
+    def accept(self) -> None:
+        """The owner found the live tensors unchanged: stop checking until the next change."""
+        self.epoch = registration_epoch()

@@ -295,14 +295,34 @@ class Plan:
             self._to_online = _Direction(self.pairs, to_shadow=False, flat=False)
         return self._to_online
 
+    def freshness(self) -> str:
+        """``"stale"`` when the model changed under the plan (a tracked tensor was replaced,
+        a group's dtype or device changed, a span's tensor was re-pointed: build a new
+        plan); ``"check"`` when a tensor may have been added or replaced somewhere (the
+        owner compares the live pairs with :attr:`pairs`, see :meth:`same_pairs`); else
+        ``"fresh"``. See :mod:`emakit.engine.guards`."""
+        if self._to_shadow.stale():
+            return "stale"
+        return self.guards.check()
+
     def stale(self) -> bool:
-        """Whether the model changed under the plan: a tracked tensor was replaced (see
-        :class:`~emakit.engine.guards.Guards`), or storage moved under it (a group's dtype
-        or device changed, a span's tensor was re-pointed). The owner then pairs the live
-        tensors by name again and builds a new plan."""
-        if self.guards.replaced() is not None:
-            return True
-        return self._to_shadow.stale()
+        """Whether the plan is certainly stale (see :meth:`freshness`)."""
+        return self.freshness() == "stale"
+
+    def same_pairs(self, pairs: Sequence[TensorPair]) -> bool:
+        """Whether ``pairs`` are the plan's own: same names, tensors and roles. If so, the
+        plan stops checking until the next registration anywhere."""
+        same = len(pairs) == len(self.pairs) and all(
+            a.name == b.name
+            and a.online is b.online
+            and a.shadow is b.shadow
+            and a.average == b.average
+            and a.group == b.group
+            for a, b in zip(pairs, self.pairs, strict=True)
+        )
+        if same:
+            self.guards.accept()
+        return same
 
     @torch.no_grad()
     def run(self, action: Action) -> None:

@@ -156,7 +156,7 @@ class ThreadRunner:
 
     def _submit_live(self, plan: Plan, action: Action) -> None:
         split = self._split
-        if split is None or split[0] is not plan or split[1].stale() or split[2].stale():
+        if split is None or split[0] is not plan:  # the owner rebuilds plans that go stale
             params = [p for p in plan.pairs if not p.buffer]
             buffers = [p for p in plan.pairs if p.buffer]
             split = self._split = (

@@ -93,6 +93,8 @@ class KarrasEMA(EMA):
         use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
         ema_dtype: keyword-only; keep floating EMA tensors in this dtype (e.g.
             ``torch.float32`` for a bf16 model). Default None.
+        skip_nonfinite, device, async_update: keyword-only; as for :class:`~emakit.EMA`
+            (defaults False, None, None).
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
@@ -125,6 +127,9 @@ class KarrasEMA(EMA):
         *,
         use_foreach: bool | None = None,
         ema_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
+        device: torch.device | str | None = None,
+        async_update: bool | None = None,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         if not isinstance(frozen, bool):
@@ -141,6 +146,9 @@ class KarrasEMA(EMA):
             use_foreach=use_foreach,
             move_ema_to_online_device=move_ema_to_online_device,
             ema_dtype=ema_dtype,
+            skip_nonfinite=skip_nonfinite,
+            device=device,
+            async_update=async_update,
         )
         self.frozen = frozen
         self.tracker.rule = DecayRule(

@@ -60,6 +60,9 @@ _KARRAS_KWARGS = frozenset(
         "move_ema_to_online_device",
         "use_foreach",
         "ema_dtype",
+        "skip_nonfinite",
+        "device",
+        "async_update",
     }
 )
 
@@ -128,7 +131,7 @@ class PostHocEMA(nn.Module):
         **kwargs: passed to each :class:`KarrasEMA`: ``frozen``,
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
-            ``ema_dtype``.
+            ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)

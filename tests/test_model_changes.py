@@ -1,0 +1,186 @@
+"""The model changes under the EMA: replaced parameters, buffers and submodules are followed
+by name on every path, or refused with an error naming the tensor. Never silently untracked.
+
+Before the redesign, a Parameter replaced after the first update (``load_state_dict(...,
+assign=True)`` followed by a new optimizer, or ``model.head = nn.Linear(...)``) was no
+longer tracked: the EMA averaged the dead tensor and ``swap()`` evaluated online weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import emakit
+from _models import bn_mlp
+from emakit import EMA, EMAStateError, EMAValueError, schedules
+
+PATHS = [False, True, None]
+PATH_IDS = ["loop", "foreach", "flat"]
+
+
+def step(net: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    net.train()
+    net(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Reference:
+    """A per-tensor EMA by name, reading the model's *current* tensors on every call."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.shadow = {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    def update(self, net: nn.Module, decay: float) -> None:
+        for k, v in net.state_dict().items():
+            if v.is_floating_point():
+                self.shadow[k].lerp_(v.detach(), 1.0 - decay)
+            else:
+                self.shadow[k].copy_(v)
+
+    def assert_matches(self, ema: EMA, what: str) -> None:
+        got = ema.ema_model.state_dict()
+        for k, v in self.shadow.items():
+            assert torch.equal(got[k], v), f"{what}: {k}"
+
+
+def build(use_foreach, flatten, runner):
+    net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    if flatten:
+        emakit.flatten_parameters(net)
+    kw = {"async_update": True} if runner == "thread" else {}
+    ema = EMA(net, beta=0.8, update_after_step=0, update_every=1, use_foreach=use_foreach, **kw)
+    return net, ema
+
+
+@pytest.mark.parametrize("runner", ["sync", "thread"])
+@pytest.mark.parametrize("flatten", [False, True], ids=["plain", "flattened"])
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+def test_load_state_dict_assign_then_new_optimizer_is_followed(use_foreach, flatten, runner):
+    net, ema = build(use_foreach, flatten, runner)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ema.update()  # the first update copies
+    ref = Reference(net)
+    for _ in range(3):
+        step(net, opt, gen)
+        ema.update()
+        ref.update(net, ema.get_current_decay())
+    ref.assert_matches(ema, "before the replacement")
+    # Replace every parameter and buffer object, then train the new ones.
+    new = {
+        k: v.detach().clone() + (0.5 if v.is_floating_point() else 1)
+        for k, v in net.state_dict().items()
+    }
+    net.load_state_dict(new, assign=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for call in range(4):
+        step(net, opt, gen)
+        ema.update()
+        ref.update(net, ema.get_current_decay())
+        ref.assert_matches(ema, f"call {call + 1} after load_state_dict(assign=True)")
+    # swap() puts the EMA weights into the live parameters, and back.
+    online = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    with ema.swap():
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, ref.shadow[k]), f"swap: {k} holds the online value"
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, online[k]), f"after swap: {k}"
+
+
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+def test_replaced_head_of_the_same_shape_is_followed(use_foreach):
+    net, ema = build(use_foreach, False, "sync")
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ema.update()
+    step(net, opt, gen)
+    ema.update()
+    ref = Reference(net)
+    ref.shadow = {k: v.clone() for k, v in ema.ema_model.state_dict().items()}
+    net[3] = nn.Linear(8, 3)  # fine-tuning: a fresh head of the same shape
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        step(net, opt, gen)
+        ema.update()
+        ref.update(net, ema.get_current_decay())
+    ref.assert_matches(ema, "after replacing the head")
+    with ema.swap():
+        assert torch.equal(net[3].weight, ema.ema_model[3].weight)
+
+
+def test_replaced_head_of_another_shape_raises_naming_it():
+    net, ema = build(None, False, "sync")
+    ema.update()
+    net[3] = nn.Linear(8, 5)
+    with pytest.raises(EMAStateError, match=r"'3\.weight'.*shape"):
+        ema.update()
+    with pytest.raises(EMAStateError, match=r"'3\.weight'"), ema.swap():
+        pass
+
+
+def test_added_submodule_raises_naming_the_new_tensors():
+    net, ema = build(None, False, "sync")
+    ema.update()
+    net.add_module("extra", nn.Linear(3, 3))
+    with pytest.raises(EMAStateError, match=r"extra\.weight"):
+        ema.update()
+
+
+def test_replaced_buffer_is_followed():
+    net, ema = build(None, True, "sync")
+    ema.update()
+    net[1].running_mean = torch.full((8,), 3.0)  # a new buffer object
+    ema.copy_params_from_model_to_ema()
+    assert torch.equal(ema.ema_model[1].running_mean, torch.full((8,), 3.0))
+
+
+def test_model_to_another_dtype_raises_with_the_fix():
+    net, ema = build(None, False, "sync")
+    ema.update()
+    net.double()
+    with pytest.raises(EMAStateError, match="coerce_dtype"):
+        ema.update()
+
+
+def test_unchanged_model_keeps_its_plan_and_unrelated_registrations_do_not_rebuild():
+    _, ema = build(None, True, "sync")
+    ema.update()
+    plan = ema.tracker.plan()
+    nn.Linear(3, 3)  # registering parameters elsewhere moves the global epoch
+    ema.update()
+    assert ema.tracker.plan() is plan
+
+
+def test_no_wait_hides_in_attribute_lookup():
+    assert "__getattr__" not in vars(EMA)
+
+
+def test_one_validator_for_inv_gamma():
+    net = bn_mlp(4, 8, 3, seed=0)
+    with pytest.raises(EMAValueError) as ours:
+        EMA(net, inv_gamma=math.inf)
+    with pytest.raises(EMAValueError) as theirs:
+        schedules.inverse_gamma(inv_gamma=math.inf)
+    assert str(ours.value) == str(theirs.value)
+    assert "inv_gamma" in str(ours.value) and "inf" in str(ours.value)
+
+
+def test_header_records_the_schedule_values(tmp_path):
+    net = bn_mlp(4, 8, 3, seed=0)
+    ema = EMA(net, schedule=schedules.linear_warmup(beta=0.999, warmup=100))
+    path = emakit.save_ema_weights(ema, tmp_path / "ema.safetensors")
+    import safetensors
+
+    with safetensors.safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert meta["schedule"] == "linear_warmup(beta=0.999, warmup=100)"
+    karras = emakit.KarrasEMA(copy.deepcopy(net), gamma=7.0)
+    path = emakit.save_ema_weights(karras, tmp_path / "karras.safetensors")
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert f.metadata()["schedule"] == "power_function(gamma=7.0)"
