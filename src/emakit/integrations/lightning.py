@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import _validate as check
+from ..core.swap import Swap
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from ._common import check_ema_kwargs
@@ -124,7 +125,7 @@ class EMACallback(pl.Callback):
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
         self._last_global_step = 0
-        self._swap: contextlib.ExitStack | None = None
+        self._swap: Swap | None = None
         self._warned_no_ema = False
 
     # -- creation -----------------------------------------------------------------------
@@ -209,14 +210,12 @@ class EMACallback(pl.Callback):
         ema = self._ema_for_eval(pl_module)
         if ema is None:
             return
-        stack = contextlib.ExitStack()
-        stack.enter_context(ema.swap())
-        self._swap = stack
+        self._swap = ema.swap().enter()
 
     def _leave_swap(self) -> None:
-        stack, self._swap = self._swap, None
-        if stack is not None:
-            stack.close()
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            swap.exit()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Swap the EMA weights into the module (``validate_with_ema``)."""

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings
@@ -28,6 +27,7 @@ from torch import nn
 
 from .. import _validate as check
 from ..checkpoint import load_ema_weights, save_ema_weights
+from ..core.swap import Swap
 from ..ema import EMA
 from ..errors import EMATypeError
 from ._common import check_ema_kwargs
@@ -109,7 +109,7 @@ class EMATrainerCallback(TrainerCallback):
         self.ema: EMA | None = None
         #: The file the EMA was restored from at the last resume (None if none).
         self.restored_from: Path | None = None
-        self._swap: contextlib.ExitStack | None = None
+        self._swap: Swap | None = None
         self._hook: Any = None
 
     # -- creation and resume ------------------------------------------------------------
@@ -193,14 +193,12 @@ class EMATrainerCallback(TrainerCallback):
         if module.training:
             self._leave_swap()  # a training forward never runs on the EMA weights
         elif self._swap is None and not torch.is_grad_enabled() and self.ema is not None:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.ema.swap())
-            self._swap = stack
+            self._swap = self.ema.swap().enter()
 
     def _leave_swap(self) -> None:
-        stack, self._swap = self._swap, None
-        if stack is not None:
-            stack.close()
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            swap.exit()
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
