@@ -213,6 +213,7 @@ def assert_same_snapshots(cell_folder: Path, ref_folder: Path) -> None:
 # -- the matrix -------------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::emakit.PostHocWarning")  # few snapshots: rough synthesis
 @pytest.mark.parametrize(("kind", "runner", "feature"), COMPARED)
 def test_cell_matches_the_reference_loop(kind, runner, feature, tmp_path):
     model = make_model()
@@ -236,9 +237,17 @@ def test_cell_matches_the_reference_loop(kind, runner, feature, tmp_path):
         # calls 5 and 7 average (also KarrasEMA's) and see the NaN; call 6 does no work
         assert m.num_skipped_nonfinite == (2 if skips else 0)
         assert all(t.isfinite().all() for t in comparable(m).values() if t.is_floating_point())
+    # the feature took effect (the comparison alone would pass if both sides ignored it)
+    if feature == "decay_groups":
+        decays = cell.current_decays()  # "0.*" shares the default warm-up, capped at 0.9
+        assert decays["0.*"] == decays["default"] < 0.9 and decays["3.*"] == 0.5
+    if feature == "schedule":
+        assert [m.get_current_decay() for m in members(cell)] == [0.8, 0.6][: len(members(cell))]
     if feature == "ema_dtype":
-        assert all(m.ema_model is not None for m in members(cell))
         assert comparable(members(cell)[0])[_first_weight(kind)].dtype == torch.float64
+    if feature == "flatten":
+        first, last = model.get_parameter("0.weight"), model.get_parameter("3.bias")
+        assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
     if kind == "posthoc":
         assert_same_snapshots(tmp_path / "cell", tmp_path / "ref")
         synth, synth_ref = (e.synthesize_ema_model(sigma_rel=0.1) for e in (cell, ref))
@@ -294,6 +303,28 @@ def test_the_same_refusals_through_other_entry_points(build_it, message):
         build_it(make_model())
 
 
+@pytest.mark.parametrize("runner", ["sync", "async", "offload"])
+def test_posthoc_skip_nonfinite_guards_the_snapshot_catch_up(runner, tmp_path):
+    """A checkpoint between averaging calls first averages the current weights in
+    (``KarrasEMA.catch_up``); with ``skip_nonfinite=True`` that must skip NaN weights too,
+    as every other averaging update does, instead of writing them into the profile and the
+    snapshot for good."""
+    model = make_model()
+    ema = build("posthoc", model, tmp_path, skip_nonfinite=True, **RUNNERS[runner])
+    for call in range(1, CHECKPOINT_EVERY + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1)
+        # the checkpoint at call 4 (not an averaging call) catches up with a NaN weight
+        with nan_in(model) if call == CHECKPOINT_EVERY else contextlib.nullcontext():
+            ema.update()
+    for i, profile in enumerate(ema.profiles):
+        weights = comparable(profile)["ema_model.0.weight"]
+        assert bool(weights.isfinite().all()), f"profile {i} averaged in the NaN weight"
+    for path in sorted(tmp_path.glob("*.safetensors")):
+        assert bool(load_file(path)["0.weight"].isfinite().all()), f"{path.name} holds NaN"
+
+
 # -- the background runners really run on the worker -----------------------------------------
 
 
@@ -335,7 +366,9 @@ def test_members_match_lone_reference_emas(kind, runner, tmp_path):
     model = make_model()
     lone_model = copy.deepcopy(model)
     if kind == "multi":
-        obj = MultiEMA(model, betas=(0.9, 0.99), update_after_step=2, update_every=2, **RUNNERS[runner])
+        obj = MultiEMA(
+            model, betas=(0.9, 0.99), update_after_step=2, update_every=2, **RUNNERS[runner]
+        )
         lone = [
             EMA(lone_model, beta=b, update_after_step=2, update_every=2, use_foreach=False)
             for b in (0.9, 0.99)
@@ -349,7 +382,10 @@ def test_members_match_lone_reference_emas(kind, runner, tmp_path):
             checkpoint_folder=tmp_path,
             **RUNNERS[runner],
         )
-        lone = [KarrasEMA(lone_model, sigma_rel=s, update_every=2, use_foreach=False) for s in (0.05, 0.2)]
+        lone = [
+            KarrasEMA(lone_model, sigma_rel=s, update_every=2, use_foreach=False)
+            for s in (0.05, 0.2)
+        ]
     gen = torch.Generator().manual_seed(2)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, lone_model)]
     for call in range(1, CALLS + 1):

@@ -184,3 +184,28 @@ def test_header_records_the_schedule_values(tmp_path):
     path = emakit.save_ema_weights(karras, tmp_path / "karras.safetensors")
     with safetensors.safe_open(str(path), "pt") as f:
         assert f.metadata()["schedule"] == "power_function(gamma=7.0)"
+
+
+def test_registrations_elsewhere_do_not_walk_the_model(monkeypatch):
+    """ema-pytorch does ``self.step += 1`` on a buffer every call, and other code builds
+    modules while training: neither may cost every EMA a walk of its model."""
+    from emakit.core.sources import ModuleSource
+
+    _, ema = build(None, True, "sync")
+    ema.update()
+    walks = []
+    original = ModuleSource.pairs
+
+    def counted(self, *args):
+        walks.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(ModuleSource, "pairs", counted)
+    other = nn.Module()
+    other.register_buffer("step", torch.tensor(0))
+    for _ in range(5):
+        other.step += 1  # the same buffer object, re-registered
+        other.step = other.step + 1  # a new buffer, on a module the EMA does not track
+        nn.Linear(2, 2)  # a new module elsewhere
+        ema.update()
+    assert walks == []

@@ -150,7 +150,7 @@ def test_sigma_rel_to_gamma_matches_the_definition():
     "bad", [0.0, -0.1, float("nan"), float("inf"), 0.3, 1 / math.sqrt(12), 1.0]
 )
 def test_bad_sigma_rel_is_rejected_naming_the_range(bad: float):
-    with pytest.raises(EMAValueError, match=r"sigma_rel must be in \(0, 0\.2886"):
+    with pytest.raises(EMAValueError, match=r"sigma_rel must be a finite number in \(0, 0\.2886"):
         sigma_rel_to_gamma(bad)
     with pytest.raises(EMAValueError, match="sigma_rel"):
         KarrasEMA(linear(), sigma_rel=bad)
@@ -767,9 +767,9 @@ def test_synthesis_errors_are_clear(tmp_path: Path, runs: dict):
     ema, _ = runs[10]
     with pytest.raises(EMAValueError, match=r"step=100 is before the first snapshot \(step 200\)"):
         ema.synthesize_ema_model(sigma_rel=0.1, step=100)
-    with pytest.raises(EMAValueError, match="sigma_rel must be in"):
+    with pytest.raises(EMAValueError, match="sigma_rel must be a finite number in"):
         ema.synthesize_ema_model(sigma_rel=float("nan"))
-    with pytest.raises(EMAValueError, match="sigma_rel must be in"):
+    with pytest.raises(EMAValueError, match="sigma_rel must be a finite number in"):
         ema.synthesize_ema_model(sigma_rel=0.5)
     with pytest.raises(EMAValueError, match="exactly one"):
         ema.synthesize_ema_model()

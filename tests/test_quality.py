@@ -59,3 +59,58 @@ def test_mypy_is_clean_on_src():
         text=True,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def _import_graph() -> tuple[dict[str, set[str]], list[str], dict[str, int]]:
+    """emakit's modules: who imports whom (relative imports, at any depth, including
+    imports inside functions and ``if TYPE_CHECKING:`` blocks), private names imported
+    across modules, and line counts."""
+    import ast
+
+    src = ROOT / "src"
+    mods = {
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (src / "emakit").rglob("*.py")
+    }
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private, sizes = [], {}
+    for mod, path in mods.items():
+        text = path.read_text(encoding="utf-8")
+        sizes[mod] = text.count("\n") + 1
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                dest = sub if sub in mods else target
+                if dest not in mods or dest == mod:
+                    continue
+                edges[mod].add(dest)
+                name, leaf = alias.name, dest.rsplit(".", 1)[-1]
+                if name.startswith("_") and not name.startswith("__") and not leaf.startswith("_"):
+                    private.append(f"{mod} imports {name} from {dest}")
+    return edges, private, sizes
+
+
+def test_import_structure():
+    """No import cycle, no private name used across modules, no module over 600 lines."""
+    edges, private, sizes = _import_graph()
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(mod) :], mod]))
+        if mod in done:
+            return
+        for dest in sorted(edges[mod]):
+            visit(dest, [*path, mod])
+        done.add(mod)
+
+    for mod in sorted(edges):
+        visit(mod, [])
+    assert not private, private
+    big = {m: n for m, n in sizes.items() if n > 600}
+    assert not big, big

@@ -19,12 +19,14 @@ def real(
     high: float = math.inf,
     low_open: bool = False,
     high_open: bool = False,
+    hint: str = "",
 ) -> float:
     """``value`` as a finite float within the given bounds; every real-number argument of
     emakit (EMA keywords, schedules, post-hoc profiles) is checked here.
 
     Booleans, NaN and infinities are refused; an infinite bound is always open, so the
-    message shows the interval actually accepted, e.g. ``(0.0, inf)``.
+    message shows the interval actually accepted, e.g. ``(0.0, inf)``. ``hint`` is
+    appended to the message (what the values mean, typical values).
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise EMATypeError(
@@ -43,7 +45,8 @@ def real(
     if bad:
         lb, hb = "(" if low_open else "[", ")" if high_open else "]"
         raise EMAValueError(
-            f"{name} must be a finite number in {lb}{low}, {high}{hb}, got {name}={value!r}"
+            f"{name} must be a finite number in {lb}{low:g}, {high:g}{hb}, got {name}={value!r}"
+            + (f"; {hint}" if hint else "")
         )
     return v
 

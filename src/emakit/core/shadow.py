@@ -47,7 +47,7 @@ def module_tensors(
 
     Names and order are those of ``named_parameters()`` then ``named_buffers()`` (tied
     tensors once, under their first name); ``slots[name]`` is the ``(dict, key)`` the
-    tensor is registered in.
+    tensor is registered in (and the registering module's id).
     """
     tensors: dict[str, Tensor] = {}
     slots: dict[str, Slot] = {}
@@ -64,7 +64,7 @@ def module_tensors(
                 if skip(name):
                     continue
                 tensors[name] = t
-                slots[name] = (registry, key)
+                slots[name] = (registry, key, id(mod))
                 if kind == "_buffers":
                     buffers.add(name)
     return tensors, slots, buffers

@@ -136,12 +136,15 @@ class Tracker:
         does this before a snapshot)."""
         if not self.initted or self.step <= self.last:
             return
+        self.runner.wait()
+        plan = self.plan()
+        if self.skip_nonfinite and not self.online_finite(plan):
+            return
         if self.rule.frozen:
             action = Action("hold", call=self.step)
         else:
             action = Action("lerp", self.rule.weights(self.step, self.last), self.step)
-        self.runner.wait()
-        self.plan().run(action)
+        plan.run(action)
         self.record(action)
 
     def online_finite(self, plan: Plan) -> bool:

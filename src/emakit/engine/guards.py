@@ -19,6 +19,7 @@ What it must notice is the model changing under it:
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,33 +32,65 @@ __all__ = ["Guards", "registration_epoch"]
 _counter = itertools.count(1)
 _epoch = 0
 _hooked: bool | None = None  # None: not tried yet; False: hooks unavailable
+#: Recent registrations: (epoch, id of the module a parameter or buffer was registered on,
+#: or 0 for a submodule registration, which may add tensors under any module).
+_events: deque[tuple[int, int]] = deque(maxlen=4096)
 
 
-def _bump(*_: Any) -> None:
+def _note(module: nn.Module, registry: str, name: str, value: object) -> None:
     global _epoch
+    if module.__dict__.get(registry, {}).get(name) is value:
+        return  # the same object again (``self.step += 1`` on a buffer): nothing changed
     _epoch = next(_counter)
+    _events.append((_epoch, 0 if registry == "_modules" else id(module)))
+
+
+def _on_parameter(module: nn.Module, name: str, value: object) -> None:
+    _note(module, "_parameters", name, value)
+
+
+def _on_buffer(module: nn.Module, name: str, value: object) -> None:
+    _note(module, "_buffers", name, value)
+
+
+def _on_module(module: nn.Module, name: str, value: object) -> None:
+    _note(module, "_modules", name, value)
 
 
 def registration_epoch() -> int:
-    """A number that changes whenever any module registers a parameter, buffer or submodule.
+    """A number that changes whenever any module registers a new parameter, buffer or
+    submodule (re-registering the same object does not count).
 
     Installs torch's global registration hooks on first use. Where they are unavailable,
     every call returns a new number, so callers fall back to checking every time.
     """
-    global _hooked
+    global _hooked, _epoch
     if _hooked is None:
         try:
             from torch.nn.modules import module as torch_module
 
-            torch_module.register_module_parameter_registration_hook(_bump)
-            torch_module.register_module_buffer_registration_hook(_bump)
-            torch_module.register_module_module_registration_hook(_bump)
+            torch_module.register_module_parameter_registration_hook(_on_parameter)
+            torch_module.register_module_buffer_registration_hook(_on_buffer)
+            torch_module.register_module_module_registration_hook(_on_module)
             _hooked = True
         except AttributeError:  # pragma: no cover - torch without registration hooks
             _hooked = False
     if not _hooked:  # pragma: no cover
-        _bump()
+        _epoch = next(_counter)
+        _events.append((_epoch, 0))
     return _epoch
+
+
+def _touched(since: int, owners: set[int]) -> bool:
+    """Whether a registration after epoch ``since`` may concern modules in ``owners``."""
+    if not _events or _events[0][0] > since + 1:
+        return True  # older events fell out of the window: assume so
+    for epoch, owner in reversed(_events):
+        if epoch <= since:
+            return False
+        if owner == 0 or owner in owners:
+            return True
+    return False
 
 
 class Guards:
@@ -72,13 +105,17 @@ class Guards:
         always: list[tuple[Any, str, Tensor]] = []
         on_epoch: list[tuple[Any, str, Tensor]] = []
         self.sharded: list[tuple[Tensor, Tensor]] = []
+        self.owners: set[int] = set()
         for p in pairs:
             for slot, t in ((p.online_slot, p.online), (p.shadow_slot, p.shadow)):
                 if is_dtensor(t):
                     self.sharded.append((t, t._local_tensor))  # type: ignore[attr-defined]
                 if slot is None:
                     continue
-                (on_epoch if isinstance(t, nn.Parameter) else always).append((*slot, t))
+                container, key, owner = slot
+                self.owners.add(owner)
+                target = on_epoch if isinstance(t, nn.Parameter) else always
+                target.append((container, key, t))
         self.always = always
         self.on_epoch = on_epoch
 
@@ -93,7 +130,11 @@ class Guards:
         for d, local in self.sharded:
             if d._local_tensor is not local:  # type: ignore[attr-defined]
                 return "stale"
-        if registration_epoch() == self.epoch:
+        epoch = registration_epoch()
+        if epoch == self.epoch:
+            return "fresh"
+        if not self.owners or not _touched(self.epoch, self.owners):
+            self.epoch = epoch  # registrations elsewhere (another model being built)
             return "fresh"
         for container, key, t in self.on_epoch:
             if container.get(key) is not t:

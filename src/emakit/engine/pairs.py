@@ -19,9 +19,10 @@ from ..errors import EMAStateError
 
 __all__ = ["Slot", "TensorPair", "check_sharded_pair", "pair_tensors"]
 
-#: Where a tensor is registered: ``(container, key)``, e.g. ``(module._parameters, "weight")``.
-#: The plan checks ``container.get(key) is tensor`` to see that the tensor was replaced.
-Slot = tuple[Mapping[str, Any], str]
+#: Where a tensor is registered: ``(container, key, id(module))``, e.g.
+#: ``(module._parameters, "weight", id(module))``. The plan checks
+#: ``container.get(key) is tensor`` to see that the tensor was replaced.
+Slot = tuple[Mapping[str, Any], str, int]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import EMATypeError, EMAValueError
+from .. import _validate as check
+from ..errors import EMAValueError
 
 __all__ = [
     "COND_LIMIT",
@@ -58,14 +59,6 @@ class PostHocWarning(UserWarning):
     """A post-hoc reconstruction that runs but deserves attention (e.g. least squares)."""
 
 
-def _real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EMATypeError(
-            f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
-        )
-    return float(value)
-
-
 def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
     """``sigma_rel`` as a float in ``(0, SIGMA_REL_MAX)``; anything else raises.
 
@@ -73,13 +66,16 @@ def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
         EMATypeError: not a real number.
         EMAValueError: NaN, infinite, ``<= 0``, or ``>= 1/sqrt(12)`` (no ``gamma > 0``).
     """
-    v = _real(name, sigma_rel)
-    if not (0.0 < v < SIGMA_REL_MAX):  # also False for NaN
-        raise EMAValueError(
-            f"{name} must be in (0, {SIGMA_REL_MAX:.6f}) (the relative widths a power-function "
-            f"EMA with gamma > 0 can have; typical values 0.05 to 0.2), got {name}={sigma_rel!r}"
-        )
-    return v
+    return check.real(
+        name,
+        sigma_rel,
+        low=0.0,
+        high=SIGMA_REL_MAX,
+        low_open=True,
+        high_open=True,
+        hint="the relative widths a power-function EMA with gamma > 0 can have; typical "
+        "values 0.05 to 0.2",
+    )
 
 
 def check_gamma(gamma: object, name: str = "gamma") -> float:
@@ -89,12 +85,7 @@ def check_gamma(gamma: object, name: str = "gamma") -> float:
         EMATypeError: not a real number.
         EMAValueError: NaN, infinite or ``<= 0``.
     """
-    v = _real(name, gamma)
-    if not (0.0 < v < math.inf):
-        raise EMAValueError(
-            f"{name} must be a finite number > 0 (e.g. 6.94 for sigma_rel=0.1), got {name}={gamma!r}"
-        )
-    return v
+    return check.real(name, gamma, low=0.0, low_open=True, hint="e.g. 6.94 for sigma_rel=0.1")
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
@@ -339,11 +330,9 @@ def solve_weights(
         )
     if not ts:
         raise EMAValueError("no snapshots to combine: ts is empty; save snapshots first")
-    t_r = _real("t_r", t_r)
-    if not 0.0 < t_r < math.inf:
-        raise EMAValueError(f"t_r must be a finite number > 0, got {t_r=}")
+    t_r = check.real("t_r", t_r, low=0.0, low_open=True)
     gamma_r = check_gamma(gamma_r, "gamma_r")
-    times = [_real("ts", t) / t_r for t in ts]
+    times = [check.real("ts", t) / t_r for t in ts]
     exps = [check_gamma(g, "gammas") for g in gammas]
     bad = [t for t in ts if not 0.0 < float(t) <= t_r]
     if bad:
