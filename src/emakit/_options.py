@@ -22,7 +22,82 @@ from .engine.kernels import Impl
 from .engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner
 from .errors import EMATypeError, EMAValueError
 
-__all__ = ["EMAOptions", "as_device", "make_runner"]
+__all__ = ["KEYWORDS_DOC", "EMAOptions", "as_device", "make_runner"]
+
+#: The ``Args:`` section of :class:`~emakit.EMA`'s docstring: the keywords are documented
+#: here, next to their validation.
+KEYWORDS_DOC = """
+    Args:
+        model: the online (training) module. DDP/DataParallel and ``torch.compile``
+            wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
+            tracked leaf by leaf, as :class:`~emakit.EMAPytree` does: ``ema_model`` is
+            then the EMA pytree, and module-only keywords (names, ``decay_groups``,
+            ``include_online_model``, ``update_model_with_ema_every``,
+            ``forward_method_names``, ``move_ema_to_online_device``, ``lazy_init_ema``,
+            ``stream``) are refused.
+        ema_model: a module to hold the EMA weights, or a zero-argument factory returning
+            one. Default None: a copy of ``model`` (parameters and buffers only; gradients
+            are not copied).
+        beta: the ceiling of the decay, in [0, 1]; ``1.0`` freezes the EMA (a frozen
+            teacher). Default 0.9999.
+        update_after_step: while ``step <= update_after_step`` an update copies the model
+            instead of averaging. Default 100.
+        update_every: only every ``update_every``-th call does work. Default 10.
+        inv_gamma: warm-up scale, > 0. Default 1.0.
+        power: warm-up exponent, > 0. Default 2/3.
+        min_value: the floor of the decay. Default 0.0.
+        param_or_buffer_names_no_ema: names copied from the model on every update instead
+            of averaged. Default ().
+        ignore_names: names never touched by any path. Default ().
+        ignore_startswith_names: name prefixes never touched by any path. Default ().
+        include_online_model: also save the online model in :meth:`state_dict` (keys
+            ``online_model.*``). Default False (ema-pytorch defaults to True).
+        allow_different_devices: allow EMA tensors on another device than the model's
+            (e.g. a CPU shadow of a GPU model). Default False.
+        use_foreach: ``False`` the reference per-tensor loop, ``True`` one foreach call
+            per group, ``None`` the fastest correct path (coalesced flat spans). Default None.
+        update_model_with_ema_every: every N calls that averaged, pull the model toward
+            the EMA (see :meth:`update_model_with_ema`). Default None (never).
+        update_model_with_ema_beta: fraction of the model kept when doing so; 0 copies the
+            EMA into the model. Default 0.0.
+        forward_method_names: methods of the EMA model exposed on the wrapper (e.g.
+            ``("generate",)``). Default ().
+        move_ema_to_online_device: move the EMA model to the model's device at update
+            time when they differ. Default False.
+        coerce_dtype: allow EMA tensors of another dtype than the model's; online values
+            are cast before averaging. Default False.
+        lazy_init_ema: create the EMA copy at the first :meth:`update` instead of now.
+            Default False.
+        ema_dtype: keyword-only; keep floating EMA tensors in at least this dtype, e.g.
+            ``torch.float32`` for a bf16 model, so small updates at beta 0.9999 are not
+            rounded away (a wider tensor, e.g. a float64 buffer, keeps its own dtype).
+            Default None (the model's dtypes).
+        schedule: keyword-only; a callable ``t -> decay`` (see :mod:`emakit.schedules`)
+            replacing the beta/inv_gamma/power warm-up (``beta``, ``inv_gamma`` and
+            ``power`` are then unused; ``min_value`` still floors the decay). A decay
+            outside [0, 1] (or NaN) raises. Default None.
+        decay_groups: keyword-only; "layered EMA": fnmatch patterns over tensor names
+            mapped to a beta (the same warm-up with that ceiling) or a schedule, e.g.
+            ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
+            unmatched names use ``beta``/``schedule``. Each group is laid out contiguously,
+            so it is still updated in as few kernels as its tensors allow. Default None.
+        stream: keyword-only; for a GPU model with a GPU shadow: snapshot the weights on the
+            current stream and average on a CUDA side stream ordered by events, with no
+            host sync; readers wait on the GPU. Not for CUDA-graph capture: the decay is a
+            Python float, so a captured update would replay the decay of the capture.
+            Default False.
+        device: keyword-only; keep the EMA on this device, e.g. ``"cpu"`` for a GPU model
+            (offload: pinned memory, non-blocking copies). Implies
+            ``allow_different_devices=True``. Default None (the model's device).
+        async_update: keyword-only; run the arithmetic of each update on a background
+            thread, overlapping the next forward/backward: ``update()`` only snapshots the
+            weights into a reusable staging buffer. Everything that reads the EMA waits for
+            the pending update first. Default None: True when ``device`` is given.
+        skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
+            (counted in ``num_skipped_nonfinite``, warned once). Costs one fused reduction
+            and one host read per update that touches the weights. Default False.
+
+"""
 
 _IMPLS: dict[bool | None, Impl] = {None: "flat", True: "foreach", False: "loop"}
 

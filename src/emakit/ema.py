@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._options import EMAOptions, make_runner
+from ._options import KEYWORDS_DOC, EMAOptions, make_runner
 from .core.shadow import unwrap_model
 from .core.sources import ModuleSource, TreeSource, call_factory
 from .core.state import StateCodec, flag, integer
@@ -56,25 +56,7 @@ class EMA(nn.Module):
     Keyword-compatible with ``ema_pytorch.EMA`` 0.8.3: the same names, defaults and
     numbers for the same sequence of calls. Call :meth:`update` after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
-    use :meth:`swap` to evaluate the online model on the EMA weights in place. Every
-    keyword is described in :class:`~emakit._options.EMAOptions`.
-
-    Args:
-        model: the online (training) module. DDP/DataParallel and ``torch.compile``
-            wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
-            tracked leaf by leaf, as :class:`~emakit.EMAPytree` does (``ema_model`` is
-            then the EMA pytree; module-only keywords are refused).
-        ema_model: a module to hold the EMA weights, or a zero-argument factory returning
-            one. Default None: a copy of ``model`` (parameters and buffers only).
-        beta, update_after_step, update_every, inv_gamma, power, min_value,
-        param_or_buffer_names_no_ema, ignore_names, ignore_startswith_names,
-        include_online_model, allow_different_devices, use_foreach,
-        update_model_with_ema_every, update_model_with_ema_beta, forward_method_names,
-        move_ema_to_online_device, coerce_dtype, lazy_init_ema: as ema-pytorch (defaults
-            0.9999, 100, 10, 1.0, 2/3, 0.0, (), (), (), False, False, None, None, 0.0, (),
-            False, False, False); ``include_online_model`` defaults to False here.
-        ema_dtype, schedule, decay_groups, skip_nonfinite, device, async_update, stream:
-            keyword-only emakit extensions (see :class:`~emakit._options.EMAOptions`).
+    use :meth:`swap` to evaluate the online model on the EMA weights in place.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -550,3 +532,7 @@ def _tensors(model: Any) -> list[Tensor]:
     if isinstance(model, nn.Module):
         return [*model.parameters(), *model.buffers()]
     return list(leaves(model).values())
+
+
+# The keywords are documented next to their validation (_options.py); help(EMA) shows them.
+EMA.__doc__ = (EMA.__doc__ or "").replace("\n    Example:", KEYWORDS_DOC + "    Example:", 1)

@@ -88,8 +88,12 @@ def inverse_gamma_float32(
     """
     if t <= 0:
         return 0.0
-    epoch = torch.tensor(t).clamp(min=0.0)
-    value = 1 - (1 + epoch / inv_gamma) ** -power
+    # ema-pytorch: an int64 step clamped with a float, i.e. the step in the default float
+    # dtype; building that tensor directly gives the same value with one op fewer.
+    epoch = torch.tensor(float(t))
+    # 1 - (1 + epoch / inv_gamma) ** -power, op for op, without the Python-level wrappers
+    # of the reflected operators (about 2 us of a 10 us call)
+    value = torch.rsub(torch.pow(torch.add(torch.div(epoch, inv_gamma), 1), -power), 1)
     return value.clamp(min=min_value, max=beta).item()
 
 
