@@ -316,15 +316,19 @@ def _batch_seconds(fn: Callable[[], None], batch: int) -> tuple[float, float]:
 def time_side_by_side(
     fns: dict[str, Callable[[], None]], *, repeats: int, sample_s: float, warmup: int
 ) -> dict[str, Timing]:
-    """Round-robin timing: every repeat times one batch of each contender in turn."""
+    """Round-robin timing: every repeat times one batch of each contender in turn, in the
+    given order on even repeats and in reverse on odd ones. Contenders that read the same
+    model warm the caches for whoever runs next (a few % on the 1200-tensor model), so a
+    fixed order would favour some; alternating gives each both neighbours."""
     timings = {}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
         once = min(_batch_seconds(fn, 1)[1] for _ in range(3))
         timings[name] = Timing(name, batch=max(1, math.ceil(sample_s / max(once, 1e-7))))
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(repeats):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             t = timings[name]
             t.add(*_batch_seconds(fn, t.batch), t.batch)
     return timings

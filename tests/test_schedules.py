@@ -428,3 +428,39 @@ def test_torch_ema_warmup_matches_torch_ema():
         ema.update()
     for shadow, p in zip(ref.shadow_params, ema.ema_model.parameters(), strict=True):
         torch.testing.assert_close(p, shadow, rtol=0, atol=1e-12)
+
+
+def test_float32_warmup_emulation_matches_torch_ops_bit_for_bit():
+    """The fast path of the default decay (Python floats rounded as torch rounds) gives
+    the bits of ema-pytorch's own torch ops, over warm-up and late steps and odd settings."""
+    import random
+
+    from emakit import _warmup32 as W
+
+    rng = random.Random(7)
+    configs = [
+        (0.9999, 1.0, 2 / 3, 0.0),
+        (0.999, 1.0, 0.75, 0.0),
+        (0.95, 0.5, 2 / 3, 0.6),
+        (0.8, 0.01, 5.0, 0.0),
+        (0.99999, 7.0, 0.01, 0.0),
+        (0.9, 1e6, 3.0, 0.3),
+        (0.9, 10.0, 0.5, 0.3),  # torch's pow by -0.5 is 1 / sqrt
+        (0.99, 2.0, 1.0, 0.0),  # by -1 a reciprocal
+        (0.99, 0.5, 2.0, 0.0),  # by -2 is 1 / (x * x)
+    ]
+    for beta, inv_gamma, power, min_value in configs:
+        steps = [*range(1, 400), *(rng.randint(1, 1 << 31) for _ in range(400))]
+        for t in steps:
+            args = (t, beta, inv_gamma, power, min_value)
+            assert W.decay_emulated(*args) == W.decay_torch(*args), args
+
+
+def test_float32_warmup_falls_back_to_torch_when_the_self_check_fails(monkeypatch):
+    from emakit import _warmup32 as W
+
+    calls = []
+    monkeypatch.setitem(W._verified, (0.9, 1.0, 1.0, 0.0), False)
+    monkeypatch.setattr(W, "decay_torch", lambda *a: calls.append(a) or 0.5)
+    assert S.inverse_gamma_float32(10, beta=0.9, inv_gamma=1.0, power=1.0, min_value=0.0) == 0.5
+    assert calls == [(10, 0.9, 1.0, 1.0, 0.0)]

@@ -81,7 +81,6 @@ def _shadow_tensors(ema: EMA) -> dict[str, Tensor]:
     """The EMA weights by the names the model class uses."""
     if ema.kind == "pytree":
         return leaves(ema.ema_pytree)
-    assert isinstance(ema, EMA)
     if ema.ema_model is None:
         raise EMARuntimeError(
             "the EMA model does not exist yet (lazy_init_ema=True): call update() first"

@@ -238,13 +238,11 @@ class EMA(nn.Module):
 
     def _pairs(self) -> list[TensorPair]:
         """The current pairs (the tracker calls this whenever it builds a plan)."""
-        if isinstance(self._source, TreeSource):
-            assert self._tree is not None
+        if self._tree is not None and isinstance(self._source, TreeSource):
             return self._source.pairs(*self._tree)
         if self._modules["ema_model"] is None:
             self.init_ema()
-        ema_model = self._modules["ema_model"]
-        assert ema_model is not None  # init_ema() made it
+        ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
         return self._source.pairs(self.model, ema_model)
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import _validate as check
 from ._safetensors import read_safetensors, require_file
@@ -131,17 +131,17 @@ def _positional(ema: EMA, shadow: Any, source: str, fmt: str) -> dict[str, Tenso
     named weights. Buffers, which those libraries do not track, keep the EMA's values."""
     if not isinstance(shadow, (list, tuple)) or not all(isinstance(t, Tensor) for t in shadow):
         raise EMAStateError(f"{source} ({fmt}): shadow_params must be a list of tensors")
-    assert ema.ema_model is not None
-    params = list(ema.ema_model.named_parameters())
+    ema_model: nn.Module = ema.ema_model  # load_foreign_state built it
+    params = list(ema_model.named_parameters())
     if len(shadow) != len(params):
         raise EMAStateError(
             f"{source} ({fmt}) holds {len(shadow)} shadow_params but the model has "
             f"{len(params)} parameters; the checkpoint must come from the same model's "
             f".parameters() (in that order, with no filtering)"
         )
-    weights = dict(ema.ema_model.state_dict())
+    weights = dict(ema_model.state_dict())
     aliases: dict[int, list[str]] = {}
-    for name, p in ema.ema_model.named_parameters(remove_duplicate=False):
+    for name, p in ema_model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     for i, ((name, p), t) in enumerate(zip(params, shadow, strict=True)):
         if t.shape != p.shape:
@@ -277,7 +277,6 @@ def load_foreign_state(
             raise EMAStateError(f"{source} ({fmt}): {e}") from e
         return fmt
 
-    assert isinstance(ema, EMA)
     _require_keys(obj, fmt, source, ())  # a mapping
     if ema.ema_model is None:
         ema.init_ema()

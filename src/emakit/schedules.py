@@ -45,9 +45,8 @@ import math
 from collections.abc import Callable
 from typing import ClassVar, Protocol, cast, runtime_checkable
 
-import torch
-
 from . import _validate as check
+from . import _warmup32 as warmup32
 from .errors import EMAValueError
 
 __all__ = [
@@ -81,20 +80,13 @@ def inverse_gamma_float32(
     .. math:: \\text{decay}(t) = \\text{clamp}\\big(1 - (1 + t/\\gamma^{-1})^{-p},\\ \\text{min\\_value},\\ \\beta\\big),
        \\qquad \\text{decay}(0) = 0
 
-    ema-pytorch 0.8.3 evaluates this formula on float32 tensors; repeating the same
-    tensor operations here gives the same bits, so an emakit EMA and an ema-pytorch EMA
-    fed the same weights agree exactly. The work is a handful of CPU scalar ops: no
-    device is touched, so no host-device sync happens.
+    ema-pytorch 0.8.3 evaluates this formula on float32 tensors; emakit gives the same
+    bits (see :mod:`emakit._warmup32`: Python floats rounded as torch rounds, after a
+    self-check against torch's own ops, else those ops), so an emakit EMA and an
+    ema-pytorch EMA fed the same weights agree exactly. No device is touched, so no
+    host-device sync happens.
     """
-    if t <= 0:
-        return 0.0
-    # ema-pytorch: an int64 step clamped with a float, i.e. the step in the default float
-    # dtype; building that tensor directly gives the same value with one op fewer.
-    epoch = torch.tensor(float(t))
-    # 1 - (1 + epoch / inv_gamma) ** -power, op for op, without the Python-level wrappers
-    # of the reflected operators (about 2 us of a 10 us call)
-    value = torch.rsub(torch.pow(torch.add(torch.div(epoch, inv_gamma), 1), -power), 1)
-    return value.clamp(min=min_value, max=beta).item()
+    return warmup32.decay(t, beta, inv_gamma, power, min_value)
 
 
 def inverse_gamma(
