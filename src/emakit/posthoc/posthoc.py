@@ -27,8 +27,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from .._validate import not_newer
 from ..core.shadow import unwrap_model
+from ..core.state import StateCodec, reals
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
@@ -48,7 +48,7 @@ __all__ = [
 
 #: Version of the layout :meth:`PostHocEMA.state_dict` writes.
 POSTHOC_STATE_VERSION = 1
-_POSTHOC_KEYS = ("version", "gammas")
+_CODEC = StateCodec("version", POSTHOC_STATE_VERSION, [reals("gammas")])
 
 _KARRAS_KWARGS = frozenset(
     {
@@ -421,8 +421,7 @@ class PostHocEMA(nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "version"] = torch.tensor(POSTHOC_STATE_VERSION)
-        destination[prefix + "gammas"] = torch.tensor(self.gammas, dtype=torch.float64)
+        _CODEC.encode({"gammas": self.gammas}, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -434,25 +433,23 @@ class PostHocEMA(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        version = state_dict.get(prefix + "version")
-        not_newer("state_dict", "version", version, POSTHOC_STATE_VERSION)
-        saved = state_dict.get(prefix + "gammas")
-        if saved is not None:
-            saved_gammas = [float(g) for g in torch.as_tensor(saved).reshape(-1)]
-            if len(saved_gammas) != len(self.gammas) or not all(
-                math.isclose(a, b, rel_tol=1e-9)
-                for a, b in zip(saved_gammas, self.gammas, strict=False)
-            ):
-                raise EMAStateError(
-                    f"state_dict tracks gammas={saved_gammas}, but this PostHocEMA tracks "
-                    f"gammas={list(self.gammas)}; build it with the same sigma_rels/gammas"
-                )
+        saved = _CODEC.decode(state_dict, prefix, missing_keys).get("gammas")
+        same = saved is None or (
+            len(saved) == len(self.gammas)
+            and all(
+                math.isclose(a, b, rel_tol=1e-9) for a, b in zip(saved, self.gammas, strict=True)
+            )
+        )
+        if not same:
+            raise EMAStateError(
+                f"state_dict tracks gammas={list(saved or ())}, but this PostHocEMA tracks "
+                f"gammas={list(self.gammas)}; build it with the same sigma_rels/gammas"
+            )
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        ours = {prefix + k for k in _POSTHOC_KEYS}
-        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k not in ours]
+        _CODEC.strip(unexpected_keys, before, prefix)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
