@@ -472,12 +472,15 @@ def torch_file_cases(tmp: Path, ctx: SimpleNamespace) -> dict[str, bytes]:
     good_path = tmp / "good.pt"
     torch.save(ctx.ema.state_dict(), good_path)
     good = good_path.read_bytes()
+    pickled = good.index(b"data.pkl") + 40
     return {
         "truncated-half": good[: len(good) // 2],
         "truncated-tail": good[:-30],
         "zip-garbage": b"PK\x03\x04" + b"\x00" * 200,
         "pickle-garbage": b"\x80\x02garbage",
-        "flipped-middle": good[: len(good) // 2] + bytes(64) + good[len(good) // 2 + 64 :],
+        # zeroes inside the pickled structure (torch does not checksum the zip members,
+        # so zeroes inside tensor data would load as other numbers)
+        "flipped-middle": good[:pickled] + bytes(64) + good[pickled + 64 :],
     }
 
 
@@ -507,7 +510,9 @@ def test_torch_file_with_arbitrary_objects_is_not_unpickled(ctx):
     # the documented way out: load it yourself and pass the mapping
     obj = torch.load(path, weights_only=False)
     del obj["obj"]
-    assert load_foreign_state(ctx.ema, obj) == "emakit"
+    # a rebuilt dict has no emakit metadata: its keys are ema-pytorch's, and it loads as such
+    assert load_foreign_state(ctx.ema, obj) in ("emakit", "ema_pytorch")
+    assert int(ctx.ema.step) == int(obj["step"])
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")

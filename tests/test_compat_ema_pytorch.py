@@ -509,7 +509,8 @@ def test_online_model_is_left_out_of_state_dict_by_default():
     default = emakit.EMA(net, beta=0.9)
     keys = default.state_dict().keys()
     assert not any(k.startswith("online_model.") for k in keys)
-    assert "ema_model.fc.weight" in keys and "version" in keys and "step" in keys
+    assert "ema_model.fc.weight" in keys and "step" in keys and "initted" in keys
+    assert "version" not in keys  # the layout version lives in the metadata
 
     included = emakit.EMA(net, beta=0.9, include_online_model=True)
     state = included.state_dict()
@@ -547,9 +548,11 @@ def test_mismatched_factory_ema_model_raises_too():
 
 
 @pytest.mark.parametrize("use_foreach", [False, True, None], ids=["loop", "foreach", "flat"])
-def test_update_model_with_ema_only_on_calls_that_averaged(use_foreach):
-    # update_every=3 and update_model_with_ema_every=2 on purpose: ema-pytorch also pulls
-    # the model on skipped calls and during warm-up; emakit only on calls that averaged.
+def test_update_model_with_ema_follows_ema_pytorch_cadence_outside_warm_up(use_foreach):
+    """ema-pytorch pulls the model every ``update_model_with_ema_every`` calls, whether or
+    not the call averaged (update_every=3, pull every 2 on purpose). emakit follows that
+    cadence, bit for bit, except during the warm-up, where the EMA is only a copy of the
+    model (ema-pytorch pulls there too, on calls that do not copy)."""
     cfg = {
         "beta": 0.9,
         "update_every": 3,
@@ -574,11 +577,34 @@ def test_update_model_with_ema_only_on_calls_that_averaged(use_foreach):
             pulled_ours.append(step)
         if not torch.equal(model_theirs.fc.weight, before_theirs):
             pulled_theirs.append(step)
-    # step = calls before this one; averaging calls: step % 3 == 0 and step > 7.
-    expected = [s for s in range(1, 30) if s % 3 == 0 and s > 7 and s % 2 == 0]
-    assert pulled_ours == expected == [12, 18, 24]
-    assert set(pulled_theirs) > set(expected)  # ema-pytorch pulls on other calls too
-    assert 2 in pulled_theirs  # ... including during warm-up
+    # step = calls before this one: every second call after the warm-up (step > 7)
+    assert pulled_ours == [s for s in range(30) if s % 2 == 0 and s > 7]
+    assert [s for s in pulled_theirs if s > 7] == pulled_ours
+    assert 2 in pulled_theirs and 2 not in pulled_ours  # the documented warm-up exception
+
+
+def test_update_model_with_ema_cadence_matches_ema_pytorch_bit_for_bit():
+    """A protein-model-like config: pull every 25 calls, average every 10. Outside the
+    warm-up the online models of emakit and ema-pytorch stay bit-identical."""
+    cfg = {
+        "beta": 0.9,
+        "update_every": 10,
+        "update_after_step": 0,
+        "update_model_with_ema_every": 25,
+        "update_model_with_ema_beta": 0.5,
+    }
+    base = make_net()
+    model_ours, model_theirs = copy.deepcopy(base), copy.deepcopy(base)
+    ours = emakit.EMA(model_ours, **cfg)
+    theirs = ema_pytorch.EMA(model_theirs, **cfg)
+    opt_ours, opt_theirs = make_opt(model_ours), make_opt(model_theirs)
+    for step in range(120):
+        train_step(model_ours, opt_ours, step)
+        train_step(model_theirs, opt_theirs, step)
+        ours.update()
+        theirs.update()
+        assert_same_floats(model_ours, model_theirs, f"online model after call {step + 1}")
+        assert_same_floats(ours.ema_model, theirs.ema_model, f"EMA after call {step + 1}")
 
 
 def test_update_model_with_ema_beta_zero_copies_the_ema_into_the_model():

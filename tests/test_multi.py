@@ -62,7 +62,8 @@ def test_schedules_and_swap_and_state():
     with multi[0].swap():
         assert torch.equal(net[0].weight, multi[0].ema_model[0].weight)
     sd = multi.state_dict()
-    assert "emas.0.version" in sd and "emas.1.ema_model.0.weight" in sd
+    assert "emas.0.step" in sd and "emas.1.ema_model.0.weight" in sd
+    assert sd._metadata["emas.0"]["version"] == emakit.STATE_VERSION
     other = MultiEMA(make_net(), schedules=[lambda t: 0.5, lambda t: 0.0])
     other.load_state_dict(sd)
     assert torch.equal(other[0].ema_model[0].weight, multi[0].ema_model[0].weight)

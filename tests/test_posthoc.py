@@ -313,7 +313,8 @@ def test_karras_resume_is_exact_and_checks_gamma(theta: torch.Tensor):
     b = KarrasEMA(net_b, sigma_rel=0.1, update_every=7)
     drive(b, theta, net_b, 123)
     state = b.state_dict()
-    assert int(state["karras_version"]) == 1 and int(state["t"]) == b.t
+    meta = state._metadata[""]
+    assert meta["karras_version"] == 2 and meta["t"] == b.t and "t" not in state
     c = KarrasEMA(net_b, sigma_rel=0.1, update_every=7)
     c.load_state_dict(state)
     for t in range(123, 300):
@@ -579,8 +580,8 @@ def test_posthoc_state_is_versioned_and_checks_profiles(tmp_path: Path):
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
     train(net, ema, 7)
     state = ema.state_dict()
-    assert int(state["version"]) == 1
-    assert state["gammas"].tolist() == list(ema.gammas)
+    assert state._metadata[""]["version"] == 2 and "version" not in state
+    assert state._metadata[""]["gammas"] == list(ema.gammas)
     assert int(state["ema_models.1.step"]) == 7
     other = PostHocEMA(
         bn_net(),
@@ -752,6 +753,20 @@ def test_synthesis_returns_a_usable_karras_ema(runs: dict):
     assert out.shape == (1, 8) and not out.requires_grad
     by_gamma = ema.synthesize_ema_model(gamma=sigma_rel_to_gamma(0.15))
     assert torch.equal(by_gamma.ema_model.weight, synth.ema_model.weight)
+
+
+def test_synthesize_ema_model_takes_gamma_first_like_ema_pytorch(runs: dict):
+    """ema-pytorch's order is (gamma, sigma_rel, step): a positional 7.0 is gamma=7.0."""
+    ema, _ = runs[10]
+    positional = ema.synthesize_ema_model(7.0)
+    assert positional.gamma == 7.0
+    by_keyword = ema.synthesize_ema_model(gamma=7.0)
+    assert torch.equal(positional.ema_model.weight, by_keyword.ema_model.weight)
+    at_step = ema.synthesize_ema_model(7.0, None, 2000)
+    assert int(at_step.step) == 2000
+    assert torch.equal(
+        at_step.ema_model.weight, ema.synthesize_ema_model(gamma=7.0, step=2000).ema_model.weight
+    )
 
 
 # -- bad input ------------------------------------------------------------------------------

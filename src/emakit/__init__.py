@@ -28,12 +28,14 @@ from .foreign import load_foreign_state
 from .multi import MultiEMA
 from .posthoc import KarrasEMA, PostHocEMA, PostHocWarning
 from .pytree import EMAPytree, EMATensor
+from .wrapper import EMAModuleWrapper
 
 __all__ = [
     "EMA",
     "STATE_VERSION",
     "EMAError",
     "EMAFileNotFoundError",
+    "EMAModuleWrapper",
     "EMAPytree",
     "EMARuntimeError",
     "EMAStateError",

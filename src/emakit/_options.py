@@ -9,6 +9,7 @@ itself as its public attributes.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,21 +251,33 @@ class EMAOptions:
             )
 
     def check_names(self, model: nn.Module) -> None:
-        """Raise for names and patterns that match nothing in ``model``."""
+        """Warn for tensor names that match nothing in ``model`` (yet); raise for methods
+        and ``decay_groups`` patterns that match nothing."""
         known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        # Names that match nothing *yet* are common in real trainers (a submodule that
+        # cannot be deep-copied is removed while the EMA is built, then put back): warn.
         for arg in ("param_or_buffer_names_no_ema", "ignore_names"):
             unknown = sorted(self.values[arg] - known)
             if unknown:
-                raise EMAValueError(
-                    f"{arg} names tensors the model does not have: {unknown}; "
-                    f"check the spelling against model.named_parameters()/named_buffers()"
+                warnings.warn(
+                    f"{arg} names tensors the model does not have (yet): {unknown}; they "
+                    f"apply if such tensors appear later. Check the spelling against "
+                    f"model.named_parameters()/named_buffers()",
+                    UserWarning,
+                    stacklevel=4,
                 )
-        for prefix in self.values["ignore_startswith_names"]:
-            if not any(n.startswith(prefix) for n in known):
-                raise EMAValueError(
-                    f"ignore_startswith_names has {prefix!r}, which starts no tensor name of "
-                    f"the model"
-                )
+        unmatched = sorted(
+            p
+            for p in self.values["ignore_startswith_names"]
+            if not any(n.startswith(p) for n in known)
+        )
+        if unmatched:
+            warnings.warn(
+                f"ignore_startswith_names has {unmatched}, which start no tensor name of the "
+                f"model (yet); they apply if such tensors appear later",
+                UserWarning,
+                stacklevel=4,
+            )
         for method in self.values["forward_method_names"]:
             if not callable(getattr(model, method, None)):
                 raise EMAValueError(

@@ -60,6 +60,18 @@ def integer(name: str, value: object, *, low: int) -> int:
     return value
 
 
+def count(name: str, value: object) -> int:
+    """A count >= 0 given as an int or a 1-element integer tensor (``ema.step += 1``)."""
+    numel = getattr(value, "numel", None)
+    if callable(numel):  # a tensor
+        if numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:  # type: ignore[attr-defined]
+            raise EMATypeError(
+                f"{name} must be an int or a 1-element integer tensor, got {name}={value!r}"
+            )
+        value = int(value)  # type: ignore[call-overload]
+    return integer(name, value, low=0)
+
+
 def optional_integer(name: str, value: object, *, low: int) -> int | None:
     """``value`` as an int >= ``low``, or None."""
     if value is None:

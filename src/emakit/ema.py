@@ -17,40 +17,35 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._options import KEYWORDS_DOC, EMAOptions, make_runner
+from .compat import EMAPytorchSurface
 from .core.shadow import unwrap_model
 from .core.sources import ModuleSource, TreeSource, call_factory
 from .core.state import StateCodec, flag, integer
 from .core.swap import Swap
 from .core.tracker import Tracker
 from .core.tree import leaves
-from .decay import SKIP
+from .decay import INIT
 from .engine.pairs import TensorPair
 from .engine.runners import hook_optimizer
 from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 
-#: Version of the layout that :meth:`EMA.state_dict` writes (see its docstring).
-STATE_VERSION = 1
+#: Version of the layout that :meth:`EMA.state_dict` writes (see its docstring); kept in
+#: torch's per-module metadata (``EMA._version``), not in the keys.
+STATE_VERSION = 2
 _CODEC = StateCodec(
-    "version",
     STATE_VERSION,
     [
-        integer("step", required=True),
         flag("initted", required=True),
-        integer("num_skipped_nonfinite"),
+        integer("step", required=True),
+        integer("num_skipped_nonfinite", meta=True),
     ],
+    legacy_version_key="version",
 )
 
 
-class _Step(int):
-    """The call counter: an ``int`` that also answers ``.item()`` like ema-pytorch's tensor."""
-
-    def item(self) -> int:
-        return int(self)
-
-
-class EMA(nn.Module):
+class EMA(EMAPytorchSurface, nn.Module):
     """An exponential moving average of a module's parameters and buffers.
 
     Keyword-compatible with ``ema_pytorch.EMA`` 0.8.3: the same names, defaults and
@@ -70,6 +65,7 @@ class EMA(nn.Module):
         >>> y = ema(torch.randn(2, 4))  # the EMA model, eval mode, no grad
     """
 
+    _version = STATE_VERSION
     beta: float
     update_after_step: int
     update_every: int
@@ -155,10 +151,9 @@ class EMA(nn.Module):
             "device": self.device,
         }
         self._source: ModuleSource | TreeSource
+        self._online = [model]  # a list hides it from the module tree and state_dict
         if include_online_model:
-            self.online_model = model
-        else:
-            self._online = [model]  # a list hides it from the module tree and state_dict
+            self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
         if self._tree is not None:
             self._source = TreeSource(**common)
@@ -190,7 +185,18 @@ class EMA(nn.Module):
         """The online (training) model (the online pytree for an EMA of a pytree)."""
         if self._tree is not None:
             return self._tree[0]
-        return self.online_model if self.include_online_model else self._online[0]
+        registered = self._modules.get("online_model")
+        return registered if registered is not None else self._online[0]
+
+    @property
+    def online_model(self) -> nn.Module | Any:
+        """The online model (ema-pytorch's name); in the state dict only with
+        ``include_online_model=True``."""
+        return self.model
+
+    @online_model.setter
+    def online_model(self, model: nn.Module) -> None:
+        self._modules["online_model"] = model
 
     @property
     def ema_model(self) -> nn.Module | Any:
@@ -204,24 +210,6 @@ class EMA(nn.Module):
         """``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree."""
         return "module" if self._tree is None else "pytree"
 
-    @property
-    def pytree(self) -> Any:
-        """The online pytree (an EMA of a pytree only)."""
-        if self._tree is None:
-            raise AttributeError("pytree: this is an EMA of a module; see .model")
-        return self._tree[0]
-
-    @property
-    def ema_pytree(self) -> Any:
-        """The EMA pytree (an EMA of a pytree only); waits for a background update first."""
-        if self._tree is None:
-            raise AttributeError("ema_pytree: this is an EMA of a module; see .ema_model")
-        return self.ema_model
-
-    def copy_params_from_pytree_to_ema(self) -> None:
-        """Copy every online leaf into the EMA (ema-pytorch's name for a pytree)."""
-        self.copy_params_from_model_to_ema()
-
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
 
@@ -232,6 +220,8 @@ class EMA(nn.Module):
             raise EMATypeError("init_ema() builds the EMA of a module; this EMA tracks a pytree")
         ema_model = self._source.build(self.model, ema_model)
         self._modules["ema_model"] = ema_model
+        first = next((t for t in (*ema_model.parameters(), *ema_model.buffers())), None)
+        self._home = self.device or (first.device if first is not None else None)
         for name in self.forward_method_names:
             setattr(self, name, getattr(ema_model, name))
         self._tracker.invalidate()
@@ -245,6 +235,17 @@ class EMA(nn.Module):
         ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
         return self._source.pairs(self.model, ema_model)
 
+    def restore_ema_model_device(self) -> None:
+        """Move the EMA model back to its own device (where it was built, or ``device=``)
+        after ``move_ema_to_online_device`` moved it to the model's (ema-pytorch's method)."""
+        ema_model = self._modules.get("ema_model")
+        home = getattr(self, "_home", None)
+        if ema_model is None or home is None or not isinstance(self._source, ModuleSource):
+            return
+        self._tracker.runner.wait()
+        self._source.move_ema(self.model, ema_model, home)
+        self._tracker.invalidate()
+
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # .to()/.cuda()/.half() replace storages: the plan is rebuilt on next use.
         self._tracker.invalidate()
@@ -253,14 +254,32 @@ class EMA(nn.Module):
     # -- counters and decay ----------------------------------------------------------------
 
     @property
-    def step(self) -> _Step:
-        """Number of ``update()`` calls so far (an ``int``; ``.item()`` also works)."""
-        return _Step(self._tracker.step)
+    def step(self) -> Tensor:
+        """``update()`` calls so far, as ema-pytorch's CPU int64 tensor: ``ema.step.item()``,
+        ``int(ema.step)``; in-place writes (``ema.step += 1``, ``ema.step.copy_(t)``) take
+        effect at the next call. ``.to()`` does not move it."""
+        return self._tracker.step_tensor()
+
+    @step.setter
+    def step(self, value: Tensor | int) -> None:
+        self._tracker.set_counters(step=check.count("step", value))
 
     @property
     def initted(self) -> Tensor:
-        """Whether the first ``update()`` has copied the model into the EMA."""
-        return torch.tensor(self._tracker.initted)
+        """Whether the first ``update()`` has copied the model into the EMA: a CPU bool
+        tensor, writable in place as in ema-pytorch (``ema.initted.data.fill_(False)``
+        makes the next call initialize again)."""
+        return self._tracker.initted_tensor()
+
+    @initted.setter
+    def initted(self, value: Tensor | bool) -> None:
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_floating_point():
+                raise EMATypeError(
+                    f"initted must be a bool or a 1-element bool tensor, got {value!r}"
+                )
+            value = bool(value)
+        self._tracker.set_counters(initted=check.boolean("initted", value))
 
     @property
     def tracker(self) -> Tracker:
@@ -306,12 +325,18 @@ class EMA(nn.Module):
         copy while ``step - 1 <= update_after_step``, then
         ``ema.lerp_(model, 1 - decay)``. Skipped calls cost one integer compare; no call
         reads a value back from an accelerator (except ``skip_nonfinite``'s one check).
+
+        With ``update_model_with_ema_every=N``, every N-th call (ema-pytorch's cadence:
+        ``step % N == 0`` counted before the call) also pulls the model toward the EMA
+        (:meth:`update_model_with_ema`), except during the warm-up
+        (``step <= update_after_step``), when the EMA is only a copy of the model.
         """
         action = self._tracker.update()
-        if action is SKIP:
-            return
         every = self.update_model_with_ema_every
-        if every is not None and action.averages and (action.call - 1) % every == 0:
+        if every is None or action is INIT:
+            return
+        step = self._tracker.step - 1  # ema-pytorch's count before this call
+        if step % every == 0 and step > self.update_after_step:
             self.update_model_with_ema()
 
     def copy_params_from_model_to_ema(self) -> None:
@@ -422,6 +447,7 @@ class EMA(nn.Module):
 
     def _counters(self) -> dict[str, Any]:
         t = self._tracker
+        t.sync_views()  # a client may have written ema.step / ema.initted in place
         skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
         return {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
 
@@ -434,8 +460,7 @@ class EMA(nn.Module):
 
     def _load_counters(self, values: Mapping[str, Any]) -> None:
         t = self._tracker
-        t.step = values.get("step", t.step)
-        t.initted = values.get("initted", t.initted)
+        t.set_counters(step=values.get("step"), initted=values.get("initted"))
         t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
 
     def _load_from_state_dict(
@@ -455,7 +480,7 @@ class EMA(nn.Module):
             and any(k.startswith(prefix + "ema_model.") for k in state_dict)
         ):
             self.init_ema()
-        self._load_counters(_CODEC.decode(state_dict, prefix, missing_keys))
+        self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

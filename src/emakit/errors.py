@@ -29,8 +29,12 @@ class EMATypeError(EMAError, TypeError):
     """An argument has a type emakit cannot use."""
 
 
-class EMAStateError(EMAError, ValueError):
-    """A state dict, checkpoint or model structure does not match what is expected."""
+class EMAStateError(EMAError, ValueError, RuntimeError):
+    """A state dict, checkpoint or model structure does not match what is expected.
+
+    Also a ``RuntimeError``, as torch's own ``load_state_dict`` raises for a strict
+    mismatch, so ``except RuntimeError:`` fallbacks written for torch keep working.
+    """
 
 
 class EMARuntimeError(EMAError, RuntimeError):

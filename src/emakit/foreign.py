@@ -2,7 +2,8 @@
 
 * :func:`load_foreign_state` loads the state of ema-pytorch, timm, torch_ema,
   ``torch.optim.swa_utils.AveragedModel`` and diffusers ``EMAModel`` into an emakit EMA,
-  from the object their ``state_dict()`` returns or from a torch or safetensors file.
+  from the object their ``state_dict()`` returns, from a torch or safetensors file, or
+  from the folder diffusers' ``EMAModel.save_pretrained`` writes.
 * :func:`detect_format` guesses which of :data:`FOREIGN_FORMATS` a checkpoint is in.
 
 Every failure (missing, truncated or corrupt file, unknown format, a checkpoint of another
@@ -11,6 +12,7 @@ model) raises an :class:`~emakit.EMAError` that names the source and what is wro
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -69,6 +71,98 @@ def _unreadable(path: Path, e: BaseException) -> EMAStateError:
     )
 
 
+#: What diffusers' ``ModelMixin.save_pretrained`` names its files (``diffusers.utils``
+#: constants), most preferred first, as ``from_pretrained`` prefers them: an index of
+#: shards, or a single file.
+_DIFFUSERS_CONFIG = "config.json"
+_DIFFUSERS_WEIGHTS = (
+    ("diffusion_pytorch_model.safetensors.index.json", True),
+    ("diffusion_pytorch_model.safetensors", False),
+    ("diffusion_pytorch_model.bin.index.json", True),
+    ("diffusion_pytorch_model.bin", False),
+)
+
+
+def _listing(folder: Path) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    return f"{names[:12]}{' ...' if len(names) > 12 else ''}" if names else "nothing"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EMAStateError(
+            f"{path} is not a readable JSON file ({type(e).__name__}: {e}); the folder may "
+            f"be incomplete or corrupt"
+        ) from e
+
+
+def _tensor_file(path: Path) -> dict[str, Tensor]:
+    content, _ = _load_file(path)  # safetensors, or torch.load(weights_only=True)
+    if not _is_tensor_map(content):
+        raise EMAStateError(
+            f"{path} (diffusers EMAModel folder) holds {_describe(content)}, not a mapping "
+            f"of parameter names to tensors"
+        )
+    return dict(content)
+
+
+def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
+    """The weights (model names) and ``optimization_step`` of a folder written by
+    diffusers' ``EMAModel.save_pretrained``, or an error naming the folder and what it
+    holds."""
+    config_path = folder / _DIFFUSERS_CONFIG
+    expected = (
+        "expected what diffusers' EMAModel.save_pretrained(path) writes: config.json with "
+        "the EMA's optimization_step, and diffusion_pytorch_model.safetensors (or .bin, or "
+        "shards with an .index.json)"
+    )
+    if not config_path.is_file():
+        raise EMAStateError(
+            f"{folder} is not a diffusers EMAModel folder: it has no config.json (found "
+            f"{_listing(folder)}); {expected}"
+        )
+    config = _read_json(config_path)
+    if not isinstance(config, dict) or "optimization_step" not in config:
+        found = f"keys {sorted(config)[:12]}" if isinstance(config, dict) else _describe(config)
+        raise EMAStateError(
+            f"{folder} is not a diffusers EMAModel folder: its config.json has no "
+            f"'optimization_step' (found {found}), so it is a plain model folder rather than "
+            f"EMAModel.save_pretrained output; to load its weights as EMA weights, pass the "
+            f"weights file with format='state_dict' and step="
+        )
+    opt_step = config["optimization_step"]
+    if isinstance(opt_step, bool) or not isinstance(opt_step, int) or opt_step < 0:
+        raise EMAStateError(
+            f"{config_path}: optimization_step must be an int >= 0, got {opt_step!r}"
+        )
+    for name, is_index in _DIFFUSERS_WEIGHTS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not is_index:
+            return _tensor_file(path), opt_step
+        index = _read_json(path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
+        weights: dict[str, Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or shard in (".", ".."):
+                raise EMAStateError(
+                    f"{path} names the shard {shard!r}, which is not a file name inside {folder}"
+                )
+            weights.update(_tensor_file(folder / shard))
+        return weights, opt_step
+    raise EMAStateError(
+        f"{folder} has a diffusers EMAModel config.json but no weights file (found "
+        f"{_listing(folder)}); {expected}"
+    )
+
+
 def _describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
         keys = [str(k) for k in obj]
@@ -82,6 +176,16 @@ def _is_tensor_map(obj: Any) -> bool:
         and bool(obj)
         and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items())
     )
+
+
+def _layout_version(obj: Mapping[Any, Any]) -> int:
+    """The root module's version in torch's state-dict metadata (``_metadata[""]``): emakit
+    writes its layout version there from layout 2 on (layout 1 wrote a ``version`` key);
+    other modules, ema-pytorch's EMA included, have torch's default 1. 0 when absent."""
+    metadata = getattr(obj, "_metadata", None)
+    root = metadata.get("") if isinstance(metadata, Mapping) else None
+    version = root.get("version") if isinstance(root, Mapping) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
 
 def detect_format(obj: Any) -> str | None:
@@ -110,7 +214,8 @@ def detect_format(obj: Any) -> str | None:
         return None
     if "n_averaged" in obj and any(k.startswith("module.") for k in keys):
         return "averaged_model"
-    if "version" in obj and any(k.startswith(("ema_model.", "ema.")) for k in keys):
+    ema_keys = any(k.startswith(("ema_model.", "ema.")) for k in keys)
+    if ema_keys and ("version" in obj or _layout_version(obj) >= 2):
         return "emakit"
     if ("initted" in obj or "step" in obj) and any(k.startswith("ema_model.") for k in keys):
         return "ema_pytorch"
@@ -176,7 +281,10 @@ def load_foreign_state(
     Accepted formats (``format=``), detected from the keys when ``"auto"``:
 
     ========================  ==============================================================
-    ``"emakit"``              :meth:`emakit.EMA.state_dict` (has ``version``)
+    ``"emakit"``              :meth:`emakit.EMA.state_dict` (its layout version in torch's
+                              state-dict metadata, or a ``version`` key in layout 1; a
+                              rebuilt dict loses the metadata and reads as
+                              ``"ema_pytorch"``, which loads the same way)
     ``"ema_pytorch"``         ``ema_pytorch.EMA.state_dict()`` 0.8.3, with or without
                               ``online_model.*`` (those keys are ignored)
     ``"timm"``                a timm training checkpoint (``state_dict_ema``/``model_ema``
@@ -184,7 +292,8 @@ def load_foreign_state(
     ``"torch_ema"``           ``torch_ema.ExponentialMovingAverage.state_dict()``
     ``"averaged_model"``      ``torch.optim.swa_utils.AveragedModel.state_dict()``
                               (``module.*`` and ``n_averaged``)
-    ``"diffusers"``           ``diffusers.training_utils.EMAModel.state_dict()``
+    ``"diffusers"``           ``diffusers.training_utils.EMAModel.state_dict()``, or the
+                              folder its ``save_pretrained(path)`` writes
     ``"state_dict"``          a plain ``state_dict()`` of the model (e.g. exported weights)
     ========================  ==============================================================
 
@@ -194,6 +303,14 @@ def load_foreign_state(
     parameters, and a count or shape mismatch is an error; buffers, which they do not
     track, keep the EMA's current values. Values are copied into the existing shadow, so
     its dtype is kept.
+
+    A folder is read as what diffusers' ``EMAModel.save_pretrained(path)`` writes: a
+    ``config.json`` holding the EMA's settings (``optimization_step``, ``decay``, ...) and
+    the EMA weights saved as the model's ``save_pretrained`` saves them
+    (``diffusion_pytorch_model.safetensors``, or ``.bin`` read with ``weights_only=True``,
+    possibly in shards listed by an ``.index.json``). Those are paired by name, and the
+    model's buffers take the folder's values (the freshly built model's: ``EMAModel``
+    averages parameters only).
 
     The EMA's ``step`` becomes the source's update count where it has one (ema-pytorch
     ``step``, torch_ema ``num_updates``, diffusers ``optimization_step``,
@@ -207,8 +324,9 @@ def load_foreign_state(
         ema: the :class:`~emakit.EMA` to load into (an :class:`~emakit.EMAPytree` accepts
             only the ``"emakit"`` format).
         obj: the checkpoint: a mapping (what the library's ``state_dict()`` returns, or
-            what ``torch.load`` gave), an object with a ``state_dict()`` method, or the
-            path of a torch or safetensors file (read with ``weights_only=True``).
+            what ``torch.load`` gave), an object with a ``state_dict()`` method, the
+            path of a torch or safetensors file (read with ``weights_only=True``), or the
+            path of a diffusers ``EMAModel.save_pretrained`` folder.
         format: one of :data:`FOREIGN_FORMATS`, or ``"auto"`` (default) to detect it.
         step: the training step to set (overrides the checkpoint's count). Default None.
         strict: pair names strictly (default True); with False, tensors absent from the
@@ -221,7 +339,8 @@ def load_foreign_state(
         EMAStateError: the format is unknown or does not fit, the checkpoint belongs to
             another model, or the file is unreadable (the message names the source, what
             was found and the accepted formats).
-        EMAFileNotFoundError: ``obj`` is a path that does not exist.
+        EMAFileNotFoundError: ``obj`` is a path that does not exist (or a shard a
+            diffusers index lists is missing).
 
     Example:
         >>> import torch_ema
@@ -249,6 +368,8 @@ def load_foreign_state(
     if isinstance(obj, (str, os.PathLike)):
         path = Path(obj)
         source = str(path)
+        if path.is_dir():
+            return _load_diffusers_folder(ema, path, format, step=step, strict=strict)
         obj, metadata = _load_file(path)
         if metadata is not None and metadata.get("format") == WEIGHTS_FORMAT:
             st_step = int_meta(metadata, "step", path)
@@ -316,12 +437,39 @@ def load_foreign_state(
     return fmt
 
 
-def _warn_if_warming_up(ema: EMA, source: str) -> None:
+def _load_diffusers_folder(
+    ema: EMA, folder: Path, format: str, *, step: int | None, strict: bool
+) -> str:
+    if format not in ("auto", "diffusers"):
+        raise EMAValueError(
+            f"{folder} is a folder, which load_foreign_state reads only as a diffusers "
+            f"EMAModel.save_pretrained folder, got format={format!r}; pass format='auto' or "
+            f"'diffusers', or the path of the checkpoint file inside it"
+        )
+    if ema.kind == "pytree":
+        raise EMATypeError(
+            f"an EMAPytree loads only emakit state dicts, got the diffusers folder {folder}"
+        )
+    weights, found = _diffusers_folder(folder)
+    load_weights(
+        ema,
+        weights,
+        step=step if step is not None else found,
+        initted=True,
+        strict=strict,
+        source=str(folder),
+        what=" (diffusers EMAModel.save_pretrained folder)",
+    )
+    _warn_if_warming_up(ema, str(folder), stacklevel=4)
+    return "diffusers"
+
+
+def _warn_if_warming_up(ema: EMA, source: str, stacklevel: int = 3) -> None:
     if int(ema.step) <= int(ema.update_after_step or 0):
         warnings.warn(
             f"after loading {source}, ema.step={int(ema.step)} <= update_after_step="
             f"{ema.update_after_step}: the next update() calls copy the model over the "
             f"loaded EMA weights (warm-up); pass step= with the training step, or lower "
             f"update_after_step",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )

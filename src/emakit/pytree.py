@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from .core.tree import tree_copy
+from .core.tree import leaves, tree_copy
 from .ema import EMA
 
 __all__ = ["EMAPytree", "EMATensor", "pytree_copy"]
@@ -85,6 +86,30 @@ class EMAPytree(EMA):
             device=device,
             async_update=async_update,
         )
+
+    @property
+    def online_pytree(self) -> list[Any]:
+        """``[pytree]``: ema-pytorch's attribute (a one-element list)."""
+        return [self.pytree]
+
+    @torch.no_grad()
+    def update_moving_average(  # type: ignore[override]
+        self, ma_pytree: Any, current_pytree: Any, current_decay: float | None = None
+    ) -> None:
+        """``ma_pytree <- decay * ma_pytree + (1 - decay) * current_pytree``, leaf by leaf
+        (ema-pytorch's ``EMAPytree`` method; floating leaves averaged, others copied)."""
+        if self.is_frozen:
+            return
+        decay = self.get_current_decay() if current_decay is None else float(current_decay)
+        current = leaves(current_pytree)
+        for name, tgt in leaves(ma_pytree).items():
+            src: Tensor | None = current.get(name)
+            if src is None:
+                continue
+            if tgt.is_floating_point() or tgt.is_complex():
+                self.inplace_lerp(tgt.data, src.detach(), 1.0 - decay)
+            else:
+                self.inplace_copy(tgt.data, src.detach())
 
 
 EMATensor = EMAPytree

@@ -137,9 +137,16 @@ class ModuleSource(_Source):
         """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
-            ema_model.to(pairs[0].online.device)
-            pairs = self.pair(model, ema_model)
-            layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+            pairs = self.move_ema(model, ema_model, pairs[0].online.device)
+        return pairs
+
+    def move_ema(
+        self, model: nn.Module, ema_model: nn.Module, device: torch.device
+    ) -> list[TensorPair]:
+        """Move the EMA model to ``device`` and lay its storage out again; the new pairs."""
+        ema_model.to(device)
+        pairs = self.pair(model, ema_model)
+        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
         return pairs
 
 

@@ -1,11 +1,18 @@
 """The versioned state-dict codec shared by every EMA kind.
 
-A :class:`StateCodec` writes a layout-version key and a few scalar (or vector) fields
-next to a module's tensors, and reads them back: it refuses a layout newer than this
-emakit reads, reports missing required fields (so a strict load can fail), and knows its
-own keys (so a load does not call them unexpected). Each EMA kind declares its codec; a
-subclass adds a codec of its own for its extra keys (``KarrasEMA`` adds ``gamma``, ``t``,
-``dt`` under ``karras_version``).
+An EMA's ``state_dict()`` has exactly ema-pytorch's keys (``initted``, ``step``,
+``ema_model.*``), so it loads into ema-pytorch and into code that strips prefixes. What
+emakit adds goes into torch's own per-module metadata (``state_dict()._metadata``, the
+dict torch passes back to ``_load_from_state_dict`` as ``local_metadata``, where it
+already records each module's ``_version``): the layout version, the skip count, the
+power-function EMA's profile time.
+
+A :class:`StateCodec` declares a kind's fields: which are keys (tensors) and which are
+metadata, how each is written and read back, and the keys that earlier layouts wrote
+(version 1 wrote ``version``, ``num_skipped_nonfinite``, ``karras_version``, ``gamma``,
+``t``, ``dt`` and ``gammas`` as keys): those still load. Metadata survives
+``torch.save``/``torch.load`` of the state dict; code that rebuilds the dict loses it, and
+the fields then keep the loading EMA's values (or are derived, as documented per kind).
 """
 
 from __future__ import annotations
@@ -15,97 +22,154 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from .._validate import not_newer
 
-__all__ = ["Field", "StateCodec", "flag", "integer", "real", "reals"]
+__all__ = ["Field", "StateCodec", "flag", "integer", "metadata_of", "real", "reals"]
 
 
 @dataclass(frozen=True)
 class Field:
-    """One entry of a state: its key, how to write and read it, and whether it must exist.
+    """One entry of a state.
 
-    ``encode`` turns the value into a tensor; ``decode`` turns the stored tensor back. A
-    ``required`` field missing from a state is reported in ``missing_keys``.
+    ``key`` is its name; ``meta`` puts it in the module's metadata instead of the keys.
+    ``encode`` turns the value into what is stored (a tensor for a key, a plain Python
+    value for metadata); ``decode`` turns a stored value (a tensor from a key, of this
+    layout or an earlier one, or a metadata value) back. A ``required`` key missing from
+    a state is reported in ``missing_keys``.
     """
 
     key: str
-    encode: Callable[[Any], Tensor]
+    encode: Callable[[Any], Any]
     decode: Callable[[Any], Any]
     required: bool = False
+    meta: bool = False
 
 
-def integer(key: str, *, required: bool = False) -> Field:
-    """An ``int`` field (stored as an int64 scalar)."""
-    return Field(key, lambda v: torch.tensor(int(v)), lambda t: int(t), required)
+def integer(key: str, *, required: bool = False, meta: bool = False) -> Field:
+    """An ``int`` field (an int64 scalar tensor as a key, an int in metadata)."""
+    encode: Callable[[Any], Any] = int if meta else (lambda v: torch.tensor(int(v)))
+    return Field(key, encode, lambda t: int(t), required, meta)
 
 
-def flag(key: str, *, required: bool = False) -> Field:
-    """A ``bool`` field (stored as a bool scalar)."""
-    return Field(key, lambda v: torch.tensor(bool(v)), lambda t: bool(t), required)
+def flag(key: str, *, required: bool = False, meta: bool = False) -> Field:
+    """A ``bool`` field (a bool scalar tensor as a key, a bool in metadata)."""
+    encode: Callable[[Any], Any] = bool if meta else (lambda v: torch.tensor(bool(v)))
+    return Field(key, encode, lambda t: bool(t), required, meta)
 
 
-def real(key: str, *, required: bool = False) -> Field:
-    """A ``float`` field (stored as a float64 scalar)."""
-    return Field(key, lambda v: torch.tensor(float(v), dtype=torch.float64), float, required)
-
-
-def reals(key: str, *, required: bool = False) -> Field:
-    """A tuple of floats (stored as a float64 vector)."""
-    return Field(
-        key,
-        lambda v: torch.tensor(list(v), dtype=torch.float64),
-        lambda t: tuple(float(x) for x in torch.as_tensor(t).reshape(-1)),
-        required,
+def real(key: str, *, required: bool = False, meta: bool = False) -> Field:
+    """A ``float`` field (a float64 scalar tensor as a key, a float in metadata)."""
+    encode: Callable[[Any], Any] = (
+        float if meta else (lambda v: torch.tensor(float(v), dtype=torch.float64))
     )
+    return Field(key, encode, float, required, meta)
+
+
+def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
+    """A tuple of floats (a float64 vector as a key, a list in metadata)."""
+    encode: Callable[[Any], Any] = (
+        (lambda v: [float(x) for x in v])
+        if meta
+        else (lambda v: torch.tensor(list(v), dtype=torch.float64))
+    )
+
+    def decode(t: Any) -> tuple[float, ...]:
+        if isinstance(t, torch.Tensor):  # a key (float64 vector)
+            return tuple(float(x) for x in t.reshape(-1))
+        return tuple(float(x) for x in t)  # metadata: Python floats, exact
+
+    return Field(key, encode, decode, required, meta)
+
+
+def metadata_of(destination: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The metadata dict torch keeps for the module saved under ``prefix`` (None when the
+    destination keeps none, e.g. a plain dict passed to ``state_dict(destination=...)``)."""
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is None:
+        return None
+    return metadata.setdefault(prefix[:-1], {})  # type: ignore[no-any-return]
 
 
 class StateCodec:
-    """Writes and reads a versioned set of fields under a state-dict prefix.
+    """Writes and reads a kind's fields under a state-dict prefix.
 
     Args:
-        version_key: the key holding the layout version (e.g. ``"version"``).
-        version: the layout version this emakit writes (and the newest it reads).
+        version: the layout version this emakit writes (the module's ``_version``) and the
+            newest it reads.
         fields: the fields, in the order they are written.
+        legacy_keys: keys that earlier layouts wrote and that are read (as the field of
+            the same name) or ignored; ``legacy_version_key`` among them holds a version.
+        legacy_version_key: the key earlier layouts kept their version in, if any.
+        version_name: the metadata entry holding the version. Default ``"version"``
+            (torch's own entry); a kind with extra fields of its own versions them under
+            another name.
     """
 
-    def __init__(self, version_key: str, version: int, fields: Sequence[Field]) -> None:
-        self.version_key = version_key
+    def __init__(
+        self,
+        version: int,
+        fields: Sequence[Field],
+        *,
+        legacy_keys: Sequence[str] = (),
+        legacy_version_key: str | None = None,
+        version_name: str = "version",
+    ) -> None:
         self.version = version
         self.fields = tuple(fields)
-        self.keys = frozenset([version_key, *(f.key for f in self.fields)])
+        self.legacy_version_key = legacy_version_key
+        self.version_name = version_name
+        self.keys = frozenset(
+            [*(f.key for f in self.fields if not f.meta), *legacy_keys]
+            + ([legacy_version_key] if legacy_version_key else [])
+        )
 
     def encode(self, values: Mapping[str, Any], destination: dict[str, Any], prefix: str) -> None:
-        """Write the version and every field whose value is not None."""
-        destination[prefix + self.version_key] = torch.tensor(self.version)
+        """Write every field whose value is not None: keys into ``destination``,
+        metadata into its ``_metadata`` for ``prefix`` (with the version)."""
+        meta = metadata_of(destination, prefix)
+        if meta is not None and self.version_name != "version":
+            meta[self.version_name] = self.version
         for f in self.fields:
             value = values.get(f.key)
-            if value is not None:
+            if value is None:
+                continue
+            if not f.meta:
                 destination[prefix + f.key] = f.encode(value)
+            elif meta is not None:
+                meta[f.key] = f.encode(value)
 
     def decode(
-        self, state_dict: Mapping[str, Any], prefix: str, missing_keys: list[str]
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Mapping[str, Any],
+        missing_keys: list[str],
     ) -> dict[str, Any]:
-        """The fields present in ``state_dict`` (decoded); missing required ones are added
-        to ``missing_keys``.
+        """The fields found (decoded), from keys or metadata, this layout or an earlier one;
+        missing required keys are added to ``missing_keys``.
 
         Raises:
-            EMAStateError: the state was written in a newer layout.
+            EMAStateError: the state was written in a newer layout than this emakit reads.
         """
         not_newer(
-            "state_dict", self.version_key, state_dict.get(prefix + self.version_key), self.version
+            "state_dict", self.version_name, local_metadata.get(self.version_name), self.version
         )
+        if self.legacy_version_key is not None:
+            legacy = state_dict.get(prefix + self.legacy_version_key)
+            not_newer("state_dict", self.legacy_version_key, legacy, 1)
         out: dict[str, Any] = {}
         for f in self.fields:
             key = prefix + f.key
             if key in state_dict:
                 out[f.key] = f.decode(state_dict[key])
+            elif f.meta and f.key in local_metadata:
+                out[f.key] = f.decode(local_metadata[f.key])
             elif f.required:
                 missing_keys.append(key)
         return out
 
     def strip(self, unexpected_keys: list[str], start: int, prefix: str) -> None:
-        """Drop this codec's keys from ``unexpected_keys[start:]`` (they were read)."""
+        """Drop this codec's keys (and earlier layouts') from ``unexpected_keys[start:]``."""
         ours = {prefix + k for k in self.keys}
         unexpected_keys[start:] = [k for k in unexpected_keys[start:] if k not in ours]

@@ -16,8 +16,12 @@ Facades (``EMA``, ``MultiEMA``, ``KarrasEMA`` ...) only wire a tracker to a mode
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
+
+import torch
+from torch import Tensor
 
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..engine.kernels import Impl
@@ -27,6 +31,13 @@ from ..engine.runners import Runner, SyncRunner
 from ..errors import EMARuntimeError
 
 __all__ = ["Tracker"]
+
+
+def _references(views: tuple[Tensor, Tensor]) -> int:
+    """How many references the views have (measured the same way every time, so that a
+    count above the one taken at creation means a client holds one)."""
+    step, initted = views
+    return max(sys.getrefcount(step), sys.getrefcount(initted))
 
 
 class Tracker:
@@ -63,6 +74,13 @@ class Tracker:
         self.num_skipped_nonfinite = 0
         self.swapped = False
         self._plan: Plan | None = None
+        # ema-pytorch's step and initted are tensors that clients write in place
+        # (ema.step += 1, ema.initted.data.fill_(True)). Views of the integer counters:
+        # handed out by the properties, read back before the next update (writes take
+        # effect), kept current while someone holds them.
+        self._views = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
+        self._views_out = False
+        self._unheld = _references(self._views)  # the count when nobody else holds them
 
     # -- the plan -------------------------------------------------------------------------
 
@@ -88,14 +106,67 @@ class Tracker:
         """Start over at ``step`` as an initialized EMA whose last averaging update was at
         ``step`` (e.g. an EMA reconstructed from snapshots)."""
         self.runner.wait()
-        self.step, self.initted, self.last, self.gap = step, True, step, 0
+        self.set_counters(step=step, initted=True)
+        self.last, self.gap = step, 0
         self._plan = None
+
+    # -- the update -----------------------------------------------------------------------
+
+    # -- step and initted as tensors --------------------------------------------------
+
+    def step_tensor(self) -> Tensor:
+        """``step`` as a CPU int64 tensor that client code may write in place; the write
+        takes effect at the next call (see :meth:`sync_views`)."""
+        self.sync_views()
+        self._refresh_views()  # both: the next sync reads both back
+        self._views_out = True
+        return self._views[0]
+
+    def initted_tensor(self) -> Tensor:
+        """``initted`` as a CPU bool tensor that client code may write in place (also
+        through ``.data``); the write takes effect at the next call."""
+        self.sync_views()
+        self._refresh_views()
+        self._views_out = True
+        return self._views[1]
+
+    def sync_views(self) -> None:
+        """Take the values of handed-out views (clients may have written them), and stop
+        watching them once nobody else holds them. A few µs, only after a hand-out."""
+        if not self._views_out:
+            return
+        views = self._views  # no names bound to the tensors: they would count as holders
+        self.step, self.initted = int(views[0]), bool(views[1])
+        if _references(views) <= self._unheld:
+            self._views_out = False
+
+    def _refresh_views(self) -> None:
+        step, initted = self._views
+        step.fill_(self.step)
+        initted.fill_(self.initted)
+
+    def set_counters(self, *, step: int | None = None, initted: bool | None = None) -> None:
+        """Set ``step`` and/or ``initted`` (a loaded state, a client's assignment); views
+        already handed out see the new values."""
+        self.sync_views()
+        if step is not None:
+            self.step = step
+        if initted is not None:
+            self.initted = initted
+        if self._views_out:
+            self._refresh_views()
 
     # -- the update -----------------------------------------------------------------------
 
     def update(self) -> Action:
         """Count one call and carry out what it does; returns the action applied
         (:data:`~emakit.decay.SKIP` when nothing happened)."""
+        if self._views_out:
+            self.sync_views()
+            action = self.apply(self.advance())
+            if self._views_out:
+                self._refresh_views()  # someone holds them: keep them current
+            return action
         action = self.advance()
         if action is SKIP:
             return action
@@ -113,6 +184,8 @@ class Tracker:
 
     def apply(self, action: Action) -> Action:
         """Carry out ``action`` (from :meth:`advance`) on the current plan."""
+        if action is SKIP:
+            return action
         plan = self.plan()
         if self.skip_nonfinite and not self.online_finite(plan):
             return SKIP
@@ -168,7 +241,9 @@ class Tracker:
 
     def __getstate__(self) -> dict:
         self.runner.wait()
+        self.sync_views()
         state = self.__dict__.copy()
         state["_plan"] = None  # rebuilt on first use; it only holds references
         state["swapped"] = False
+        state["_views_out"] = False
         return state

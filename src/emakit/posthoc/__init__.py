@@ -5,6 +5,8 @@ and synthesis of any EMA length after training.
 * :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
   :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
 * :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone.
+* :class:`LegacyProfiles`: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
+  (their profiles by index), alone or mixed with emakit's.
 * :mod:`emakit.posthoc.math`: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
   the least-squares weights of Algorithm 3).
 
@@ -31,7 +33,10 @@ from .posthoc import POSTHOC_STATE_VERSION, PostHocEMA
 from .snapshots import (
     SNAPSHOT_FORMAT,
     SNAPSHOT_FORMAT_VERSION,
+    LegacyFile,
+    LegacyProfiles,
     SnapshotInfo,
+    list_legacy_files,
     list_snapshots,
     read_snapshot_info,
 )
@@ -44,12 +49,15 @@ __all__ = [
     "SNAPSHOT_FORMAT",
     "SNAPSHOT_FORMAT_VERSION",
     "KarrasEMA",
+    "LegacyFile",
+    "LegacyProfiles",
     "PostHocEMA",
     "PostHocWarning",
     "SnapshotInfo",
     "SynthesisPlan",
     "WeightSolution",
     "gamma_to_sigma_rel",
+    "list_legacy_files",
     "list_snapshots",
     "plan_synthesis",
     "power_function_beta",

@@ -6,6 +6,10 @@ to be added to the ``emakit`` group::
     emakit synthesize ./post-hoc-ema-checkpoints --sigma-rel 0.05,0.1 --out ema.safetensors
     emakit inspect ./post-hoc-ema-checkpoints
 
+ema-pytorch's snapshot files (``<profile index>.<step>.pt``, no profile recorded) need
+``--legacy-sigma-rels`` (or ``--legacy-gammas``) and ``--legacy-update-every``; without
+them ``inspect`` lists the files and ``synthesize`` refuses them.
+
 ``synthesize`` writes one safetensors file per requested length; the file holds the model's
 state dict (parameter and buffer names as in ``model.state_dict()``), so it loads straight
 into the model class::
@@ -29,11 +33,15 @@ from .._io import atomic_path
 from ..errors import EMAError
 from .math import SIGMA_REL_MAX
 from .snapshots import (
+    LEGACY_NAME,
     SNAPSHOT_FORMAT,
+    LegacyFile,
+    LegacyProfiles,
     SnapshotInfo,
+    list_legacy_files,
     list_snapshots,
 )
-from .synthesis import SynthesisPlan, plan_synthesis
+from .synthesis import SynthesisPlan, load_legacy_tensors, plan_synthesis
 
 __all__ = ["SYNTHESIZED_FORMAT", "inspect_cmd", "synthesize"]
 
@@ -133,6 +141,97 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int,
         yield start_rich
 
 
+# -- ema-pytorch's snapshot files ----------------------------------------------------------
+
+#: Buffers of torch's norm layers: without an emakit snapshot to say which tensors are
+#: buffers, these are taken (not averaged) from ema-pytorch's files.
+_NORM_BUFFERS = {"running_mean": None, "running_var": None, "num_batches_tracked": torch.int64}
+_LEGACY_HINT = (
+    "pass --legacy-sigma-rels S,S (the sigma_rels of the ema-pytorch PostHocEMA that wrote "
+    "them, in its order: <i>.<step>.pt is of the i-th) or --legacy-gammas G,G, with "
+    "--legacy-update-every N"
+)
+
+
+_LEGACY_OPTIONS = [
+    click.option(
+        "--legacy-sigma-rels",
+        metavar="S[,S...]",
+        help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
+        "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
+    ),
+    click.option("--legacy-gammas", metavar="G[,G...]", help="The same as gammas, in order."),
+    click.option(
+        "--legacy-update-every",
+        type=click.IntRange(min=1),
+        default=None,
+        help="The update_every of that ema-pytorch run (its default: 100); required with "
+        "--legacy-sigma-rels / --legacy-gammas.",
+    ),
+]
+
+
+def legacy_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every``."""
+    for option in reversed(_LEGACY_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _legacy_profiles(
+    folder: Path, sigma_rels: str | None, gammas: str | None, update_every: int | None
+) -> tuple[LegacyProfiles | None, str | None]:
+    """The profiles to read ema-pytorch's files with (None without the options), and a
+    note to print when it had to guess which tensors are buffers."""
+    if sigma_rels is not None and gammas is not None:
+        raise click.UsageError("give at most one of --legacy-sigma-rels and --legacy-gammas")
+    if sigma_rels is None and gammas is None:
+        return None, None
+    if update_every is None:
+        raise click.UsageError(
+            "--legacy-sigma-rels / --legacy-gammas need --legacy-update-every N too: the "
+            "update_every of the ema-pytorch run (its default: 100); it sets where each "
+            "file's averaging ends"
+        )
+    legacy = (
+        LegacyProfiles.from_sigma_rels(
+            _floats("--legacy-sigma-rels", sigma_rels), update_every=update_every
+        )
+        if sigma_rels is not None
+        else LegacyProfiles(tuple(_floats("--legacy-gammas", gammas)), update_every=update_every)
+    )
+    files = list_legacy_files(folder) if folder.is_dir() else []
+    if not files or list_snapshots(folder):
+        return legacy, None  # nothing to read, or emakit's snapshots say which are buffers
+    names = sorted(load_legacy_tensors(files[-1].path))
+    leaf = {n: n.rsplit(".", 1)[-1] for n in names}
+    copied = frozenset(n for n in names if leaf[n] in _NORM_BUFFERS)
+    exact = tuple((n, d) for n in sorted(copied) if (d := _NORM_BUFFERS[leaf[n]]) is not None)
+    note = (
+        f"Note: ema-pytorch's files do not say which tensors are buffers; taking "
+        f"{len(copied)} norm-layer buffer(s) from the latest snapshot "
+        f"({', '.join(sorted(copied)[:4]) or 'none'}{', ...' if len(copied) > 4 else ''}) "
+        f"and averaging the other {len(names) - len(copied)} tensors"
+    )
+    return LegacyProfiles(
+        legacy.gammas,
+        sigma_rels=legacy.sigma_rels,
+        update_every=update_every,
+        copied=copied,
+        exact_dtypes=exact,
+    ), note
+
+
+def _refuse_legacy(folder: Path, files: list[LegacyFile]) -> None:
+    if files:
+        shown = ", ".join(f.path.name for f in files[:4]) + (", ..." if len(files) > 4 else "")
+        raise click.ClickException(
+            f"{folder} holds {len(files)} ema-pytorch snapshot file(s) ({shown}), which do not "
+            f"record their profiles; emakit will not ignore them: {_LEGACY_HINT}, or move them "
+            f"out of the folder"
+        )
+
+
 def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPlan) -> None:
     from safetensors.torch import save_file
 
@@ -190,6 +289,7 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
     help="dtype of the averaged tensors written (buffers keep theirs).",
 )
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@legacy_options
 def synthesize(
     folder: Path,
     sigma_rel: str | None,
@@ -198,6 +298,9 @@ def synthesize(
     out: Path,
     dtype: str,
     progress: bool,
+    legacy_sigma_rels: str | None,
+    legacy_gammas: str | None,
+    legacy_update_every: int | None,
 ) -> None:
     """Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.
 
@@ -205,9 +308,15 @@ def synthesize(
     one snapshot at a time. The output holds the model's state dict and loads straight
     into the model class.
 
+    ema-pytorch's snapshot files (<index>.<step>.pt) in FOLDER are used with emakit's when
+    --legacy-sigma-rels (or --legacy-gammas) gives their profiles; without it they are
+    refused.
+
     \b
     Example:
         emakit synthesize ./post-hoc-ema-checkpoints --sigma-rel 0.05,0.1 --out ema.safetensors
+        emakit synthesize ./ema-pytorch-checkpoints --legacy-sigma-rels 0.05,0.28
+            --legacy-update-every 1 --sigma-rel 0.1 --out ema.safetensors
     """
     if (sigma_rel is None) == (gamma is None):
         raise click.UsageError("give exactly one of --sigma-rel and --gamma")
@@ -218,12 +327,19 @@ def synthesize(
     )
     paths = _output_paths(out, key, values)
     try:
+        legacy, note = _legacy_profiles(
+            folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
+        )
+        if legacy is None and folder.is_dir():
+            _refuse_legacy(folder, list_legacy_files(folder))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plans = [
-                plan_synthesis(folder, step=step, **{key: v})  # type: ignore[arg-type]
+                plan_synthesis(folder, step=step, legacy=legacy, **{key: v})  # type: ignore[arg-type]
                 for v in values
             ]
+        if note and any(s.is_legacy for p in plans for s in p.snapshots):
+            click.echo(note, err=True)
         for w in caught:
             click.echo(f"Warning: {w.message}", err=True)
         with _progress_bar(progress) as start:
@@ -235,10 +351,12 @@ def synthesize(
     except EMAError as e:
         raise click.ClickException(str(e)) from e
     for plan, path in zip(plans, paths, strict=True):
+        theirs = sum(s.is_legacy for s in plan.snapshots)
         click.echo(
             f"wrote {path}  (sigma_rel={_fmt(plan.sigma_rel)}, gamma={_fmt(plan.gamma)}, "
-            f"step={plan.step}, {len(plan.snapshots)} snapshots, "
-            f"profile error {plan.solution.residual:.2g})"
+            f"step={plan.step}, {len(plan.snapshots)} snapshots"
+            + (f" ({theirs} from ema-pytorch)" if theirs else "")
+            + f", profile error {plan.solution.residual:.2g})"
         )
 
 
@@ -293,21 +411,67 @@ def _describe_tensors(
     )
 
 
-def _inspect_folder(folder: Path) -> None:
-    snaps = list_snapshots(folder)
-    others = [p for p in folder.iterdir() if p.is_file() and p not in {s.path for s in snaps}]
-    if not snaps:
+_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"}
+_CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
+
+
+def _snapshot_summary(info: SnapshotInfo) -> list[tuple[str, str, list[int]]]:
+    if not info.is_legacy:
+        return _safetensors_summary(info.path)[1]
+    return [
+        (n, _CODES.get(v.dtype, str(v.dtype).replace("torch.", "")), list(v.shape))
+        for n, v in load_legacy_tensors(info.path).items()
+    ]
+
+
+def _list_legacy_files(files: list[LegacyFile], limit: int = 20) -> None:
+    steps = sorted({f.step for f in files})
+    indices = ", ".join(str(i) for i in sorted({f.profile for f in files}))
+    click.echo(
+        f"{len(files)} ema-pytorch snapshot file(s) (<profile index>.<step>.pt): profile "
+        f"indices {indices}, steps {steps[0]}..{steps[-1]}"
+    )
+    rows = [["profile index", "step", "file"]]
+    rows += [[str(f.profile), str(f.step), f.path.name] for f in files[:limit]]
+    click.echo(_table(rows))
+    if len(files) > limit:
+        click.echo(f"... and {len(files) - limit} more")
+    click.echo(f"they do not record their profiles; to synthesize from them, {_LEGACY_HINT}")
+
+
+def _inspect_folder(folder: Path, legacy: LegacyProfiles | None) -> None:
+    snaps = list_snapshots(folder, legacy=legacy)
+    theirs = list_legacy_files(folder)
+    known = {s.path for s in snaps} | {f.path for f in theirs}
+    others = [p for p in folder.iterdir() if p.is_file() and p not in known]
+    if not snaps and not theirs:
         raise click.ClickException(
             f"{folder} holds no emakit post-hoc snapshots ({len(others)} other file(s))"
         )
+    click.echo(f"post-hoc EMA snapshot folder {folder}")
+    if snaps:
+        _snapshot_table(snaps)
+    if theirs and legacy is None:
+        _list_legacy_files(theirs)
+    elif theirs:
+        used = sum(s.is_legacy for s in snaps)
+        click.echo(
+            f"{used} of them ema-pytorch snapshot files (<profile index>.<step>.pt), read as "
+            f"the given profiles with update_every={legacy.update_every}"  # type: ignore[union-attr]
+        )
+    if others:
+        click.echo(f"{len(others)} other file(s) in the folder ignored")
+
+
+def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
     by_profile: dict[tuple[float, float], list[SnapshotInfo]] = {}
     for s in snaps:
         by_profile.setdefault((s.gamma, s.sigma_rel), []).append(s)
-    _, first_tensors = _safetensors_summary(snaps[-1].path)
-    rows = [["profile", "sigma_rel", "gamma", "snapshots", "steps", "dtype", "size"]]
+    rows = [["profile", "sigma_rel", "gamma", "snapshots", "steps", "dtype", "size", "source"]]
     for (gamma, sigma_rel), group in sorted(by_profile.items(), key=lambda kv: kv[1][0].profile):
-        _, tensors = _safetensors_summary(group[-1].path)
+        tensors = _snapshot_summary(group[-1])
         float_dtypes = sorted({d for n, d, _ in tensors if n not in group[-1].copied})
+        sources = sorted({s.source for s in group}, reverse=True)
         rows.append(
             [
                 str(group[0].profile),
@@ -317,18 +481,17 @@ def _inspect_folder(folder: Path) -> None:
                 f"{group[0].step}..{group[-1].step}",
                 ",".join(float_dtypes),
                 _size(sum(s.nbytes for s in group)),
+                "+".join(sources),
             ]
         )
     steps = sorted({s.step for s in snaps})
-    click.echo(f"post-hoc EMA snapshot folder {folder}")
     click.echo(_table(rows))
     click.echo(
         f"{len(snaps)} snapshots at {len(steps)} steps ({steps[0]}..{steps[-1]}), "
         f"{_size(sum(s.nbytes for s in snaps))} in all"
     )
-    click.echo(f"each snapshot: {_describe_tensors(first_tensors, snaps[-1].copied)}")
-    if others:
-        click.echo(f"{len(others)} other file(s) in the folder ignored")
+    ref = next((s for s in reversed(snaps) if not s.is_legacy), snaps[-1])
+    click.echo(f"each snapshot: {_describe_tensors(_snapshot_summary(ref), ref.copied)}")
 
 
 def _inspect_safetensors(path: Path) -> None:
@@ -368,6 +531,12 @@ def _inspect_torch(path: Path) -> None:
             f"{path} could not be read as a torch checkpoint ({type(e).__name__}: {e})"
         ) from e
     click.echo(f"torch checkpoint {path} ({_size(path.stat().st_size)})")
+    m = LEGACY_NAME.match(path.name)
+    if m:
+        click.echo(
+            f"named like an ema-pytorch post-hoc snapshot: profile index {m.group(1)}, step "
+            f"{m.group(2)} (values stored in its checkpoint_dtype)"
+        )
     if not isinstance(obj, dict):
         click.echo(f"holds a {type(obj).__name__}")
         return
@@ -376,6 +545,8 @@ def _inspect_torch(path: Path) -> None:
         v = tensors.get(key)
         if v is not None:
             click.echo(f"  {key}: {v.tolist()}")
+    for key, value in getattr(obj, "_metadata", {}).get("", {}).items():  # emakit's extras
+        click.echo(f"  {key} (metadata): {value}")
     others = sorted(k for k in obj if k not in tensors)
     floats = [v for v in tensors.values() if v.is_floating_point()]
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in tensors.values()})
@@ -387,17 +558,27 @@ def _inspect_torch(path: Path) -> None:
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
-def inspect_cmd(path: Path) -> None:
+@legacy_options
+def inspect_cmd(
+    path: Path,
+    legacy_sigma_rels: str | None,
+    legacy_gammas: str | None,
+    legacy_update_every: int | None,
+) -> None:
     """Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.
 
     For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and
-    size. For a file: its header (.safetensors) or its EMA state (.pt).
+    size, and ema-pytorch's <index>.<step>.pt files (listed, or with --legacy-sigma-rels
+    read as those profiles). For a file: its header (.safetensors) or its EMA state (.pt).
     """
     try:
         if not os.path.exists(path):
             raise click.ClickException(f"{path} does not exist")
         if path.is_dir():
-            _inspect_folder(path)
+            legacy, _ = _legacy_profiles(
+                path, legacy_sigma_rels, legacy_gammas, legacy_update_every
+            )
+            _inspect_folder(path, legacy)
         elif path.suffix == ".safetensors":
             _inspect_safetensors(path)
         else:

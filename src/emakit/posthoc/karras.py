@@ -16,11 +16,11 @@ averaging profile is the paper's for any ``update_every``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..core.state import StateCodec, integer, real
 from ..decay import DecayRule, PowerDecay
@@ -33,14 +33,49 @@ from .math import (
     power_function_beta,
     sigma_rel_to_gamma,
 )
+from .snapshots import snapshot_filename
 
-__all__ = ["KARRAS_STATE_VERSION", "KarrasEMA"]
+__all__ = [
+    "KARRAS_STATE_VERSION",
+    "KarrasEMA",
+    "profile_time",
+    "resolve_profile",
+    "resolve_profiles",
+]
 
-#: Version of the extra keys :meth:`KarrasEMA.state_dict` writes (``karras_version``).
-KARRAS_STATE_VERSION = 1
+#: Version of what :meth:`KarrasEMA.state_dict` adds to EMA's (``gamma``, ``t``, ``dt``, in
+#: the module's metadata under ``karras_version``; version 1 wrote them as keys).
+KARRAS_STATE_VERSION = 2
 _CODEC = StateCodec(
-    "karras_version", KARRAS_STATE_VERSION, [real("gamma"), integer("t"), integer("dt")]
+    KARRAS_STATE_VERSION,
+    [real("gamma", meta=True), integer("t", meta=True), integer("dt", meta=True)],
+    legacy_keys=("gamma", "t", "dt"),
+    legacy_version_key="karras_version",
+    version_name="karras_version",
 )
+
+
+def profile_time(
+    step: int, update_every: int, catch_up_every: int | None = None
+) -> tuple[int, int]:
+    """``(t, dt)`` of a power-function EMA after ``step`` calls, derived from the step alone.
+
+    Its averaging updates are the first call (the initializing copy), every later call
+    ``c`` with ``(c - 1) % update_every == 0``, and, under a :class:`PostHocEMA` that
+    snapshots every ``catch_up_every`` calls, each multiple of that (the snapshot averages
+    in the current weights first). ``t`` is the last of them, ``dt`` its gap to the one
+    before (0 after the first call). Used when a state carries no ``t``/``dt`` metadata:
+    ema-pytorch's states, or emakit's after the dict was rebuilt.
+    """
+    if step < 1:
+        return 0, 0
+    cadence = 1 + update_every * ((step - 1) // update_every)
+    events = {1, cadence, cadence - update_every}
+    if catch_up_every:
+        snap = step - step % catch_up_every
+        events |= {snap, snap - catch_up_every}
+    last, *before = sorted((e for e in events if 1 <= e <= step), reverse=True)
+    return last, (last - before[0]) if before else 0
 
 
 def resolve_profile(sigma_rel: object, gamma: object) -> tuple[float, float]:
@@ -151,6 +186,7 @@ class KarrasEMA(EMA):
             async_update=async_update,
         )
         self.frozen = frozen
+        self.t_from_step = False  # see _load_from_state_dict
         self.tracker.rule = DecayRule(
             [PowerDecay(self.gamma, power_function_beta)],
             update_every=self.update_every,
@@ -193,6 +229,19 @@ class KarrasEMA(EMA):
         """``{"default": get_current_decay()}`` (a power-function EMA has one group)."""
         return {"default": self.get_current_decay()}
 
+    def iter_all_ema_params_and_buffers(self) -> Iterator[Tensor]:
+        """The EMA model's averaged tensors: floating parameters and buffers that are
+        neither ignored nor copied (ema-pytorch's method)."""
+        for name, t in (
+            *self.get_params_iter(self.ema_model),
+            *self.get_buffers_iter(self.ema_model),
+        ):
+            ignored = name in self.ignore_names or name.startswith(
+                tuple(self.ignore_startswith_names)
+            )
+            if not ignored and name not in self.param_or_buffer_names_no_ema:
+                yield t
+
     def catch_up(self) -> None:
         """Average in the current weights if the last averaging update was before the
         current step, so the profile ends exactly at ``step`` (used before a snapshot).
@@ -221,7 +270,7 @@ class KarrasEMA(EMA):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        values = _CODEC.decode(state_dict, prefix, missing_keys)
+        values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
         saved_gamma = values.get("gamma")
         if saved_gamma is not None and not math.isclose(saved_gamma, self.gamma, rel_tol=1e-9):
             raise EMAStateError(
@@ -232,14 +281,12 @@ class KarrasEMA(EMA):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         t = self.tracker
+        #: Whether t/dt were derived from the step (no metadata: see profile_time).
+        self.t_from_step = "t" not in values
         if "t" in values:
             t.last, t.gap = values["t"], values.get("dt", 0)
-        else:
-            # ema-pytorch 0.8.3 states carry only the step: its last update was at the
-            # last call with (call - 1) % update_every == 0.
-            step, k = t.step, int(self.update_every or 1)
-            t.last = 1 + k * ((step - 1) // k) if step >= 1 else 0
-            t.gap = min(k, t.last - 1) if t.last > 1 else 0
+        else:  # ema-pytorch's states carry only the step
+            t.last, t.gap = profile_time(t.step, int(self.update_every))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The EMA state, versioned; the online model is left out.
@@ -265,3 +312,37 @@ class KarrasEMA(EMA):
 
     def extra_repr(self) -> str:
         return f"sigma_rel={self.sigma_rel:.6g}, gamma={self.gamma:.6g}, update_every={self.update_every}"
+
+
+def resolve_profiles(
+    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
+) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
+    """The profiles of a :class:`PostHocEMA`: ``(sigma_rels or Nones, gammas)`` from one of
+    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and distinct.
+    """
+    if sigma_rels is not None and gammas is not None:
+        raise EMAValueError(
+            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
+        )
+    if sigma_rels is None and gammas is None:
+        sigma_rels = (0.05, 0.28)
+    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
+    values = tuple(values)
+    if not values:
+        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
+    if name == "sigma_rels":
+        srs = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
+        resolved = [resolve_profile(s, None) for s in srs]
+        out_srs: tuple[float | None, ...] = srs
+    else:
+        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
+        out_srs = tuple(None for _ in values)
+    gs = tuple(g for _, g in resolved)
+    names = [snapshot_filename(0, s, g) for s, g in resolved]
+    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
+        raise EMAValueError(
+            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
+        )
+    return out_srs, gs

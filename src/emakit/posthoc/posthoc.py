@@ -20,7 +20,7 @@ import copy
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -30,11 +30,13 @@ from torch import Tensor, nn
 from ..core.shadow import unwrap_model
 from ..core.state import StateCodec, reals
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
-from .karras import KarrasEMA, resolve_profile
-from .math import PostHocWarning, check_gamma, check_sigma_rel
+from .karras import KarrasEMA, profile_time, resolve_profiles
+from .math import PostHocWarning
 from .snapshots import (
+    LegacyProfiles,
     SnapshotInfo,
     is_writer,
+    list_legacy_files,
     list_snapshots,
     snapshot_filename,
     write_snapshot,
@@ -47,8 +49,13 @@ __all__ = [
 ]
 
 #: Version of the layout :meth:`PostHocEMA.state_dict` writes.
-POSTHOC_STATE_VERSION = 1
-_CODEC = StateCodec("version", POSTHOC_STATE_VERSION, [reals("gammas")])
+POSTHOC_STATE_VERSION = 2
+_CODEC = StateCodec(
+    POSTHOC_STATE_VERSION,
+    [reals("gammas", meta=True)],
+    legacy_keys=("gammas",),
+    legacy_version_key="version",
+)
 
 _KARRAS_KWARGS = frozenset(
     {
@@ -67,37 +74,6 @@ _KARRAS_KWARGS = frozenset(
 )
 
 
-def _profiles(
-    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
-) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
-    if sigma_rels is not None and gammas is not None:
-        raise EMAValueError(
-            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
-        )
-    if sigma_rels is None and gammas is None:
-        sigma_rels = (0.05, 0.28)
-    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
-    values = tuple(values)
-    if not values:
-        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
-    if name == "sigma_rels":
-        srs = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
-        resolved = [resolve_profile(s, None) for s in srs]
-        out_srs: tuple[float | None, ...] = srs
-    else:
-        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
-        out_srs = tuple(None for _ in values)
-    gs = tuple(g for _, g in resolved)
-    names = [snapshot_filename(0, s, g) for s, g in resolved]
-    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
-        raise EMAValueError(
-            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
-        )
-    return out_srs, gs
-
-
 class PostHocEMA(nn.Module):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
@@ -111,6 +87,11 @@ class PostHocEMA(nn.Module):
     snapshots taken at or before the target step; integer buffers are stored exactly
     (not cast to float16); snapshots are self-describing, readably named, atomically
     written and written by rank 0 only; each profile owns its EMA copy.
+
+    A drop-in for a run that used ema-pytorch: its snapshot files
+    (``<profile index>.<step>.pt``) in ``checkpoint_folder`` are read as snapshots of this
+    PostHocEMA's profiles (``gammas[index]``, see :meth:`legacy_profiles`) and used with
+    emakit's own.
 
     Args:
         model: the online (training) module (DDP and ``torch.compile`` wrappers unwrapped).
@@ -142,6 +123,8 @@ class PostHocEMA(nn.Module):
         >>> synth = ema.synthesize_ema_model(sigma_rel=0.15)  # doctest: +SKIP
         >>> y = synth(x)  # doctest: +SKIP
     """
+
+    _version = POSTHOC_STATE_VERSION  # torch records it in the state's metadata
 
     def __init__(
         self,
@@ -188,7 +171,7 @@ class PostHocEMA(nn.Module):
             raise EMATypeError(
                 f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
             )
-        srs, gs = _profiles(sigma_rels, gammas)
+        srs, gs = resolve_profiles(sigma_rels, gammas)
         model = unwrap_model(model)
         self._model = [model]  # a list keeps it out of the module tree and state_dict
         self._ema_template = [ema_model]
@@ -235,8 +218,23 @@ class PostHocEMA(nn.Module):
 
     @property
     def step(self) -> Any:
-        """``update()`` calls so far (an ``int``; ``.item()`` also works)."""
+        """``update()`` calls so far: profile 0's step tensor (see :attr:`emakit.EMA.step`)."""
         return self.profiles[0].step
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the step counter (CPU: ema-pytorch's ``PostHocEMA.device``)."""
+        return self.profiles[0].step.device
+
+    @property
+    def maybe_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
+        """The ``ema_model`` given at construction (ema-pytorch's name)."""
+        return self._ema_template[0]
+
+    @property
+    def ema_kwargs(self) -> dict[str, Any]:
+        """The keywords passed on to each :class:`KarrasEMA` (ema-pytorch's name)."""
+        return dict(self._karras_kwargs)
 
     def update(self) -> None:
         """Update every profile; write snapshots every ``checkpoint_every_num_steps`` calls.
@@ -246,7 +244,7 @@ class PostHocEMA(nn.Module):
         for ema in self.profiles:
             ema.update()
         every = self.checkpoint_every_num_steps
-        if every != "manual" and int(self.step) % every == 0:
+        if every != "manual" and self.profiles[0].tracker.step % every == 0:
             self.checkpoint()
 
     def copy_params_from_model_to_ema(self) -> None:
@@ -261,8 +259,34 @@ class PostHocEMA(nn.Module):
             ema.copy_params_from_ema_to_model()
 
     def snapshots(self) -> list[SnapshotInfo]:
-        """The snapshots in :attr:`checkpoint_folder`, sorted by step."""
-        return list_snapshots(self.checkpoint_folder)
+        """The snapshots in :attr:`checkpoint_folder`, sorted by step: emakit's and
+        ema-pytorch's ``<profile index>.<step>.pt`` files (read with :meth:`legacy_profiles`).
+
+        Raises:
+            EMAStateError: an ema-pytorch file's profile index is not one of this
+                PostHocEMA's profiles.
+        """
+        return list_snapshots(self.checkpoint_folder, legacy=self.legacy_profiles())
+
+    def legacy_profiles(self) -> LegacyProfiles:
+        """How this PostHocEMA reads ema-pytorch's snapshot files: profile index ``i`` is
+        ``gammas[i]`` (as in ema-pytorch), with this PostHocEMA's ``update_every``; the
+        tensors it takes rather than averages (buffers, integer tensors) and the exact
+        dtypes of integer ones come from the EMA model, as for emakit's snapshots."""
+        ema = self.profiles[0]
+        if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
+            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
+        state = ema.ema_model.state_dict()
+        exact = tuple(
+            (n, v.dtype) for n, v in state.items() if not (v.is_floating_point() or v.is_complex())
+        )
+        return LegacyProfiles(
+            self.gammas,
+            sigma_rels=self.sigma_rels,
+            update_every=self.update_every,
+            copied=frozenset(state) - self._averaged_names(ema),
+            exact_dtypes=exact,
+        )
 
     # -- snapshots ------------------------------------------------------------------------
 
@@ -286,12 +310,18 @@ class PostHocEMA(nn.Module):
                 PostHocWarning,
                 stacklevel=3,
             )
+        return out, set(out) - self._averaged_names(ema)
+
+    @staticmethod
+    def _averaged_names(ema: KarrasEMA) -> set[str]:
+        if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
+            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
         no_ema, ignored, prefixes = (
             ema.param_or_buffer_names_no_ema,
             ema.ignore_names,
             tuple(ema.ignore_startswith_names),
         )
-        averaged = {
+        return {
             n
             for n, p in ema.ema_model.named_parameters(remove_duplicate=False)
             if (p.is_floating_point() or p.is_complex())
@@ -299,17 +329,24 @@ class PostHocEMA(nn.Module):
             and n not in ignored
             and not n.startswith(prefixes)
         }
-        return out, set(out) - averaged
 
     def _check_folder(self, step: int) -> None:
         self._folder_checked = True
-        later = [s for s in list_snapshots(self.checkpoint_folder) if s.step > step]
-        if later:
+        later = [s.step for s in list_snapshots(self.checkpoint_folder) if s.step > step]
+        theirs = [f for f in list_legacy_files(self.checkpoint_folder) if f.step > step]
+        if later or theirs:
+            kept = (
+                f" (not ema-pytorch's {len(theirs)} file(s) like {theirs[0].path.name}: remove "
+                f"them)"
+                if theirs
+                else ""
+            )
             warnings.warn(
-                f"{str(self.checkpoint_folder)!r} already holds {len(later)} snapshot(s) after "
-                f"step {step} (up to step {later[-1].step}), from another run or from before a "
-                f"resume. Snapshots of this run overwrite them as training passes their steps; "
-                f"synthesis at or before step {step} ignores them",
+                f"{str(self.checkpoint_folder)!r} already holds {len(later) + len(theirs)} "
+                f"snapshot(s) after step {step} (up to step {max(later + [f.step for f in theirs])}"
+                f"), from another run or from before a resume. Snapshots of this run overwrite "
+                f"them as training passes their steps{kept}; synthesis at or before step {step} "
+                f"ignores them",
                 PostHocWarning,
                 stacklevel=3,
             )
@@ -328,7 +365,7 @@ class PostHocEMA(nn.Module):
         Raises:
             EMARuntimeError: called before the first :meth:`update`.
         """
-        step = int(self.step)
+        step = self.profiles[0].tracker.step
         if step == 0 or not all(bool(e.initted) for e in self.profiles):
             raise EMARuntimeError(
                 "checkpoint() needs at least one update() first: there is no EMA to save yet"
@@ -362,21 +399,24 @@ class PostHocEMA(nn.Module):
 
     def synthesize_ema_model(
         self,
-        sigma_rel: float | None = None,
         gamma: float | None = None,
+        sigma_rel: float | None = None,
         step: int | None = None,
     ) -> KarrasEMA:
-        """Reconstruct the power-function EMA with ``sigma_rel`` (or ``gamma``) at ``step``.
+        """Reconstruct the power-function EMA with ``gamma`` (or ``sigma_rel``) at ``step``.
+
+        The arguments are in ema-pytorch's order: ``synthesize_ema_model(7.0)`` is
+        ``gamma=7.0``; pass ``sigma_rel=`` by keyword.
 
         Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
         before ``step`` only), then a streamed weighted sum of the snapshots (see
-        :class:`~emakit.posthoc.synthesis.SynthesisPlan`). Buffers come from the latest snapshot at or before
-        ``step``.
+        :class:`~emakit.posthoc.synthesis.SynthesisPlan`): emakit's and, read as this
+        PostHocEMA's profiles, ema-pytorch's (see :meth:`legacy_profiles`). Buffers come
+        from the latest snapshot at or before ``step``.
 
         Args:
-            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``. Give this
-                or ``gamma``.
-            gamma: the target exponent, ``> 0``.
+            gamma: the target exponent, ``> 0``. Give this or ``sigma_rel``.
+            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``.
             step: the target step. Default None: the latest snapshot's step.
 
         Returns:
@@ -387,10 +427,21 @@ class PostHocEMA(nn.Module):
         Raises:
             EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
                 first snapshot.
-            EMAStateError: the snapshots do not match the model.
+            EMAStateError: the snapshots do not match the model; an ema-pytorch file
+                whose profile index is out of range or that ``torch.load(weights_only=True)``
+                refuses.
+
+        Warns:
+            PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
+                (its value is lost): the model's current value is kept, as ema-pytorch does.
         """
-        plan = plan_synthesis(self.checkpoint_folder, sigma_rel=sigma_rel, gamma=gamma, step=step)
-        state = plan.run(dtype=torch.float32)
+        plan = plan_synthesis(
+            self.checkpoint_folder,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            step=step,
+            legacy=self.legacy_profiles(),
+        )
         synth = KarrasEMA(
             self.model,
             sigma_rel=sigma_rel,
@@ -402,6 +453,7 @@ class PostHocEMA(nn.Module):
         target = synth.ema_model
         if target is None:  # pragma: no cover - KarrasEMA builds its model eagerly
             raise EMARuntimeError("the synthesized KarrasEMA has no ema_model")
+        state = plan.run(dtype=torch.float32, fill=target.state_dict())
         try:
             target.load_state_dict(state, strict=True)
         except RuntimeError as e:
@@ -433,7 +485,7 @@ class PostHocEMA(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        saved = _CODEC.decode(state_dict, prefix, missing_keys).get("gammas")
+        saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys).get("gammas")
         same = saved is None or (
             len(saved) == len(self.gammas)
             and all(
@@ -471,8 +523,12 @@ class PostHocEMA(nn.Module):
             raise
         except RuntimeError as e:
             raise EMAStateError(str(e)) from e
+        every = self.checkpoint_every_num_steps
         for ema in self.profiles:
             ema.tracker.invalidate()
+            if ema.t_from_step and every != "manual":  # no metadata: snapshots averaged too
+                t = ema.tracker
+                t.last, t.gap = profile_time(t.step, int(ema.update_every), every)
         self._folder_checked = False
         return result
 

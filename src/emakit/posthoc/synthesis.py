@@ -8,6 +8,9 @@ least-squares fit of the profiles (Algorithm 3, :func:`~emakit.posthoc.math.solv
   headers alone (a :class:`SynthesisPlan`).
 * :meth:`SynthesisPlan.run` / :func:`synthesize_state_dict`: stream the snapshots into
   the reconstructed state dict.
+* :func:`open_snapshot`: read one snapshot, emakit's (safetensors) or ema-pytorch's
+  (``<index>.<step>.pt``, given its profiles as a
+  :class:`~emakit.posthoc.snapshots.LegacyProfiles`).
 
 Synthesis streams the snapshots: one file is open at a time and its tensors are added,
 one by one, into a float32 accumulator, so memory stays at about one model however many
@@ -21,8 +24,11 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,11 +36,15 @@ from torch import Tensor
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights
-from .snapshots import SnapshotInfo, list_snapshots
+from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
+    "SnapshotReader",
     "SynthesisPlan",
+    "load_legacy_tensors",
+    "open_snapshot",
     "plan_synthesis",
+    "restore_exact",
     "synthesize_state_dict",
 ]
 
@@ -52,15 +62,143 @@ def _check_step(step: object) -> int | None:
     return step
 
 
-# Unit roundoff (half the machine epsilon) of the floating safetensors dtype codes.
-_ROUNDOFF = {
-    "F64": 2.0**-53,
-    "F32": 2.0**-24,
-    "F16": 2.0**-11,
-    "BF16": 2.0**-8,
-    "F8_E4M3": 2.0**-4,
-    "F8_E5M2": 2.0**-3,
-}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16}
+_DTYPES.update({"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn})
+_DTYPES.update({"F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "BOOL": torch.bool})
+
+
+# -- reading one snapshot -------------------------------------------------------------------
+
+
+def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The EMA model's tensors in an ema-pytorch snapshot, as stored (names without the
+    ``ema_model.`` prefix; ``initted`` and ``step`` left out).
+
+    Loaded with ``torch.load(weights_only=True)``: a file holding anything but tensors
+    (e.g. a pickled object with code) is refused, never executed.
+
+    Raises:
+        EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
+    """
+    p = Path(path)
+    try:
+        obj = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EMAStateError(
+            f"{p} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
+            f"True) refused it ({type(e).__name__}: {why}). emakit reads .pt snapshots with "
+            f"weights_only=True and never runs pickled code; move the file out of the "
+            f"snapshot folder if it is not one of ema-pytorch's snapshots"
+        ) from e
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
+    ):
+        raise EMAStateError(
+            f"{p} holds a {type(obj).__name__} that is not an ema-pytorch KarrasEMA state dict "
+            f"(names -> tensors); move it out of the snapshot folder"
+        )
+    prefix = "ema_model."
+    stray = sorted(k for k in obj if not k.startswith(prefix) and k not in ("initted", "step"))
+    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)}
+    if stray or not out:
+        raise EMAStateError(
+            f"{p} is not an ema-pytorch KarrasEMA state dict: expected initted, step and "
+            f"ema_model.* keys, got {sorted(obj)[:10]}; move it out of the snapshot folder"
+        )
+    return out
+
+
+def restore_exact(info: SnapshotInfo, name: str, value: Tensor) -> Tensor | None:
+    """``value`` of ``name`` from ``info``'s file in its exact dtype (rounded), for
+    ema-pytorch files that stored integer and bool tensors as floats; unchanged otherwise.
+
+    Returns:
+        The tensor, or None when the float copy overflowed (inf/NaN: the value is lost).
+    """
+    dtype = dict(info.exact_dtypes).get(name)
+    if dtype is None or value.dtype == dtype:
+        return value
+    if value.is_floating_point():
+        if not bool(torch.isfinite(value).all()):
+            return None
+        value = value.round()
+    return value.to(dtype)
+
+
+class SnapshotReader(Protocol):
+    """The tensors of one open snapshot (:func:`open_snapshot`)."""
+
+    def keys(self) -> list[str]:
+        """The tensor names."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape."""
+        ...
+
+    def dtype(self, name: str) -> torch.dtype:
+        """A tensor's stored dtype."""
+        ...
+
+    def get(self, name: str) -> Tensor:
+        """A tensor, as stored."""
+        ...
+
+
+class _SafetensorsReader:
+    def __init__(self, handle: Any) -> None:
+        self._f = handle
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._f.get_slice(name).get_dtype()
+        return _DTYPES.get(code) or self._f.get_tensor(name).dtype  # type: ignore[no-any-return]
+
+    def get(self, name: str) -> Tensor:
+        return self._f.get_tensor(name)  # type: ignore[no-any-return]
+
+
+class _TensorsReader:
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        self._t = tensors
+
+    def keys(self) -> list[str]:
+        return list(self._t)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._t[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._t[name].dtype
+
+    def get(self, name: str) -> Tensor:
+        return self._t[name]
+
+
+@contextmanager
+def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
+    """Open one snapshot for reading: an emakit file lazily (safetensors), an ema-pytorch
+    file loaded whole (``torch.load(weights_only=True)``).
+
+    Raises:
+        EMAStateError: an ema-pytorch file that cannot be loaded safely.
+    """
+    if info.is_legacy:
+        yield _TensorsReader(load_legacy_tensors(info.path))
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(info.path), framework="pt", device="cpu") as f:
+        yield _SafetensorsReader(f)
+
+
+# -- planning and running -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -93,6 +231,7 @@ class SynthesisPlan:
         *,
         dtype: torch.dtype | None = torch.float32,
         progress: Callable[[int, int], None] | None = None,
+        fill: Mapping[str, Tensor] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict.
 
@@ -105,26 +244,30 @@ class SynthesisPlan:
             dtype: dtype of the averaged tensors returned; None keeps the snapshots'
                 dtype. Default ``torch.float32``. Copied tensors keep their stored dtype.
             progress: called as ``progress(done, total)`` after each snapshot.
+            fill: values for integer tensors an ema-pytorch file lost (its float16 copy
+                overflowed to inf), used with a :class:`PostHocWarning`. Default None:
+                such a tensor raises.
 
         Returns:
-            name -> tensor (on CPU), loadable with ``model.load_state_dict``.
+            name -> tensor (on CPU), loadable with ``model.load_state_dict``. Integer and
+            bool tensors of ema-pytorch files come back in their exact dtype (rounded).
 
         Raises:
-            EMAStateError: the snapshots disagree on tensor names or shapes.
+            EMAStateError: the snapshots disagree on tensor names or shapes; an
+                ema-pytorch file cannot be loaded with ``weights_only=True``; an integer
+                tensor was lost (see ``fill``).
         """
-        from safetensors import safe_open
-
         base = self.buffers_from
-        with safe_open(str(base.path), framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-            copied = {n: f.get_tensor(n) for n in names if n in base.copied}
+        with open_snapshot(base) as f:
+            names = f.keys()
+            shapes = {n: f.shape(n) for n in names}
+            copied = {n: _exact(base, n, f.get(n), fill) for n in names if n in base.copied}
         averaged = [n for n in names if n not in base.copied]
         stored: dict[str, torch.dtype] = {}
         acc: dict[str, Tensor] = {}
         total = len(self.snapshots)
         for i, (snap, w) in enumerate(zip(self.snapshots, self.weights, strict=True)):
-            with safe_open(str(snap.path), framework="pt", device="cpu") as f:
+            with open_snapshot(snap) as f:
                 keys = set(f.keys())
                 if keys != set(names) or snap.copied != base.copied:
                     missing, extra = sorted(set(names) - keys), sorted(keys - set(names))
@@ -135,7 +278,7 @@ class SynthesisPlan:
                         + "; keep only snapshots of one model in the folder"
                     )
                 for name in averaged:
-                    x = f.get_tensor(name)
+                    x = f.get(name)
                     if tuple(x.shape) != shapes[name]:
                         raise EMAStateError(
                             f"tensor {name!r} has shape {tuple(x.shape)} in {snap.path} but "
@@ -166,8 +309,11 @@ def plan_synthesis(
     sigma_rel: float | None = None,
     gamma: float | None = None,
     step: int | None = None,
+    legacy: LegacyProfiles | None = None,
 ) -> SynthesisPlan:
-    """Choose the snapshots and solve the weights for one target EMA (no tensor is read).
+    """Choose the snapshots and solve the weights for one target EMA (from the snapshot
+    headers and names; only an ema-pytorch file chosen for the buffers is loaded, to
+    check its dtype).
 
     Args:
         folder: the snapshot folder.
@@ -176,6 +322,9 @@ def plan_synthesis(
         gamma: the target exponent, ``> 0``.
         step: the target step; only snapshots taken at or before it are used. Default
             None: the latest snapshot's step.
+        legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
+            which are then used with emakit's snapshots. Default None: the folder must
+            hold none.
 
     Returns:
         A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
@@ -183,6 +332,8 @@ def plan_synthesis(
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
             ``step`` before the first snapshot.
+        EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
+            profile index ``legacy`` does not cover.
 
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
@@ -191,7 +342,15 @@ def plan_synthesis(
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = _check_step(step)
-    snaps = list_snapshots(folder)
+    snaps = list_snapshots(folder, legacy=legacy)
+    if legacy is None and (stray := list_legacy_files(folder)):
+        raise EMAStateError(
+            f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
+            f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
+            f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
+            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
+            f"move them out of the folder"
+        )
     if not snaps:
         raise EMAValueError(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
@@ -204,6 +363,16 @@ def plan_synthesis(
         raise EMAValueError(
             f"step={step} is before the first snapshot (step {snaps[0].step}) in "
             f"{str(folder)!r}; pass a step in [{snaps[0].step}, {snaps[-1].step}]"
+        )
+    coarse = [s for s in usable if s.is_legacy and s.update_every > 1]
+    if coarse:
+        warnings.warn(
+            f"post-hoc EMA: {len(coarse)} ema-pytorch snapshot(s) come from a run with "
+            f"update_every={coarse[0].update_every}; ema-pytorch's decay ignores update_every, "
+            f"so their profiles are much longer than their gammas say and the reconstruction "
+            f"is only approximate",
+            PostHocWarning,
+            stacklevel=2,
         )
     solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
     last = max(s.step for s in usable)
@@ -240,13 +409,32 @@ def plan_synthesis(
 
 
 def _stored_roundoff(snap: SnapshotInfo) -> float:
-    from safetensors import safe_open
-
-    with safe_open(str(snap.path), framework="pt", device="cpu") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+    """Unit roundoff (half the machine epsilon) of the dtype the averaged tensors are in."""
+    with open_snapshot(snap) as f:
+        for name in f.keys():  # noqa: SIM118 - a reader is not a dict
             if name not in snap.copied:
-                return _ROUNDOFF.get(f.get_slice(name).get_dtype(), 0.0)
+                dtype = f.dtype(name)
+                return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
     return 0.0
+
+
+def _exact(
+    snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
+) -> Tensor:
+    out = restore_exact(snap, name, value)
+    if out is not None:
+        return out
+    why = (
+        f"ema-pytorch stored the integer tensor {name!r} in float16 (its checkpoint_dtype) and "
+        f"it overflowed to inf in {snap.path}: its value is lost"
+    )
+    if fill is None or name not in fill:
+        raise EMAStateError(
+            f"{why}. Synthesize at a step whose latest snapshot is an emakit one, or with "
+            f"PostHocEMA.synthesize_ema_model, which keeps the model's current value"
+        )
+    warnings.warn(f"{why}; keeping the model's current value", PostHocWarning, stacklevel=4)
+    return fill[name].detach().to("cpu", copy=True)
 
 
 def synthesize_state_dict(
@@ -257,6 +445,7 @@ def synthesize_state_dict(
     step: int | None = None,
     dtype: torch.dtype | None = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    legacy: LegacyProfiles | None = None,
 ) -> dict[str, Tensor]:
     """Reconstruct the EMA with ``sigma_rel`` (or ``gamma``) at ``step`` from a snapshot
     folder, without the model: ``plan_synthesis(...).run(...)``.
@@ -268,6 +457,8 @@ def synthesize_state_dict(
         step: the target step. Default None: the latest snapshot's.
         dtype: dtype of the averaged tensors. Default ``torch.float32``.
         progress: called as ``progress(done, total)`` after each snapshot.
+        legacy: the profiles of ema-pytorch's snapshot files in the folder (see
+            :func:`plan_synthesis`). Default None.
 
     Returns:
         name -> tensor, loadable straight into the model class with ``load_state_dict``.
@@ -276,6 +467,5 @@ def synthesize_state_dict(
         >>> sd = synthesize_state_dict("./post-hoc-ema-checkpoints", sigma_rel=0.15)  # doctest: +SKIP
         >>> net.load_state_dict(sd)  # doctest: +SKIP
     """
-    return plan_synthesis(folder, sigma_rel=sigma_rel, gamma=gamma, step=step).run(
-        dtype=dtype, progress=progress
-    )
+    plan = plan_synthesis(folder, sigma_rel=sigma_rel, gamma=gamma, step=step, legacy=legacy)
+    return plan.run(dtype=dtype, progress=progress)
