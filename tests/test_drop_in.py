@@ -239,3 +239,19 @@ def test_module_wrapper_feeds_ema_outputs_like_ema_pytorch():
     assert torch.equal(ours(x), ours.ema_model(x))  # eval: the EMA model
     with pytest.raises(emakit.EMAValueError, match="ema_output"):
         emakit.EMAModuleWrapper(copy.deepcopy(net), ema_module_kwargs={"0": "0"})
+
+
+def test_strict_load_mismatch_is_a_runtime_error_as_in_torch():
+    """Client code falls back to a partial load on torch's RuntimeError."""
+    _, ema = make()
+    state = ema.state_dict()
+    del state["ema_model.0.bias"]
+    with pytest.raises(RuntimeError, match=r"ema_model\.0\.bias") as info:
+        ema.load_state_dict(state)
+    assert isinstance(info.value, emakit.EMAStateError)
+    try:  # the client pattern
+        result = ema.load_state_dict(state)
+    except RuntimeError:
+        result = ema.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["ema_model.0.bias"]
+    assert torch.equal(ema.ema_model[0].weight, state["ema_model.0.weight"])
