@@ -160,3 +160,17 @@ def reference_ema_step(
                 s.copy_(o)
             else:
                 s.lerp_(o.to(s.dtype), 1.0 - decay)
+
+
+def power_ema(theta: torch.Tensor, gamma: float, upto: int) -> torch.Tensor:
+    """The per-step power-function EMA at step ``upto``: beta(t) = (1 - 1/t)^(gamma + 1)."""
+    ema = theta[0].clone()
+    for t in range(2, upto + 1):
+        beta = (1 - 1 / t) ** (gamma + 1)
+        ema = beta * ema + (1 - beta) * theta[t - 1]
+    return ema
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64."""
+    return float((x.double().flatten() - ref).norm() / ref.norm())

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from _models import power_ema, rel_err
 from emakit import (
     EMAError,
     EMAFileNotFoundError,
@@ -70,19 +71,6 @@ def gamma_of(sigma_rel: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sr(mid) > sigma_rel else (lo, mid)
     return (lo + hi) / 2
-
-
-def power_ema(theta: torch.Tensor, gamma: float, upto: int) -> torch.Tensor:
-    """The per-step power-function EMA at step ``upto``: beta(t) = (1 - 1/t)^(gamma + 1)."""
-    ema = theta[0].clone()
-    for t in range(2, upto + 1):
-        beta = (1 - 1 / t) ** (gamma + 1)
-        ema = beta * ema + (1 - beta) * theta[t - 1]
-    return ema
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double().flatten() - ref).norm() / ref.norm())
 
 
 def drive(ema: object, theta: torch.Tensor, net: nn.Linear, steps: int | None = None) -> None:

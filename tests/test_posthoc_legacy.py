@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
+from _models import power_ema, rel_err
 from emakit import EMAStateError, EMAValueError
 from emakit.posthoc import (
     LegacyProfiles,
@@ -67,19 +68,6 @@ def gamma_of(sigma_rel: float) -> float:
         sr = math.sqrt((mid + 1) / ((mid + 2) ** 2 * (mid + 3)))
         lo, hi = (mid, hi) if sr > sigma_rel else (lo, mid)
     return (lo + hi) / 2
-
-
-def power_ema(theta: torch.Tensor, gamma: float, upto: int) -> torch.Tensor:
-    """The per-step power-function EMA at step ``upto``: beta(t) = (1 - 1/t)^(gamma + 1)."""
-    ema = theta[0].clone()
-    for t in range(2, upto + 1):
-        beta = (1 - 1 / t) ** (gamma + 1)
-        ema = beta * ema + (1 - beta) * theta[t - 1]
-    return ema
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double().flatten() - ref).norm() / ref.norm())
 
 
 class Net(nn.Module):
