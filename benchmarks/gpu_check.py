@@ -15,6 +15,11 @@
    default at least 10x faster than ema-pytorch.
 
 Usage: python benchmarks/gpu_check.py [--steps N] [--batch B]
+       python benchmarks/gpu_check.py --cpu-dry-run    # no GPU: runs what can run on CPU
+
+``--cpu-dry-run`` exercises the code of checks 3 and 4 on the CPU with tiny sizes (checks
+1 and 2 need CUDA and are skipped), so that a short GPU session meets no surprise; its
+numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ import torch
 from torch import nn
 
 import emakit
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    """Wait for the device (nothing to wait for on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def many_small(device: str) -> nn.Module:
@@ -95,20 +108,19 @@ def count_kernels() -> list[tuple[str, int]]:
 def step_overhead(steps: int, batch: int) -> dict[str, float]:
     import torchvision
 
+    size = 224 if DEVICE == "cuda" else 32
+
     def make() -> nn.Module:
         torch.manual_seed(0)
-        return torchvision.models.resnet50().cuda().to(torch.bfloat16)
+        return torchvision.models.resnet50().to(DEVICE).to(torch.bfloat16)
 
-    x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-    y = torch.randint(0, 1000, (batch,), device="cuda")
+    x = torch.randn(batch, 3, size, size, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.randint(0, 1000, (batch,), device=DEVICE)
     setups = {}
-    for name in (
-        "no EMA",
-        "emakit on-GPU",
-        "emakit stream=True",
-        "emakit device='cpu'",
-        "ema-pytorch foreach",
-    ):
+    names = ["no EMA", "emakit on-GPU", "emakit stream=True", "emakit device='cpu'"]
+    if DEVICE != "cuda":
+        names.remove("emakit stream=True")  # CUDA only
+    for name in [*names, "ema-pytorch foreach"]:
         model = make()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if name == "no EMA":
@@ -133,9 +145,9 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
         setups[name] = (model, opt, hook)
     times: dict[str, list[float]] = {n: [] for n in setups}
     loss_fn = nn.CrossEntropyLoss()
-    for r in range(6):
+    for r in range(6 if DEVICE == "cuda" else 2):
         for name, (model, opt, hook) in setups.items():
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 loss_fn(model(x).float(), y).backward()
@@ -143,7 +155,7 @@ def step_overhead(steps: int, batch: int) -> dict[str, float]:
                 opt.zero_grad(set_to_none=True)
                 if hook is not None:
                     hook.update()
-            torch.cuda.synchronize()
+            sync()
             if r:
                 times[name].append((time.perf_counter() - t0) / steps)
     return {n: statistics.median(t) for n, t in times.items()}
@@ -154,17 +166,17 @@ def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
 
     def timed(fn) -> float:  # median seconds per call, device-synchronized
         fn()
-        torch.cuda.synchronize()
+        sync()
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    model = many_small("cuda")
-    flat_model = many_small("cuda")
+    model = many_small(DEVICE)
+    flat_model = many_small(DEVICE)
     emakit.flatten_parameters(flat_model)
     kw = dict(beta=0.999, update_after_step=0, update_every=1)
     contenders = {
@@ -173,7 +185,7 @@ def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
         "ema-pytorch use_foreach=True": ema_pytorch.EMA(model, use_foreach=True, **kw),
     }
     n = sum(p.numel() for p in model.parameters())
-    a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
     rows = [("floor: one lerp_ over a flat tensor", timed(lambda: a.lerp_(b, 1e-3)))]
     for name, ema in contenders.items():
         ema.update()
@@ -187,17 +199,26 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="run checks 3-4 on the CPU, tiny sizes"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to check", file=sys.stderr)
+    global DEVICE
+    if args.cpu_dry_run:
+        DEVICE = "cpu"
+        args.steps, args.batch = 1, 2
+        print(f"torch {torch.__version__}, CPU dry run: checks 1-2 need CUDA, skipped")
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; --cpu-dry-run runs what can", file=sys.stderr)
         raise SystemExit(2)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("\n1. host syncs inside update()")
-    for name, verdict in check_no_sync():
-        print(f"  {name:<34}{verdict}")
-    print("\n2. CUDA kernels per averaging update, 1200 tiny tensors")
-    for name, n in count_kernels():
-        print(f"  {name:<34}{n}")
+    else:
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+        print("\n1. host syncs inside update()")
+        for name, verdict in check_no_sync():
+            print(f"  {name:<34}{verdict}")
+        print("\n2. CUDA kernels per averaging update, 1200 tiny tensors")
+        for name, n in count_kernels():
+            print(f"  {name:<34}{n}")
     print(
         f"\n3. ResNet-50 bf16 training step, batch {args.batch}, median of 5 rounds x {args.steps} steps"
     )
