@@ -209,3 +209,78 @@ def test_registrations_elsewhere_do_not_walk_the_model(monkeypatch):
         nn.Linear(2, 2)  # a new module elsewhere
         ema.update()
     assert walks == []
+
+
+# -- issue 14, item 8: every kind of model change, on every path --------------------------
+
+
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ("add a parameter", "extra"),
+        ("delete a parameter", "0.bias"),
+        (".data of another shape", "0.weight"),
+        ("replace a submodule by another shape", "3.weight"),
+    ],
+)
+def test_model_changes_that_no_longer_pair_raise_naming_the_tensor(use_foreach, change, name):
+    net, ema = build(use_foreach, False, "sync")
+    ema.update()
+    if change == "add a parameter":
+        net.extra = nn.Parameter(torch.zeros(2))
+    elif change == "delete a parameter":
+        del net[0].bias  # no torch hook reports a del
+    elif change == ".data of another shape":
+        net[0].weight.data = torch.zeros(5, 4)
+    else:
+        net[3] = nn.Linear(8, 7)
+    with pytest.raises(EMAStateError, match=name.replace(".", r"\.")):
+        ema.update()
+
+
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+def test_replaced_parameter_object_is_followed(use_foreach):
+    net, ema = build(use_foreach, True, "sync")
+    ema.update()
+    before = ema.ema_model[0].weight.detach().clone()
+    net[0].weight = nn.Parameter(torch.full((8, 4), 2.0))  # a new object, same shape
+    ema.update()
+    decay = ema.get_current_decay()
+    expected = before.lerp(torch.full((8, 4), 2.0), 1 - decay)
+    assert torch.equal(ema.ema_model[0].weight, expected)
+    with ema.swap():
+        assert torch.equal(net[0].weight, expected)
+
+
+# -- item 9: skip_nonfinite with empty tensors, and in MultiEMA ------------------------------
+
+
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+def test_skip_nonfinite_with_an_empty_tensor(use_foreach):
+    net = bn_mlp(4, 8, 3, seed=0)
+    net.register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    ema = EMA(
+        net, update_after_step=0, update_every=1, use_foreach=use_foreach, skip_nonfinite=True
+    )
+    ema.update()
+    ema.update()
+    assert ema.num_skipped_nonfinite == 0
+    with torch.no_grad():
+        net[0].weight[0, 0] = float("inf")
+    with pytest.warns(RuntimeWarning):
+        ema.update()
+    assert ema.num_skipped_nonfinite == 1
+
+
+def test_multi_ema_counts_skips_on_every_member():
+    net = bn_mlp(4, 8, 3, seed=0)
+    multi = emakit.MultiEMA(
+        net, betas=(0.9, 0.99), update_after_step=0, update_every=1, skip_nonfinite=True
+    )
+    multi.update()
+    with torch.no_grad():
+        net[0].weight[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        multi.update()
+    assert [e.num_skipped_nonfinite for e in multi] == [1, 1]

@@ -20,7 +20,7 @@ from ._options import KEYWORDS_DOC, EMAOptions, make_runner
 from .compat import EMAPytorchSurface
 from .core.shadow import unwrap_model
 from .core.sources import ModuleSource, TreeSource, call_factory
-from .core.state import StateCodec, flag, integer
+from .core.state import StateCodec, check_loadable, flag, integer
 from .core.swap import Swap
 from .core.tracker import Tracker
 from .core.tree import leaves
@@ -479,7 +479,7 @@ class EMA(EMAPytorchSurface, nn.Module):
             and self._tree is None
             and any(k.startswith(prefix + "ema_model.") for k in state_dict)
         ):
-            self.init_ema()
+            self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
         before = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -488,11 +488,13 @@ class EMA(EMAPytorchSurface, nn.Module):
         if self._tree is not None:
             TreeSource.load(self._tree[1], state_dict, prefix, missing_keys, error_msgs)
         unexpected_keys[before:] = [
-            k for k in unexpected_keys[before:] if not self._owns_key(k[len(prefix) :])
+            k for k in unexpected_keys[before:] if not self.owns_state_key(k[len(prefix) :])
         ]
 
-    def _owns_key(self, key: str) -> bool:
-        """Whether a state key is one this EMA reads itself (or accepts and ignores)."""
+    def owns_state_key(self, key: str) -> bool:
+        """Whether a state-dict key (relative to this EMA) is one it reads itself, or
+        accepts and ignores, beyond its tensors (earlier layouts' keys, ema-pytorch's
+        ``online_model.*``)."""
         if key in _CODEC.keys or (self._tree is not None and key.startswith("ema.")):
             return True
         # ema-pytorch saves the online model by default; without include_online_model
@@ -537,12 +539,21 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMAValueError(
                 "assign=True is not supported: the EMA keeps its own shadow storage"
             )
+        lazy = self._tree is None and self._modules.get("ema_model") is None
+        if lazy and any(k.startswith("ema_model.") for k in state_dict):
+            self.init_ema()  # lazy_init_ema: the state brings the weights
+        # Refuse first, load after: a failed load leaves the EMA exactly as it was.
+        check_loadable(
+            self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
+        )
+        saved = self._tracker.counters()
         try:
             result = super().load_state_dict(state_dict, strict=strict)
-        except RuntimeError as e:
-            raise EMAStateError(
-                f"{e}\nThe EMA's own keys are: {sorted(self.state_dict())[:20]}"
-            ) from e
+        except Exception as e:
+            self._tracker.restore_counters(saved)
+            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
+            raise
         self._tracker.invalidate()
         return result
 

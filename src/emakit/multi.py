@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
+from .core.state import check_loadable
 from .decay import SKIP, Action
 from .ema import EMA
 from .engine.fused import FusedPlan
@@ -139,6 +140,44 @@ class MultiEMA(nn.Module):
                 return
         for t, a in zip(trackers, actions, strict=True):
             t.apply(a)
+
+    def owns_state_key(self, key: str) -> bool:
+        """Whether a state key (relative to this MultiEMA) is one a member reads or ignores
+        beyond its tensors (see :meth:`emakit.EMA.owns_state_key`)."""
+        head, _, rest = key.partition(".")
+        index, _, rest = rest.partition(".")
+        return (
+            head == "emas"
+            and index.isdigit()
+            and int(index) < len(self)
+            and (self[int(index)].owns_state_key(rest))
+        )
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load every member's state (``emas.<i>.*``); a state that does not fit is refused
+        before anything is loaded, so a failed load leaves every member as it was."""
+        if not isinstance(state_dict, Mapping):
+            raise EMATypeError(
+                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+            )
+        if assign:
+            raise EMAValueError("assign=True is not supported: each EMA keeps its own storage")
+        check_loadable(
+            self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
+        )
+        saved = [e.tracker.counters() for e in self]
+        try:
+            result = super().load_state_dict(state_dict, strict=strict)
+        except Exception:
+            for e, counters in zip(self, saved, strict=True):
+                e.tracker.restore_counters(counters)
+            raise
+        for e in self:
+            e.tracker.invalidate()
+        self._plans_seen = []
+        return result
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run every EMA model (eval mode, no grad); returns their outputs in order."""

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.pairs import TensorPair, pair_tensors
+from ..engine.pairs import Pairs, TensorPair, pair_tensors
 from ..errors import EMATypeError
-from .shadow import copy_model, layout_shadow, module_tensors
+from .shadow import copy_model, layout_shadow, module_tensors, structure
 from .tree import leaves, tree_copy
 
 __all__ = ["ModuleSource", "TreeSource", "call_factory"]
@@ -120,18 +120,23 @@ class ModuleSource(_Source):
         online, oslots, buffers = module_tensors(model, self.ignored)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
-        return pair_tensors(
-            online,
-            shadow,
-            average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
-            group=self.group_of,
-            buffers=buffers,
-            online_slots=oslots,
-            shadow_slots=sslots,
-            cast=self.cast,
-            other_devices=self.other_devices or self.move_to_online,
-            placeholders=placeholders,
+        pairs = Pairs(
+            pair_tensors(
+                online,
+                shadow,
+                average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
+                group=self.group_of,
+                buffers=buffers,
+                online_slots=oslots,
+                shadow_slots=sslots,
+                cast=self.cast,
+                other_devices=self.other_devices or self.move_to_online,
+                placeholders=placeholders,
+            )
         )
+        pairs.registries = structure(model)
+        pairs.modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
+        return pairs
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> list[TensorPair]:
         """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""

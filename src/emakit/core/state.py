@@ -24,8 +24,18 @@ from typing import Any
 import torch
 
 from .._validate import not_newer
+from ..errors import EMAStateError
 
-__all__ = ["Field", "StateCodec", "flag", "integer", "metadata_of", "real", "reals"]
+__all__ = [
+    "Field",
+    "StateCodec",
+    "check_loadable",
+    "flag",
+    "integer",
+    "metadata_of",
+    "real",
+    "reals",
+]
 
 
 @dataclass(frozen=True)
@@ -173,3 +183,46 @@ class StateCodec:
         """Drop this codec's keys (and earlier layouts') from ``unexpected_keys[start:]``."""
         ours = {prefix + k for k in self.keys}
         unexpected_keys[start:] = [k for k in unexpected_keys[start:] if k not in ours]
+
+
+def check_loadable(
+    expected: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    owned: Callable[[str], bool],
+) -> None:
+    """Refuse a state before anything of it is loaded, so a failed load changes nothing.
+
+    Args:
+        expected: the loading module's own ``state_dict(keep_vars=True)``.
+        state_dict: the state to load.
+        strict: also refuse missing and unexpected keys.
+        owned: keys the module reads or ignores itself (earlier layouts' keys, ...).
+
+    Raises:
+        EMAStateError: missing or unexpected keys (``strict``), an entry that is not a
+            tensor, or a tensor of another shape; the message lists them.
+    """
+    problems = []
+    if strict:
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected and not owned(k)]
+        if missing:
+            problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            problems.append(
+                f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+            )
+    for key, value in state_dict.items():
+        mine = expected.get(key)
+        if mine is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+        elif value.shape != mine.shape:
+            problems.append(f"{key!r} has shape {tuple(value.shape)}, the EMA {tuple(mine.shape)}")
+    if problems:
+        raise EMAStateError(
+            "state_dict does not fit this EMA (nothing was loaded): " + "; ".join(problems)
+        )

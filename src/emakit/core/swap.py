@@ -14,6 +14,13 @@
   and the online values, stashed, are copied back on exit. FSDP2 modules are resharded on
   entry and exit, so no stale gathered weight is used.
 
+One semantics in every mode: **inside the block the model's tensors are the EMA's**.
+Whatever writes them there (an ``optimizer.step()``, a train-mode forward updating
+BatchNorm statistics, ``load_state_dict``) writes the EMA: by reference directly, by cast
+and by copy through a write-back on exit of every tensor whose version counter moved
+(untouched tensors are not written back, so a cast never rounds the shadow). To evaluate
+without touching the EMA, evaluate in eval mode without grad, as ``ema(x)`` does.
+
 The original weights come back on exit, also when the block raises. Updating the EMA
 while swapped is an error.
 """
@@ -45,8 +52,10 @@ class Swap:
         self.tracker = tracker
         self.model = model
         self.in_place = in_place
-        self._pointed: list[tuple[Tensor, Tensor]] = []
-        self._copied: list[tuple[Tensor, Tensor]] = []
+        # (online, its own data, the shadow when online holds a cast of it, else None)
+        self._pointed: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        # (online local tensor, its stashed values, shadow local tensor)
+        self._copied: list[tuple[Tensor, Tensor, Tensor]] = []
         self._roots: list[nn.Module] = []
         self.active = False
 
@@ -66,15 +75,17 @@ class Swap:
                     online, shadow = p.online, p.shadow
                     if self.in_place or is_dtensor(online):
                         copies = True
-                        local = local_tensor(online)
-                        self._copied.append((local, local.clone()))
+                        local, saved = local_tensor(online), local_tensor(online).clone()
                         local.copy_(local_tensor(shadow))
+                        self._copied.append((local, saved, local_tensor(shadow)))
                         continue
-                    self._pointed.append((online, online.data))
+                    data = online.data
                     if online.dtype == shadow.dtype and online.device == shadow.device:
-                        online.data = shadow.data
+                        online.data = shadow.data  # writes land in the shadow itself
+                        self._pointed.append((online, data, None))
                     else:
                         online.data = shadow.data.to(online.device, online.dtype)
+                        self._pointed.append((online, data, shadow))
             if copies:
                 reshard(self._roots)
             else:
@@ -96,9 +107,16 @@ class Swap:
 
     def _restore(self) -> None:
         with torch.no_grad():
-            for online, data in reversed(self._pointed):
+            # Tensors written inside the block (not all writes bump a version counter:
+            # BatchNorm's running statistics do not) go back into the EMA; untouched ones
+            # are left alone, so a cast never rounds the shadow. One host read for all.
+            held = [(o.data, s) for o, _, s in self._pointed if s is not None]
+            held += [(local, s) for local, _, s in self._copied]
+            for value, shadow in _written(held):
+                shadow.copy_(value)
+            for online, data, _ in reversed(self._pointed):
                 online.data = data
-            for local, saved in reversed(self._copied):
+            for local, saved, _ in reversed(self._copied):
                 local.copy_(saved)
         self._pointed, self._copied = [], []
         reshard(self._roots)
@@ -114,3 +132,17 @@ class Swap:
         tb: TracebackType | None,
     ) -> None:
         self.exit()
+
+
+def _written(held: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """The ``(value, shadow)`` pairs whose value no longer equals the shadow it came from
+    (one host read per device)."""
+    flags: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for i, (value, shadow) in enumerate(held):
+        flag = (value != shadow.to(value.device, value.dtype)).any()
+        flags.setdefault(value.device, []).append((i, flag))
+    changed: set[int] = set()
+    for items in flags.values():
+        hits = torch.stack([f for _, f in items]).tolist()
+        changed.update(i for (i, _), hit in zip(items, hits, strict=True) if hit)
+    return [pair for i, pair in enumerate(held) if i in changed]

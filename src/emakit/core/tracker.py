@@ -102,6 +102,16 @@ class Tracker:
         self.runner.wait()
         self._plan = None
 
+    def counters(self) -> tuple[int, bool, int, int, int]:
+        """``(step, initted, last, gap, num_skipped_nonfinite)``, to restore after a failed load."""
+        self.sync_views()
+        return self.step, self.initted, self.last, self.gap, self.num_skipped_nonfinite
+
+    def restore_counters(self, saved: tuple[int, bool, int, int, int]) -> None:
+        """Put back what :meth:`counters` returned."""
+        step, initted, self.last, self.gap, self.num_skipped_nonfinite = saved
+        self.set_counters(step=step, initted=initted)
+
     def reset(self, step: int) -> None:
         """Start over at ``step`` as an initialized EMA whose last averaging update was at
         ``step`` (e.g. an EMA reconstructed from snapshots)."""
@@ -190,7 +200,13 @@ class Tracker:
         if self.skip_nonfinite and not self.online_finite(plan):
             return SKIP
         if action.kind != "hold":
-            self.runner.submit(plan, action)
+            try:
+                self.runner.submit(plan, action)
+            except RuntimeError:
+                # e.g. a tensor's .data re-pointed to another shape, which per-tensor
+                # paths only meet in the kernel: pairing again names it (EMAStateError)
+                self.pairs()
+                raise
         self.record(action)
         return action
 

@@ -9,6 +9,8 @@ What it must notice is the model changing under it:
   the owner walk the model again and compare the live pairs with the plan's (so an
   unchanged model pays one integer compare per update, and a registration elsewhere one
   walk);
+* a parameter or submodule deleted with ``del`` (no hook): the total size of the model's
+  ``_parameters``/``_modules`` dicts, one C-level sum per update;
 * a buffer replaced without registration (``module.to()`` assigns ``_buffers`` directly),
   or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
   update, which costs one lookup per buffer and per sharded tensor;
@@ -118,6 +120,9 @@ class Guards:
                 target.append((container, key, t))
         self.always = always
         self.on_epoch = on_epoch
+        self.registries = tuple(getattr(pairs, "registries", ()))
+        self.size = sum(map(len, self.registries))
+        self.owners |= getattr(pairs, "modules", frozenset())
 
     def check(self) -> str:
         """``"stale"`` if a tracked tensor is no longer the one registered; ``"check"`` if
@@ -130,6 +135,8 @@ class Guards:
         for d, local in self.sharded:
             if d._local_tensor is not local:  # type: ignore[attr-defined]
                 return "stale"
+        if self.registries and sum(map(len, self.registries)) != self.size:
+            return "check"  # something was deleted (``del``), which no hook reports
         epoch = registration_epoch()
         if epoch == self.epoch:
             return "fresh"
@@ -144,3 +151,4 @@ class Guards:
     def accept(self) -> None:
         """The owner found the live tensors unchanged: stop checking until the next change."""
         self.epoch = registration_epoch()
+        self.size = sum(map(len, self.registries))

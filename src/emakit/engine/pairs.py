@@ -17,7 +17,7 @@ from torch import Tensor
 from .._dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError
 
-__all__ = ["Slot", "TensorPair", "check_sharded_pair", "pair_tensors"]
+__all__ = ["Pairs", "Slot", "TensorPair", "check_sharded_pair", "pair_tensors"]
 
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
 #: ``(module._parameters, "weight", id(module))``. The plan checks
@@ -45,6 +45,21 @@ class TensorPair:
     buffer: bool = False
     online_slot: Slot | None = None
     shadow_slot: Slot | None = None
+
+
+class Pairs(list[TensorPair]):
+    """The pairs of an EMA, and the registries that hold the online model's structure.
+
+    ``registries`` are the model's non-empty ``_parameters`` and ``_modules`` dicts: a
+    parameter or submodule deleted with ``del`` (which no torch hook reports) changes their
+    total size, so the plan sees it; ``modules`` are the ids of every module of both models
+    (see :mod:`emakit.engine.guards`).
+    """
+
+    registries: tuple[Mapping[str, Any], ...] = ()
+    #: ids of every module of the online and EMA models: a registration on any of them
+    #: (a parameter added to a container, say) makes the plan look again.
+    modules: frozenset[int] = frozenset()
 
 
 def _few(names: list[str]) -> str:

@@ -269,11 +269,12 @@ class Plan:
         self.pairs = list(pairs)
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
-        self.guards = Guards(self.pairs)
+        self.guards = Guards(pairs)  # pairs may carry the model's structure (Pairs)
         self._to_shadow = _Direction(
             self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
         )
         self._to_online: _Direction | None = None
+        self._finite_sources: dict[torch.device, list[Tensor]] | None = None
 
     @property
     def on_accelerator(self) -> bool:
@@ -372,20 +373,20 @@ class Plan:
         One max-abs reduction per span (``torch._foreach_norm(..., inf)``: NaN and Inf
         propagate, finite values cannot overflow), stacked, and a single host read.
         """
-        srcs: list[Tensor] = []
-        for g in self._to_shadow.groups:
-            if self.impl == "flat":
-                fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
-                srcs += fl.src + [t for t in fc.src if t.is_floating_point() or t.is_complex()]
-            else:
-                srcs += g.lerp_src + [
-                    t for t in g.copy_src if t.is_floating_point() or t.is_complex()
-                ]
-        if not srcs:
-            return True
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for t in srcs:
-            by_device.setdefault(t.device, []).append(t)
+        by_device = self._finite_sources
+        if by_device is None:
+            srcs: list[Tensor] = []
+            for g in self._to_shadow.groups:
+                if self.impl == "flat":
+                    fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+                    srcs += fl.src + fc.src
+                else:
+                    srcs += g.lerp_src + g.copy_src
+            by_device = self._finite_sources = {}
+            for t in srcs:
+                # integer tensors are always finite; an empty one has no max to take
+                if (t.is_floating_point() or t.is_complex()) and t.numel():
+                    by_device.setdefault(t.device, []).append(t)
         flags = [
             torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))]).isfinite().all()
             for ts in by_device.values()

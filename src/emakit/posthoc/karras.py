@@ -257,8 +257,8 @@ class KarrasEMA(EMA):
         t = self.tracker
         _CODEC.encode({"gamma": self.gamma, "t": t.last, "dt": t.gap}, destination, prefix)
 
-    def _owns_key(self, key: str) -> bool:
-        return key in _CODEC.keys or super()._owns_key(key)
+    def owns_state_key(self, key: str) -> bool:
+        return key in _CODEC.keys or super().owns_state_key(key)
 
     def _load_from_state_dict(
         self,
