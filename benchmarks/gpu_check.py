@@ -13,11 +13,14 @@
    emakit default (and after ``flatten_parameters``) against ema-pytorch 0.8.3
    ``use_foreach=True`` and the floor (one ``lerp_`` over a flat tensor); target: emakit's
    default at least 10x faster than ema-pytorch.
+5. ``ema(x)`` on a bf16 model with an fp32 shadow, on the model's device and offloaded to
+   the CPU (``device="cpu"``): the model's inputs are accepted, the output comes back on
+   the model's device in bf16 and equals the shadow's fp32 computation cast (issue 16).
 
 Usage: python benchmarks/gpu_check.py [--steps N] [--batch B]
        python benchmarks/gpu_check.py --cpu-dry-run    # no GPU: runs what can run on CPU
 
-``--cpu-dry-run`` exercises the code of checks 3 and 4 on the CPU with tiny sizes (checks
+``--cpu-dry-run`` exercises the code of checks 3, 4 and 5 on the CPU with tiny sizes (checks
 1 and 2 need CUDA and are skipped), so that a short GPU session meets no surprise; its
 numbers mean nothing.
 """
@@ -193,6 +196,27 @@ def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
     return rows
 
 
+def forward_cast() -> list[tuple[str, str]]:
+    """Check 5: ``ema(x)`` takes the bf16 model's inputs and answers on its device."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(DEVICE, torch.bfloat16)
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
+    out = []
+    for label, kwargs in (("fp32 shadow", {}), ("fp32 shadow, device='cpu'", {"device": "cpu"})):
+        ema = emakit.EMA(
+            net, ema_dtype=torch.float32, update_after_step=0, update_every=1, **kwargs
+        )
+        ema.update()
+        y = ema(x)
+        shadow = ema.ema_model
+        where = next(shadow.parameters()).device
+        with torch.no_grad():
+            expected = shadow(x.to(where, torch.float32)).to(x.device, torch.bfloat16)
+        ok = y.device == x.device and y.dtype == torch.bfloat16 and torch.equal(y, expected)
+        out.append((label, f"{'ok' if ok else 'FAILED'} (out {y.dtype} on {y.device})"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -200,7 +224,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
-        "--cpu-dry-run", action="store_true", help="run checks 3-4 on the CPU, tiny sizes"
+        "--cpu-dry-run", action="store_true", help="run checks 3-5 on the CPU, tiny sizes"
     )
     args = parser.parse_args()
     global DEVICE
@@ -234,6 +258,9 @@ def main() -> None:
         print(
             f"  {name:<34}{t * 1e6:9.1f} us  {t / floor:6.2f}x floor  ema-pytorch/this {ref / t:6.2f}x"
         )
+    print("\n5. ema(x) on a bf16 model with an fp32 shadow")
+    for name, verdict in forward_cast():
+        print(f"  {name:<34}{verdict}")
 
 
 if __name__ == "__main__":

@@ -16,3 +16,20 @@ from pathlib import Path
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+def pytest_collection_finish(session) -> None:
+    # mypy is the suite's slowest check on a cold cache: run it alongside the other tests.
+    import importlib.util
+
+    import _mypy_run
+
+    selected = any(item.name == _mypy_run.TEST_NAME for item in session.items)
+    if selected and importlib.util.find_spec("mypy") is not None:
+        _mypy_run.start()
+
+
+def pytest_unconfigure(config) -> None:
+    import _mypy_run
+
+    _mypy_run.stop()

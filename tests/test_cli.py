@@ -153,3 +153,119 @@ def test_posthoc_commands_are_registered():
     result = CliRunner().invoke(main, ["--help"])
     assert "synthesize" in result.output
     assert "inspect" in result.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["demo", "--help"], ["bench", "-h"]])
+def test_help_and_version_do_not_import_torch(args: list[str]) -> None:
+    """`emakit --help` answers in about the time Python and click take to start."""
+    code = (
+        "import sys\n"
+        "from emakit.cli import main\n"
+        "try:\n"
+        f"    main({args!r}, prog_name='emakit')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "heavy = [m for m in ('torch', 'safetensors', 'sklearn', 'matplotlib', 'rich') "
+        "if m in sys.modules]\n"
+        "print('loaded:', ','.join(heavy))\n"
+    )
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("loaded:"), proc.stdout
+
+
+def test_lazy_commands_list_their_own_short_help() -> None:
+    """`emakit --help` lists the lazy commands from a static table: it must match them."""
+    from emakit import cli
+
+    listing = " ".join(invoke("--help").output.split())
+    for name, (module, attribute, short_help) in cli._LAZY_COMMANDS.items():
+        command = getattr(__import__(module, fromlist=[attribute]), attribute)
+        assert command.name == name
+        assert command.get_short_help_str(limit=200) == short_help
+        assert f"{name} {short_help}" in listing
+
+
+def test_import_emakit_is_lazy_and_every_export_resolves() -> None:
+    code = (
+        "import sys, emakit\n"
+        "print('torch' in sys.modules)\n"
+        "names = [n for n in emakit.__all__ if getattr(emakit, n) is None]\n"
+        "print(names, set(emakit.__all__) <= set(dir(emakit)))\n"
+        "print(emakit.engine.__name__, emakit.posthoc.PostHocEMA is emakit.PostHocEMA)\n"
+    )
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == [
+        "False",
+        "[] True",
+        "emakit.engine True",
+    ]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        emakit.nope  # noqa: B018
+
+
+def test_cli_warnings_are_one_plain_line(tmp_path: Path) -> None:
+    """A warning raised while a command runs is one `Warning: ...` line: no file path, no
+    source line (Python's default shows both)."""
+    import warnings
+
+    import torch
+
+    from emakit import PostHocEMA
+
+    net = torch.nn.Linear(3, 3)
+    posthoc = PostHocEMA(
+        net,
+        sigma_rels=(0.05, 0.28),
+        update_every=1,
+        checkpoint_every_num_steps=10,
+        checkpoint_folder=tmp_path / "snaps",
+    )
+    for _ in range(10):
+        posthoc.update()
+    before = warnings.showwarning
+    result = invoke(
+        "synthesize",
+        str(tmp_path / "snaps"),
+        "--sigma-rel",
+        "0.1",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "post-hoc EMA:" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("Warning: post-hoc EMA:")
+    assert "too few" in lines[0]
+    assert ".py:" not in result.output
+    assert "warnings.warn" not in result.output
+    assert warnings.showwarning is before  # restored when the command ends
+
+
+def test_a_folder_with_several_snapshot_subfolders_is_ambiguous(tmp_path: Path) -> None:
+    import torch
+
+    from emakit import EMAValueError, PostHocEMA
+    from emakit.posthoc import find_snapshot_folder
+
+    for name in ("a", "b"):
+        posthoc = PostHocEMA(
+            torch.nn.Linear(2, 2),
+            sigma_rels=(0.05, 0.28),
+            update_every=1,
+            checkpoint_every_num_steps=5,
+            checkpoint_folder=tmp_path / name,
+        )
+        for _ in range(5):
+            posthoc.update()
+    assert find_snapshot_folder(tmp_path / "a") == tmp_path / "a"
+    with pytest.raises(EMAValueError, match="2 of its subfolders"):
+        find_snapshot_folder(tmp_path)
+    result = invoke("inspect", str(tmp_path))
+    assert result.exit_code == 1
+    assert str(tmp_path / "a") in result.output
+    assert str(tmp_path / "b") in result.output
+    (tmp_path / "b" / "nothing").mkdir()
+    assert find_snapshot_folder(tmp_path / "b" / "nothing") == tmp_path / "b" / "nothing"

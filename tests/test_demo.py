@@ -56,7 +56,21 @@ def test_summary_has_sane_numbers(small_run: tuple[Path, dict]) -> None:
     assert settings["n_train"] + settings["n_test"] == 1797
     assert on_disk["versions"]["emakit"] == emakit.__version__
     assert on_disk["versions"]["torch"] == torch.__version__
-    assert on_disk["files"] == {"summary": "summary.json", "plot": "demo.png"}
+    assert on_disk["files"] == {
+        "summary": "summary.json",
+        "plot": "demo.png",
+        "posthoc_snapshots": "posthoc-snapshots",
+    }
+    # the post-hoc settings: what was tracked and what was synthesized from it
+    assert on_disk["posthoc"] == {
+        "sigma_rels_tracked": [0.05, 0.28],
+        "sigma_rel_synthesized": 0.1,
+        "synthesized_at_step": STEPS,
+        "update_every": 1,
+        "checkpoint_every_num_steps": demo.DEFAULTS.posthoc_every,
+        "snapshot_folder": "posthoc-snapshots",
+    }
+    assert "posthoc_accuracy" in on_disk
 
 
 def test_history_is_consistent(small_run: tuple[Path, dict]) -> None:
@@ -233,3 +247,48 @@ def test_results_table_has_a_column_per_model_and_tolerates_missing_metrics() ->
     assert "95.00%" in text
     assert "0.2000" in text
     assert demo.summary_metrics(final)["ema_loss"] == 0.2
+
+
+def test_rerun_with_no_plot_removes_the_stale_plot(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    runner = CliRunner()
+    first = runner.invoke(main, ["demo", "--out", str(out), "--steps", "5"], prog_name="emakit")
+    assert first.exit_code == 0, first.output
+    assert is_png(out / "demo.png")
+    second = runner.invoke(
+        main, ["demo", "--out", str(out), "--steps", "5", "--no-plot"], prog_name="emakit"
+    )
+    assert second.exit_code == 0, second.output
+    assert not (out / "demo.png").exists()
+    assert json.loads((out / "summary.json").read_text())["files"]["plot"] is None
+
+
+def test_demo_prints_the_snapshot_folder_and_the_cli_finds_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    runner = CliRunner()
+    args = ["demo", "--out", str(out), "--steps", "200", "--no-plot"]
+    result = runner.invoke(main, args, prog_name="emakit")
+    assert result.exit_code == 0, result.output
+    snapshots = out / "posthoc-snapshots"
+    assert f"post-hoc EMA snapshots: {snapshots}" in " ".join(result.output.split())
+    # the folder the demo printed works for inspect and synthesize: they find the subfolder
+    inspected = runner.invoke(main, ["inspect", str(out)], prog_name="emakit")
+    assert inspected.exit_code == 0, inspected.output
+    assert f"using {snapshots}" in inspected.output
+    assert "sigma_rel" in inspected.output
+    target = tmp_path / "ema.safetensors"
+    synthesized = runner.invoke(
+        main,
+        ["synthesize", str(out), "--sigma-rel", "0.15", "--out", str(target), "--no-progress"],
+        prog_name="emakit",
+    )
+    assert synthesized.exit_code == 0, synthesized.output
+    assert target.is_file()
+
+
+def test_demo_help_says_what_out_holds() -> None:
+    result = CliRunner().invoke(main, ["demo", "--help"], prog_name="emakit")
+    text = " ".join(result.output.split())
+    assert "posthoc-snapshots" in text
+    assert "emptied and rewritten" in text
+    assert "removed with --no-plot" in text

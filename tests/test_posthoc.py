@@ -387,7 +387,7 @@ def test_snapshot_files_carry_their_metadata_and_readable_names(tmp_path: Path):
         checkpoint_folder=tmp_path,
     )
     train(net, ema, 20)
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert names == [
         "step-000000010_sigma_rel-0.05_gamma-16.9722.safetensors",
         "step-000000010_sigma_rel-0.28_gamma-0.169344.safetensors",
@@ -397,7 +397,7 @@ def test_snapshot_files_carry_their_metadata_and_readable_names(tmp_path: Path):
     info = read_snapshot_info(tmp_path / names[2])
     assert (info.step, info.t, info.profile, info.update_every) == (20, 20, 0, 3)
     assert info.gamma == sigma_rel_to_gamma(0.05) and info.sigma_rel == 0.05
-    assert info.format_version == 1
+    assert info.format_version == 1 and info.run == ema.run_id
     assert "1.num_batches_tracked" in info.copied and "counter" in info.copied
     assert "1.running_var" in info.copied and "0.weight" not in info.copied
     from safetensors import safe_open
@@ -447,18 +447,19 @@ def test_snapshots_are_written_atomically(tmp_path: Path, monkeypatch: pytest.Mo
     first = ema.checkpoint()
     before = {p: p.read_bytes() for p in first}
 
-    import safetensors.torch
+    from emakit.posthoc import snapshots
 
-    def crash(tensors, filename, metadata=None):  # a writer dying half-way
-        Path(filename).write_bytes(b"partial")
+    def crash(f, tensors, metadata, dtype=None):  # a writer dying half-way
+        f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(snapshots, "write_safetensors", crash)
     # Same step again: the files exist, and a failed rewrite must leave them whole.
     with pytest.raises(OSError, match="disk full"):
         ema.checkpoint()
     assert {p: p.read_bytes() for p in first} == before
-    assert sorted(tmp_path.iterdir()) == sorted(first)  # no temporary file left behind
+    files = sorted(p for p in tmp_path.iterdir() if not p.name.startswith(".emakit-posthoc"))
+    assert files == sorted(first)  # no temporary file left behind
 
 
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -533,8 +534,8 @@ def test_resumed_run_continues_the_same_folder(tmp_path: Path):
         with torch.no_grad():
             net_b.counter.add_(1000)
         b.update()
-    names_a = sorted(p.name for p in (tmp_path / "a").iterdir())
-    names_b = sorted(p.name for p in (tmp_path / "b").iterdir())
+    names_a = sorted(p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith("."))
+    names_b = sorted(p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith("."))
     assert names_a == names_b and len(names_a) == 8
     from safetensors import safe_open
 
@@ -543,7 +544,9 @@ def test_resumed_run_continues_the_same_folder(tmp_path: Path):
             safe_open(str(tmp_path / "a" / name), framework="pt") as fa,
             safe_open(str(tmp_path / "b" / name), framework="pt") as fb,
         ):
-            assert fa.metadata() == fb.metadata()
+            meta_a, meta_b = fa.metadata(), fb.metadata()
+            assert meta_a.pop("run") == a.run_id and meta_b.pop("run") == b.run_id
+            assert meta_a == meta_b
             assert sorted(fa.keys()) == sorted(fb.keys())
             for key in fa.keys():  # noqa: SIM118 - safe_open is not a dict
                 assert torch.equal(fa.get_tensor(key), fb.get_tensor(key)), (name, key)
@@ -682,10 +685,8 @@ def test_synthesis_uses_only_snapshots_at_or_before_the_step(
 
 
 def test_synthesis_streams_one_snapshot_at_a_time(runs: dict, monkeypatch: pytest.MonkeyPatch):
-    import safetensors
-
     _, folder = runs[10]
-    real = safetensors.safe_open
+    real = synthesis_module.SafetensorsFile
     state = {"open": 0, "max": 0, "files": 0}
 
     class Counting:
@@ -702,7 +703,7 @@ def test_synthesis_streams_one_snapshot_at_a_time(runs: dict, monkeypatch: pytes
             state["open"] -= 1
             return self._inner.__exit__(*exc)
 
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    monkeypatch.setattr(synthesis_module, "SafetensorsFile", Counting)
     plan = plan_synthesis(folder, sigma_rel=0.15)
     state.update(files=0, max=0)
     plan.run()
@@ -837,11 +838,16 @@ def test_snapshots_of_another_model_are_refused(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, update_every=1, checkpoint_every_num_steps=5, checkpoint_folder=tmp_path)
     train(net, ema, 10)
+    ema.release_folder()  # a later run of the same id (a resume) writes another model
     other = PostHocEMA(
-        linear(), gammas=(3.0,), checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path
+        linear(),
+        gammas=(3.0,),
+        checkpoint_every_num_steps="manual",
+        checkpoint_folder=tmp_path,
+        run_id=ema.run_id,
     )
     other.update()
-    with pytest.warns(PostHocWarning, match="another run"):
+    with pytest.warns(PostHocWarning, match="before a resume"):
         other.checkpoint()  # step 1: a different model in the same folder
     with pytest.raises(EMAStateError, match="does not hold the same tensors"):
         ema.synthesize_ema_model(sigma_rel=0.05)

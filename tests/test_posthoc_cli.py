@@ -121,11 +121,12 @@ def test_synthesize_bad_input_gives_clear_errors(trained, tmp_path: Path, args, 
 def test_synthesize_missing_or_empty_folder(tmp_path: Path):
     runner = CliRunner()
     result = runner.invoke(
-        synthesize, [str(tmp_path / "nope"), "--sigma-rel", "0.1", "--out", str(tmp_path / "x")]
+        synthesize,
+        [str(tmp_path / "nope"), "--sigma-rel", "0.1", "--out", str(tmp_path / "x.safetensors")],
     )
     assert result.exit_code == 1 and "does not exist" in result.output
     result = runner.invoke(
-        synthesize, [str(tmp_path), "--sigma-rel", "0.1", "--out", str(tmp_path / "x")]
+        synthesize, [str(tmp_path), "--sigma-rel", "0.1", "--out", str(tmp_path / "x.safetensors")]
     )
     assert result.exit_code == 1 and "no post-hoc EMA snapshots" in result.output
 

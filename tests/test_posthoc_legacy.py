@@ -446,7 +446,15 @@ def test_a_malicious_pickle_is_refused_not_executed(their_run: tuple, tmp_path: 
     args = ["--legacy-sigma-rels", "0.05,0.28", "--legacy-update-every", "1"]
     result = CliRunner().invoke(
         synthesize,
-        [str(folder), "--sigma-rel", "0.05", "--out", str(tmp_path / "x"), "--no-progress", *args],
+        [
+            str(folder),
+            "--sigma-rel",
+            "0.05",
+            "--out",
+            str(tmp_path / "x.safetensors"),
+            "--no-progress",
+            *args,
+        ],
     )
     assert result.exit_code == 1 and "refused" in result.output and not marker.exists()
 

@@ -16,6 +16,7 @@ def test_readme_has_code_blocks():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.filterwarnings("error::emakit.posthoc.PostHocWarning")  # examples must fit well
 def test_readme_block_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = BLOCKS[index].replace("/tmp/", f"{tmp_path}/")

@@ -70,7 +70,7 @@ def test_failed_strict_load_leaves_the_ema_as_it_was(kind):
 
 
 def test_failed_load_of_weights_files_and_foreign_states_leave_the_ema_as_it_was(tmp_path):
-    net, ema, _ = trained()
+    _, ema, _ = trained()
     path = emakit.save_ema_weights(ema, tmp_path / "ema.safetensors")
     other = bn_mlp(4, 9, 3, seed=1)  # another width: shapes differ
     victim = EMA(other, update_after_step=0, update_every=1)

@@ -27,7 +27,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "STALE_TEMP_AGE_S",
     "TEMP_PREFIX",
     "atomic_path",
+    "atomic_paths",
     "atomic_write",
     "atomic_write_bytes",
     "remove_stale_temps",
@@ -199,28 +200,58 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         >>> with atomic_path(f"{folder}/w.pt") as tmp:
         ...     torch.save({"w": torch.zeros(2)}, tmp)
     """
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    mode = _target_mode(dest)
-    fd, tmp = _make_temp(dest)
-    try:
+    with atomic_paths([path]) as (tmp,):
         yield tmp
-        # Reopen by name: the writer may have replaced the inode we created.
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        # Only now: a read-only mode set earlier would stop the writer from opening it.
-        with contextlib.suppress(OSError):
-            os.chmod(tmp, mode)
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]]:
+    """Like :func:`atomic_path` for several files that must appear together (all or none).
+
+    The block writes every temporary path; only when it completes is each one fsynced and
+    then renamed over its destination, in order. If the block raises (a failed or
+    interrupted write, a full disk), no destination is touched and every temporary file
+    is removed. Only a crash *between* two renames, after every file is complete on disk,
+    can leave some destinations replaced and others not.
+
+    Args:
+        paths: the destinations, all different. Their folders are created if missing.
+
+    Yields:
+        The temporary paths to write, in the order of ``paths``.
+    """
+    dests = [Path(p) for p in paths]
+    if len({os.path.abspath(d) for d in dests}) != len(dests):
+        raise ValueError(f"atomic_paths needs different destinations, got {dests}")
+    made: list[tuple[int, Path]] = []
+    try:
+        modes = []
+        for dest in dests:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            modes.append(_target_mode(dest))
+            made.append(_make_temp(dest))
+        yield [tmp for _, tmp in made]
+        for (_, tmp), mode in zip(made, modes, strict=True):
+            # Reopen by name: the writer may have replaced the inode we created.
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            # Only now: a read-only mode set earlier would stop the writer from opening it.
+            with contextlib.suppress(OSError):
+                os.chmod(tmp, mode)
+        for (_, tmp), dest in zip(made, dests, strict=True):
+            os.replace(tmp, dest)
+        for folder in {d.parent for d in dests}:
+            _fsync_dir(folder)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        if fd >= 0:
-            os.close(fd)  # releases the lock only once the temporary file is gone
-        with _live_lock:
-            _live.discard(str(tmp))
-    remove_stale_temps(dest.parent)
+        for fd, tmp in made:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            if fd >= 0:
+                os.close(fd)  # releases the lock only once the temporary file is gone
+            with _live_lock:
+                _live.discard(str(tmp))
+    for folder in {d.parent for d in dests}:
+        remove_stale_temps(folder)
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:

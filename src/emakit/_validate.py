@@ -4,6 +4,7 @@ argument, echoing the value, and saying what would be accepted."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -123,6 +124,125 @@ def floating_dtype(name: str, value: object) -> torch.dtype | None:
     return value
 
 
+#: Largest counter (step, update count, layout version) accepted from a file or a state:
+#: 2**53, the largest integer every float64 schedule computation represents exactly.
+MAX_COUNT = 2**53
+
+
+def _stored_number(value: object) -> object:
+    """A 1-element tensor as its Python number; anything else unchanged."""
+    numel = getattr(value, "numel", None)
+    if not callable(numel) or isinstance(value, (str, bytes)):
+        return value
+    if numel() != 1:
+        shape = tuple(getattr(value, "shape", ()))
+        raise ValueError(f"a tensor of shape {shape}, not a single number")
+    if getattr(value, "dtype", None) == torch.bool:
+        raise ValueError("a bool tensor, not a number")
+    if getattr(value, "is_complex", lambda: False)():
+        raise ValueError("a complex tensor, not a real number")
+    return value.item()  # type: ignore[attr-defined]
+
+
+def _count_value(value: object, text: bool) -> int:
+    value = _stored_number(value)
+    if isinstance(value, bool):
+        raise ValueError("a bool, not a count")
+    if isinstance(value, str) and not text:
+        raise ValueError("text, not a number")
+    if isinstance(value, str):
+        digits = value.strip()
+        if not digits or not (digits.isdigit() or (digits[0] in "+-" and digits[1:].isdigit())):
+            raise ValueError("not a whole number")
+        if len(digits) > 40:
+            raise ValueError("far too large")
+        return int(digits)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError("not a whole number")
+        return int(value)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"a {type(value).__name__}, not a whole number") from None
+
+
+def stored_count(
+    source: str, field: str, value: object, *, low: int = 0, text: bool = False
+) -> int:
+    """A counter read from a file or a state (a step, an update count, a version), checked.
+
+    Accepted: an int, a float or a 1-element tensor holding a whole number, and with
+    ``text`` a string of decimal digits (safetensors header entries); in
+    ``[low, MAX_COUNT]``.
+
+    Args:
+        source: what it was read from, for the message (a file name, ``"state_dict"``).
+        field: the field's name.
+        value: the value read.
+        low: the smallest value accepted. Default 0.
+        text: also accept a string of digits (a header entry). Default False.
+
+    Raises:
+        EMAStateError: anything else (negative, huge, fractional, NaN, a vector, a bool,
+            text), naming ``source``, ``field`` and the value.
+    """
+    try:
+        count = _count_value(value, text)
+        if not low <= count <= MAX_COUNT:
+            raise ValueError(f"outside [{low}, 2**53]")
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        raise EMAStateError(
+            f"{source}: {field} must be a whole number in [{low}, 2**53], got "
+            f"{field}={_short(value)} ({e}); the file or state is corrupt or was not written "
+            f"by an EMA library"
+        ) from None
+    return count
+
+
+def stored_real(source: str, field: str, value: object) -> float:
+    """A real number read from a file or a state (e.g. a gamma), finite; or an
+    :class:`~emakit.EMAStateError` naming ``source`` and ``field``."""
+    try:
+        number = _stored_number(value)
+        if isinstance(number, (bool, str)) or not isinstance(number, (int, float)):
+            raise ValueError(f"a {type(number).__name__}, not a number")
+        x = float(number)
+        if not math.isfinite(x):
+            raise ValueError("not finite")
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        raise EMAStateError(
+            f"{source}: {field} must be a finite number, got {field}={_short(value)} ({e}); "
+            f"the file or state is corrupt"
+        ) from None
+    return x
+
+
+def stored_flag(source: str, field: str, value: object) -> bool:
+    """A flag read from a file or a state (``initted``): a bool, or 0/1 as a number or a
+    1-element tensor; or an :class:`~emakit.EMAStateError` naming ``source`` and ``field``."""
+    try:
+        numel = getattr(value, "numel", None)
+        if callable(numel) and getattr(value, "dtype", None) == torch.bool and numel() == 1:
+            return bool(value)
+        number = _stored_number(value)
+        if isinstance(number, bool):
+            return number
+        if isinstance(number, (int, float)) and number in (0, 1):
+            return bool(number)
+        raise ValueError("not True/False or 0/1")
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise EMAStateError(
+            f"{source}: {field} must be True or False, got {field}={_short(value)} ({e}); "
+            f"the file or state is corrupt"
+        ) from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def not_newer(what: str, field: str, version: object, supported: int) -> None:
     """Refuse a state, file or snapshot written in a newer layout than this emakit reads.
 
@@ -131,9 +251,16 @@ def not_newer(what: str, field: str, version: object, supported: int) -> None:
         field: the version field's name (``"version"``, ``"format_version"``).
         version: the value found (None or absent: an old, unversioned layout, accepted).
         supported: the newest version this emakit reads.
+
+    Raises:
+        EMAStateError: the version is newer than ``supported``, or malformed (not a whole
+            number >= 0: text, a fraction, a vector, a bool), naming ``what`` and ``field``.
     """
-    if version is not None and int(version) > supported:  # type: ignore[call-overload]
+    if version is None:
+        return
+    found = stored_count(what, field, version, text=True)
+    if found > supported:
         raise EMAStateError(
-            f"{what} has {field}={int(version)}, newer than this emakit's {supported}; "  # type: ignore[call-overload]
+            f"{what} has {field}={found}, newer than this emakit's {supported}; "
             f"upgrade emakit to read it"
         )

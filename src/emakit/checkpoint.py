@@ -10,8 +10,11 @@ Checkpoints of other EMA libraries load with :func:`emakit.foreign.load_foreign_
 
 Every failure (missing, truncated or corrupt file, a checkpoint of another model) raises an
 :class:`~emakit.EMAError` that names the file and what is wrong.
-safetensors carries no checksum: truncation and damage to the header are caught, a flipped
-bit inside tensor data is not.
+safetensors carries no checksum: truncation and damage to the header are caught (the header
+is validated in full, and a header that has emakit's entries but a damaged ``format`` is
+refused rather than read as a plain state dict without its step), a flipped bit inside
+tensor data is not. A file is read through one open descriptor, so a load that races a
+save sees exactly one of them.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
+from ._files import writable_path, write_errors
 from ._io import atomic_path, atomic_write
 from ._safetensors import read_safetensors, write_safetensors
-from ._validate import not_newer
+from ._validate import not_newer, stored_count
 from .core.tree import leaves
 from .ema import EMA
 from .errors import (
@@ -53,6 +57,11 @@ __all__ = [
 WEIGHTS_FORMAT = "emakit.ema_weights"
 #: Version of that header layout.
 WEIGHTS_FORMAT_VERSION = 1
+#: ``format`` of the other safetensors files emakit writes (post-hoc snapshots, synthesized
+#: weights): they hold a model state dict and load as plain weights.
+OTHER_EMAKIT_FORMATS = frozenset({"emakit.posthoc.snapshot", "emakit.posthoc.synthesized"})
+#: Header entries only emakit's files have.
+_EMAKIT_ENTRIES = ("format_version", "emakit_version")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -153,6 +162,11 @@ def save_ema_weights(
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
+    Raises:
+        EMAValueError: ``path`` is not a valid UTF-8 name (it could not be read back).
+        EMAWriteError: the file could not be written (disk full, read-only folder); an
+            ``OSError`` with the original ``errno``. Any previous file is left whole.
+
     Example:
         >>> import tempfile, safetensors.torch
         >>> net = torch.nn.Linear(2, 2)
@@ -161,7 +175,7 @@ def save_ema_weights(
         >>> _ = net.load_state_dict(safetensors.torch.load_file(path))
     """
     ema = check_ema(ema)
-    dest = as_path("path", path)
+    dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
     tensors = _shadow_tensors(ema)
     header = weights_header(ema, tensors, dtype)
@@ -174,20 +188,57 @@ def save_ema_weights(
         if clash:
             raise EMAValueError(f"metadata may not override emakit's header keys, got {clash}")
         header.update(metadata)
-    atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
+    with write_errors([dest], "EMA weights file"):
+        atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
     return dest
 
 
-def int_meta(metadata: Mapping[str, str], key: str, path: Path) -> int | None:
-    """Header entry ``key`` as an int (None when absent), or an error naming ``path``."""
-    if key not in metadata:
+def _near(a: str, b: str) -> bool:
+    """Whether ``a`` is ``b`` with one or two characters changed (a flipped bit)."""
+    return len(a) == len(b) and sum(x != y for x, y in zip(a, b, strict=True)) <= 2
+
+
+def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None, bool] | None:
+    """``(step, initted)`` from the header of a file :func:`save_ema_weights` wrote, None
+    for another safetensors file, or an error for a damaged emakit header.
+
+    A header with emakit's entries (``format_version``, ``emakit_version``) or a ``format``
+    one or two characters away from :data:`WEIGHTS_FORMAT`, but not a format emakit knows,
+    is refused: reading it as a plain state dict would silently drop its step.
+
+    Raises:
+        EMAStateError: the header is damaged, newer than this emakit, or its ``step``,
+            ``initted`` or ``format_version`` entries are malformed (naming ``source`` and
+            the entry).
+    """
+    fmt = metadata.get("format")
+    if fmt != WEIGHTS_FORMAT:
+        ours = [k for k in _EMAKIT_ENTRIES if k in metadata]
+        looks = isinstance(fmt, str) and _near(fmt, WEIGHTS_FORMAT)
+        if (ours or looks) and fmt not in OTHER_EMAKIT_FORMATS:
+            raise EMAStateError(
+                f"{source}: the header has "
+                + (f"emakit's entries {ours}" if ours else "a format close to emakit's")
+                + f" but format={fmt!r}, not {WEIGHTS_FORMAT!r}; the header is damaged, and "
+                f"reading the file as a plain state dict would drop its step. Restore the "
+                f"file from a copy, or load its tensors yourself and pass them to "
+                f"emakit.load_foreign_state(..., format='state_dict', step=...)"
+            )
         return None
-    try:
-        return int(metadata[key])
-    except ValueError:
+    if "format_version" not in metadata:
         raise EMAStateError(
-            f"{path}: header entry {key}={metadata[key]!r} is not an integer; the file is corrupt"
-        ) from None
+            f"{source}: the header says format={WEIGHTS_FORMAT!r} but has no format_version; "
+            f"the header is damaged"
+        )
+    not_newer(source, "format_version", metadata["format_version"], WEIGHTS_FORMAT_VERSION)
+    step = stored_count(source, "step", metadata["step"], text=True) if "step" in metadata else None
+    flag = metadata.get("initted", "true")
+    if flag not in ("true", "false"):
+        raise EMAStateError(
+            f"{source}: initted must be 'true' or 'false', got initted={flag!r}; the header "
+            f"is damaged"
+        )
+    return step, flag == "true"
 
 
 def load_ema_weights(
@@ -219,8 +270,12 @@ def load_ema_weights(
 
     Raises:
         EMAFileNotFoundError: ``path`` does not exist.
-        EMAStateError: the file is truncated, corrupt, newer than this emakit, or holds
-            another model's weights (the message names the file and the mismatch).
+        EMAValueError: ``path`` is a folder, a FIFO or another non-regular file.
+        EMAStateError: the file is truncated, corrupt, newer than this emakit, its header
+            is damaged (a malformed ``step``, a ``format`` that is not emakit's on a header
+            that has emakit's entries), or it holds another model's weights or tensors of
+            another kind (integers into a floating tensor, ...); the message names the
+            file and the mismatch.
     """
     ema = check_ema(ema)
     src = as_path("path", path)
@@ -229,9 +284,8 @@ def load_ema_weights(
     tensors, metadata = read_safetensors(src)
     step: int | None = None
     initted = True
-    if metadata.get("format") == WEIGHTS_FORMAT:
-        version = int_meta(metadata, "format_version", src)
-        not_newer(str(src), "format_version", version, WEIGHTS_FORMAT_VERSION)
+    header = emakit_header(metadata, str(src))
+    if header is not None:
         kind = "pytree" if ema.kind == "pytree" else "module"
         if metadata.get("kind", kind) != kind:
             raise EMAStateError(
@@ -239,8 +293,7 @@ def load_ema_weights(
                 f"EMA of a {kind}"
             )
         if restore_step:
-            step = int_meta(metadata, "step", src)
-            initted = metadata.get("initted", "true") == "true"
+            step, initted = header
     load_weights(ema, tensors, step=step, initted=initted, strict=strict, source=str(src))
     return metadata
 

@@ -1,10 +1,13 @@
 """The ``emakit`` command line.
 
-``emakit`` is a click group: a subcommand is one ``@main.command()`` function here (or
-one ``main.add_command(cmd)`` for a command defined elsewhere). Optional extras
-(scikit-learn, matplotlib, rich) are imported only when a command runs, so
-``emakit --help`` works without them and a missing extra becomes a one-line error with
-the install command instead of a traceback.
+``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
+one entry of ``_LAZY_COMMANDS`` for a command defined in a module that imports torch
+(``synthesize`` and ``inspect``). This module imports only click and torch-free parts of
+emakit: torch, the extras (scikit-learn, matplotlib, rich) and the post-hoc commands are
+imported when a command runs, so ``emakit --help`` and ``--version`` answer in about the
+time Python and click take to start, and a missing extra becomes a one-line error with the
+install command instead of a traceback. Warnings raised while a command runs are printed
+as one plain ``Warning: ...`` line on stderr, without a file path or source line.
 
 Example:
     .. code-block:: console
@@ -15,15 +18,89 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 import click
 
 from ._version import __version__
-from .demo import DEFAULTS, DemoDependencyError, check_dependencies, new_output_dir, run_demo
+from .demo.settings import DEFAULTS
 
 __all__ = ["main"]
+
+#: Commands defined elsewhere, imported only when run: name -> (module, attribute, short
+#: help shown by ``emakit --help``; a test checks it matches the command's own).
+_LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "inspect": (
+        "emakit.posthoc.commands",
+        "inspect_cmd",
+        "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
+    ),
+    "synthesize": (
+        "emakit.posthoc.commands",
+        "synthesize",
+        "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
+    ),
+}
+
+
+class _LazyGroup(click.Group):
+    """A group whose ``_LAZY_COMMANDS`` are imported only when they run."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _LAZY_COMMANDS and cmd_name not in self.commands:
+            module, attribute, _ = _LAZY_COMMANDS[cmd_name]
+            command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # The listing must not import the lazy commands: their short help is static.
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in _LAZY_COMMANDS and name not in self.commands:
+                rows.append((name, _LAZY_COMMANDS[name][2]))
+                continue
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@contextmanager
+def _plain_warnings() -> Iterator[None]:
+    """Show warnings as one ``Warning: <message>`` line on stderr while the block runs.
+
+    Python's default display adds the file path, line number and source line of the code
+    that warned, which mean nothing to someone running a command.
+    """
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        click.echo(f"Warning: {message}", err=True)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -33,22 +110,26 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="emakit")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """emakit: exponential moving averages of PyTorch model weights.
 
     Run `emakit COMMAND --help` for the options of a command.
     """
+    ctx.with_resource(_plain_warnings())
 
 
-@main.command(short_help="Train on the digits with noisy SGD: online vs EMA accuracy.")
+@main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")
 @click.option(
     "--out",
     type=click.Path(file_okay=False, dir_okay=True, writable=True, path_type=Path),
     default=None,
-    help="Folder for summary.json and demo.png; created if missing. If it exists, the "
-    "demo's own two files in it are replaced and other files are left alone. "
+    help="Folder for summary.json, demo.png and the post-hoc snapshots (its "
+    "posthoc-snapshots/ subfolder); created if missing. If it exists, the demo's own files "
+    "in it are replaced (the posthoc-snapshots/ folder is emptied and rewritten, and a "
+    "demo.png left by an earlier run is removed with --no-plot); other files are left alone. "
     "[default: a new folder emakit-demo-YYYYmmdd-HHMMSS in the current directory]",
 )
 @click.option(
@@ -77,16 +158,20 @@ def main() -> None:
     "--no-plot",
     is_flag=True,
     default=False,
-    help="Do not write demo.png (matplotlib is then not needed).",
+    help="Do not write demo.png (matplotlib is then not needed); an old one in --out is removed.",
 )
 def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) -> None:
     """Train a small convnet on scikit-learn's digits with noisy SGD, online vs EMA.
 
     The digits ship inside scikit-learn: nothing is downloaded. Training shows a
-    progress bar, then prints the held-out accuracy and loss of the online weights and
-    of their EMA, and writes OUT/summary.json and OUT/demo.png (accuracy curves and the
-    decay schedule). Needs the demo extra: pip install "emakit[demo]".
+    progress bar, then prints the held-out accuracy and loss of the online weights, of
+    their EMA and of a post-hoc EMA synthesized after training, and writes
+    OUT/summary.json, OUT/demo.png (accuracy curves and the decay schedule) and the
+    post-hoc snapshots in OUT/posthoc-snapshots (try: emakit inspect OUT). Needs the demo
+    extra: pip install "emakit[demo]".
     """
+    from .demo import DemoDependencyError, check_dependencies, new_output_dir, run_demo
+
     try:
         check_dependencies(plot=not no_plot)
     except DemoDependencyError as e:
@@ -127,46 +212,42 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
     type=click.IntRange(min=1),
     default=20,
     show_default=True,
-    help="Timed calls per path; the median is reported.",
+    help="Rounds: each times one ~10 ms batch of calls of every path in turn, in alternating "
+    "order; each row reports the median over the rounds and the spread.",
 )
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
-    default=None,
-    help="torch CPU threads (default: torch's own choice). On a busy machine 1 gives "
-    "steadier numbers.",
+    default=1,
+    show_default=True,
+    help="torch CPU threads during the timing. 1 gives steady numbers on a shared machine; "
+    "more can be faster on an idle one.",
 )
-def bench(model: str, device: str, repeats: int, threads: int | None) -> None:
+def bench(model: str, device: str, repeats: int, threads: int) -> None:
     """Time one averaging update() of each engine path on a standard model.
 
     The floor is one lerp_ over a flat tensor with as many elements: the cost of streaming
-    the weights through memory once. A ratio near 1.0 is as fast as an update can be.
+    the weights through memory once. A ratio near 1.0 is as fast as an update can be. The
+    paths are timed side by side, round-robin, so a disturbance hits them alike; the spread
+    is the interquartile range over the median. A busy machine, a wide spread or a path
+    faster than the floor is reported as a warning: rerun on an idle machine then.
     """
     import torch
 
     from .bench import MODELS, bench_update
     from .errors import EMAError
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
-        rows = bench_update(model, device, repeats)
+        result = bench_update(model, device, repeats, threads=threads)
     except EMAError as e:
         raise click.ClickException(str(e)) from e
+    load = "" if result.load_average is None else f", load average {result.load_average:.2f}"
     click.echo(
-        f"{MODELS[model][0]} on {device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} CPU threads, median of {repeats}"
+        f"{MODELS[model][0]} on {device}, torch {torch.__version__}, {result.threads} CPU "
+        f"thread(s) of {result.cpus}{load}; {repeats} rounds side by side"
     )
-    click.echo(f"{'path':<36}{'time':>12}{'x floor':>10}")
-    for label, seconds, ratio in rows:
-        click.echo(f"{label:<36}{seconds * 1e6:>10.0f}us{ratio:>10.2f}")
-
-
-def _register_posthoc_commands() -> None:
-    from .posthoc.commands import inspect_cmd, synthesize
-
-    main.add_command(synthesize)
-    main.add_command(inspect_cmd)
-
-
-_register_posthoc_commands()
+    click.echo(f"{'path':<36}{'median':>10}{'spread':>9}{'x floor':>9}")
+    for row in result.rows:
+        click.echo(f"{row.path:<36}{row.median_s * 1e6:>8.0f}us{row.spread:>8.0%}{row.ratio:>9.2f}")
+    for note in result.warnings:
+        click.echo(f"Warning: {note}", err=True)

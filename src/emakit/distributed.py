@@ -16,7 +16,9 @@
 * **Checkpoints**: ``ema.state_dict()`` holds DTensors; :func:`save_sharded_ema` and
   :func:`load_sharded_ema` write and read them with ``torch.distributed.checkpoint`` (DCP),
   one file per rank, loadable into another world size (DCP reshards) or into a
-  non-distributed EMA. :func:`save_full_ema_weights` gathers the full EMA weights to rank 0
+  non-distributed EMA. A save goes into a fresh version folder and is switched to
+  atomically, so a crash mid-save leaves the previous checkpoint loadable; a load never
+  unpickles code (see :mod:`emakit._dcp`). :func:`save_full_ema_weights` gathers the full EMA weights to rank 0
   and writes one safetensors file that loads straight into the model class.
 
 Nothing here imports ``torch.distributed`` submodules at import time: a process that never
@@ -43,12 +45,13 @@ from ._dtensor import (
     is_rank_zero,
     local_tensor,
 )
+from ._files import writable_path
 from ._io import atomic_path
 from ._safetensors import write_safetensors
 from .checkpoint import save_ema_weights, weights_header
 from .core.sharding import copy_module
 from .ema import EMA
-from .errors import EMATypeError
+from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = [
     "copy_module",
@@ -59,6 +62,7 @@ __all__ = [
     "local_tensor",
     "save_full_ema_weights",
     "save_sharded_ema",
+    "sharded_checkpoint_dir",
     "swap_in_place",
 ]
 
@@ -105,29 +109,115 @@ def _ema_module(ema: object) -> EMA:
     return ema
 
 
+def _checkpoint_folder(checkpoint_id: object) -> Path:
+    if isinstance(checkpoint_id, str) and "://" in checkpoint_id:
+        raise EMAValueError(
+            f"checkpoint_id must be a file-system folder, got checkpoint_id={checkpoint_id!r}; "
+            f"emakit switches sharded checkpoints over atomically with a pointer file, which "
+            f"needs a (shared) file system: save to a local or mounted folder and copy it"
+        )
+    return writable_path("checkpoint_id", checkpoint_id)
+
+
+def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
+    """``(distributed, process_group, coordinator)`` for DCP's keyword arguments."""
+    group = kwargs.get("process_group")
+    if kwargs.get("no_dist") or not dist_ready():
+        return False, group, True
+    return True, group, torch.distributed.get_rank(group=group) == 0
+
+
+def _agree(name: str, distributed: bool, group: Any) -> str:
+    """The coordinator's ``name`` on every rank of ``group``."""
+    if not distributed:
+        return name
+    box = [name]
+    source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+    torch.distributed.broadcast_object_list(box, src=source, group=group)
+    return str(box[0])
+
+
+def _failures(e: BaseException) -> str:
+    """One line per failed rank of a DCP ``CheckpointException`` (its own text is a
+    traceback per rank)."""
+    failures = getattr(e, "failures", None) or {}
+    lines = []
+    for rank, (exc, _) in sorted(failures.items()):
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        lines.append(f"rank {rank}: {text}")
+    return "; ".join(lines) or str(e)
+
+
 def save_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: Any) -> None:
     """Save ``ema.state_dict()`` with ``torch.distributed.checkpoint`` (call on every rank).
 
     Each rank writes the shards it holds (DTensors), plain tensors are written once, and
-    the folder's ``.metadata`` records the global layout, so the checkpoint loads into any
-    world size (DCP reshards) or into a non-distributed EMA. To keep the EMA in one
-    checkpoint with the model and optimizer, put ``ema.state_dict()`` under a key of the
-    state you pass to ``torch.distributed.checkpoint.save`` instead.
+    the ``.metadata`` records the global layout, so the checkpoint loads into any world
+    size (DCP reshards) or into a non-distributed EMA. To keep the EMA in one checkpoint
+    with the model and optimizer, put ``ema.state_dict()`` under a key of the state you
+    pass to ``torch.distributed.checkpoint.save`` instead.
+
+    Crash-safe: ``checkpoint_id`` is a folder whose current checkpoint is named by a
+    pointer file (``emakit-sharded.json``); the save writes a fresh version folder inside
+    it (``v-<random>/``, a plain DCP checkpoint), then rank 0 replaces the pointer
+    atomically and removes the previous version and any left by a killed save. A crash
+    (SIGKILL, OOM, power cut) at any moment leaves the previous checkpoint loadable. A
+    plain DCP folder (written by an older emakit or by ``dcp.save``) is switched to this
+    layout by the first save over it. All ranks return once the new checkpoint is current.
 
     Args:
         ema: the EMA to save.
-        checkpoint_id: the checkpoint folder.
+        checkpoint_id: the checkpoint folder, on a file system every rank shares (not a
+            URL); created if missing.
         **kwargs: passed to ``torch.distributed.checkpoint.save`` (``storage_writer``,
-            ``planner``, ``process_group``...).
+            ``planner``, ``process_group``, ``no_dist``...); a ``storage_writer`` is
+            pointed at the new version folder.
+
+    Raises:
+        EMAValueError: ``checkpoint_id`` is a URL or not a valid UTF-8 name.
+        EMARuntimeError: DCP failed on some rank (disk full...); the message names the
+            ranks and errors. The previous checkpoint stays current.
 
     Example:
         >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
-        >>> # save_sharded_ema(ema, "ckpt/ema-step1000")
+        >>> # save_sharded_ema(ema, "ckpt/ema")
     """
     import torch.distributed.checkpoint as dcp
 
+    from . import _dcp
+
     ema = _ema_module(ema)
-    dcp.save(ema.state_dict(), checkpoint_id=checkpoint_id, **kwargs)
+    folder = _checkpoint_folder(checkpoint_id)
+    distributed, group, coordinator = _group(kwargs)
+    version = _agree(_dcp.new_version(), distributed, group)
+    if coordinator:
+        folder.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp.save(ema.state_dict(), checkpoint_id=folder / version, **kwargs)
+    except dcp.CheckpointException as e:
+        raise EMARuntimeError(
+            f"saving the sharded checkpoint {folder} failed ({_failures(e)}); the previous "
+            f"checkpoint there is still the current one"
+        ) from e
+    # DCP returns on the coordinator once every rank's data and the .metadata are written.
+    if coordinator:
+        _dcp.commit(folder, version)
+        _dcp.remove_stale(folder, keep=version)
+    if distributed:
+        torch.distributed.barrier(group=group)
+
+
+def sharded_checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> Path:
+    """The DCP checkpoint folder holding ``checkpoint_id``'s current checkpoint: the version
+    its pointer file names, or ``checkpoint_id`` itself for a plain DCP checkpoint. Pass it
+    to ``torch.distributed.checkpoint.load`` to read the EMA state yourself.
+
+    Raises:
+        EMAStateError: the pointer file is damaged.
+    """
+    from . import _dcp
+
+    return _dcp.resolve(Path(os.fspath(checkpoint_id)))
 
 
 def load_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: Any) -> None:
@@ -136,18 +226,40 @@ def load_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: 
     DCP reads each rank's part of every tensor straight into the EMA's own tensors, so a
     checkpoint saved on N ranks loads on M ranks, or in a process without
     ``torch.distributed`` into a plain ``EMA(model)`` (full tensors). The step counter and
-    the other bookkeeping come back too.
+    the other bookkeeping come back too. A plain DCP checkpoint folder loads as well.
+
+    Nothing is unpickled but DCP's own metadata classes: the ``.metadata`` file is read with
+    an unpickler that resolves only those (a crafted file raises instead of running code),
+    entries stored as pickled objects are refused, and tensor data is read with
+    ``torch.load(weights_only=True)``. A ``storage_reader`` you pass replaces that reader
+    and reads as it does (DCP's ``FileSystemReader`` unpickles the metadata).
 
     Args:
         ema: the EMA to load into (built like the saved one: same model and names).
         checkpoint_id: the checkpoint folder.
         **kwargs: passed to ``torch.distributed.checkpoint.load``.
+
+    Raises:
+        EMAStateError: the checkpoint refers to anything but DCP's metadata classes, holds
+            pickled entries or file names outside the folder, or does not fit the EMA.
     """
     import torch.distributed.checkpoint as dcp
 
+    from . import _dcp
+
     ema = _ema_module(ema)
+    distributed, group, coordinator = _group(kwargs)
+    folder = Path(os.fspath(checkpoint_id))
+    name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
+    target = Path(name)
+    reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
     state = ema.state_dict()
-    dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
+    try:
+        dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
+    except dcp.CheckpointException as e:
+        raise EMAStateError(
+            f"sharded checkpoint {folder} cannot be loaded: {_failures(e)}"
+        ) from None
     ema.load_state_dict(state)
 
 

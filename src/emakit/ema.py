@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._forward import io_cast
 from ._options import KEYWORDS_DOC, EMAOptions, make_runner
 from .compat import EMAPytorchSurface
 from .core.shadow import unwrap_model
@@ -412,6 +413,10 @@ class EMA(EMAPytorchSurface, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the EMA model in eval mode without grad; each submodule's mode is restored.
 
+        It takes the inputs the model takes. With ``ema_dtype`` (an fp32 shadow of a bf16
+        or fp16 model) floating inputs are cast to the shadow's dtype and floating outputs
+        back to the model's; with ``device=`` (the shadow offloaded) inputs are moved to
+        the shadow's device and outputs back to the model's (:mod:`emakit._forward`).
         For an EMA of a pytree: call the EMA pytree if it is callable, else return it.
         """
         ema_model = self.ema_model
@@ -424,11 +429,17 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
+        cast = io_cast(
+            self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
+        )
+        if cast is not None:
+            args, kwargs = cast.inputs(args, kwargs)
         modes = [(m, m.training) for m in ema_model.modules()]
         ema_model.eval()
         try:
             with torch.no_grad():
-                return ema_model(*args, **kwargs)
+                out = ema_model(*args, **kwargs)
+            return out if cast is None else cast.outputs(out)
         finally:
             for m, mode in modes:
                 m.training = mode

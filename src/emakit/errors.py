@@ -14,6 +14,7 @@ __all__ = [
     "EMAStateError",
     "EMATypeError",
     "EMAValueError",
+    "EMAWriteError",
 ]
 
 
@@ -43,3 +44,12 @@ class EMARuntimeError(EMAError, RuntimeError):
 
 class EMAFileNotFoundError(EMAError, FileNotFoundError):
     """A checkpoint or snapshot file or folder does not exist."""
+
+
+class EMAWriteError(EMAError, OSError):
+    """A file could not be written (disk full, no permission, read-only file system).
+
+    Also an ``OSError`` with the original ``errno`` (e.g. ``errno.ENOSPC``); the message
+    names the file. emakit's writes are atomic, so the file (or, for post-hoc snapshots,
+    the step's whole set of files) is left as it was before the write.
+    """

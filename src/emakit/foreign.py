@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,8 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._safetensors import read_safetensors, require_file
-from .checkpoint import WEIGHTS_FORMAT, check_ema, int_meta, load_weights
+from ._files import open_regular, refusal_reason
+from ._safetensors import read_safetensors
+from ._validate import stored_count
+from .checkpoint import check_ema, emakit_header, load_weights
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
@@ -44,30 +45,32 @@ FOREIGN_FORMATS = (
 
 
 def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
-    """A checkpoint file's content and, for safetensors, its header metadata."""
-    require_file(path)
-    with open(path, "rb") as f:
+    """A checkpoint file's content and, for safetensors, its header metadata.
+
+    A torch file is read through the descriptor its type was sniffed from; a safetensors
+    file through one descriptor of its own (see :class:`~emakit._safetensors.SafetensorsFile`).
+    """
+    with open_regular(path, "checkpoint file") as f:
         head = f.read(9)
-    if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then the JSON header
-        return read_safetensors(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True), None
-    except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Weights only" in str(e):
-            raise EMAStateError(
-                f"{path} holds objects other than tensors and plain containers, which emakit "
-                f"does not unpickle; if you trust the file, load it yourself with "
-                f"torch.load(path, weights_only=False) and pass the result"
-            ) from e
-        raise _unreadable(path, e) from e
-    except Exception as e:
-        raise _unreadable(path, e) from e
+        if not (len(head) == 9 and head[8:9] == b"{"):  # u64 header length, then JSON
+            f.seek(0)
+            try:
+                return torch.load(f, map_location="cpu", weights_only=True), None
+            except Exception as e:
+                raise _unreadable(path, e) from e
+    return read_safetensors(path)
 
 
 def _unreadable(path: Path, e: BaseException) -> EMAStateError:
+    reason = refusal_reason(e)
+    if reason.startswith("it holds"):
+        return EMAStateError(
+            f"{path}: {reason}, which emakit does not unpickle (torch.load(weights_only="
+            f"True) refuses it); if you trust the file, load it yourself with "
+            f"torch.load(path, weights_only=False) and pass the result"
+        )
     return EMAStateError(
-        f"{path} is not a readable torch checkpoint ({type(e).__name__}: {e}); it may be "
-        f"truncated or corrupt"
+        f"{path} is not a readable torch checkpoint ({reason}); it may be truncated or corrupt"
     )
 
 
@@ -133,10 +136,11 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
             f"weights file with format='state_dict' and step="
         )
     opt_step = config["optimization_step"]
-    if isinstance(opt_step, bool) or not isinstance(opt_step, int) or opt_step < 0:
+    if isinstance(opt_step, bool) or not isinstance(opt_step, int):
         raise EMAStateError(
             f"{config_path}: optimization_step must be an int >= 0, got {opt_step!r}"
         )
+    opt_step = stored_count(str(config_path), "optimization_step", opt_step)
     for name, is_index in _DIFFUSERS_WEIGHTS:
         path = folder / name
         if not path.is_file():
@@ -260,12 +264,11 @@ def _positional(ema: EMA, shadow: Any, source: str, fmt: str) -> dict[str, Tenso
     return weights
 
 
-def _as_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, Tensor):
-        return int(value.item())
-    return int(value)
+def _counter(obj: Mapping[str, Any], field: str, source: str, fmt: str) -> int | None:
+    """A foreign update counter (``num_updates``, ``optimization_step``, ``n_averaged``),
+    checked: a whole number in ``[0, 2**53]``, or an error naming the source and field."""
+    value = obj.get(field)
+    return None if value is None else stored_count(f"{source} ({fmt})", field, value)
 
 
 def load_foreign_state(
@@ -371,8 +374,9 @@ def load_foreign_state(
         if path.is_dir():
             return _load_diffusers_folder(ema, path, format, step=step, strict=strict)
         obj, metadata = _load_file(path)
-        if metadata is not None and metadata.get("format") == WEIGHTS_FORMAT:
-            st_step = int_meta(metadata, "step", path)
+        header = None if metadata is None else emakit_header(metadata, source)
+        if header is not None:
+            st_step = header[0]
     elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
         source = f"{type(obj).__name__}.state_dict()"
         obj = obj.state_dict()
@@ -411,15 +415,15 @@ def load_foreign_state(
     elif fmt == "averaged_model":
         _require_keys(obj, fmt, source, ("n_averaged",))
         weights = {k: v for k, v in obj.items() if k != "n_averaged"}
-        found = _as_int(obj["n_averaged"])
+        found = _counter(obj, "n_averaged", source, fmt)
     elif fmt == "torch_ema":
         _require_keys(obj, fmt, source, ("shadow_params",))
         weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _as_int(obj.get("num_updates"))
+        found = _counter(obj, "num_updates", source, fmt)
     elif fmt == "diffusers":
         _require_keys(obj, fmt, source, ("shadow_params",))
         weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _as_int(obj.get("optimization_step"))
+        found = _counter(obj, "optimization_step", source, fmt)
     else:  # state_dict
         weights, found = obj, st_step
     if not isinstance(weights, Mapping):

@@ -34,11 +34,20 @@ class EMAPytree(EMA):
         pytree: the online tensor or nested container of tensors.
         ema_pytree: a container with the same structure to hold the EMA, or a
             zero-argument factory. Default None: a copy of ``pytree``.
-        beta, update_after_step, update_every, inv_gamma, power, min_value,
-        allow_different_devices, coerce_dtype, use_foreach, ema_dtype, schedule,
-        skip_nonfinite, device, async_update: as for :class:`~emakit.EMA` (defaults
-            0.9999, 100, 10, 1.0, 2/3, 0.0, False, False, None, None, None, False, None,
-            None).
+        beta: the decay ceiling, as for :class:`~emakit.EMA`. Default 0.9999.
+        update_after_step: plain copies until this step. Default 100.
+        update_every: only every ``update_every``-th call does work. Default 10.
+        inv_gamma: warm-up scale. Default 1.0.
+        power: warm-up exponent. Default 2/3.
+        min_value: decay floor. Default 0.0.
+        allow_different_devices: allow EMA leaves on another device. Default False.
+        coerce_dtype: cast online leaves to the EMA's dtype when they differ. Default False.
+        use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
+        ema_dtype: keyword-only; dtype of the floating EMA leaves. Default None.
+        schedule: keyword-only; a ``step -> decay`` callable. Default None.
+        skip_nonfinite: keyword-only; skip updates with NaN/Inf leaves. Default False.
+        device: keyword-only; where the EMA leaves live. Default None.
+        async_update: keyword-only; average on a background thread. Default None.
 
     Example:
         >>> w = torch.zeros(3)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._validate import not_newer
+from .._validate import not_newer, stored_count, stored_flag, stored_real
 from ..errors import EMAStateError
 
 __all__ = [
@@ -32,9 +32,11 @@ __all__ = [
     "check_loadable",
     "flag",
     "integer",
+    "kind_problem",
     "metadata_of",
     "real",
     "reals",
+    "text",
 ]
 
 
@@ -44,36 +46,42 @@ class Field:
 
     ``key`` is its name; ``meta`` puts it in the module's metadata instead of the keys.
     ``encode`` turns the value into what is stored (a tensor for a key, a plain Python
-    value for metadata); ``decode`` turns a stored value (a tensor from a key, of this
-    layout or an earlier one, or a metadata value) back. A ``required`` key missing from
-    a state is reported in ``missing_keys``.
+    value for metadata); ``decode(stored, where)`` checks a stored value (a tensor from a
+    key, of this layout or an earlier one, or a metadata value) and turns it back, raising
+    an :class:`~emakit.EMAStateError` that names ``where`` (the state and the field) for a
+    value of the wrong kind. A ``required`` key missing from a state is reported in
+    ``missing_keys``.
     """
 
     key: str
     encode: Callable[[Any], Any]
-    decode: Callable[[Any], Any]
+    decode: Callable[[Any, str], Any]
     required: bool = False
     meta: bool = False
 
 
 def integer(key: str, *, required: bool = False, meta: bool = False) -> Field:
-    """An ``int`` field (an int64 scalar tensor as a key, an int in metadata)."""
+    """An ``int`` field (an int64 scalar tensor as a key, an int in metadata), read back
+    as a whole number in ``[0, 2**53]`` (a negative, huge, fractional or vector value is
+    refused)."""
     encode: Callable[[Any], Any] = int if meta else (lambda v: torch.tensor(int(v)))
-    return Field(key, encode, lambda t: int(t), required, meta)
+    return Field(key, encode, lambda t, where: stored_count(where, key, t), required, meta)
 
 
 def flag(key: str, *, required: bool = False, meta: bool = False) -> Field:
-    """A ``bool`` field (a bool scalar tensor as a key, a bool in metadata)."""
+    """A ``bool`` field (a bool scalar tensor as a key, a bool in metadata), read back
+    from a bool or 0/1."""
     encode: Callable[[Any], Any] = bool if meta else (lambda v: torch.tensor(bool(v)))
-    return Field(key, encode, lambda t: bool(t), required, meta)
+    return Field(key, encode, lambda t, where: stored_flag(where, key, t), required, meta)
 
 
 def real(key: str, *, required: bool = False, meta: bool = False) -> Field:
-    """A ``float`` field (a float64 scalar tensor as a key, a float in metadata)."""
+    """A ``float`` field (a float64 scalar tensor as a key, a float in metadata), read
+    back as a finite float."""
     encode: Callable[[Any], Any] = (
         float if meta else (lambda v: torch.tensor(float(v), dtype=torch.float64))
     )
-    return Field(key, encode, float, required, meta)
+    return Field(key, encode, lambda t, where: stored_real(where, key, t), required, meta)
 
 
 def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
@@ -84,12 +92,33 @@ def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
         else (lambda v: torch.tensor(list(v), dtype=torch.float64))
     )
 
-    def decode(t: Any) -> tuple[float, ...]:
+    def decode(t: Any, where: str) -> tuple[float, ...]:
         if isinstance(t, torch.Tensor):  # a key (float64 vector)
-            return tuple(float(x) for x in t.reshape(-1))
-        return tuple(float(x) for x in t)  # metadata: Python floats, exact
+            values = list(t.reshape(-1)) if not t.is_complex() else [t]
+        elif isinstance(t, (list, tuple)):  # metadata: Python floats, exact
+            values = list(t)
+        else:
+            raise EMAStateError(
+                f"{where}: {key} must be a list of numbers, got {type(t).__name__} {t!r:.80}"
+            )
+        return tuple(stored_real(where, key, x) for x in values)
 
     return Field(key, encode, decode, required, meta)
+
+
+def text(key: str, *, meta: bool = True) -> Field:
+    """A short ``str`` field (metadata only: state-dict keys hold tensors), read back as a
+    string of at most 256 characters."""
+
+    def decode(value: Any, where: str) -> str:
+        if not isinstance(value, str) or len(value) > 256:
+            raise EMAStateError(
+                f"{where}: {key} must be a string of at most 256 characters, got "
+                f"{key}={value!r:.80} ({type(value).__name__}); the state is corrupt"
+            )
+        return value
+
+    return Field(key, str, decode, False, meta)
 
 
 def metadata_of(destination: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
@@ -160,21 +189,23 @@ class StateCodec:
         missing required keys are added to ``missing_keys``.
 
         Raises:
-            EMAStateError: the state was written in a newer layout than this emakit reads.
+            EMAStateError: the state was written in a newer layout than this emakit reads,
+                or a field holds a value of the wrong kind (a negative, huge, fractional or
+                vector step, a malformed version, a non-finite number); the message names
+                the key or metadata entry.
         """
-        not_newer(
-            "state_dict", self.version_name, local_metadata.get(self.version_name), self.version
-        )
+        meta_of = f"state_dict metadata of {prefix[:-1] or 'the root module'!r}"
+        not_newer(meta_of, self.version_name, local_metadata.get(self.version_name), self.version)
         if self.legacy_version_key is not None:
-            legacy = state_dict.get(prefix + self.legacy_version_key)
-            not_newer("state_dict", self.legacy_version_key, legacy, 1)
+            legacy_key = prefix + self.legacy_version_key
+            not_newer(f"state_dict[{legacy_key!r}]", "version", state_dict.get(legacy_key), 1)
         out: dict[str, Any] = {}
         for f in self.fields:
             key = prefix + f.key
             if key in state_dict:
-                out[f.key] = f.decode(state_dict[key])
+                out[f.key] = f.decode(state_dict[key], f"state_dict[{key!r}]")
             elif f.meta and f.key in local_metadata:
-                out[f.key] = f.decode(local_metadata[f.key])
+                out[f.key] = f.decode(local_metadata[f.key], meta_of)
             elif f.required:
                 missing_keys.append(key)
         return out
@@ -202,7 +233,8 @@ def check_loadable(
 
     Raises:
         EMAStateError: missing or unexpected keys (``strict``), an entry that is not a
-            tensor, or a tensor of another shape; the message lists them.
+            tensor, a tensor of another shape, or of another kind (see
+            :func:`kind_problem`); the message lists them.
     """
     problems = []
     if strict:
@@ -222,7 +254,36 @@ def check_loadable(
             problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
         elif value.shape != mine.shape:
             problems.append(f"{key!r} has shape {tuple(value.shape)}, the EMA {tuple(mine.shape)}")
+        elif (why := kind_problem(key, value, mine)) is not None:
+            problems.append(why)
     if problems:
         raise EMAStateError(
             "state_dict does not fit this EMA (nothing was loaded): " + "; ".join(problems)
         )
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def kind_problem(key: str, value: torch.Tensor, mine: torch.Tensor) -> str | None:
+    """Why ``value`` may not be copied into the EMA's tensor ``mine``, or None.
+
+    Values are copied into the EMA's own tensors, converting the dtype, so a tensor of
+    another *kind* would be changed silently: integers, bools and complex numbers into a
+    floating tensor, floats into an integer or bool buffer (truncated). Only floating
+    into floating (any width: the shadow keeps its dtype), integer into integer, bool into
+    bool, and floating or complex into complex are accepted.
+    """
+    have, want = _kind(value.dtype), _kind(mine.dtype)
+    if have == want or (want == "complex" and have == "floating"):
+        return None
+    return (
+        f"{key!r} holds {str(value.dtype).replace('torch.', '')} ({have}) data, but the EMA's "
+        f"tensor is {str(mine.dtype).replace('torch.', '')} ({want}): it would be converted "
+        f"silently; the checkpoint is of another model or corrupt"
+    )

@@ -10,10 +10,12 @@ Everything here is a plain function (:func:`run_demo` is the entry point) so it 
 tested without the command line. scikit-learn, matplotlib and rich are loaded only when
 the demo runs (they are the ``emakit[demo]`` extra); ``import emakit`` never loads them.
 
-This package only re-exports; the code lives in three modules, imported one way
-(``runner`` -> ``report`` -> ``training``):
+This package only re-exports, lazily (``import emakit.demo`` loads neither torch nor an
+extra; each name is imported on first use); the code lives in four modules, imported one
+way (``runner`` -> ``report`` -> ``training`` -> ``settings``):
 
-* :mod:`emakit.demo.training`: settings, data, model, evaluation and the training loop.
+* :mod:`emakit.demo.settings`: the settings and their defaults (no third-party import).
+* :mod:`emakit.demo.training`: data, model, evaluation and the training loop.
 * :mod:`emakit.demo.report`: summary keys, the rich results table and the matplotlib plot.
 * :mod:`emakit.demo.runner`: :func:`run_demo`, the dependency check and the output folder.
 
@@ -26,31 +28,55 @@ Example:
 
 from __future__ import annotations
 
-# POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED were never in __all__ (not part of
-# ``from emakit.demo import *``); the ``X as X`` imports keep them importable from here.
-from .report import TABLE_ROWS, plot_history, results_table, summary_metrics
-from .runner import (
-    INSTALL_HINT,
-    PLOT_NAME,
-    SUMMARY_NAME,
-    DemoDependencyError,
-    check_dependencies,
-    new_output_dir,
-    run_demo,
-)
-from .runner import POSTHOC_DIR as POSTHOC_DIR
-from .training import (
-    DEFAULTS,
-    MODEL_LABELS,
-    DemoSettings,
-    evaluate,
-    late_statistics,
-    load_digits_split,
-    make_model,
-    train,
-)
-from .training import POSTHOC_SIGMA_REL as POSTHOC_SIGMA_REL
-from .training import POSTHOC_TRACKED as POSTHOC_TRACKED
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from .report import TABLE_ROWS, plot_history, results_table, summary_metrics
+    from .runner import (
+        INSTALL_HINT,
+        PLOT_NAME,
+        SUMMARY_NAME,
+        DemoDependencyError,
+        check_dependencies,
+        new_output_dir,
+        run_demo,
+    )
+    from .runner import POSTHOC_DIR as POSTHOC_DIR
+    from .settings import DEFAULTS, MODEL_LABELS, DemoSettings
+    from .settings import POSTHOC_SIGMA_REL as POSTHOC_SIGMA_REL
+    from .settings import POSTHOC_TRACKED as POSTHOC_TRACKED
+    from .training import evaluate, late_statistics, load_digits_split, make_model, train
+
+# POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are importable from here but not in
+# __all__ (not part of ``from emakit.demo import *``).
+_EXPORTS = {
+    **dict.fromkeys(("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"), "report"),
+    **dict.fromkeys(
+        (
+            "INSTALL_HINT",
+            "PLOT_NAME",
+            "POSTHOC_DIR",
+            "SUMMARY_NAME",
+            "DemoDependencyError",
+            "check_dependencies",
+            "new_output_dir",
+            "run_demo",
+        ),
+        "runner",
+    ),
+    **dict.fromkeys(
+        ("DEFAULTS", "MODEL_LABELS", "POSTHOC_SIGMA_REL", "POSTHOC_TRACKED", "DemoSettings"),
+        "settings",
+    ),
+    **dict.fromkeys(
+        ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"), "training"
+    ),
+}
+
+if not TYPE_CHECKING:  # type checkers see the imports above, not a catch-all __getattr__
+    __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = [
     "DEFAULTS",

@@ -30,7 +30,8 @@ from torch import Tensor
 from .._io import atomic_write_bytes
 from .._version import __version__
 from .report import plot_history, results_table, summary_metrics
-from .training import DEFAULTS, MODEL_LABELS, DemoSettings, load_digits_split, train
+from .settings import DEFAULTS, MODEL_LABELS, POSTHOC_SIGMA_REL, POSTHOC_TRACKED, DemoSettings
+from .training import load_digits_split, train
 
 __all__ = [
     "INSTALL_HINT",
@@ -124,11 +125,13 @@ def run_demo(
     console: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Run the demo and write ``out/summary.json`` (and ``out/demo.png``).
+    """Run the demo and write ``out/summary.json``, ``out/demo.png`` and the post-hoc
+    snapshots in ``out/posthoc-snapshots``.
 
     ``out`` is created if missing. If it exists, the demo's own files in it are replaced
-    (atomically; its ``posthoc-snapshots`` folder is emptied and rewritten) and every other
-    file is left alone.
+    (atomically; its ``posthoc-snapshots`` folder is emptied and rewritten; with
+    ``plot=False`` an old ``demo.png`` is removed, as it would no longer match the summary)
+    and every other file is left alone.
 
     Args:
         out: the output folder.
@@ -144,8 +147,10 @@ def run_demo(
 
     Returns:
         The summary written to ``summary.json``: ``online_accuracy``, ``ema_accuracy``,
-        ``online_loss``, ``ema_loss``, ``results`` (per model), ``settings``,
-        ``versions``, ``history``, ``elapsed_s`` and ``files``.
+        ``posthoc_accuracy`` (and the same ``*_loss``), ``results`` (per model),
+        ``settings``, ``posthoc`` (the tracked ``sigma_rels_tracked``, the
+        ``sigma_rel_synthesized``, its step, the snapshot cadence and folder; None when
+        ``posthoc_every=0``), ``versions``, ``history``, ``elapsed_s`` and ``files``.
 
     Raises:
         DemoDependencyError: a package of the ``emakit[demo]`` extra is missing.
@@ -181,11 +186,17 @@ def run_demo(
     final = result["final"]
     elapsed = time.perf_counter() - start
 
-    files = {"summary": SUMMARY_NAME, "plot": PLOT_NAME if plot else None}
+    tracked_posthoc = settings.posthoc_every > 0
+    files = {
+        "summary": SUMMARY_NAME,
+        "plot": PLOT_NAME if plot else None,
+        "posthoc_snapshots": POSTHOC_DIR if tracked_posthoc else None,
+    }
     summary: dict[str, Any] = {
         **summary_metrics(final),
         "results": final,
         "settings": {**asdict(settings), "n_train": len(data[1]), "n_test": len(data[3])},
+        "posthoc": _posthoc_settings(settings) if tracked_posthoc else None,
         "versions": _versions(),
         "elapsed_s": round(elapsed, 3),
         "files": files,
@@ -194,6 +205,9 @@ def run_demo(
     # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._io).
     if plot:
         atomic_write_bytes(out / PLOT_NAME, plot_history(result["history"], settings))
+    else:
+        # A plot left by an earlier run would no longer match summary.json.
+        (out / PLOT_NAME).unlink(missing_ok=True)
     atomic_write_bytes(out / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
 
     if progress:
@@ -206,8 +220,16 @@ def run_demo(
         console.print(
             f"wrote {out / SUMMARY_NAME}"
             + (f" and {out / PLOT_NAME}" if plot else "")
-            + f" in {elapsed:.1f} s"
+            + f" in {elapsed:.1f} s",
+            soft_wrap=True,
         )
+        if tracked_posthoc:
+            console.print(
+                f"post-hoc EMA snapshots: {posthoc_dir} (emakit inspect {posthoc_dir}; "
+                f"emakit synthesize {posthoc_dir} --sigma-rel 0.15 --out ema.safetensors)",
+                soft_wrap=True,
+                highlight=False,
+            )
     return summary
 
 
@@ -289,6 +311,18 @@ def _train_with_progress(
         return train(
             settings, data, on_eval=on_eval, on_step=on_step, posthoc_folder=posthoc_folder
         )
+
+
+def _posthoc_settings(settings: DemoSettings) -> dict[str, Any]:
+    """The post-hoc EMA's settings, as ``summary.json`` records them."""
+    return {
+        "sigma_rels_tracked": list(POSTHOC_TRACKED),
+        "sigma_rel_synthesized": POSTHOC_SIGMA_REL,
+        "synthesized_at_step": settings.steps,
+        "update_every": 1,
+        "checkpoint_every_num_steps": settings.posthoc_every,
+        "snapshot_folder": POSTHOC_DIR,
+    }
 
 
 def _versions() -> dict[str, str]:

@@ -5,6 +5,8 @@ and synthesis of any EMA length after training.
 * :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
   :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
 * :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone.
+* :func:`list_snapshots` / :func:`read_snapshot_info`: what a snapshot folder holds (the
+  headers only); :func:`find_snapshot_folder`: a folder or its one snapshot subfolder.
 * :class:`LegacyProfiles`: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
   (their profiles by index), alone or mixed with emakit's.
 * :mod:`emakit.posthoc.math`: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
@@ -41,6 +43,7 @@ from .snapshots import (
     read_snapshot_info,
 )
 from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
+from .where import find_snapshot_folder
 
 __all__ = [
     "KARRAS_STATE_VERSION",
@@ -56,6 +59,7 @@ __all__ = [
     "SnapshotInfo",
     "SynthesisPlan",
     "WeightSolution",
+    "find_snapshot_folder",
     "gamma_to_sigma_rel",
     "list_legacy_files",
     "list_snapshots",

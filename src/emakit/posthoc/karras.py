@@ -128,8 +128,12 @@ class KarrasEMA(EMA):
         use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
         ema_dtype: keyword-only; keep floating EMA tensors in this dtype (e.g.
             ``torch.float32`` for a bf16 model). Default None.
-        skip_nonfinite, device, async_update: keyword-only; as for :class:`~emakit.EMA`
-            (defaults False, None, None).
+        skip_nonfinite: keyword-only; skip updates with NaN/Inf weights, as for
+            :class:`~emakit.EMA`. Default False.
+        device: keyword-only; where the EMA lives, as for :class:`~emakit.EMA`.
+            Default None.
+        async_update: keyword-only; average on a background thread, as for
+            :class:`~emakit.EMA`. Default None.
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``

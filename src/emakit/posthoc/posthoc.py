@@ -27,19 +27,30 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from .._files import writable_path
 from ..core.shadow import unwrap_model
-from ..core.state import StateCodec, reals
+from ..core.state import StateCodec, reals, text
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
+from .runs import (
+    FolderLock,
+    check_run_id,
+    first_write_warnings,
+    new_run_id,
+    run_to_continue,
+    runs_in,
+)
 from .snapshots import (
+    RUN_PATTERN,
     LegacyProfiles,
     SnapshotInfo,
     is_writer,
-    list_legacy_files,
     list_snapshots,
     snapshot_filename,
-    write_snapshot,
+    snapshot_header,
+    snapshot_tensors,
+    write_snapshots,
 )
 from .synthesis import plan_synthesis
 
@@ -52,7 +63,7 @@ __all__ = [
 POSTHOC_STATE_VERSION = 2
 _CODEC = StateCodec(
     POSTHOC_STATE_VERSION,
-    [reals("gammas", meta=True)],
+    [reals("gammas", meta=True), text("run")],
     legacy_keys=("gammas",),
     legacy_version_key="version",
 )
@@ -109,6 +120,9 @@ class PostHocEMA(nn.Module):
             Integer and bool tensors are always stored exactly. Default ``torch.float16``.
         update_every: keyword-only; each profile averages every this many calls.
             Default 100.
+        run_id: keyword-only; the id recorded in every snapshot of this run (1 to 64
+            letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
+            resumes. Default None: a fresh random id (see :mod:`emakit.posthoc.runs`).
         **kwargs: passed to each :class:`KarrasEMA`: ``frozen``,
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
@@ -137,6 +151,7 @@ class PostHocEMA(nn.Module):
         checkpoint_dtype: torch.dtype | None = torch.float16,
         *,
         update_every: int = 100,
+        run_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -156,10 +171,7 @@ class PostHocEMA(nn.Module):
                 f"checkpoint_every_num_steps must be an int >= 1 or 'manual', got "
                 f"checkpoint_every_num_steps={every!r}"
             )
-        if not isinstance(checkpoint_folder, (str, os.PathLike)):
-            raise EMATypeError(
-                f"checkpoint_folder must be a str or os.PathLike, got {checkpoint_folder=!r}"
-            )
+        checkpoint_folder = writable_path("checkpoint_folder", checkpoint_folder)
         if checkpoint_dtype is not None and not (
             isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
         ):
@@ -194,7 +206,10 @@ class PostHocEMA(nn.Module):
         self.checkpoint_every_num_steps = every
         self.checkpoint_folder = Path(checkpoint_folder)
         self.checkpoint_dtype = checkpoint_dtype
+        self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
         self._folder_checked = False
+        self._folder_lock: FolderLock | None = None
+        self._loaded_run: str | None = None
         if is_writer():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
 
@@ -293,77 +308,61 @@ class PostHocEMA(nn.Module):
     def _snapshot_tensors(self, ema: KarrasEMA) -> tuple[dict[str, Tensor], set[str]]:
         if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
             raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        dtype = self.checkpoint_dtype
-        out: dict[str, Tensor] = {}
-        overflow: list[str] = []
-        for name, v in ema.ema_model.state_dict().items():
-            v = v.detach()
-            target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
-            c = v.to(device="cpu", dtype=target, copy=True).contiguous()
-            if target != v.dtype and c.isinf().any() and not v.isinf().any():
-                overflow.append(name)
-            out[name] = c
-        if overflow:
-            warnings.warn(
-                f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
-                f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
-                PostHocWarning,
-                stacklevel=3,
-            )
+        out = snapshot_tensors(ema.ema_model.state_dict(), self.checkpoint_dtype)
         return out, set(out) - self._averaged_names(ema)
 
     @staticmethod
     def _averaged_names(ema: KarrasEMA) -> set[str]:
         if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
             raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        no_ema, ignored, prefixes = (
-            ema.param_or_buffer_names_no_ema,
-            ema.ignore_names,
-            tuple(ema.ignore_startswith_names),
-        )
+        skip = ema.param_or_buffer_names_no_ema | ema.ignore_names
+        prefixes = tuple(ema.ignore_startswith_names)
         return {
             n
             for n, p in ema.ema_model.named_parameters(remove_duplicate=False)
             if (p.is_floating_point() or p.is_complex())
-            and n not in no_ema
-            and n not in ignored
+            and n not in skip
             and not n.startswith(prefixes)
         }
 
     def _check_folder(self, step: int) -> None:
         self._folder_checked = True
-        later = [s.step for s in list_snapshots(self.checkpoint_folder) if s.step > step]
-        theirs = [f for f in list_legacy_files(self.checkpoint_folder) if f.step > step]
-        if later or theirs:
-            kept = (
-                f" (not ema-pytorch's {len(theirs)} file(s) like {theirs[0].path.name}: remove "
-                f"them)"
-                if theirs
-                else ""
-            )
-            warnings.warn(
-                f"{str(self.checkpoint_folder)!r} already holds {len(later) + len(theirs)} "
-                f"snapshot(s) after step {step} (up to step {max(later + [f.step for f in theirs])}"
-                f"), from another run or from before a resume. Snapshots of this run overwrite "
-                f"them as training passes their steps{kept}; synthesis at or before step {step} "
-                f"ignores them",
-                PostHocWarning,
-                stacklevel=3,
-            )
+        for message in first_write_warnings(self.checkpoint_folder, self.run_id, step):
+            warnings.warn(message, PostHocWarning, stacklevel=3)
+
+    def _lock_folder(self) -> None:
+        lock = self._folder_lock
+        if lock is None or not lock.locked or lock.run != self.run_id:
+            self.release_folder()
+            self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
+            self._folder_lock = FolderLock(self.checkpoint_folder, self.run_id)
+
+    def release_folder(self) -> None:
+        """Release the lock on :attr:`checkpoint_folder` that this run holds while it
+        writes snapshots (also released when the object is garbage-collected or the
+        process ends); the next :meth:`checkpoint` takes it again."""
+        if self._folder_lock is not None:
+            self._folder_lock.release()
+            self._folder_lock = None
 
     def checkpoint(self) -> list[Path]:
         """Write one snapshot per profile for the current step (rank 0 only).
 
         A profile whose last averaging update was before the current step first averages
         in the current weights (exact for the power-function profile), so every snapshot's
-        profile ends at its step. Files are written atomically and named like
-        ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``.
+        profile ends at its step. The step's files are written as one set, atomically (all
+        of them or none, see :func:`~emakit.posthoc.snapshots.write_snapshots`), named like
+        ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``, and record this run's
+        id. The first write takes the folder's lock (see :mod:`emakit.posthoc.runs`).
 
         Returns:
             The files written (empty on ranks other than 0).
 
         Raises:
-            EMARuntimeError: called before the first :meth:`update`.
+            EMARuntimeError: called before the first :meth:`update`; another run is
+                writing to the folder.
+            EMAWriteError: a file could not be written (disk full...): an ``OSError``
+                naming the files; none of the step's files was written.
         """
         step = self.profiles[0].tracker.step
         if step == 0 or not all(bool(e.initted) for e in self.profiles):
@@ -371,18 +370,22 @@ class PostHocEMA(nn.Module):
                 "checkpoint() needs at least one update() first: there is no EMA to save yet"
             )
         writer = is_writer()
-        if writer and not self._folder_checked:
-            self._check_folder(step)
-        written: list[Path] = []
-        for index, ema in enumerate(self.profiles):
+        if writer:
+            self._lock_folder()
+            if not self._folder_checked:
+                self._check_folder(step)
+        for ema in self.profiles:
             ema.catch_up()
-            if not writer:
-                continue
+        if not writer:
+            return []
+        profiles = self.profiles
+        folder = self.checkpoint_folder
+        paths = [folder / snapshot_filename(step, e.sigma_rel, e.gamma) for e in profiles]
+
+        def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+            ema = profiles[index]
             tensors, copied = self._snapshot_tensors(ema)
-            path = self.checkpoint_folder / snapshot_filename(step, ema.sigma_rel, ema.gamma)
-            write_snapshot(
-                path,
-                tensors,
+            header = snapshot_header(
                 step=step,
                 t=ema.t,
                 gamma=ema.gamma,
@@ -390,10 +393,11 @@ class PostHocEMA(nn.Module):
                 profile=index,
                 update_every=int(ema.update_every or 1),
                 copied=copied,
+                run=self.run_id,
             )
-            written.append(path)
-            del tensors
-        return written
+            return tensors, header
+
+        return write_snapshots(paths, produce)
 
     # -- synthesis ------------------------------------------------------------------------
 
@@ -412,7 +416,9 @@ class PostHocEMA(nn.Module):
         before ``step`` only), then a streamed weighted sum of the snapshots (see
         :class:`~emakit.posthoc.synthesis.SynthesisPlan`): emakit's and, read as this
         PostHocEMA's profiles, ema-pytorch's (see :meth:`legacy_profiles`). Buffers come
-        from the latest snapshot at or before ``step``.
+        from the latest snapshot at or before ``step``. The snapshots are this run's
+        (:attr:`run_id`) when the folder holds any, else the folder's only run's; a folder
+        of several other runs is refused (build with ``run_id=`` to pick one).
 
         Args:
             gamma: the target exponent, ``> 0``. Give this or ``sigma_rel``.
@@ -427,7 +433,8 @@ class PostHocEMA(nn.Module):
         Raises:
             EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
                 first snapshot.
-            EMAStateError: the snapshots do not match the model; an ema-pytorch file
+            EMAStateError: the snapshots do not match the model, or changed since they
+                were listed; several runs and none of them this one; an ema-pytorch file
                 whose profile index is out of range or that ``torch.load(weights_only=True)``
                 refuses.
 
@@ -435,12 +442,14 @@ class PostHocEMA(nn.Module):
             PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
                 (its value is lost): the model's current value is kept, as ema-pytorch does.
         """
+        own = self.run_id in runs_in(list_snapshots(self.checkpoint_folder))
         plan = plan_synthesis(
             self.checkpoint_folder,
             sigma_rel=sigma_rel,
             gamma=gamma,
             step=step,
             legacy=self.legacy_profiles(),
+            run=self.run_id if own else None,
         )
         synth = KarrasEMA(
             self.model,
@@ -473,7 +482,7 @@ class PostHocEMA(nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode({"gammas": self.gammas}, destination, prefix)
+        _CODEC.encode({"gammas": self.gammas, "run": self.run_id}, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -485,7 +494,12 @@ class PostHocEMA(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys).get("gammas")
+        values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
+        saved = values.get("gammas")
+        run = values.get("run")
+        if run is not None and not RUN_PATTERN.match(run):
+            raise EMAStateError(f"state_dict metadata: run={run!r} is not a run id")
+        self._loaded_run = run
         same = saved is None or (
             len(saved) == len(self.gammas)
             and all(
@@ -509,7 +523,9 @@ class PostHocEMA(nn.Module):
         """Resume from a state written by :meth:`state_dict` (or by ema-pytorch 0.8.3).
 
         Snapshots already in :attr:`checkpoint_folder` stay and are used; the resumed run
-        keeps writing there.
+        keeps writing there under the run id the state records. A state without one (a
+        rebuilt dict, ema-pytorch's) continues the folder's run when the folder holds the
+        snapshots of exactly one identified run, with a :class:`PostHocWarning`.
         """
         if not isinstance(state_dict, Mapping):
             raise EMATypeError(
@@ -530,26 +546,41 @@ class PostHocEMA(nn.Module):
                 t = ema.tracker
                 t.last, t.gap = profile_time(t.step, int(ema.update_every), every)
         self._folder_checked = False
+        run, self._loaded_run = self._loaded_run, None
+        if run is None:
+            run = self._folder_run()
+        if run is not None and run != self.run_id:
+            self.release_folder()
+            self.run_id = run
         return result
+
+    def _folder_run(self) -> str | None:
+        """The run to continue after loading a state without a run id (on rank 0)."""
+        if not (is_writer() and self.checkpoint_folder.is_dir()):
+            return None
+        run = run_to_continue(self.checkpoint_folder, self.run_id)
+        if run is not None:
+            warnings.warn(
+                f"the loaded state_dict records no run id; continuing run {run!r}, whose "
+                f"snapshots are in {str(self.checkpoint_folder)!r} (pass run_id= to "
+                f"PostHocEMA to choose the run)",
+                PostHocWarning,
+                stacklevel=3,
+            )
+        return run
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The state of every profile, versioned; the online model is left out.
 
-        Layout (version 1), for ``PostHocEMA(net, sigma_rels=(0.05, 0.28))``::
+        Layout (version 2), for ``PostHocEMA(net, sigma_rels=(0.05, 0.28))``: ema-pytorch's
+        keys (each profile's :meth:`KarrasEMA.state_dict` under ``ema_models.<i>.``)::
 
-            {
-                "version": tensor(1),
-                "gammas": tensor([16.9722, 0.1693], dtype=torch.float64),
-                "ema_models.0.version": tensor(1),   # KarrasEMA.state_dict() of profile 0
-                "ema_models.0.step": tensor(1000),
-                "ema_models.0.karras_version": tensor(1),
-                "ema_models.0.gamma": tensor(16.9722, dtype=torch.float64),
-                "ema_models.0.t": tensor(1000),
-                "ema_models.0.dt": tensor(100),
-                "ema_models.0.ema_model.weight": tensor(...),
-                ...
-                "ema_models.1.ema_model.weight": tensor(...),
-            }
+            {"ema_models.0.initted": tensor(True), "ema_models.0.step": tensor(1000),
+             "ema_models.0.ema_model.weight": tensor(...), ..., "ema_models.1.step": ...}
+
+        and emakit's extras in torch's ``state._metadata``: ``""`` holds ``version`` (2),
+        ``gammas`` and ``run`` (the run id); ``"ema_models.<i>"`` each profile's ``gamma``,
+        ``t`` and ``dt``.
 
         Snapshots live in :attr:`checkpoint_folder`, not in the state.
         """

@@ -4,17 +4,21 @@ A snapshot is the state of one power-function EMA profile at one training step. 
 file carries, in its safetensors header, everything synthesis needs: the format and its
 version, ``gamma`` and ``sigma_rel``, the ``step`` it was taken at and ``t``, the step its
 averaging profile ends at (equal to ``step`` for snapshots written by
-:class:`~emakit.PostHocEMA`), which tensors are copied rather than averaged, and the
-profile index. A folder of snapshots can therefore be synthesized from without the model
-or the training script (``emakit synthesize``), and files that are not snapshots
-(logs, other checkpoints, temporary files) are ignored.
+:class:`~emakit.PostHocEMA`), which tensors are copied rather than averaged, the
+profile index, and the ``run`` that wrote it (see :mod:`emakit.posthoc.runs`). A folder of
+snapshots can therefore be synthesized from without the model or the training script
+(``emakit synthesize``), and files that are not snapshots (logs, other checkpoints,
+temporary files) are ignored.
 
 File names are readable and sort by step, e.g.
 ``step-000010000_sigma_rel-0.05_gamma-16.9722.safetensors``; the header, not the name, is
-authoritative. Floating tensors are stored in the snapshot dtype (float16 by default);
-integer and bool tensors (``num_batches_tracked``, step counters) are stored exactly.
-Writes are atomic (temporary file, fsync, rename) and, under ``torch.distributed``, made
-by rank 0 only.
+authoritative, and every header field is validated when read. Floating tensors are stored
+in the snapshot dtype (float16 by default); integer and bool tensors
+(``num_batches_tracked``, step counters) are stored exactly. Writes are atomic (temporary
+file, fsync, rename; one step's files all or none, see :func:`write_snapshots`) and, under
+``torch.distributed``, made by rank 0 only. A snapshot is read through one open file; its
+:attr:`SnapshotInfo.identity` and :attr:`SnapshotInfo.header_digest` let a later read
+notice that the file was replaced in between.
 
 Header metadata (format version 1), all values strings::
 
@@ -29,6 +33,7 @@ Header metadata (format version 1), all values strings::
         "profile": "0",               # index among the PostHocEMA's profiles
         "update_every": "10",
         "copied": "[\\"bn.num_batches_tracked\\", ...]",  # JSON: taken, not averaged
+        "run": "3f2a9c0e6b1d4e57",    # the run that wrote it (absent before emakit 0.2)
     }
 
 **ema-pytorch's snapshots** (``<profile index>.<step>.pt``, ``torch.save`` of a
@@ -44,30 +49,36 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .._io import TEMP_PREFIX, atomic_path
-from .._validate import not_newer
-from ..errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
-from .math import (
-    PostHocWarning,
-    check_gamma,
-    check_sigma_rel,
-    gamma_to_sigma_rel,
-    sigma_rel_to_gamma,
+from .._files import writable_path, write_errors
+from .._io import TEMP_PREFIX, atomic_paths
+from .._safetensors import SafetensorsFile, write_safetensors
+from .._validate import not_newer, stored_count
+from ..errors import EMAError, EMAStateError
+from .legacy import (
+    LEGACY_NAME,
+    LEGACY_SOURCE,
+    LegacyFile,
+    LegacyProfiles,
+    existing_folder,
+    list_legacy_files,
 )
+from .math import PostHocWarning
 
 __all__ = [
     "LEGACY_NAME",
     "LEGACY_SOURCE",
+    "RUN_PATTERN",
     "SNAPSHOT_FORMAT",
     "SNAPSHOT_FORMAT_VERSION",
     "SNAPSHOT_SUFFIX",
+    "SYNTHESIZED_FORMAT",
     "LegacyFile",
     "LegacyProfiles",
     "SnapshotInfo",
@@ -76,7 +87,10 @@ __all__ = [
     "list_snapshots",
     "read_snapshot_info",
     "snapshot_filename",
+    "snapshot_header",
+    "snapshot_tensors",
     "write_snapshot",
+    "write_snapshots",
 ]
 
 #: ``format`` value in a snapshot's header; other safetensors files are not snapshots.
@@ -84,10 +98,10 @@ SNAPSHOT_FORMAT = "emakit.posthoc.snapshot"
 #: Layout version written by this emakit; newer files are refused with an upgrade hint.
 SNAPSHOT_FORMAT_VERSION = 1
 SNAPSHOT_SUFFIX = ".safetensors"
-#: :attr:`SnapshotInfo.source` of snapshots written by ``ema_pytorch.PostHocEMA``.
-LEGACY_SOURCE = "ema-pytorch"
-#: ema-pytorch's snapshot file names: ``<profile index>.<step>.pt``.
-LEGACY_NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
+#: ``format`` value in the header of files ``emakit synthesize`` writes.
+SYNTHESIZED_FORMAT = "emakit.posthoc.synthesized"
+#: What a run id looks like: 1 to 64 letters, digits, ``.``, ``_`` or ``-``.
+RUN_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,11 @@ class SnapshotInfo:
             ema-pytorch ``<index>.<step>.pt`` file read through :class:`LegacyProfiles`.
         exact_dtypes: for ema-pytorch files, the dtype each integer or bool tensor is
             restored to (ema-pytorch stored it as a float); empty for emakit snapshots.
+        run: the id of the run that wrote it (``""`` for snapshots of emakit versions
+            before run ids, and for ema-pytorch files).
+        identity: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file when its header
+            was read; None when not known.
+        header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
     """
 
     path: Path
@@ -123,6 +142,9 @@ class SnapshotInfo:
     format_version: int = SNAPSHOT_FORMAT_VERSION
     source: str = "emakit"
     exact_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    run: str = ""
+    identity: tuple[int, int, int, int] | None = None
+    header_digest: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -157,9 +179,7 @@ def snapshot_filename(step: int, sigma_rel: float, gamma: float) -> str:
     return f"step-{step:09d}_sigma_rel-{_fmt(sigma_rel)}_gamma-{_fmt(gamma)}{SNAPSHOT_SUFFIX}"
 
 
-def write_snapshot(
-    path: str | os.PathLike[str],
-    tensors: Mapping[str, Tensor],
+def snapshot_header(
     *,
     step: int,
     t: int,
@@ -168,24 +188,12 @@ def write_snapshot(
     profile: int,
     update_every: int,
     copied: frozenset[str] | set[str],
-) -> Path:
-    """Write one snapshot atomically (temporary file in the same folder, fsync, rename).
-
-    Args:
-        path: the destination file.
-        tensors: name -> tensor, already in the dtype to store; tensors must not share
-            memory (pass copies).
-        step, t, gamma, sigma_rel, profile, update_every, copied: the header fields (see
-            :class:`SnapshotInfo`).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-    """
-    from safetensors.torch import save_file
-
+    run: str = "",
+) -> dict[str, str]:
+    """The header metadata of a snapshot (see the module docstring for the layout)."""
     from .._version import __version__
 
-    metadata = {
+    header = {
         "format": SNAPSHOT_FORMAT,
         "format_version": str(SNAPSHOT_FORMAT_VERSION),
         "emakit_version": __version__,
@@ -197,238 +205,210 @@ def write_snapshot(
         "update_every": str(int(update_every)),
         "copied": json.dumps(sorted(copied)),
     }
-    dest = Path(path)
-    with atomic_path(dest) as tmp:
-        save_file(dict(tensors), str(tmp), metadata=metadata)
-    return dest
+    if run:
+        header["run"] = run
+    return header
 
 
-def _field(meta: Mapping[str, str], key: str, kind: type, path: Path) -> object:
+def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """CPU copies of an EMA model's ``state`` to write as a snapshot: floating tensors in
+    ``dtype`` (None keeps theirs), integer and bool tensors exact.
+
+    Warns:
+        PostHocWarning: values overflow ``dtype`` (stored as inf).
+    """
+    out: dict[str, Tensor] = {}
+    overflow: list[str] = []
+    for name, v in state.items():
+        v = v.detach()
+        target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
+        c = v.to(device="cpu", dtype=target, copy=True).contiguous()
+        if target != v.dtype and c.isinf().any() and not v.isinf().any():
+            overflow.append(name)
+        out[name] = c
+    if overflow:
+        warnings.warn(
+            f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
+            f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
+            PostHocWarning,
+            stacklevel=4,
+        )
+    return out
+
+
+def write_snapshots(
+    paths: Sequence[str | os.PathLike[str]],
+    produce: Callable[[int], tuple[Mapping[str, Tensor], Mapping[str, str]]],
+) -> list[Path]:
+    """Write several snapshots as one set: all of them, or none.
+
+    Each file is written to a temporary file next to it and fsynced; only when all are
+    complete are they renamed into place (see :func:`emakit._io.atomic_paths`). A failed
+    write (a full disk) leaves every destination as it was and no temporary file behind.
+    ``produce(i)`` is called for one file at a time, so only one file's tensors are held.
+
+    Args:
+        paths: the destinations.
+        produce: ``i -> (tensors, header)`` for ``paths[i]``; ``header`` from
+            :func:`snapshot_header`, the tensors already in the dtype to store.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        EMAValueError: a path is not valid UTF-8 (it could not be read back).
+        EMAWriteError: a file could not be written (disk full, read-only folder); an
+            ``OSError`` with the original ``errno``, naming the files. Nothing was replaced.
+    """
+    dests = [writable_path("path", p) for p in paths]
+    with write_errors(dests, "snapshot"), atomic_paths(dests) as temps:
+        for i, tmp in enumerate(temps):
+            tensors, header = produce(i)
+            with open(tmp, "wb") as f:
+                write_safetensors(f, tensors, header)
+            del tensors
+    return dests
+
+
+def write_snapshot(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, Tensor],
+    *,
+    step: int,
+    t: int,
+    gamma: float,
+    sigma_rel: float,
+    profile: int,
+    update_every: int,
+    copied: frozenset[str] | set[str],
+    run: str = "",
+) -> Path:
+    """Write one snapshot atomically (temporary file in the same folder, fsync, rename).
+
+    Args:
+        path: the destination file.
+        tensors: name -> tensor, already in the dtype to store.
+        step, t, gamma, sigma_rel, profile, update_every, copied, run: the header fields
+            (see :class:`SnapshotInfo`).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        EMAWriteError: the file could not be written; it was left as it was.
+    """
+    header = snapshot_header(
+        step=step,
+        t=t,
+        gamma=gamma,
+        sigma_rel=sigma_rel,
+        profile=profile,
+        update_every=update_every,
+        copied=copied,
+        run=run,
+    )
+    return write_snapshots([path], lambda i: (tensors, header))[0]
+
+
+def _malformed(path: Path, key: str, value: object, why: str) -> EMAStateError:
+    return EMAStateError(
+        f"snapshot {path} has a malformed {key!r} in its header ({key}={value!r}: {why}); "
+        f"the file is damaged or was not written by emakit: move it out of the folder"
+    )
+
+
+def _count(meta: Mapping[str, str], key: str, path: Path, low: int, default: int | None) -> int:
+    if key not in meta and default is not None:
+        return default
     try:
-        value = kind(meta[key])
-    except (KeyError, ValueError) as e:
-        raise EMAStateError(
-            f"snapshot {path} has a missing or malformed {key!r} in its header "
-            f"({meta.get(key)!r}); the file is damaged or was not written by emakit"
-        ) from e
-    return value
+        return stored_count(f"snapshot {path}", key, meta[key], low=low, text=True)
+    except KeyError:
+        raise _malformed(path, key, None, "missing") from None
 
 
-def _parse(path: Path, meta: Mapping[str, str]) -> SnapshotInfo:
-    version = int(_field(meta, "format_version", int, path))  # type: ignore[call-overload]
+def _real(meta: Mapping[str, str], key: str, path: Path) -> float:
+    value = meta.get(key)
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise _malformed(path, key, value, "not a number") from None
+    if not (math.isfinite(x) and x > 0):
+        raise _malformed(path, key, value, "must be finite and > 0")
+    return x
+
+
+def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None) -> SnapshotInfo:
+    """A snapshot's header, every field checked; errors name the file and the field."""
+    if "format_version" not in meta:
+        raise _malformed(path, "format_version", None, "missing")
+    version = _count(meta, "format_version", path, 1, None)
     not_newer(f"snapshot {path}", "format_version", version, SNAPSHOT_FORMAT_VERSION)
     try:
         copied = json.loads(meta.get("copied", "[]"))
-    except ValueError as e:
-        raise EMAStateError(f"snapshot {path} has a malformed 'copied' list in its header") from e
-    gamma = float(_field(meta, "gamma", float, path))  # type: ignore[arg-type]
-    step = int(_field(meta, "step", int, path))  # type: ignore[call-overload]
-    t = int(_field(meta, "t", int, path)) if "t" in meta else step  # type: ignore[call-overload]
-    if not (math.isfinite(gamma) and gamma > 0 and 0 < t <= step):
-        raise EMAStateError(
-            f"snapshot {path} has an invalid header: gamma={gamma!r}, t={t}, step={step} "
-            f"(need gamma > 0 and 0 < t <= step)"
-        )
+    except ValueError:
+        raise _malformed(path, "copied", meta.get("copied"), "not JSON") from None
+    if not isinstance(copied, list) or not all(isinstance(n, str) for n in copied):
+        raise _malformed(path, "copied", meta.get("copied"), "not a JSON list of names")
+    gamma = _real(meta, "gamma", path)
+    step = _count(meta, "step", path, 1, None)
+    t = _count(meta, "t", path, 1, step)
+    if t > step:
+        raise _malformed(path, "t", meta.get("t"), f"after step={step}")
+    run = meta.get("run", "")
+    if run and not RUN_PATTERN.match(run):
+        raise _malformed(path, "run", run, "not a run id")
     return SnapshotInfo(
         path=path,
         step=step,
         t=t,
         gamma=gamma,
-        sigma_rel=float(_field(meta, "sigma_rel", float, path)),  # type: ignore[arg-type]
-        profile=int(meta.get("profile", "0")),
-        update_every=int(meta.get("update_every", "1")),
+        sigma_rel=_real(meta, "sigma_rel", path),
+        profile=_count(meta, "profile", path, 0, 0),
+        update_every=_count(meta, "update_every", path, 1, 1),
         copied=frozenset(copied),
         format_version=version,
+        run=run,
+        identity=None if f is None else f.identity,
+        header_digest="" if f is None else f.header_digest,
     )
 
 
-def _header_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return dict(f.metadata() or {})
+def _looks_damaged(meta: Mapping[str, str]) -> bool:
+    """A header that is almost a snapshot's: its format one or two characters off, or
+    missing while the profile fields are there (a flipped bit in the key)."""
+    fmt = meta.get("format")
+    if isinstance(fmt, str):
+        near = len(fmt) == len(SNAPSHOT_FORMAT) and (
+            sum(a != b for a, b in zip(fmt, SNAPSHOT_FORMAT, strict=True)) <= 2
+        )
+        return near and fmt != SNAPSHOT_FORMAT
+    return "gamma" in meta and "sigma_rel" in meta
 
 
 def read_snapshot_info(path: str | os.PathLike[str]) -> SnapshotInfo:
     """Read a snapshot's header (no tensor is loaded).
 
+    Example:
+        >>> info = read_snapshot_info("ckpts/step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors")  # doctest: +SKIP
+        >>> info.step, round(info.sigma_rel, 2)  # doctest: +SKIP
+        (1000, 0.05)
+
     Raises:
         EMAFileNotFoundError: the file does not exist.
-        EMAStateError: it is not a readable emakit snapshot, or one from a newer emakit.
+        EMAValueError: it is a folder, a FIFO or another non-regular file.
+        EMAStateError: it is not a readable emakit snapshot, one from a newer emakit, or
+            a header field is malformed (the message names the file and the field).
     """
     p = Path(path)
-    if not p.is_file():
-        error = EMAValueError if p.exists() else EMAFileNotFoundError
-        raise error(f"snapshot file {str(p)!r} does not exist (or is not a file)")
-    try:
-        meta = _header_metadata(p)
-    except Exception as e:
-        raise EMAStateError(
-            f"{p} is not a readable safetensors file ({type(e).__name__}: {e})"
-        ) from e
-    if meta.get("format") != SNAPSHOT_FORMAT:
-        raise EMAStateError(
-            f"{p} is not an emakit post-hoc snapshot (its header format is "
-            f"{meta.get('format')!r}, expected {SNAPSHOT_FORMAT!r})"
-        )
-    return _parse(p, meta)
-
-
-def _as_folder(folder: object) -> Path:
-    if not isinstance(folder, (str, os.PathLike)):
-        raise EMATypeError(
-            f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
-            f"({type(folder).__name__})"
-        )
-    return Path(folder)
-
-
-def _existing_folder(folder: object) -> Path:
-    root = _as_folder(folder)
-    if not root.is_dir():
-        what = "is not a folder" if root.exists() else "does not exist"
-        error = EMAValueError if root.exists() else EMAFileNotFoundError
-        raise error(
-            f"snapshot folder {str(root)!r} {what}; pass the checkpoint_folder that "
-            f"PostHocEMA wrote its snapshots to"
-        )
-    return root
-
-
-# -- ema-pytorch's snapshot files -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LegacyFile:
-    """An ema-pytorch snapshot file, ``<profile index>.<step>.pt``, known by its name only.
-
-    Attributes:
-        path: the file.
-        profile: the profile index (ema-pytorch's ``PostHocEMA.gammas[profile]``).
-        step: ``update()`` calls when it was written.
-    """
-
-    path: Path
-    profile: int
-    step: int
-
-
-@dataclass(frozen=True)
-class LegacyProfiles:
-    """The profiles of an ema-pytorch run, to read its ``<index>.<step>.pt`` snapshots.
-
-    ema-pytorch's files record neither gamma nor which tensors are buffers.
-    :meth:`emakit.posthoc.PostHocEMA.legacy_profiles` builds this from the PostHocEMA; the
-    CLI from ``--legacy-sigma-rels`` / ``--legacy-gammas``.
-
-    Attributes:
-        gammas: gamma of each profile index, in ema-pytorch's order (its
-            ``PostHocEMA.gammas``).
-        sigma_rels: the matching relative widths. Default None: derived from ``gammas``.
-        update_every: the ``update_every`` the ema-pytorch run used, to find each file's
-            last averaging update. Default 1.
-        copied: EMA-model state names taken rather than averaged at synthesis (buffers,
-            integer tensors). Default None: those of the folder's latest emakit snapshot,
-            or none (everything averaged) without one.
-        exact_dtypes: ``(name, dtype)`` of integer and bool tensors, restored (rounded)
-            from ema-pytorch's float copies. Default ``()`` (with ``copied=None``: the
-            dtypes in the emakit snapshot).
-
-    Example:
-        >>> LegacyProfiles.from_sigma_rels((0.05, 0.28)).gammas[0]  # doctest: +ELLIPSIS
-        16.97...
-    """
-
-    gammas: tuple[float, ...]
-    sigma_rels: tuple[float, ...] | None = None
-    update_every: int = 1
-    copied: frozenset[str] | None = None
-    exact_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.gammas, (str, bytes)) or not isinstance(self.gammas, Sequence):
-            raise EMATypeError(f"gammas must be a tuple of numbers, got {self.gammas!r}")
-        gammas = tuple(check_gamma(g, "gammas") for g in self.gammas)
-        srs = self.sigma_rels
-        if not gammas or (srs is not None and len(srs) != len(gammas)):
-            raise EMAValueError(
-                f"gammas must hold one value per profile index (and sigma_rels, if given, "
-                f"as many), got gammas={self.gammas!r}, sigma_rels={srs!r}"
-            )
-        every = self.update_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise EMAValueError(f"update_every must be an int >= 1, got update_every={every!r}")
-        set_ = object.__setattr__
-        set_(self, "gammas", gammas)
-        if srs is not None:
-            set_(self, "sigma_rels", tuple(check_sigma_rel(s, "sigma_rels") for s in srs))
-        set_(self, "copied", None if self.copied is None else frozenset(self.copied))
-        set_(self, "exact_dtypes", tuple(self.exact_dtypes))
-
-    @classmethod
-    def from_sigma_rels(
-        cls, sigma_rels: Sequence[float], *, update_every: int = 1
-    ) -> LegacyProfiles:
-        """The profiles of an ema-pytorch ``PostHocEMA(sigma_rels=...)`` run.
-
-        Args:
-            sigma_rels: its ``sigma_rels``, in order.
-            update_every: its ``update_every``. Default 1.
-        """
-        srs = tuple(check_sigma_rel(s, "sigma_rels") for s in sigma_rels)
-        return cls(
-            tuple(sigma_rel_to_gamma(s) for s in srs), sigma_rels=srs, update_every=update_every
-        )
-
-    def profile(self, file: LegacyFile) -> tuple[float, float]:
-        """``(gamma, sigma_rel)`` of ``file``'s profile index.
-
-        Raises:
-            EMAStateError: the index is out of range of :attr:`gammas`.
-        """
-        i = file.profile
-        if i >= len(self.gammas):
+    with SafetensorsFile(p, "snapshot file") as f:
+        meta = f.metadata
+        if meta.get("format") != SNAPSHOT_FORMAT:
             raise EMAStateError(
-                f"ema-pytorch snapshot {file.path} is of profile index {i}, but only "
-                f"{len(self.gammas)} profile(s) are known (gammas={list(self.gammas)}); "
-                f"ema-pytorch names its files <profile index>.<step>.pt and takes gamma from "
-                f"its PostHocEMA.gammas[index]. Give the sigma_rels (or gammas) of the run that "
-                f"wrote the file, in order and at least {i + 1} of them (PostHocEMA(sigma_rels="
-                f"...), or emakit's --legacy-sigma-rels / --legacy-gammas), or move the file "
-                f"out of the folder"
+                f"{p} is not an emakit post-hoc snapshot (its header format is "
+                f"{meta.get('format')!r}, expected {SNAPSHOT_FORMAT!r})"
+                + ("; the header looks damaged" if _looks_damaged(meta) else "")
             )
-        gamma = self.gammas[i]
-        return gamma, (self.sigma_rels[i] if self.sigma_rels else gamma_to_sigma_rel(gamma))
-
-    def t_of(self, step: int) -> int:
-        """``t`` of the file ``<index>.<step>.pt``: the step its profile ends at.
-
-        ema-pytorch's ``update()`` increments ``step``, averages on the calls ``c`` with
-        ``(c - 1) % update_every == 0`` (decay ``(1 - 1/(c + 1))^(gamma + 1)``), and
-        ``checkpoint()`` names the file after the calls so far. The last weights averaged
-        in are those of the last such call at or before ``step``: ``step`` itself for
-        ``update_every=1``, as for emakit's own snapshots (so the two kinds mix).
-        """
-        k = self.update_every
-        return 1 + k * ((step - 1) // k)
-
-
-def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
-    """ema-pytorch's snapshot files (``<profile index>.<step>.pt``) in ``folder``, by
-    ``(step, profile)``; found by name, nothing is read.
-
-    Raises:
-        EMAFileNotFoundError: ``folder`` does not exist.
-        EMAValueError: ``folder`` is not a folder.
-    """
-    root = _existing_folder(folder)
-    found = []
-    for path in root.iterdir():
-        m = LEGACY_NAME.match(path.name)
-        if m and path.is_file():
-            found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
-    found.sort(key=lambda f: (f.step, f.profile, f.path.name))
-    return found
+        return _parse(p, meta, f)
 
 
 #: safetensors codes of the integer and bool dtypes.
@@ -443,11 +423,10 @@ def _legacy_layout(
     if legacy.copied is not None:
         return legacy.copied, legacy.exact_dtypes
     if emakit:  # the folder's own snapshots know the model
-        from safetensors import safe_open
-
         ref = emakit[-1]
-        with safe_open(str(ref.path), framework="pt", device="cpu") as f:
-            codes = {n: f.get_slice(n).get_dtype() for n in sorted(ref.copied)}
+        with SafetensorsFile(ref.path, "snapshot") as f:
+            stored = set(f.keys())
+            codes = {n: f.code(n) for n in sorted(ref.copied) if n in stored}
         return ref.copied, tuple((n, _EXACT[c]) for n, c in codes.items() if c in _EXACT)
     return frozenset(), ()
 
@@ -497,7 +476,9 @@ def list_snapshots(
     :class:`LegacyProfiles`; without it they are left out: :func:`list_legacy_files`
     finds them). Anything else in the folder (other files, other safetensors files,
     emakit's temporary files) is ignored. A ``.safetensors`` file whose header cannot be
-    read is skipped with a :class:`~emakit.posthoc.PostHocWarning`.
+    read, or whose header is almost a snapshot's (a damaged ``format``), is skipped with a
+    :class:`~emakit.posthoc.PostHocWarning`. Snapshots of every run are listed (see
+    :mod:`emakit.posthoc.runs` to pick one).
 
     Args:
         folder: the snapshot folder.
@@ -509,10 +490,11 @@ def list_snapshots(
     Raises:
         EMAFileNotFoundError: ``folder`` does not exist.
         EMAValueError: ``folder`` is not a folder.
-        EMAStateError: a snapshot was written by a newer emakit, or its header is damaged;
-            an ema-pytorch file's profile index is out of range of ``legacy.gammas``.
+        EMAStateError: a snapshot was written by a newer emakit, or a field of its header
+            is malformed (naming the file and the field); an ema-pytorch file's profile
+            index is out of range of ``legacy.gammas``.
     """
-    root = _existing_folder(folder)
+    root = existing_folder(folder)
     found: list[SnapshotInfo] = []
     for path in sorted(root.iterdir()):
         name = path.name
@@ -521,17 +503,21 @@ def list_snapshots(
         if not path.is_file():
             continue
         try:
-            meta = _header_metadata(path)
-        except Exception as e:
-            warnings.warn(
-                f"skipping {path}: not a readable safetensors file ({type(e).__name__}: {e})",
-                PostHocWarning,
-                stacklevel=2,
-            )
+            f = SafetensorsFile(path, "snapshot")
+        except EMAError as e:  # unreadable, a FIFO, or a file that vanished since the listing
+            warnings.warn(f"skipping {path}: {e}", PostHocWarning, stacklevel=2)
             continue
-        if meta.get("format") != SNAPSHOT_FORMAT:
-            continue
-        found.append(_parse(path, meta))
+        with f:
+            meta = f.metadata
+            if meta.get("format") == SNAPSHOT_FORMAT:
+                found.append(_parse(path, meta, f))  # a malformed field raises, never skips
+            elif _looks_damaged(meta):
+                warnings.warn(
+                    f"skipping {path}: its header is almost a snapshot's but its format is "
+                    f"{meta.get('format')!r}; the file is damaged",
+                    PostHocWarning,
+                    stacklevel=2,
+                )
     found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
     if legacy is not None:
         found.extend(_legacy_snapshots(root, found, legacy))

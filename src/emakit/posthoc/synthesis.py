@@ -14,7 +14,10 @@ least-squares fit of the profiles (Algorithm 3, :func:`~emakit.posthoc.math.solv
 
 Synthesis streams the snapshots: one file is open at a time and its tensors are added,
 one by one, into a float32 accumulator, so memory stays at about one model however many
-snapshots there are. Buffers (BatchNorm statistics, counters) and other non-averaged
+snapshots there are. Each snapshot is read through one open file, and a snapshot replaced
+or changed since the plan read its header is refused when it is read. A folder holding the
+snapshots of more than one run is refused unless a run is picked (``run=``).
+Buffers (BatchNorm statistics, counters) and other non-averaged
 tensors are not summed (a weighted sum with negative weights can make a variance
 negative); they come from the latest snapshot at or before the target step.
 """
@@ -33,9 +36,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .._files import open_regular, refusal_reason
+from .._safetensors import SafetensorsFile
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights
+from .runs import pick_run
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
@@ -62,11 +68,6 @@ def _check_step(step: object) -> int | None:
     return step
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16}
-_DTYPES.update({"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn})
-_DTYPES.update({"F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "BOOL": torch.bool})
-
-
 # -- reading one snapshot -------------------------------------------------------------------
 
 
@@ -78,16 +79,21 @@ def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     (e.g. a pickled object with code) is refused, never executed.
 
     Raises:
+        EMAFileNotFoundError: the file does not exist.
+        EMAValueError: it is not a regular file (a FIFO...).
         EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
     """
-    p = Path(path)
+    with open_regular(path, "ema-pytorch snapshot") as f:
+        return _legacy_tensors(f, Path(path))
+
+
+def _legacy_tensors(f: Any, p: Path) -> dict[str, Tensor]:
     try:
-        obj = torch.load(str(p), map_location="cpu", weights_only=True)
+        obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EMAStateError(
             f"{p} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
-            f"True) refused it ({type(e).__name__}: {why}). emakit reads .pt snapshots with "
+            f"True) refused it ({refusal_reason(e)}). emakit reads .pt snapshots with "
             f"weights_only=True and never runs pickled code; move the file out of the "
             f"snapshot folder if it is not one of ema-pytorch's snapshots"
         ) from e
@@ -146,24 +152,6 @@ class SnapshotReader(Protocol):
         ...
 
 
-class _SafetensorsReader:
-    def __init__(self, handle: Any) -> None:
-        self._f = handle
-
-    def keys(self) -> list[str]:
-        return list(self._f.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._f.get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> torch.dtype:
-        code = self._f.get_slice(name).get_dtype()
-        return _DTYPES.get(code) or self._f.get_tensor(name).dtype  # type: ignore[no-any-return]
-
-    def get(self, name: str) -> Tensor:
-        return self._f.get_tensor(name)  # type: ignore[no-any-return]
-
-
 class _TensorsReader:
     def __init__(self, tensors: dict[str, Tensor]) -> None:
         self._t = tensors
@@ -181,21 +169,38 @@ class _TensorsReader:
         return self._t[name]
 
 
+def _changed(info: SnapshotInfo, identity: tuple[int, int, int, int], digest: str) -> None:
+    if (info.identity is not None and identity != info.identity) or (
+        info.header_digest and digest != info.header_digest
+    ):
+        raise EMAStateError(
+            f"snapshot {info.path} changed after the synthesis was planned (it was replaced "
+            f"or rewritten: another process is writing to the folder?); plan the synthesis "
+            f"again once the folder is no longer written to"
+        )
+
+
 @contextmanager
 def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
-    """Open one snapshot for reading: an emakit file lazily (safetensors), an ema-pytorch
-    file loaded whole (``torch.load(weights_only=True)``).
+    """Open one snapshot for reading through one open file: an emakit file lazily
+    (its header, then one tensor at a time), an ema-pytorch file loaded whole
+    (``torch.load(weights_only=True)``).
 
     Raises:
-        EMAStateError: an ema-pytorch file that cannot be loaded safely.
+        EMAStateError: the file changed since ``info`` was read (another file at the path,
+            or another header); an ema-pytorch file that cannot be loaded safely; a
+            damaged file.
     """
     if info.is_legacy:
-        yield _TensorsReader(load_legacy_tensors(info.path))
+        with open_regular(info.path, "ema-pytorch snapshot") as fh:
+            st = os.fstat(fh.fileno())
+            _changed(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
+            tensors = _legacy_tensors(fh, info.path)
+        yield _TensorsReader(tensors)
         return
-    from safetensors import safe_open
-
-    with safe_open(str(info.path), framework="pt", device="cpu") as f:
-        yield _SafetensorsReader(f)
+    with SafetensorsFile(info.path, "snapshot") as f:
+        _changed(info, f.identity, f.header_digest)
+        yield f
 
 
 # -- planning and running -------------------------------------------------------------------
@@ -310,6 +315,7 @@ def plan_synthesis(
     gamma: float | None = None,
     step: int | None = None,
     legacy: LegacyProfiles | None = None,
+    run: str | None = None,
 ) -> SynthesisPlan:
     """Choose the snapshots and solve the weights for one target EMA (from the snapshot
     headers and names; only an ema-pytorch file chosen for the buffers is loaded, to
@@ -325,15 +331,19 @@ def plan_synthesis(
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
             which are then used with emakit's snapshots. Default None: the folder must
             hold none.
+        run: the run whose snapshots to use (see :mod:`emakit.posthoc.runs`; ``""`` for
+            snapshots written before run ids). Default None: the folder must hold the
+            snapshots of one run.
 
     Returns:
         A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
-            ``step`` before the first snapshot.
+            ``step`` before the first snapshot; a ``run`` with no snapshots.
         EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
-            profile index ``legacy`` does not cover.
+            profile index ``legacy`` does not cover; snapshots of several runs and no
+            ``run``.
 
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
@@ -342,7 +352,7 @@ def plan_synthesis(
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = _check_step(step)
-    snaps = list_snapshots(folder, legacy=legacy)
+    snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
     if legacy is None and (stray := list_legacy_files(folder)):
         raise EMAStateError(
             f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
@@ -384,8 +394,7 @@ def plan_synthesis(
         warnings.warn(
             f"post-hoc EMA: the snapshots at or before step {step} reconstruct the "
             f"sigma_rel={sigma_rel:.4g} profile only roughly (relative profile error "
-            f"{solution.residual:.2g}); the last usable snapshot is at step {last}. Pick a step "
-            f"that has a snapshot, or save snapshots more often",
+            f"{solution.residual:.2g}): {_poor_fit_reason(usable, step, sigma_rel, gamma)}",
             PostHocWarning,
             stacklevel=2,
         )
@@ -406,6 +415,48 @@ def plan_synthesis(
         solution=solution,
         buffers_from=buffers_from,
     )
+
+
+def _poor_fit_reason(
+    usable: tuple[SnapshotInfo, ...], step: int, sigma_rel: float, gamma: float
+) -> str:
+    """Why the fit is poor, and what to change: the target step lies after the last
+    snapshot, the target length lies outside the tracked ones, or the snapshots are too
+    few (too far apart) for the profile; each checked, not assumed."""
+    steps = sorted({s.step for s in usable})
+    last = steps[-1]
+    reasons = []
+    if step > last:
+        # Would the same snapshots fit at the last snapshot's step? Then the gap is the cause.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PostHocWarning)
+            there = solve_weights([s.t for s in usable], [s.gamma for s in usable], last, gamma)
+        gap = (
+            f"the last usable snapshot is at step {last}, {step - last} step(s) before the "
+            f"target step {step}"
+        )
+        if there.residual <= RESIDUAL_WARN:
+            return (
+                f"{gap}, and an EMA keeps changing after its last snapshot; at step {last} the "
+                f"error would be {there.residual:.2g}: pick a step that has a snapshot"
+            )
+        reasons.append(gap)
+    low, high = min(s.sigma_rel for s in usable), max(s.sigma_rel for s in usable)
+    if not low <= sigma_rel <= high:
+        reasons.append(
+            f"sigma_rel={sigma_rel:.4g} lies outside the tracked profiles "
+            f"({', '.join(f'{x:.4g}' for x in sorted({s.sigma_rel for s in usable}))}), so the "
+            f"synthesis extrapolates; track a profile closer to it (PostHocEMA(sigma_rels=...))"
+        )
+    # With fewer than ~8 snapshot steps even a length between the tracked ones fits only
+    # roughly (4 evenly spaced steps: error ~0.1; 8: ~0.04), so that is named alongside.
+    if not reasons or len(steps) < 8:
+        reasons.append(
+            f"{len(usable)} snapshot(s) at {len(steps)} step(s) ({steps[0]}..{last}) are too "
+            f"few and too far apart to represent this profile; save snapshots more often "
+            f"(checkpoint_every_num_steps) or train longer before synthesizing"
+        )
+    return "; ".join(reasons)
 
 
 def _stored_roundoff(snap: SnapshotInfo) -> float:
@@ -446,6 +497,7 @@ def synthesize_state_dict(
     dtype: torch.dtype | None = torch.float32,
     progress: Callable[[int, int], None] | None = None,
     legacy: LegacyProfiles | None = None,
+    run: str | None = None,
 ) -> dict[str, Tensor]:
     """Reconstruct the EMA with ``sigma_rel`` (or ``gamma``) at ``step`` from a snapshot
     folder, without the model: ``plan_synthesis(...).run(...)``.
@@ -459,6 +511,7 @@ def synthesize_state_dict(
         progress: called as ``progress(done, total)`` after each snapshot.
         legacy: the profiles of ema-pytorch's snapshot files in the folder (see
             :func:`plan_synthesis`). Default None.
+        run: the run to use (see :func:`plan_synthesis`). Default None: the only one.
 
     Returns:
         name -> tensor, loadable straight into the model class with ``load_state_dict``.
@@ -467,5 +520,7 @@ def synthesize_state_dict(
         >>> sd = synthesize_state_dict("./post-hoc-ema-checkpoints", sigma_rel=0.15)  # doctest: +SKIP
         >>> net.load_state_dict(sd)  # doctest: +SKIP
     """
-    plan = plan_synthesis(folder, sigma_rel=sigma_rel, gamma=gamma, step=step, legacy=legacy)
+    plan = plan_synthesis(
+        folder, sigma_rel=sigma_rel, gamma=gamma, step=step, legacy=legacy, run=run
+    )
     return plan.run(dtype=dtype, progress=progress)

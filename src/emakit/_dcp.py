@@ -1,0 +1,299 @@
+"""Sharded (DCP) checkpoint folders that survive a crash, read without unpickling code.
+
+Imported only by :mod:`emakit.distributed`'s save and load functions (it imports
+``torch.distributed.checkpoint``).
+
+**Layout.** ``torch.distributed.checkpoint`` (DCP) writes its files in place, so a process
+killed during a save over an existing checkpoint leaves a folder that is neither the old
+checkpoint nor the new one. emakit therefore never writes into the checkpoint that is in
+use. A checkpoint folder ``ckpt/`` holds::
+
+    ckpt/emakit-sharded.json     {"format": "emakit.sharded_ema", "format_version": 1,
+                                  "current": "v-3f2a9c0e6b1d4e57"}
+    ckpt/v-3f2a9c0e6b1d4e57/     a complete DCP checkpoint (.metadata, __0_0.distcp, ...)
+
+A save writes a fresh sibling ``ckpt/v-<random>/``; once DCP has finished (every rank's
+data and the ``.metadata`` written and fsynced), rank 0 replaces the pointer file
+atomically (:func:`emakit._io.atomic_write_bytes`) and then removes the other ``v-*``
+folders: the previous checkpoint, and any left by a save that was killed (stale
+temporaries). A kill at any moment leaves the pointer naming a complete checkpoint. A
+folder without the pointer is read as a plain DCP checkpoint (what emakit wrote before,
+or ``dcp.save`` itself); the first save over it switches it to this layout and removes
+the old top-level DCP files.
+
+**Reading.** DCP's own reader unpickles ``.metadata`` with :mod:`pickle`, and non-tensor
+entries with ``torch.load(weights_only=False)``: a crafted checkpoint runs code.
+:class:`SafeReader` unpickles ``.metadata`` with an unpickler that resolves only DCP's own
+metadata classes, ``torch.Size``, torch dtypes and layouts, and paths, refuses entries
+stored as pickled bytes (an EMA's state holds only tensors), and refuses data file names
+that point outside the checkpoint. Tensor data is read by DCP with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ._io import atomic_write_bytes
+from .errors import EMAStateError
+
+__all__ = [
+    "POINTER",
+    "SHARDED_FORMAT",
+    "SafeReader",
+    "commit",
+    "new_version",
+    "read_pointer",
+    "remove_stale",
+    "resolve",
+]
+
+#: The pointer file naming a checkpoint folder's current version.
+POINTER = "emakit-sharded.json"
+#: ``format`` in the pointer file.
+SHARDED_FORMAT = "emakit.sharded_ema"
+_VERSION = re.compile(r"^v-[0-9a-f]{16}$")
+_DCP_FILE = re.compile(r"^(\.metadata|__\d+\.metadata|__\d+_\d+\.distcp)$")
+
+
+def new_version() -> str:
+    """A fresh version folder name, ``v-<16 hex digits>``."""
+    return f"v-{uuid.uuid4().hex[:16]}"
+
+
+def read_pointer(folder: Path) -> str | None:
+    """The current version named by ``folder``'s pointer file (None without one).
+
+    Raises:
+        EMAStateError: the pointer file is malformed.
+    """
+    path = folder / POINTER
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise EMAStateError(f"{path} cannot be read ({e.strerror or e})") from e
+    try:
+        pointer = json.loads(raw.decode("utf-8"))
+        current = pointer["current"]
+        ok = pointer.get("format") == SHARDED_FORMAT and isinstance(current, str)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok, current = False, None
+    if not ok or not _VERSION.match(current):
+        raise EMAStateError(
+            f"{path} is not an emakit sharded-checkpoint pointer (expected JSON with format "
+            f"{SHARDED_FORMAT!r} and current 'v-<16 hex digits>'); the file is damaged"
+        )
+    return str(current)
+
+
+def resolve(folder: Path) -> Path:
+    """The DCP checkpoint to read for the checkpoint folder ``folder``: the version its
+    pointer names, or ``folder`` itself (a plain DCP checkpoint)."""
+    current = read_pointer(folder)
+    return folder if current is None else folder / current
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit(folder: Path, version: str) -> None:
+    """Make ``folder/version`` (complete) the current checkpoint: one atomic replace of the
+    pointer file."""
+    _fsync_dir(folder / version)
+    pointer = {"format": SHARDED_FORMAT, "format_version": 1, "current": version}
+    atomic_write_bytes(folder / POINTER, json.dumps(pointer).encode())
+
+
+def remove_stale(folder: Path, keep: str) -> list[Path]:
+    """Remove the version folders other than ``keep`` (superseded, or left by a killed
+    save) and the top-level files of a plain DCP checkpoint the pointer replaced."""
+    removed = []
+    for entry in list(os.scandir(folder)):
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False) and _VERSION.match(entry.name):
+            if entry.name != keep:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        elif entry.is_file(follow_symlinks=False) and _DCP_FILE.match(entry.name):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+# -- reading without unpickling code -----------------------------------------------------------
+
+_METADATA_CLASSES: dict[tuple[str, str], Any] = {
+    (c.__module__, c.__qualname__): c
+    for c in (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+        ChunkStorageMetadata,
+        BytesStorageMetadata,
+        _StorageInfo,
+    )
+}
+_OTHER_CLASSES = {
+    ("torch", "Size"): torch.Size,
+    ("pathlib", "PosixPath"): Path,
+    ("pathlib", "WindowsPath"): Path,
+    ("pathlib", "PurePosixPath"): Path,
+    ("pathlib", "PureWindowsPath"): Path,
+    ("pathlib", "Path"): Path,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+def _torch_constant(module: str, name: str) -> Any:
+    """A torch dtype, layout or memory format (``torch.float32``...), or None."""
+    if module != "torch":
+        return None
+    value = getattr(torch, name, None)
+    kinds = (torch.dtype, torch.layout, torch.memory_format)
+    return value if isinstance(value, kinds) else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only what DCP's ``.metadata`` holds; anything else is refused."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _METADATA_CLASSES.get((module, name)) or _OTHER_CLASSES.get((module, name))
+        if found is None:
+            found = _torch_constant(module, name)
+        if found is None and (module, name) == ("torch.serialization", "_get_layout"):
+            found = _layout
+        if found is None and module == "torch.distributed.checkpoint.metadata":
+            found = _enum(name)
+        if found is None:
+            raise EMAStateError(
+                f"{self.path} refers to {module}.{name}, which is not part of DCP's checkpoint "
+                f"metadata; emakit does not unpickle anything else (a crafted .metadata file "
+                f"could run code). The checkpoint is damaged or was not written by DCP"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise EMAStateError(f"{self.path} holds a persistent reference; it is not DCP metadata")
+
+
+def _layout(name: str) -> torch.layout:
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise EMAStateError(f"{name!r} is not a torch layout")
+    return value
+
+
+def _enum(name: str) -> Any:
+    import enum
+
+    import torch.distributed.checkpoint.metadata as md
+
+    value = getattr(md, name, None)
+    return value if isinstance(value, type) and issubclass(value, enum.Enum) else None
+
+
+def _check_metadata(metadata: Any, path: str) -> Metadata:
+    if not isinstance(metadata, Metadata):
+        raise EMAStateError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    storage = metadata.storage_data
+    if not isinstance(storage, Mapping):
+        raise EMAStateError(f"{path}: storage_data is a {type(storage).__name__}, not a map")
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str):
+            raise EMAStateError(f"{path}: the storage entry of {index} is malformed")
+        if not name or name in (".", "..") or os.path.basename(name) != name or "\\" in name:
+            raise EMAStateError(
+                f"{path}: the storage entry of {getattr(index, 'fqn', index)!r} names the "
+                f"file {name!r}, which is not a file inside the checkpoint folder"
+            )
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader, reading ``.metadata`` without running code.
+
+    Args:
+        path: the DCP checkpoint folder (a version folder, or a plain DCP checkpoint).
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, unpickled with an allow-list of DCP's classes.
+
+        Raises:
+            EMAStateError: the file refers to anything else (it is refused, not run), or
+                is malformed.
+        """
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+            except EMAStateError:
+                raise
+            except Exception as e:
+                raise EMAStateError(
+                    f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the "
+                    f"checkpoint is damaged"
+                ) from e
+        metadata = _check_metadata(metadata, str(path))
+        storage_meta = metadata.storage_meta
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the planned tensors; an entry stored as pickled bytes is refused.
+
+        Raises:
+            EMAStateError: the plan would unpickle an entry (DCP loads those with
+                ``torch.load(weights_only=False)``).
+        """
+        pickled = [i.dest_index.fqn for i in plan.items if i.type == LoadItemType.BYTE_IO]
+        if pickled:
+            raise EMAStateError(
+                f"{self.path}: the entries {pickled[:5]} are stored as pickled objects, which "
+                f"DCP would load with torch.load(weights_only=False); an EMA's state holds "
+                f"only tensors, so emakit refuses them"
+            )
+        return super().read_data(plan, planner)

@@ -1,0 +1,192 @@
+"""ema-pytorch's post-hoc snapshot files, known by their names, and the snapshot folder.
+
+ema-pytorch's ``PostHocEMA`` writes ``<profile index>.<step>.pt`` files (``torch.save`` of a
+``KarrasEMA.state_dict()``, every value in its ``checkpoint_dtype``) that record no gamma:
+:class:`LegacyProfiles` says which profile each index is. :func:`list_legacy_files` finds
+them by name; :mod:`emakit.posthoc.snapshots` reads them as snapshots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
+from .math import check_gamma, check_sigma_rel, gamma_to_sigma_rel, sigma_rel_to_gamma
+
+__all__ = [
+    "LEGACY_NAME",
+    "LEGACY_SOURCE",
+    "LegacyFile",
+    "LegacyProfiles",
+    "as_folder",
+    "existing_folder",
+    "list_legacy_files",
+]
+
+#: :attr:`~emakit.posthoc.snapshots.SnapshotInfo.source` of snapshots written by
+#: ``ema_pytorch.PostHocEMA``.
+LEGACY_SOURCE = "ema-pytorch"
+#: ema-pytorch's snapshot file names: ``<profile index>.<step>.pt``.
+LEGACY_NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
+
+
+def as_folder(folder: object) -> Path:
+    """``folder`` as a :class:`~pathlib.Path`, or an error naming ``checkpoint_folder``."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise EMATypeError(
+            f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
+            f"({type(folder).__name__})"
+        )
+    return Path(folder)
+
+
+def existing_folder(folder: object) -> Path:
+    """``folder`` if it is an existing folder, or an error saying what it is."""
+    root = as_folder(folder)
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        error = EMAValueError if root.exists() else EMAFileNotFoundError
+        raise error(
+            f"snapshot folder {str(root)!r} {what}; pass the checkpoint_folder that "
+            f"PostHocEMA wrote its snapshots to"
+        )
+    return root
+
+
+@dataclass(frozen=True)
+class LegacyFile:
+    """An ema-pytorch snapshot file, ``<profile index>.<step>.pt``, known by its name only.
+
+    Attributes:
+        path: the file.
+        profile: the profile index (ema-pytorch's ``PostHocEMA.gammas[profile]``).
+        step: ``update()`` calls when it was written.
+    """
+
+    path: Path
+    profile: int
+    step: int
+
+
+@dataclass(frozen=True)
+class LegacyProfiles:
+    """The profiles of an ema-pytorch run, to read its ``<index>.<step>.pt`` snapshots.
+
+    ema-pytorch's files record neither gamma nor which tensors are buffers.
+    :meth:`emakit.posthoc.PostHocEMA.legacy_profiles` builds this from the PostHocEMA; the
+    CLI from ``--legacy-sigma-rels`` / ``--legacy-gammas``.
+
+    Attributes:
+        gammas: gamma of each profile index, in ema-pytorch's order (its
+            ``PostHocEMA.gammas``).
+        sigma_rels: the matching relative widths. Default None: derived from ``gammas``.
+        update_every: the ``update_every`` the ema-pytorch run used, to find each file's
+            last averaging update. Default 1.
+        copied: EMA-model state names taken rather than averaged at synthesis (buffers,
+            integer tensors). Default None: those of the folder's latest emakit snapshot,
+            or none (everything averaged) without one.
+        exact_dtypes: ``(name, dtype)`` of integer and bool tensors, restored (rounded)
+            from ema-pytorch's float copies. Default ``()`` (with ``copied=None``: the
+            dtypes in the emakit snapshot).
+
+    Example:
+        >>> LegacyProfiles.from_sigma_rels((0.05, 0.28)).gammas[0]  # doctest: +ELLIPSIS
+        16.97...
+    """
+
+    gammas: tuple[float, ...]
+    sigma_rels: tuple[float, ...] | None = None
+    update_every: int = 1
+    copied: frozenset[str] | None = None
+    exact_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gammas, (str, bytes)) or not isinstance(self.gammas, Sequence):
+            raise EMATypeError(f"gammas must be a tuple of numbers, got {self.gammas!r}")
+        gammas = tuple(check_gamma(g, "gammas") for g in self.gammas)
+        srs = self.sigma_rels
+        if not gammas or (srs is not None and len(srs) != len(gammas)):
+            raise EMAValueError(
+                f"gammas must hold one value per profile index (and sigma_rels, if given, "
+                f"as many), got gammas={self.gammas!r}, sigma_rels={srs!r}"
+            )
+        every = self.update_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise EMAValueError(f"update_every must be an int >= 1, got update_every={every!r}")
+        set_ = object.__setattr__
+        set_(self, "gammas", gammas)
+        if srs is not None:
+            set_(self, "sigma_rels", tuple(check_sigma_rel(s, "sigma_rels") for s in srs))
+        set_(self, "copied", None if self.copied is None else frozenset(self.copied))
+        set_(self, "exact_dtypes", tuple(self.exact_dtypes))
+
+    @classmethod
+    def from_sigma_rels(
+        cls, sigma_rels: Sequence[float], *, update_every: int = 1
+    ) -> LegacyProfiles:
+        """The profiles of an ema-pytorch ``PostHocEMA(sigma_rels=...)`` run.
+
+        Args:
+            sigma_rels: its ``sigma_rels``, in order.
+            update_every: its ``update_every``. Default 1.
+        """
+        srs = tuple(check_sigma_rel(s, "sigma_rels") for s in sigma_rels)
+        return cls(
+            tuple(sigma_rel_to_gamma(s) for s in srs), sigma_rels=srs, update_every=update_every
+        )
+
+    def profile(self, file: LegacyFile) -> tuple[float, float]:
+        """``(gamma, sigma_rel)`` of ``file``'s profile index.
+
+        Raises:
+            EMAStateError: the index is out of range of :attr:`gammas`.
+        """
+        i = file.profile
+        if i >= len(self.gammas):
+            raise EMAStateError(
+                f"ema-pytorch snapshot {file.path} is of profile index {i}, but only "
+                f"{len(self.gammas)} profile(s) are known (gammas={list(self.gammas)}); "
+                f"ema-pytorch names its files <profile index>.<step>.pt and takes gamma from "
+                f"its PostHocEMA.gammas[index]. Give the sigma_rels (or gammas) of the run that "
+                f"wrote the file, in order and at least {i + 1} of them (PostHocEMA(sigma_rels="
+                f"...), or emakit's --legacy-sigma-rels / --legacy-gammas), or move the file "
+                f"out of the folder"
+            )
+        gamma = self.gammas[i]
+        return gamma, (self.sigma_rels[i] if self.sigma_rels else gamma_to_sigma_rel(gamma))
+
+    def t_of(self, step: int) -> int:
+        """``t`` of the file ``<index>.<step>.pt``: the step its profile ends at.
+
+        ema-pytorch's ``update()`` increments ``step``, averages on the calls ``c`` with
+        ``(c - 1) % update_every == 0`` (decay ``(1 - 1/(c + 1))^(gamma + 1)``), and
+        ``checkpoint()`` names the file after the calls so far. The last weights averaged
+        in are those of the last such call at or before ``step``: ``step`` itself for
+        ``update_every=1``, as for emakit's own snapshots (so the two kinds mix).
+        """
+        k = self.update_every
+        return 1 + k * ((step - 1) // k)
+
+
+def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
+    """ema-pytorch's snapshot files (``<profile index>.<step>.pt``) in ``folder``, by
+    ``(step, profile)``; found by name, nothing is read.
+
+    Raises:
+        EMAFileNotFoundError: ``folder`` does not exist.
+        EMAValueError: ``folder`` is not a folder.
+    """
+    root = existing_folder(folder)
+    found = []
+    for path in root.iterdir():
+        m = LEGACY_NAME.match(path.name)
+        if m and path.is_file():
+            found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
+    found.sort(key=lambda f: (f.step, f.profile, f.path.name))
+    return found

@@ -1,0 +1,82 @@
+"""``emakit bench``: side-by-side timing, median and spread, and honest warnings.
+
+No timing is asserted: only the shape of the result and that the warnings fire on the
+conditions they name (fed with made-up rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from emakit import EMAValueError, bench
+from emakit.bench import FLOOR, BenchRow, bench_update
+from emakit.cli import main
+
+
+def row(path: str, median: float, spread: float = 0.0, cpu: float | None = None) -> BenchRow:
+    half = spread * median / 2
+    return BenchRow(path, median, median - half, median + half, median if cpu is None else cpu, 1)
+
+
+def test_result_has_the_floor_first_every_path_and_restores_threads():
+    threads = torch.get_num_threads()
+    result = bench_update("mlp", repeats=3, sample_ms=1)
+    assert torch.get_num_threads() == threads
+    assert result.threads == 1  # the default
+    assert [r.path for r in result.rows] == [
+        FLOOR,
+        "loop (use_foreach=False)",
+        "foreach (use_foreach=True)",
+        "default (use_foreach=None)",
+        "default after flatten_parameters",
+    ]
+    assert result.rows[0].ratio == 1.0
+    for r in result.rows:
+        assert 0 < r.q1_s <= r.median_s <= r.q3_s
+        assert r.spread >= 0
+        assert r.ratio == pytest.approx(r.median_s / result.rows[0].median_s)
+
+
+def test_rounds_alternate_the_order():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    samples = bench._time_side_by_side(fns, torch.device("cpu"), 2, sample_s=0.0)
+    assert all(len(wall) == 2 for wall, _ in samples.values())
+    timed = calls[3 * 4 :]  # after each contender's warm-up and three single calls
+    assert timed == ["a", "b", "c", "c", "b", "a"]
+
+
+def test_warnings_name_a_busy_machine_a_wide_spread_and_a_disturbed_floor():
+    calm = [row(FLOOR, 1.0), row("x", 2.0)]
+    assert bench._diagnose(calm, 0.1, 2, 1, cpu_clock=True) == []
+    busy = bench._diagnose(calm, 1.9, 2, 1, cpu_clock=True)
+    assert len(busy) == 1
+    assert "busy" in busy[0]
+    assert "1.90" in busy[0]
+    waited = bench._diagnose([row(FLOOR, 1.0, cpu=0.5), row("x", 2.0)], None, 2, 1, True)
+    assert "kept waiting" in waited[0]
+    assert "2.0x" in waited[0]
+    wide = bench._diagnose([row(FLOOR, 1.0, spread=0.8), row("x", 2.0)], None, 2, 1, True)
+    assert "wide spread" in wide[0]
+    assert "80%" in wide[0]
+    faster = bench._diagnose([row(FLOOR, 10.0), row("x", 2.0)], None, 2, 1, False)
+    assert "faster than the floor" in faster[0]
+
+
+def test_cli_reports_median_spread_and_threads():
+    result = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "2"])
+    assert result.exit_code == 0, result.output
+    assert "1 CPU thread(s)" in result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("path"))
+    assert header.split() == ["path", "median", "spread", "x", "floor"]
+    assert "side by side" in result.output
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"repeats": 0}, "repeats"), ({"threads": 0}, "threads"), ({"sample_ms": -1}, "sample_ms")],
+)
+def test_bad_arguments_name_themselves(kwargs, name):
+    with pytest.raises(EMAValueError, match=name):
+        bench_update("mlp", **kwargs)

@@ -1,0 +1,156 @@
+"""Sharded (DCP) checkpoints: loading never runs code from the files (issue 14, item 3), and
+the folder layout that makes saves crash-safe (item 2; the SIGKILL test is in
+test_dcp_crash.py).
+
+DCP's own reader unpickles ``.metadata`` with ``pickle`` and loads entries stored as
+pickled bytes with ``torch.load(weights_only=False)``; each test here plants a file that
+would create a canary file if it were unpickled, and checks that loading raises an
+``EMAStateError`` and the canary never appears.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from emakit import EMA, EMAStateError
+from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+
+def make_ema(value: float = 1.0) -> EMA:
+    torch.manual_seed(0)
+    ema = EMA(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), update_after_step=0)
+    ema.update()
+    with torch.no_grad():
+        for p in ema.ema_model.parameters():
+            p.fill_(value)
+    return ema
+
+
+class Canary:
+    """Unpickling it creates the file ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_crafted_metadata_file_is_refused_not_run(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_sharded_ema(make_ema(), folder)
+    canary = tmp_path / "canary"
+    (metadata,) = folder.rglob(".metadata")  # in the version folder the pointer names
+    metadata.write_bytes(pickle.dumps(Canary(canary)))
+    ema = make_ema(0.0)
+    with pytest.raises(EMAStateError, match="does not unpickle"):
+        load_sharded_ema(ema, folder)
+    assert not canary.exists()
+    assert all(bool((p == 0).all()) for p in ema.ema_model.parameters())  # nothing loaded
+
+
+def test_a_plain_dcp_folder_with_a_crafted_metadata_file_is_refused(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "plain"
+    dcp.save(make_ema().state_dict(), checkpoint_id=folder)  # DCP's own layout, no pointer
+    canary = tmp_path / "canary"
+    (folder / ".metadata").write_bytes(pickle.dumps(Canary(canary)))
+    with pytest.raises(EMAStateError, match="not part of DCP's checkpoint metadata"):
+        load_sharded_ema(make_ema(0.0), folder)
+    assert not canary.exists()
+
+
+def test_an_entry_stored_as_a_pickle_is_refused_not_run(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    canary = tmp_path / "canary"
+    state = make_ema().state_dict()
+    state["step"] = Canary(canary)  # DCP stores a non-tensor entry as torch.save bytes
+    folder = tmp_path / "bytes"
+    dcp.save(state, checkpoint_id=folder)
+    with pytest.raises(EMAStateError, match="pickled objects"):
+        load_sharded_ema(make_ema(0.0), folder)
+    assert not canary.exists()
+
+
+def test_a_data_file_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_sharded_ema(make_ema(), folder)
+    (path,) = folder.rglob(".metadata")
+    metadata = pickle.loads(path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../elsewhere.distcp"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(EMAStateError, match="not a file inside the checkpoint"):
+        load_sharded_ema(make_ema(0.0), folder)
+
+
+def test_a_genuine_checkpoint_loads_and_layouts_switch(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from emakit.distributed import sharded_checkpoint_dir
+
+    folder = tmp_path / "ckpt"
+    dcp.save(make_ema(2.0).state_dict(), checkpoint_id=folder)  # an old, plain folder
+    ema = make_ema(0.0)
+    load_sharded_ema(ema, folder)
+    assert all(bool((p == 2).all()) for p in ema.ema_model.parameters())
+    save_sharded_ema(make_ema(3.0), folder)  # switches it to the pointer layout
+    names = sorted(p.name for p in folder.iterdir())
+    assert names[0] == "emakit-sharded.json" and len(names) == 2, names  # old files gone
+    save_sharded_ema(make_ema(4.0), folder)
+    assert len(list(folder.iterdir())) == 2  # the previous version was removed
+    load_sharded_ema(ema, folder)
+    assert all(bool((p == 4).all()) for p in ema.ema_model.parameters())
+    plain = make_ema(0.0).state_dict()  # the version folder is a plain DCP checkpoint
+    dcp.load(plain, checkpoint_id=sharded_checkpoint_dir(folder))
+    assert bool((plain["ema_model.0.weight"] == 4).all())
+
+
+def test_a_damaged_pointer_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_sharded_ema(make_ema(), folder)
+    (folder / "emakit-sharded.json").write_text('{"current": "../../etc"}')
+    with pytest.raises(EMAStateError, match="damaged"):
+        load_sharded_ema(make_ema(0.0), folder)
+
+
+def test_a_url_or_a_non_utf8_checkpoint_id_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="file-system folder"):
+        save_sharded_ema(make_ema(), "s3://bucket/ckpt")
+    bad = tmp_path / os.fsdecode(b"ckpt-\xff")
+    with pytest.raises(ValueError, match="UTF-8"):
+        save_sharded_ema(make_ema(), bad)
+    assert not bad.exists()
+
+
+def test_restricted_unpickler_reads_what_dcp_writes(tmp_path: Path) -> None:
+    """Every class a real .metadata refers to (dtypes of every kind, sizes, chunks) resolves."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "kinds"
+    state = {k: v.clone() for k, v in make_ema(5.0).state_dict().items()}
+    state["extra.bf16"] = torch.ones(2, 3, dtype=torch.bfloat16)
+    state["extra.c64"] = torch.ones(2, dtype=torch.complex64)
+    state["extra.u8"] = torch.ones(2, dtype=torch.uint8)
+    dcp.save(state, checkpoint_id=folder)
+    from emakit._dcp import SafeReader
+
+    metadata = SafeReader(folder).read_metadata()
+    assert "extra.bf16" in metadata.state_dict_metadata
+    buf = io.BytesIO((folder / ".metadata").read_bytes())
+    assert type(pickle.load(buf)) is type(metadata)

@@ -1,0 +1,74 @@
+"""A poor post-hoc fit warns with its real cause: a target step after the last snapshot,
+a length outside the tracked ones, or too few snapshots."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from emakit import PostHocEMA, PostHocWarning
+from emakit.posthoc import plan_synthesis
+
+
+def run(folder, steps: int, every: int) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 3)
+    posthoc = PostHocEMA(
+        net,
+        sigma_rels=(0.05, 0.28),
+        update_every=1,
+        checkpoint_every_num_steps=every,
+        checkpoint_folder=folder,
+    )
+    for _ in range(steps):
+        with torch.no_grad():
+            net.weight.add_(0.01)
+        posthoc.update()
+
+
+def message(folder, **target) -> str:
+    """The poor-fit warning's text (other post-hoc warnings may come with it)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        plan_synthesis(folder, **target)
+    texts = [str(w.message) for w in record if issubclass(w.category, PostHocWarning)]
+    poor = [t for t in texts if "only roughly" in t]
+    assert len(poor) == 1, texts
+    return poor[0]
+
+
+def test_target_step_after_the_last_snapshot(tmp_path):
+    run(tmp_path, 1000, 50)
+    text = message(tmp_path, sigma_rel=0.1, step=1300)
+    assert "the last usable snapshot is at step 1000, 300 step(s) before the target" in text
+    assert "pick a step that has a snapshot" in text
+    assert "too few" not in text
+    assert "outside" not in text
+
+
+def test_target_outside_the_tracked_lengths(tmp_path):
+    run(tmp_path, 1000, 50)
+    text = message(tmp_path, sigma_rel=0.02)
+    assert "outside the tracked profiles (0.05, 0.28)" in text
+    assert "extrapolates" in text
+    assert "too few" not in text
+    assert "before the target" not in text
+
+
+def test_too_few_snapshots(tmp_path):
+    run(tmp_path, 200, 50)
+    text = message(tmp_path, sigma_rel=0.15)
+    assert "8 snapshot(s) at 4 step(s) (50..200) are too few" in text
+    assert "checkpoint_every_num_steps" in text
+    assert "pick a step" not in text
+    assert "outside" not in text
+
+
+def test_a_good_fit_does_not_warn(tmp_path):
+    """The README's post-hoc example: 200 steps, a snapshot every 20, sigma_rel 0.15."""
+    run(tmp_path, 200, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PostHocWarning)
+        plan = plan_synthesis(tmp_path, sigma_rel=0.15)
+    assert plan.solution.residual < 0.05
