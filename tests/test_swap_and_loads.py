@@ -146,3 +146,24 @@ def test_eval_inside_swap_never_writes():
         net(torch.randn(8, 4))
     for k, v in ema.ema_model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_failed_posthoc_load_leaves_every_profile_as_it_was(tmp_path):
+    net = bn_mlp(4, 8, 3, seed=0)
+    posthoc = emakit.PostHocEMA(
+        net,
+        sigma_rels=(0.05, 0.2),
+        update_every=1,
+        checkpoint_every_num_steps="manual",
+        checkpoint_folder=tmp_path,
+    )
+    for _ in range(3):
+        posthoc.update()
+    state = dict(posthoc.state_dict())
+    state["ema_models.0.step"] = torch.tensor(40)
+    state["ema_models.1.ema_model.0.weight"] = torch.zeros(2, 2)
+    befores = [snapshot(p) for p in posthoc.profiles]
+    with pytest.raises(EMAStateError, match="nothing was loaded"):
+        posthoc.load_state_dict(state)
+    for p, b in zip(posthoc.profiles, befores, strict=True):
+        assert_unchanged(p, b)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         EMAStateError,
         EMATypeError,
         EMAValueError,
+        EMAWriteError,
     )
     from .foreign import load_foreign_state
     from .multi import MultiEMA
@@ -50,6 +51,7 @@ _EXPORTS = {
     "EMAStateError": "errors",
     "EMATypeError": "errors",
     "EMAValueError": "errors",
+    "EMAWriteError": "errors",
     "EMAModuleWrapper": "wrapper",
     "EMAPytree": "pytree",
     "EMATensor": "pytree",
@@ -83,6 +85,7 @@ __all__ = [
     "EMATensor",
     "EMATypeError",
     "EMAValueError",
+    "EMAWriteError",
     "KarrasEMA",
     "MultiEMA",
     "PostHocEMA",

@@ -233,6 +233,19 @@ class KarrasEMA(EMA):
         """``{"default": get_current_decay()}`` (a power-function EMA has one group)."""
         return {"default": self.get_current_decay()}
 
+    def averaged_names(self) -> set[str]:
+        """Names of the EMA model's parameters that are averaged (floating, neither ignored
+        nor copied); a snapshot records the others as copied."""
+        skip = self.param_or_buffer_names_no_ema | self.ignore_names
+        prefixes = tuple(self.ignore_startswith_names)
+        return {
+            n
+            for n, p in self.ema_model.named_parameters(remove_duplicate=False)
+            if (p.is_floating_point() or p.is_complex())
+            and n not in skip
+            and not n.startswith(prefixes)
+        }
+
     def iter_all_ema_params_and_buffers(self) -> Iterator[Tensor]:
         """The EMA model's averaged tensors: floating parameters and buffers that are
         neither ignored nor copied (ema-pytorch's method)."""

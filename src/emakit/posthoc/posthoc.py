@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .._files import writable_path
 from ..core.shadow import unwrap_model
-from ..core.state import StateCodec, reals, text
+from ..core.state import StateCodec, check_loadable, reals, text
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
@@ -299,7 +299,7 @@ class PostHocEMA(nn.Module):
             self.gammas,
             sigma_rels=self.sigma_rels,
             update_every=self.update_every,
-            copied=frozenset(state) - self._averaged_names(ema),
+            copied=frozenset(state) - ema.averaged_names(),
             exact_dtypes=exact,
         )
 
@@ -309,21 +309,7 @@ class PostHocEMA(nn.Module):
         if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
             raise EMARuntimeError("the EMA model does not exist yet: call update() first")
         out = snapshot_tensors(ema.ema_model.state_dict(), self.checkpoint_dtype)
-        return out, set(out) - self._averaged_names(ema)
-
-    @staticmethod
-    def _averaged_names(ema: KarrasEMA) -> set[str]:
-        if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
-            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        skip = ema.param_or_buffer_names_no_ema | ema.ignore_names
-        prefixes = tuple(ema.ignore_startswith_names)
-        return {
-            n
-            for n, p in ema.ema_model.named_parameters(remove_duplicate=False)
-            if (p.is_floating_point() or p.is_complex())
-            and n not in skip
-            and not n.startswith(prefixes)
-        }
+        return out, set(out) - ema.averaged_names()
 
     def _check_folder(self, step: int) -> None:
         self._folder_checked = True
@@ -533,12 +519,18 @@ class PostHocEMA(nn.Module):
             )
         if assign:
             raise EMAValueError("assign=True is not supported: each profile keeps its own storage")
+        check_loadable(  # refuse first: a failed load leaves every profile as it was
+            self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self._owns
+        )
+        saved = [ema.tracker.counters() for ema in self.profiles]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
-        except EMAError:
+        except Exception as e:
+            for ema, counters in zip(self.profiles, saved, strict=True):
+                ema.tracker.restore_counters(counters)
+            if isinstance(e, RuntimeError) and not isinstance(e, EMAError):
+                raise EMAStateError(str(e)) from e
             raise
-        except RuntimeError as e:
-            raise EMAStateError(str(e)) from e
         every = self.checkpoint_every_num_steps
         for ema in self.profiles:
             ema.tracker.invalidate()
@@ -553,6 +545,13 @@ class PostHocEMA(nn.Module):
             self.release_folder()
             self.run_id = run
         return result
+
+    def _owns(self, key: str) -> bool:
+        head, _, rest = key.partition("ema_models.")
+        index, _, rest = rest.partition(".")
+        if head or not index.isdigit() or int(index) >= len(self.profiles):
+            return key in _CODEC.keys
+        return self.profiles[int(index)].owns_state_key(rest)
 
     def _folder_run(self) -> str | None:
         """The run to continue after loading a state without a run id (on rank 0)."""
