@@ -161,14 +161,16 @@ def test_no_wait_hides_in_attribute_lookup():
     assert "__getattr__" not in vars(EMA)
 
 
-def test_one_validator_for_inv_gamma():
+@pytest.mark.parametrize("name", ["inv_gamma", "power"])
+def test_one_validator_refuses_infinite_warm_up_settings(name):
+    """inv_gamma=inf or power=inf would make the "EMA" the raw model (issue 14, item 12)."""
     net = bn_mlp(4, 8, 3, seed=0)
     with pytest.raises(EMAValueError) as ours:
-        EMA(net, inv_gamma=math.inf)
+        EMA(net, **{name: math.inf})
     with pytest.raises(EMAValueError) as theirs:
-        schedules.inverse_gamma(inv_gamma=math.inf)
+        schedules.inverse_gamma(**{name: math.inf})
     assert str(ours.value) == str(theirs.value)
-    assert "inv_gamma" in str(ours.value) and "inf" in str(ours.value)
+    assert name in str(ours.value) and "inf" in str(ours.value)
 
 
 def test_header_records_the_schedule_values(tmp_path):
