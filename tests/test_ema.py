@@ -230,6 +230,9 @@ def test_forward_method_names():
     ema = EMA(net, forward_method_names=("generate",))
     x = torch.randn(1, 2)
     assert torch.equal(ema.generate(x), ema.ema_model.generate(x))
+    clone = copy.deepcopy(ema)  # a copy calls its own EMA model's method
+    assert clone.generate.module is clone.ema_model
+    assert torch.equal(clone.generate(x), ema.generate(x))
     with pytest.raises(emakit.EMAValueError, match="forward_method_names"):
         EMA(net, forward_method_names=("missing",))
 

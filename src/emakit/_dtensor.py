@@ -1,17 +1,25 @@
 """DTensor and FSDP2 detection without importing ``torch.distributed`` (a leaf module).
 
 A process that never created a DTensor or an FSDP2 module pays one dictionary lookup per
-check: the classes are looked up in ``sys.modules``, never imported from here.
+check: the classes are looked up in ``sys.modules`` under their public import paths
+(``torch.distributed.tensor.DTensor``, ``torch.distributed.fsdp.FSDPModule``), never
+imported from here.
 """
 
 from __future__ import annotations
 
+import operator
 import sys
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
+from .errors import EMATypeError
+
 __all__ = [
+    "FSDP2_MIN_TORCH",
+    "check_fsdp2_torch",
     "dist_ready",
     "dtensor_type",
     "fsdp_module_type",
@@ -20,19 +28,64 @@ __all__ = [
     "is_rank_zero",
     "local_tensor",
     "reshard",
+    "shard_identity",
+    "shard_identity_getter",
+    "torch_version",
 ]
+
+#: The oldest torch whose FSDP2 emakit supports: ``torch.distributed.fsdp.fully_shard``,
+#: ``FSDPModule`` and ``register_fsdp_forward_method`` became public, and ``fully_shard``
+#: took ``shard_placement_fn``, in 2.6 (before, FSDP2 lived in the private
+#: ``torch.distributed._composable.fsdp``; ``ignored_params`` needs 2.7 and is only used
+#: when the model was sharded with it).
+FSDP2_MIN_TORCH = (2, 6)
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's ``(major, minor)``, e.g. ``(2, 14)``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def dtensor_type() -> type | None:
     """``torch.distributed.tensor.DTensor`` if it has been imported, else None."""
-    module = sys.modules.get("torch.distributed.tensor._api")
+    module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
 def fsdp_module_type() -> type | None:
-    """FSDP2's ``FSDPModule`` if ``fully_shard`` has been imported, else None."""
-    module = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
+    """FSDP2's ``torch.distributed.fsdp.FSDPModule`` if it has been imported, else None."""
+    module = sys.modules.get("torch.distributed.fsdp")
     return getattr(module, "FSDPModule", None)
+
+
+def check_fsdp2_torch(tensors: Iterable[object], modules: Iterable[object] = ()) -> None:
+    """Refuse DTensors and FSDP2 modules on a torch older than :data:`FSDP2_MIN_TORCH`.
+
+    On such a torch the classes live under private paths that the checks here do not
+    look at, so a sharded model would be treated as a plain one; this says so up front.
+    The classes are recognized by name, which every torch version shares.
+
+    Args:
+        tensors: the model's parameters and buffers.
+        modules: the model's modules.
+
+    Raises:
+        EMATypeError: a DTensor or FSDP module on an older torch (the message names both
+            versions).
+    """
+    if torch_version() >= FSDP2_MIN_TORCH:
+        return
+    sharded = any(type(t).__name__ == "DTensor" for t in tensors) or any(
+        c.__name__ == "FSDPModule" for m in modules for c in type(m).__mro__
+    )
+    if sharded:
+        need = ".".join(map(str, FSDP2_MIN_TORCH))
+        raise EMATypeError(
+            f"the model is sharded (FSDP2 or DTensor parameters), which emakit supports on "
+            f"torch>={need}; this is torch {torch.__version__}: upgrade torch "
+            f"(pip install 'torch>={need}'), or use DDP on this version"
+        )
 
 
 def is_dtensor(t: object) -> bool:
@@ -42,16 +95,57 @@ def is_dtensor(t: object) -> bool:
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """The shard of a DTensor this rank holds; any other tensor is returned as is.
+    """The shard of a DTensor this rank holds (``DTensor.to_local()``, without autograd);
+    any other tensor is returned as is.
 
-    For an FSDP2 parameter this is the very tensor FSDP2 all-gathers from (a view of its
-    padded shard storage), so in-place updates of it are seen by the next forward.
+    The result aliases the DTensor's local storage, which for an FSDP2 parameter is the
+    padded shard storage FSDP2 all-gathers from, so in-place writes to it are seen by the
+    next forward. It may be a new view object on every call (torch returns a fresh view
+    for ``nn.Parameter`` DTensors): compare shards with :func:`shard_identity`, not ``is``.
 
     Example:
         >>> local_tensor(torch.ones(2)).shape
         torch.Size([2])
     """
-    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()  # type: ignore[attr-defined,no-any-return]
+
+
+#: Per DTensor class, a getter of its inner local tensor (see shard_identity).
+_INNER: dict[type, Callable[[object], object]] = {}
+
+
+def shard_identity_getter(t: Tensor) -> Callable[[object], object]:
+    """A fast getter of :func:`shard_identity` for DTensors of ``t``'s class (for guards that
+    check many shards on every update)."""
+    cls = type(t)
+    getter = _INNER.get(cls)
+    if getter is None:
+        name = t.__tensor_flatten__()[0][0]  # type: ignore[attr-defined]
+        getter = _INNER[cls] = operator.attrgetter(name)
+    return getter
+
+
+def shard_identity(t: Tensor) -> object:
+    """An object that is the same as long as the DTensor ``t`` keeps its local shard tensor.
+
+    FSDP2 replaces a parameter's local tensor in place (same DTensor object) when the
+    model is moved (``to()``, ``to_empty()``); the engine's guards compare this before
+    every update. It has to be cheap and stable, which ``to_local()`` (a new view each
+    call) is not. So this reads the inner tensor that the DTensor class names through the
+    wrapper-subclass protocol (``__tensor_flatten__``, asked once per class), today its
+    ``_local_tensor``. ``tests/test_fsdp_copy.py``
+    (``test_torch_internals_emakit_reads_are_where_it_expects``) checks it.
+
+    Args:
+        t: a DTensor.
+
+    Returns:
+        The DTensor's inner local tensor object.
+    """
+    return shard_identity_getter(t)(t)
 
 
 def fsdp_modules(model: object) -> list[nn.Module]:

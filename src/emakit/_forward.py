@@ -18,6 +18,17 @@ Tensors nested in tuples, lists, named tuples and dicts (and dict-like outputs s
 Hugging Face's ``ModelOutput``) are mapped too; anything else passes through unchanged.
 Nothing is mapped when the shadow matches the model (no ``ema_dtype``, no ``device=``):
 ``ema(x)`` then calls the EMA model with the very objects it was given.
+
+Sharded EMA models (FSDP2) need two more things, both here:
+
+* :func:`eval_call` runs the EMA model (eval mode, no grad) between two ``reshard()`` of
+  its FSDP modules. A root sharded with ``reshard_after_forward=False`` (the usual recipe,
+  also inside an ``ema_model=`` factory) keeps its all-gathered weights after a forward;
+  the next forward would reuse them although ``update()`` has changed the shards since.
+* :class:`ForwardMethod` is what ``forward_method_names`` puts on the wrapper
+  (``ema.generate``). For an FSDP2 EMA model the method is registered with
+  ``register_fsdp_forward_method`` (so FSDP gathers the root's weights around it, as for
+  ``forward``) and runs between two ``reshard()`` as well.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["IOCast", "io_cast", "map_tensors"]
+from ._dtensor import fsdp_modules, reshard
+
+__all__ = ["ForwardMethod", "IOCast", "eval_call", "io_cast", "map_tensors"]
 
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -136,3 +149,81 @@ def io_cast(model: nn.Module, ema_model: nn.Module, *, dtype: bool, device: bool
     if shadow_dtype is None and shadow_device is None:
         return None
     return IOCast(shadow_dtype, model_dtype, shadow_device, model_device)
+
+
+def eval_call(module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with ``module`` in eval mode, without grad, on fresh shards.
+
+    Each submodule's mode is restored afterwards, also when ``fn`` raises. FSDP2 modules of
+    ``module`` are resharded before the call (a previous forward may have left gathered
+    weights that predate the latest update) and after it (so the module registers its
+    DTensor shards again and holds no gathered copy).
+
+    Args:
+        module: the EMA model.
+        fn: what to call (the module itself, or one of its methods).
+        args, kwargs: the call's arguments.
+
+    Returns:
+        What ``fn`` returns.
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    sharded = fsdp_modules(module)
+    reshard(sharded)
+    module.eval()
+    try:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    finally:
+        reshard(sharded)
+        for m, mode in modes:
+            m.training = mode
+
+
+class ForwardMethod:
+    """A method of the EMA model exposed on the EMA wrapper (``forward_method_names``).
+
+    Calling it waits for a background update in flight (``before``), then calls
+    ``module.<name>``. For an FSDP2 module the method is registered with
+    ``register_fsdp_forward_method`` first (unless it already is, e.g. because the model's
+    was and :func:`~emakit.core.sharding.copy_module` registered the copy's), and every
+    call runs between two ``reshard()``; it is then a collective: call it on every rank.
+    The mode (train/eval) and grad mode are the caller's, as in ema-pytorch.
+
+    Args:
+        module: the EMA model.
+        name: the method's name.
+        before: called before each call (the runner's ``wait``).
+    """
+
+    def __init__(self, module: nn.Module, name: str, before: Callable[[], object]) -> None:
+        self.module = module
+        self.name = name
+        self.before = before
+        if fsdp_modules(module) and not _registered(module, name):
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before()
+        method = getattr(self.module, self.name)
+        sharded = fsdp_modules(self.module)
+        if not sharded:
+            return method(*args, **kwargs)
+        reshard(sharded)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            reshard(sharded)
+
+    def __repr__(self) -> str:
+        return f"<EMA forward method {type(self.module).__name__}.{self.name}>"
+
+
+def _registered(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is an instance attribute wrapping the module's own method
+    (what ``register_fsdp_forward_method`` sets)."""
+    value = module.__dict__.get(name)
+    inner = getattr(getattr(value, "__func__", None), "__wrapped__", None)
+    return getattr(inner, "__self__", None) is module

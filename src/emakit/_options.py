@@ -95,8 +95,11 @@ KEYWORDS_DOC = """
             weights into a reusable staging buffer. Everything that reads the EMA waits for
             the pending update first. Default None: True when ``device`` is given.
         skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
-            (counted in ``num_skipped_nonfinite``, warned once). Costs one fused reduction
-            and one host read per update that touches the weights. Default False.
+            (counted in ``num_skipped_nonfinite``, warned once, when the count is read).
+            Decided on the device, with no host read in ``update()``: one reduction to
+            the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
+            all-reduce of three numbers per update so every rank skips alike (update()
+            becomes a collective: call it on every rank). Default False.
 
 """
 

@@ -1,7 +1,9 @@
 """safetensors files, written streamed and read back (emakit's own writer and reader).
 
 * :func:`write_safetensors` writes tensors in the safetensors layout one tensor at a time
-  (no second copy of the model in host memory), tied and aliased tensors included.
+  (no second copy of the model in host memory), tied and aliased tensors included;
+  :func:`safetensors_layout` and :func:`write_tensor` are its two halves, for a writer
+  that gathers each tensor just before writing it (the sharded full export).
 * :class:`SafetensorsFile` reads one: the header and every tensor through **one** open
   file descriptor, so a reader sees exactly one complete save even while another process
   replaces the file (emakit's writes are atomic renames: the open descriptor keeps the
@@ -38,7 +40,9 @@ __all__ = [
     "ST_DTYPES",
     "SafetensorsFile",
     "read_safetensors",
+    "safetensors_layout",
     "write_safetensors",
+    "write_tensor",
 ]
 
 #: Longest JSON header read (safetensors' own limit): a corrupt length is refused, not
@@ -70,33 +74,33 @@ for _name, _code in (
         ST_DTYPES[getattr(torch, _name)] = _code
 
 
-def write_safetensors(
-    f: IO[bytes],
+def safetensors_layout(
     tensors: Mapping[str, Tensor],
     metadata: Mapping[str, str],
     dtype: torch.dtype | None = None,
-) -> None:
-    """Write ``tensors`` in the safetensors layout, one tensor in host memory at a time.
+) -> tuple[bytes, list[str]]:
+    """The start of a safetensors file for ``tensors`` and the order their bytes follow in.
 
-    Layout: 8-byte little-endian header length, a JSON header (padded with spaces to a
-    multiple of 8) mapping each name to ``dtype``/``shape``/``data_offsets``, then the raw
-    little-endian bytes. Tensors are written widest element first, so each starts aligned
-    to its element size. Tensors sharing storage (tied weights, views into one flat
-    buffer) are each written in full, which ``safetensors.torch.save_file`` refuses to do.
-    Floating tensors are cast to ``dtype`` (when given) one at a time, on the way out.
+    Only names, dtypes and shapes are read (a ``DTensor``'s global shape is its shape), so
+    the header can be written before any tensor is gathered. Returns ``(head, order)``:
+    ``head`` is the 8-byte little-endian header length and the JSON header (padded with
+    spaces to a multiple of 8) mapping each name to ``dtype``/``shape``/``data_offsets``;
+    ``order`` lists the names widest element first (so each tensor starts aligned to its
+    element size), then by the order of ``tensors``. Floating tensors are described in
+    ``dtype`` when given.
+
+    Raises:
+        EMATypeError: a tensor's dtype cannot be stored in safetensors.
     """
-
-    def out_dtype(t: Tensor) -> torch.dtype:
-        return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-
     if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
         raise EMARuntimeError("save_ema_weights needs a little-endian host")
-    sizes = {n: torch.empty(0, dtype=out_dtype(t)).element_size() for n, t in tensors.items()}
+    out = {n: _out_dtype(t, dtype) for n, t in tensors.items()}
+    sizes = {n: torch.empty(0, dtype=dt).element_size() for n, dt in out.items()}
     order = sorted(tensors, key=lambda n: -sizes[n])
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name in order:
-        t, dt = tensors[name], out_dtype(tensors[name])
+        t, dt = tensors[name], out[name]
         if dt not in ST_DTYPES:
             raise EMATypeError(f"tensor {name!r} has dtype {dt}, which safetensors cannot store")
         nbytes = t.numel() * sizes[name]
@@ -108,13 +112,40 @@ def write_safetensors(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
+    return struct.pack("<Q", len(blob)) + blob, order
+
+
+def _out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+
+
+def write_tensor(f: IO[bytes], t: Tensor, dtype: torch.dtype | None = None) -> None:
+    """Append ``t``'s bytes (cast to ``dtype`` when floating and given, moved to the CPU)
+    to a file whose header :func:`safetensors_layout` wrote."""
+    t = t.detach()
+    t = t.to("cpu", _out_dtype(t, dtype)).contiguous().reshape(-1)
+    if t.numel():
+        f.write(t.view(torch.uint8).numpy().data)
+
+
+def write_safetensors(
+    f: IO[bytes],
+    tensors: Mapping[str, Tensor],
+    metadata: Mapping[str, str],
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write ``tensors`` in the safetensors layout, one tensor in host memory at a time.
+
+    The layout is :func:`safetensors_layout`'s: the header, then each tensor's raw
+    little-endian bytes, widest element first. Tensors sharing storage (tied weights,
+    views into one flat buffer) are each written in full, which
+    ``safetensors.torch.save_file`` refuses to do. Floating tensors are cast to ``dtype``
+    (when given) one at a time, on the way out.
+    """
+    head, order = safetensors_layout(tensors, metadata, dtype)
+    f.write(head)
     for name in order:
-        t = tensors[name].detach()
-        t = t.to("cpu", out_dtype(t)).contiguous().reshape(-1)
-        if t.numel():
-            f.write(t.view(torch.uint8).numpy().data)
+        write_tensor(f, tensors[name], dtype)
 
 
 class SafetensorsFile:

@@ -24,8 +24,8 @@ the default schedule), :class:`PowerDecay` is the power-function decay of Karras
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from . import _validate as check
 from .errors import EMATypeError, EMAValueError
@@ -53,11 +53,14 @@ class Action:
     ``"copy"`` (warm-up: copy the model), ``"hold"`` (an averaging call of a frozen EMA:
     nothing moves, but it counts as an averaging update) or ``"lerp"``
     (``shadow.lerp_(online, weights[group])``). ``call`` is the call number (1-based).
+    ``guard`` (set by ``skip_nonfinite=True``) is a 0-dim bool tensor on the device: the
+    copy or lerp happens only where it is true (see :mod:`emakit.engine.finite`).
     """
 
     kind: Literal["skip", "init", "copy", "hold", "lerp"]
     weights: tuple[float, ...] = ()
     call: int = 0
+    guard: Any = field(default=None, compare=False, repr=False)
 
     @property
     def averages(self) -> bool:

@@ -3,13 +3,15 @@
 * **DDP** needs nothing special: ``EMA(ddp_model)`` tracks ``ddp_model.module`` (see
   :func:`~emakit.unwrap_model`, which also strips ``torch.compile``'s ``_orig_mod``). DDP
   keeps the weights equal on every rank, so every rank computes the same EMA with no
-  communication; write files from one rank only (:func:`is_rank_zero`).
+  communication; guard your own single-writer files with :func:`is_rank_zero` (not
+  emakit's saves and exports: those are collectives, see below).
 * **FSDP2** (``torch.distributed.fsdp.fully_shard``): each parameter is a ``DTensor`` of
   which a rank holds one shard. ``EMA(model)`` builds its EMA copy with
   :func:`copy_module`: the same module tree, sharded by ``fully_shard`` with the same mesh,
   placements and grouping, so every rank stores the EMA of exactly the shard it owns. The
   update engine works on the local shards (:func:`local_tensor`), so ``update()`` runs no
-  collective and allocates nothing. The EMA model runs a sharded forward (``ema(x)``, a
+  collective and allocates nothing (with ``skip_nonfinite=True``: one all-reduce of three
+  numbers, so every rank skips alike). The EMA model runs a sharded forward (``ema(x)``, a
   collective: call it on every rank); ``swap()`` copies the EMA shards into the model's
   shards (FSDP2 all-gathers from its own shard storage, so re-pointing ``.data`` would not
   be seen) and copies them back on exit.
@@ -18,8 +20,14 @@
   one file per rank, loadable into another world size (DCP reshards) or into a
   non-distributed EMA. A save goes into a fresh version folder and is switched to
   atomically, so a crash mid-save leaves the previous checkpoint loadable; a load never
-  unpickles code (see :mod:`emakit._dcp`). :func:`save_full_ema_weights` gathers the full EMA weights to rank 0
-  and writes one safetensors file that loads straight into the model class.
+  unpickles code (see :mod:`emakit._dcp`). :func:`save_full_ema_weights` streams the
+  full EMA into one safetensors file that loads straight into the model class, one
+  tensor gathered and written at a time (:mod:`emakit._export`).
+* **Collectives, checked**: the saves, the load and the export are collectives (call them
+  on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
+  agreement step (:mod:`emakit._collectives`): ranks missing after ``timeout_s``, ranks in
+  another call, or ranks whose EMAs are at different steps or skip counts raise on every
+  rank instead of hanging or saving a mix.
 
 Nothing here imports ``torch.distributed`` submodules at import time: a process that never
 created a DTensor or an FSDP module pays one dictionary lookup per check.
@@ -31,27 +39,24 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _validate as check
+from ._collectives import AGREE_TIMEOUT_S
 from ._dtensor import (
     dist_ready,
-    fsdp_module_type,
     fsdp_modules,
     is_dtensor,
     is_rank_zero,
     local_tensor,
 )
 from ._files import writable_path
-from ._io import atomic_path
-from ._safetensors import write_safetensors
-from .checkpoint import save_ema_weights, weights_header
+from .checkpoint import save_ema_weights
 from .core.sharding import copy_module
 from .ema import EMA
-from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = [
     "copy_module",
@@ -137,6 +142,34 @@ def _agree(name: str, distributed: bool, group: Any) -> str:
     return str(box[0])
 
 
+def _check_ranks(
+    ema: EMA,
+    operation: str,
+    group: Any,
+    timeout_s: float,
+    *,
+    counts: bool = True,
+    extra: int = 0,
+) -> Any:
+    """Every rank is in ``operation`` with the same step and skip count (one bounded
+    all-gather; see :mod:`emakit._collectives`)."""
+    from . import _collectives
+
+    return _collectives.agree(
+        operation,
+        step=int(ema.step),
+        skips=ema.num_skipped_nonfinite,
+        group=group,
+        timeout_s=timeout_s,
+        check_counts=counts,
+        extra=extra,
+    )
+
+
+def _timeout(timeout_s: float) -> float:
+    return check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+
+
 def _failures(e: BaseException) -> str:
     """One line per failed rank of a DCP ``CheckpointException`` (its own text is a
     traceback per rank)."""
@@ -148,7 +181,13 @@ def _failures(e: BaseException) -> str:
     return "; ".join(lines) or str(e)
 
 
-def save_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: Any) -> None:
+def save_sharded_ema(
+    ema: EMA,
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    timeout_s: float = AGREE_TIMEOUT_S,
+    **kwargs: Any,
+) -> None:
     """Save ``ema.state_dict()`` with ``torch.distributed.checkpoint`` (call on every rank).
 
     Each rank writes the shards it holds (DTensors), plain tensors are written once, and
@@ -165,18 +204,30 @@ def save_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: 
     plain DCP folder (written by an older emakit or by ``dcp.save``) is switched to this
     layout by the first save over it. All ranks return once the new checkpoint is current.
 
+    Before anything is written, the ranks check that they agree (one all-gather of a few
+    numbers, which also hands every rank the new version's name): every rank must be in
+    this call, and every rank's EMA at the same ``step`` with the same
+    ``num_skipped_nonfinite``. A rank that called ``update()`` once more than the others
+    would otherwise be saved under another rank's step.
+
     Args:
         ema: the EMA to save.
         checkpoint_id: the checkpoint folder, on a file system every rank shares (not a
             URL); created if missing.
+        timeout_s: keyword-only; seconds a rank waits for the others at the agreement
+            step before it raises (a call that only some ranks make fails this way instead
+            of hanging until the process group times out). Default 300.
         **kwargs: passed to ``torch.distributed.checkpoint.save`` (``storage_writer``,
             ``planner``, ``process_group``, ``no_dist``...); a ``storage_writer`` is
             pointed at the new version folder.
 
     Raises:
         EMAValueError: ``checkpoint_id`` is a URL or not a valid UTF-8 name.
-        EMARuntimeError: DCP failed on some rank (disk full...); the message names the
-            ranks and errors. The previous checkpoint stays current.
+        EMAStateError: the ranks' EMAs are at different steps or skip counts (raised on
+            every rank, naming the ranks and steps); nothing is written.
+        EMARuntimeError: some ranks did not call it within ``timeout_s``, or DCP failed
+            on some rank (disk full...); the message names the ranks and errors. The
+            previous checkpoint stays current.
 
     Example:
         >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
@@ -187,9 +238,13 @@ def save_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: 
     from . import _dcp
 
     ema = _ema_module(ema)
+    timeout_s = _timeout(timeout_s)
     folder = _checkpoint_folder(checkpoint_id)
     distributed, group, coordinator = _group(kwargs)
-    version = _agree(_dcp.new_version(), distributed, group)
+    version = _dcp.new_version()
+    if distributed:  # the coordinator's version name rides along with the check
+        agreed = _check_ranks(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
+        version = f"v-{agreed.extra:016x}"
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -220,7 +275,13 @@ def sharded_checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> Path:
     return _dcp.resolve(Path(os.fspath(checkpoint_id)))
 
 
-def load_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: Any) -> None:
+def load_sharded_ema(
+    ema: EMA,
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    timeout_s: float = AGREE_TIMEOUT_S,
+    **kwargs: Any,
+) -> None:
     """Load a checkpoint written by :func:`save_sharded_ema` into ``ema`` (every rank).
 
     DCP reads each rank's part of every tensor straight into the EMA's own tensors, so a
@@ -234,21 +295,32 @@ def load_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: 
     ``torch.load(weights_only=True)``. A ``storage_reader`` you pass replaces that reader
     and reads as it does (DCP's ``FileSystemReader`` unpickles the metadata).
 
+    Under ``torch.distributed`` the ranks first check that every one of them is in this
+    call (one small all-gather, bounded by ``timeout_s``), and after loading that every
+    rank holds the same ``step`` and ``num_skipped_nonfinite`` (another).
+
     Args:
         ema: the EMA to load into (built like the saved one: same model and names).
         checkpoint_id: the checkpoint folder.
+        timeout_s: keyword-only; seconds a rank waits for the others at the first check
+            before it raises. Default 300.
         **kwargs: passed to ``torch.distributed.checkpoint.load``.
 
     Raises:
         EMAStateError: the checkpoint refers to anything but DCP's metadata classes, holds
-            pickled entries or file names outside the folder, or does not fit the EMA.
+            pickled entries or file names outside the folder, or does not fit the EMA; or
+            the ranks loaded different steps or skip counts (on every rank).
+        EMARuntimeError: some ranks did not call it within ``timeout_s``.
     """
     import torch.distributed.checkpoint as dcp
 
     from . import _dcp
 
     ema = _ema_module(ema)
+    timeout_s = _timeout(timeout_s)
     distributed, group, coordinator = _group(kwargs)
+    if distributed:
+        _check_ranks(ema, "load_sharded_ema", group, timeout_s, counts=False)
     folder = Path(os.fspath(checkpoint_id))
     name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
     target = Path(name)
@@ -261,6 +333,8 @@ def load_sharded_ema(ema: EMA, checkpoint_id: str | os.PathLike[str], **kwargs: 
             f"sharded checkpoint {folder} cannot be loaded: {_failures(e)}"
         ) from None
     ema.load_state_dict(state)
+    if distributed:
+        _check_ranks(ema, "load_sharded_ema (after loading)", group, timeout_s)
 
 
 def save_full_ema_weights(
@@ -268,51 +342,67 @@ def save_full_ema_weights(
     path: str | os.PathLike[str],
     *,
     dtype: torch.dtype | None = None,
+    timeout_s: float = AGREE_TIMEOUT_S,
 ) -> Path:
-    """Write the full EMA weights to one safetensors file, from rank 0 only (call on every rank).
+    """Write the full EMA weights to one safetensors file (a collective: call on every rank).
 
-    For an FSDP2 EMA the shards are gathered to rank 0's CPU memory, tensor group by tensor
-    group (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; other ranks
-    keep nothing). Otherwise (DDP, one process) every rank already holds the full EMA and
-    rank 0 writes it. The file has :func:`~emakit.checkpoint.save_ema_weights`'s layout and
-    header, is written atomically, and loads straight into the model class::
+    **Every rank must call it**, not only rank 0: do not put it inside
+    ``if is_rank_zero():``. Rank 0 writes the file; the others take part in gathering the
+    shards and return once the file is complete. Under ``torch.distributed`` the ranks
+    first check that they agree (one small all-gather): a call that only some ranks make
+    raises :class:`~emakit.EMARuntimeError` after ``timeout_s`` seconds instead of hanging,
+    and EMAs at different steps or skip counts raise :class:`~emakit.EMAStateError` on
+    every rank.
+
+    For an FSDP2 EMA the file is streamed: tensor by tensor, each rank casts its shard to
+    ``dtype``, the shards are all-gathered, rank 0 appends the tensor to the file and drops
+    it. Rank 0's extra memory is about twice the largest tensor in the export dtype (the
+    gathered tensor and its CPU copy), whatever the model's size; every other rank holds
+    one gathered tensor at a time. Otherwise (DDP, one process) every rank already holds
+    the full EMA and rank 0 writes it with :func:`~emakit.checkpoint.save_ema_weights`.
+    Either way the file has ``save_ema_weights``'s layout and header (the model's own class
+    name), is written atomically, and loads straight into the model class::
 
         model.load_state_dict(safetensors.torch.load_file(path))
-
-    All ranks wait until the file is complete before returning.
 
     Args:
         ema: the EMA to export.
         path: the destination file; its folder is created if missing.
-        dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``).
-            Default None keeps the shadow dtype.
+        dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``),
+            before they are gathered. Default None keeps the shadow dtype.
+        timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
+            Default 300.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`, on every rank.
-    """
-    ema = _ema_module(ema)
-    dest = Path(os.fspath(path))
-    dtype = check.floating_dtype("dtype", dtype)
-    ema_model = ema.ema_model
-    if any(is_dtensor(t) for t in ema_model.parameters()):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tensors = cast(
-            dict[str, Tensor], get_model_state_dict(ema_model, options=options)
-        )  # a collective
-        if is_rank_zero():
-            header = weights_header(ema, tensors, dtype)
-            fsdp_cls = fsdp_module_type()
-            cls = next(c for c in type(ema_model).__mro__ if not issubclass(c, fsdp_cls or ()))
-            header["model_class"] = cls.__name__
-            with atomic_path(dest) as tmp, open(tmp, "wb") as f:
-                write_safetensors(f, tensors, header, dtype)
-    elif is_rank_zero():
-        save_ema_weights(ema, dest, dtype=dtype)
+    Raises:
+        EMARuntimeError: some ranks did not call it within ``timeout_s`` (the process group
+            is unusable afterwards), or they are in another emakit collective.
+        EMAStateError: the ranks' EMAs are at different steps or skip counts.
+        OSError: rank 0 could not write the file: an ``EMAWriteError`` (also an
+            :class:`~emakit.EMAError`), raised on every rank; any previous file is left
+            whole.
+
+    Example:
+        >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
+        >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
+    """
+    from . import _export
+
+    ema = _ema_module(ema)
+    dest = writable_path("path", path)
+    dtype = check.floating_dtype("dtype", dtype)
+    timeout_s = _timeout(timeout_s)
     if dist_ready():
-        torch.distributed.barrier()
+        _check_ranks(ema, "save_full_ema_weights", None, timeout_s)
+    failure: BaseException | None = None
+    if any(is_dtensor(t) for t in ema.ema_model.state_dict().values()):
+        failure = _export.write_sharded(ema, dest, dtype)
+    elif is_rank_zero():
+        try:
+            save_ema_weights(ema, dest, dtype=dtype)
+        except (OSError, EMAError) as e:  # reported on every rank below
+            failure = e
+    _export.share_outcome(failure, str(dest))
     return dest

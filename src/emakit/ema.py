@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._forward import io_cast
+from ._forward import ForwardMethod, eval_call, io_cast
 from ._options import KEYWORDS_DOC, EMAOptions, make_runner
 from .compat import EMAPytorchSurface
 from .core.shadow import unwrap_model
@@ -223,8 +223,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         self._modules["ema_model"] = ema_model
         first = next((t for t in (*ema_model.parameters(), *ema_model.buffers())), None)
         self._home = self.device or (first.device if first is not None else None)
-        for name in self.forward_method_names:
-            setattr(self, name, getattr(ema_model, name))
+        for name in self.forward_method_names:  # FSDP2: registered, run on fresh shards
+            setattr(self, name, ForwardMethod(ema_model, name, self._tracker.runner.wait))
         self._tracker.invalidate()
 
     def _pairs(self) -> list[TensorPair]:
@@ -295,7 +295,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def num_skipped_nonfinite(self) -> int:
-        """Updates skipped because the weights held NaN or Inf (``skip_nonfinite=True``)."""
+        """Updates skipped because the weights held NaN or Inf (``skip_nonfinite=True``), the
+        same on every rank; reading it reads the count back from the device."""
         return self._tracker.num_skipped_nonfinite
 
     def get_current_decay(self) -> float:
@@ -325,7 +326,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         when ``(step - 1) % update_every == 0`` (``step`` counted after the call): a plain
         copy while ``step - 1 <= update_after_step``, then
         ``ema.lerp_(model, 1 - decay)``. Skipped calls cost one integer compare; no call
-        reads a value back from an accelerator (except ``skip_nonfinite``'s one check).
+        reads a value back from an accelerator (``skip_nonfinite`` decides on the device).
 
         With ``update_model_with_ema_every=N``, every N-th call (ema-pytorch's cadence:
         ``step % N == 0`` counted before the call) also pulls the model toward the EMA
@@ -418,6 +419,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         back to the model's; with ``device=`` (the shadow offloaded) inputs are moved to
         the shadow's device and outputs back to the model's (:mod:`emakit._forward`).
         For an EMA of a pytree: call the EMA pytree if it is callable, else return it.
+        An FSDP2 EMA model is resharded before and after, so every call sees the current
+        shards (a collective: call it on every rank).
         """
         ema_model = self.ema_model
         if self._tree is not None:
@@ -434,15 +437,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         )
         if cast is not None:
             args, kwargs = cast.inputs(args, kwargs)
-        modes = [(m, m.training) for m in ema_model.modules()]
-        ema_model.eval()
-        try:
-            with torch.no_grad():
-                out = ema_model(*args, **kwargs)
-            return out if cast is None else cast.outputs(out)
-        finally:
-            for m, mode in modes:
-                m.training = mode
+        out = eval_call(ema_model, ema_model, args, kwargs)  # FSDP2: on fresh shards
+        return out if cast is None else cast.outputs(out)
 
     forward_eval = forward
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -126,20 +127,25 @@ class MultiEMA(nn.Module):
             return
         if all(a.averages for a in actions):
             plans = [t.plan() for t in trackers]
-            if trackers[0].skip_nonfinite and not trackers[0].online_finite(plans[0]):
-                for t in trackers[1:]:
-                    t.count_nonfinite()
-                return
+            guard = None
+            if trackers[0].skip_nonfinite:
+                # one flag (one all-reduce when sharded) for all, counted by each member
+                guard = trackers[0].guard(plans[0], actions[0]).guard
+                if guard is not None:
+                    for t in trackers[1:]:
+                        t.count_flag(guard)
+                    actions = [dataclasses.replace(a, guard=guard) for a in actions]
             fused = self._fused_for(plans)
             if fused is not None:
                 weights = tuple(a.weights[0] if a.kind == "lerp" else 0.0 for a in actions)
                 if any(weights):
-                    trackers[0].runner.submit(fused, Action("lerp", weights, actions[0].call))
+                    action = Action("lerp", weights, actions[0].call, guard=guard)
+                    trackers[0].runner.submit(fused, action)
                 for t, a in zip(trackers, actions, strict=True):
                     t.record(a)
                 return
         for t, a in zip(trackers, actions, strict=True):
-            t.apply(a)
+            t.apply(a)  # an action guarded above is not guarded (or counted) again
 
     def owns_state_key(self, key: str) -> bool:
         """Whether a state key (relative to this MultiEMA) is one a member reads or ignores

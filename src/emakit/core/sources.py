@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._dtensor import check_fsdp2_torch
 from ..engine.pairs import Pairs, TensorPair, pair_tensors
 from ..errors import EMATypeError
 from .shadow import copy_model, layout_shadow, module_tensors, structure
@@ -103,6 +104,9 @@ class ModuleSource(_Source):
     def build(self, model: nn.Module, ema_model: nn.Module | None) -> nn.Module:
         """The EMA copy of ``model`` (``ema_model`` adopted if given), laid out."""
         fresh = ema_model is None
+        for m in (model, ema_model):
+            if m is not None:
+                check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
         if ema_model is None:
             ema_model = copy_model(
                 model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)

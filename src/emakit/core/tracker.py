@@ -8,14 +8,24 @@ the count of updates skipped for non-finite weights, and the swap flag. Its
 1. :meth:`~Tracker.advance` counts the call and asks the pure
    :class:`~emakit.decay.DecayRule` what it does (the first call always initializes);
 2. :meth:`~Tracker.apply` makes sure the plan still matches the model (rebuilding it from
-   the owner's ``pairs`` callable when a tensor was replaced or moved), optionally checks
-   the weights are finite, and hands the action to the runner.
+   the owner's ``pairs`` callable when a tensor was replaced or moved), optionally guards
+   the action with a device-side "weights are finite" flag, and hands it to the runner.
+
+**Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
+device in ``update()``: the flag (:mod:`emakit.engine.finite`; for sharded models combined
+across ranks by one small all-reduce) travels with the action and the kernels select on it,
+and a skip adds one to a counter on the device. The counter is read, and the warning about
+the first skip given, when :attr:`Tracker.num_skipped_nonfinite` is next read (a state dict
+reads it). A skipped averaging call still counts as an averaging call (``last`` moves; the
+power-function EMA sees a held step). Only the very first call reads the flag on the host,
+so that a first call on non-finite weights leaves the EMA uninitialized, as before.
 
 Facades (``EMA``, ``MultiEMA``, ``KarrasEMA`` ...) only wire a tracker to a model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -71,7 +81,9 @@ class Tracker:
         self.initted = False
         self.last = 0
         self.gap = 0
-        self.num_skipped_nonfinite = 0
+        self._skipped = 0  # resolved skips; more may wait on the device (see _resolve)
+        self._skip_count: Tensor | None = None  # skips not yet read back, on the device
+        self._skip_first: Tensor | None = None  # the call of the first of them (0: none)
         self.swapped = False
         self._plan: Plan | None = None
         # ema-pytorch's step and initted are tensors that clients write in place
@@ -197,8 +209,10 @@ class Tracker:
         if action is SKIP:
             return action
         plan = self.plan()
-        if self.skip_nonfinite and not self.online_finite(plan):
-            return SKIP
+        if self.skip_nonfinite and action.guard is None:
+            action = self.guard(plan, action)
+            if action is SKIP:
+                return action
         if action.kind != "hold":
             try:
                 self.runner.submit(plan, action)
@@ -227,38 +241,88 @@ class Tracker:
             return
         self.runner.wait()
         plan = self.plan()
-        if self.skip_nonfinite and not self.online_finite(plan):
-            return
         if self.rule.frozen:
             action = Action("hold", call=self.step)
         else:
             action = Action("lerp", self.rule.weights(self.step, self.last), self.step)
+        if self.skip_nonfinite:
+            action = self.guard(plan, action)
         plan.run(action)
         self.record(action)
 
-    def online_finite(self, plan: Plan) -> bool:
-        """Whether ``plan``'s online weights are finite; counts (and warns once) if not."""
-        if plan.online_finite():
-            return True
-        self.count_nonfinite()
-        return False
+    # -- skipping non-finite updates ----------------------------------------------------
 
-    def count_nonfinite(self) -> None:
-        """Count one update skipped because the weights held NaN or Inf (warn the first time)."""
-        self.num_skipped_nonfinite += 1
-        if self.num_skipped_nonfinite == 1:
+    def guard(self, plan: Plan, action: Action) -> Action:
+        """``action`` guarded by "``plan``'s online weights are finite on every rank" (a
+        flag on the device, counted as a skip where false), or :data:`SKIP` for a first
+        call on non-finite weights (read on the host: the one call that does)."""
+        ok = plan.finite_flag(self.step)
+        if ok is None:
+            return action
+        if action.kind == "init":
+            if not bool(ok):
+                self.count_nonfinite()
+                return SKIP
+            return action
+        self.count_flag(ok)
+        return dataclasses.replace(action, guard=ok)
+
+    def count_flag(self, ok: Tensor) -> None:
+        """Count a skip on the device where the 0-dim bool ``ok`` is false (no host read)."""
+        bad = ok.logical_not()
+        count, first = self._skip_count, self._skip_first
+        if count is None or first is None or count.device != ok.device:
+            self._resolve()
+            count = self._skip_count = torch.zeros((), dtype=torch.long, device=ok.device)
+            first = self._skip_first = torch.zeros((), dtype=torch.long, device=ok.device)
+        count.add_(bad)
+        # the call of the first unread skip: kept once set, else this call if it skipped
+        torch.where(first > 0, first, bad * self.step, out=first)
+
+    def count_nonfinite(self, first: int | None = None, n: int = 1) -> None:
+        """Count ``n`` skipped updates, the first at call ``first`` (default: this call);
+        warn at the first skip of all."""
+        before = self._skipped
+        self._skipped += n
+        if before == 0 and n > 0:
             warnings.warn(
-                f"skipped an EMA update at step {self.step}: the model's weights hold NaN or "
-                f"Inf (skip_nonfinite=True; further skips are counted in "
-                f"num_skipped_nonfinite)",
+                f"skipped an EMA update at step {self.step if first is None else first}: the "
+                f"model's weights hold NaN or Inf (skip_nonfinite=True; further skips are "
+                f"counted in num_skipped_nonfinite)",
                 RuntimeWarning,
                 stacklevel=4,
             )
 
+    def _resolve(self) -> None:
+        """Read the device counter back (a host sync, only when the count is asked for)."""
+        count, first = self._skip_count, self._skip_first
+        if count is None or first is None:
+            return
+        n, at = torch.stack([count, first]).tolist()  # one read
+        if n:
+            count.zero_()
+            first.zero_()
+            self.count_nonfinite(at, n)
+
+    @property
+    def num_skipped_nonfinite(self) -> int:
+        """Updates skipped because the weights held NaN or Inf (``skip_nonfinite=True``),
+        the same on every rank. Reading it reads the device counter back (and gives the
+        warning about the first skip)."""
+        self._resolve()
+        return self._skipped
+
+    @num_skipped_nonfinite.setter
+    def num_skipped_nonfinite(self, value: int) -> None:
+        self._skipped = int(value)
+        self._skip_count = self._skip_first = None
+
     def __getstate__(self) -> dict:
         self.runner.wait()
         self.sync_views()
+        self._resolve()
         state = self.__dict__.copy()
+        state["_skip_count"] = state["_skip_first"] = None
         state["_plan"] = None  # rebuilt on first use; it only holds references
         state["swapped"] = False
         state["_views_out"] = False

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .._dtensor import local_tensor
+from .kernels import Guarded
 from .plan import Plan
 from .spans import span, split_runs
 
@@ -47,6 +49,7 @@ class _Group:
         self.src: list[Tensor] = []
         self.dst: list[Tensor] = []
         self.direct = False
+        self.guarded: dict[int, Guarded] = {}  # by EMA, built on first use (skip_nonfinite)
         runs = split_runs(onlines)
         ref = self.spans[0]
         same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
@@ -79,7 +82,23 @@ class _Group:
         if self.src:
             torch._foreach_copy_(self.dst, self.src, non_blocking=non_blocking)
 
-    def lerp(self, weights: Sequence[float]) -> None:
+    def _guarded(self, shadows: list[Tensor], span_: Tensor) -> Guarded:
+        key = id(shadows)
+        guarded = self.guarded.get(key)
+        if guarded is None:
+            if self.direct:
+                guarded = Guarded(shadows, self.onlines)
+            else:
+                guarded = Guarded([span_], [self.source])
+            self.guarded[key] = guarded
+        return guarded
+
+    def lerp(self, weights: Sequence[float], ok: Tensor | None = None) -> None:
+        if ok is not None:  # skip_nonfinite: only where ok holds (see Plan.run)
+            for shadows, span_, w in zip(self.shadows, self.spans, weights, strict=True):
+                if w:
+                    self._guarded(shadows, span_).lerp(w, ok)
+            return
         if self.direct:
             for shadows, w in zip(self.shadows, weights, strict=True):
                 if w:
@@ -113,16 +132,18 @@ class FusedPlan:
         alone too, as a frozen :class:`~emakit.EMA` leaves them.
         """
         first = plans[0].pairs
+        # DTensors (FSDP2): this rank's shards, as the plans themselves use them
+        shadow = [[local_tensor(p.shadow) for p in plan.pairs] for plan in plans]
         by_key: dict[tuple, list[int]] = {}
         for i, p in enumerate(first):
             if p.average:
-                by_key.setdefault((p.shadow.device, p.shadow.dtype), []).append(i)
+                by_key.setdefault((shadow[0][i].device, shadow[0][i].dtype), []).append(i)
         groups = []
         for idx in by_key.values():
             # every EMA laid its shadow out in the same (memory) order; follow it
-            idx.sort(key=lambda i: first[i].shadow.storage_offset())
-            onlines = [first[i].online for i in idx]
-            shadows = [[plan.pairs[i].shadow for i in idx] for plan in plans]
+            idx.sort(key=lambda i: shadow[0][i].storage_offset())
+            onlines = [local_tensor(first[i].online) for i in idx]
+            shadows = [[s[i] for i in idx] for s in shadow]
             if any(len(split_runs(s)) != 1 for s in shadows):
                 return None
             groups.append(_Group(onlines, shadows, staged))
@@ -139,16 +160,18 @@ class FusedPlan:
 
     @torch.no_grad()
     def run(self, action: Action) -> None:
-        """Average every EMA now (``action.weights``: one weight per EMA)."""
-        self.stage()
+        """Average every EMA now (``action.weights``: one weight per EMA; ``action.guard``:
+        see :meth:`Plan.run`)."""
+        self.stage(guard=action.guard)
         self.finish(action)
 
     @torch.no_grad()
-    def stage(self, *, non_blocking: bool = False) -> None:
-        """Copy the never-averaged tensors of every EMA and gather the averaged ones."""
+    def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
+        """Copy the never-averaged tensors of every EMA (only where ``guard`` holds, when
+        given) and gather the averaged ones."""
         for plan, frozen in zip(self.plans, self.frozen, strict=True):
             if not frozen:
-                plan.copy_unaveraged()
+                plan.copy_unaveraged(guard)
         for g in self.groups:
             g.gather(non_blocking)
 
@@ -156,4 +179,4 @@ class FusedPlan:
     def finish(self, action: Action) -> None:
         """One ``lerp_`` per EMA and group from the gathered tensors."""
         for g in self.groups:
-            g.lerp(action.weights)
+            g.lerp(action.weights, action.guard)

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .._dtensor import is_dtensor
+from .._dtensor import is_dtensor, shard_identity_getter
 
 __all__ = ["Guards", "registration_epoch"]
 
@@ -106,12 +106,13 @@ class Guards:
         self.epoch = registration_epoch()
         always: list[tuple[Any, str, Tensor]] = []
         on_epoch: list[tuple[Any, str, Tensor]] = []
-        self.sharded: list[tuple[Tensor, Tensor]] = []
+        self.sharded: list[tuple[Tensor, object, Any]] = []  # (DTensor, shard, getter)
         self.owners: set[int] = set()
         for p in pairs:
             for slot, t in ((p.online_slot, p.online), (p.shadow_slot, p.shadow)):
                 if is_dtensor(t):
-                    self.sharded.append((t, t._local_tensor))  # type: ignore[attr-defined]
+                    get = shard_identity_getter(t)
+                    self.sharded.append((t, get(t), get))
                 if slot is None:
                     continue
                 container, key, owner = slot
@@ -132,8 +133,8 @@ class Guards:
         for container, key, t in self.always:
             if container.get(key) is not t:
                 return "stale"
-        for d, local in self.sharded:
-            if d._local_tensor is not local:  # type: ignore[attr-defined]
+        for d, local, get in self.sharded:
+            if get(d) is not local:
                 return "stale"
         if self.registries and sum(map(len, self.registries)) != self.size:
             return "check"  # something was deleted (``del``), which no hook reports

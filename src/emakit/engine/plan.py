@@ -26,8 +26,15 @@ import torch
 from torch import Tensor
 
 from .._dtensor import local_tensor
+from .finite import Agreement, local_flag
 from .guards import Guards
-from .kernels import Impl, ema_copy_, multi_tensor_lerp, single_tensor_lerp
+from .kernels import (
+    Guarded,
+    Impl,
+    ema_copy_,
+    multi_tensor_lerp,
+    single_tensor_lerp,
+)
 from .pairs import TensorPair
 from .spans import runs_both, span, split_runs
 
@@ -161,6 +168,7 @@ class _Direction:
         self.groups = list(groups.values())
         self.flat = flat or staged
         self.staged = staged
+        self._guarded_lists: dict[tuple[int, int], tuple[Guarded, list, list]] = {}
         if self.flat:
             for g in self.groups:
                 g.flat_lerp = _flatten(g.lerp_dst, g.lerp_src, staged=staged)
@@ -169,6 +177,15 @@ class _Direction:
                 for f in (g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY):
                     f.seal()
 
+    def guarded(self, dsts: list[Tensor], srcs: list[Tensor]) -> Guarded:
+        """The :class:`~.kernels.Guarded` form of two of this direction's lists (built on
+        first use, with ``skip_nonfinite=True``)."""
+        key = (id(dsts), id(srcs))
+        entry = self._guarded_lists.get(key)
+        if entry is None:  # the lists are kept with it, so their ids stay theirs
+            entry = self._guarded_lists[key] = (Guarded(dsts, srcs), dsts, srcs)
+        return entry[0]
+
     def stage(self, *, non_blocking: bool) -> None:
         """First half of a staged transfer: snapshot the sources into the staging buffers."""
         for g in self.groups:
@@ -176,11 +193,18 @@ class _Direction:
                 if f.staging_src:
                     torch._foreach_copy_(f.staging_src, f.src, non_blocking=non_blocking)
 
-    def finish(self, weights: Sequence[float] | None) -> None:
+    def finish(self, weights: Sequence[float] | None, ok: Tensor | None = None) -> None:
         """Second half: update the destinations from the staging buffers (``weights`` None
-        means copy instead of averaging)."""
+        means copy instead of averaging; ``ok``: see :meth:`Plan.run`)."""
         for g in self.groups:
             fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+            if ok is not None:
+                self.guarded(fc.dst, fc.staging_dst).copy(ok)
+                if weights is None:
+                    self.guarded(fl.dst, fl.staging_dst).copy(ok)
+                else:
+                    self.guarded(fl.dst, fl.staging_dst).lerp(weights[g.decay_group], ok)
+                continue
             if fc.staging_dst:
                 torch._foreach_copy_(fc.dst, fc.staging_dst)
             if fl.staging_dst:
@@ -202,10 +226,12 @@ class _Direction:
                     return True
         return False
 
-    def lerp(self, weights: Sequence[float], impl: Impl) -> None:
+    def lerp(self, weights: Sequence[float], impl: Impl, ok: Tensor | None = None) -> None:
         for g in self.groups:
             weight = weights[g.decay_group]
-            if impl == "flat":
+            if ok is not None:
+                self._guarded_group(g, weight, impl, ok)
+            elif impl == "flat":
                 fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
                 _run_flat_copy(fc)
                 if fl.staging_src:
@@ -226,17 +252,45 @@ class _Direction:
                 ema_copy_(g.copy_dst, g.copy_src, impl="loop")
                 single_tensor_lerp(g.lerp_dst, g.lerp_src, weight)
 
-    def copy_only(self, impl: Impl) -> None:
+    def _guarded_group(self, g: _Group, weight: float | None, impl: Impl, ok: Tensor) -> None:
+        """One group's update (``weight`` None: copy) where ``ok`` holds, else nothing; the
+        result is bit for bit the unguarded one's (see :class:`~.kernels.Guarded`)."""
+        if impl == "flat":
+            fl, fc = g.flat_lerp or _EMPTY, g.flat_copy or _EMPTY
+            for f in (fl, fc):
+                if f.staging_src:  # other dtype or device: through the staging buffer
+                    torch._foreach_copy_(f.staging_src, f.src)
+            self.guarded(fc.dst, fc.staging_dst or fc.src).copy(ok)
+            lerp_dst, lerp_src = fl.dst, fl.staging_dst or fl.src
+        else:
+            self.guarded(g.copy_dst, g.copy_src).copy(ok)
+            lerp_dst, lerp_src = g.lerp_dst, g.lerp_src
+        if weight is None:
+            self.guarded(lerp_dst, lerp_src).copy(ok)
+        else:
+            self.guarded(lerp_dst, lerp_src).lerp(weight, ok)
+
+    def copy_only(self, impl: Impl, ok: Tensor | None = None) -> None:
         """Copy the non-averaged pairs (integer buffers, no-EMA names) only."""
         for g in self.groups:
-            if impl == "flat":
+            if ok is not None:
+                if impl == "flat":
+                    fc = g.flat_copy or _EMPTY
+                    if fc.staging_src:
+                        torch._foreach_copy_(fc.staging_src, fc.src)
+                    self.guarded(fc.dst, fc.staging_dst or fc.src).copy(ok)
+                else:
+                    self.guarded(g.copy_dst, g.copy_src).copy(ok)
+            elif impl == "flat":
                 _run_flat_copy(g.flat_copy or _EMPTY)
             elif g.copy_dst:
                 ema_copy_(g.copy_dst, g.copy_src, impl=impl)
 
-    def copy(self, impl: Impl) -> None:
+    def copy(self, impl: Impl, ok: Tensor | None = None) -> None:
         for g in self.groups:
-            if impl == "flat":
+            if ok is not None:
+                self._guarded_group(g, None, impl, ok)
+            elif impl == "flat":
                 _run_flat_copy(g.flat_lerp or _EMPTY)
                 _run_flat_copy(g.flat_copy or _EMPTY)
             else:
@@ -274,7 +328,8 @@ class Plan:
             self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
         )
         self._to_online: _Direction | None = None
-        self._finite_sources: dict[torch.device, list[Tensor]] | None = None
+        self._finite_sources: list[Tensor] | None = None
+        self._agreement: Agreement | bool | None = False  # False: not built yet
 
     @property
     def on_accelerator(self) -> bool:
@@ -330,31 +385,36 @@ class Plan:
 
     def run(self, action: Action) -> None:
         """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
-        nothing (``"hold"``, ``"skip"``)."""
+        nothing (``"hold"``, ``"skip"``).
+
+        An ``action.guard`` (a 0-dim bool tensor, see :mod:`emakit.engine.finite`) makes the
+        update conditional on the device: where it is false nothing changes, where it is
+        true the result is bit for bit the unguarded one."""
         kind = action.kind
         # The hot path: switching grad mode directly costs a tenth of the no_grad decorator.
         grad = torch.is_grad_enabled()
         _set_grad_enabled(False)
         try:
             if kind == "lerp":
-                self._to_shadow.lerp(action.weights, self.impl)
+                self._to_shadow.lerp(action.weights, self.impl, action.guard)
             elif kind in ("init", "copy"):
-                self._to_shadow.copy(self.impl)
+                self._to_shadow.copy(self.impl, action.guard)
         finally:
             _set_grad_enabled(grad)
 
     @torch.no_grad()
-    def stage(self, *, non_blocking: bool = False) -> None:
-        """Snapshot the online tensors into the staging buffers (staged plans only)."""
+    def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
+        """Snapshot the online tensors into the staging buffers (staged plans only; the
+        snapshot is scratch, so ``guard`` changes nothing here)."""
         self._to_shadow.stage(non_blocking=non_blocking)
 
     @torch.no_grad()
     def finish(self, action: Action) -> None:
         """Carry out ``action`` from the staged snapshot (see :meth:`stage`)."""
         if action.kind == "lerp":
-            self._to_shadow.finish(action.weights)
+            self._to_shadow.finish(action.weights, action.guard)
         elif action.kind in ("init", "copy"):
-            self._to_shadow.finish(None)
+            self._to_shadow.finish(None, action.guard)
 
     @property
     def num_decay_groups(self) -> int:
@@ -367,14 +427,17 @@ class Plan:
         self._to_shadow.lerp(weights, self.impl)
 
     @torch.no_grad()
-    def online_finite(self) -> bool:
-        """Whether every floating online tensor is free of NaN and Inf.
+    def finite_flag(self, call: int) -> Tensor | None:
+        """Whether every floating online tensor is free of NaN and Inf, on every rank that
+        holds a shard of them: a 0-dim bool tensor that stays on the device, or None when
+        nothing anywhere could be non-finite (see :mod:`emakit.engine.finite`).
 
-        One max-abs reduction per span (``torch._foreach_norm(..., inf)``: NaN and Inf
-        propagate, finite values cannot overflow), stacked, and a single host read.
+        One reduction to the tensors' extremes per device and dtype, and for sharded
+        (DTensor) models under ``torch.distributed`` one all-reduce of three numbers with
+        the other ranks (which must be at the same ``call``; a mismatch makes the flag
+        false). No host sync.
         """
-        by_device = self._finite_sources
-        if by_device is None:
+        if self._finite_sources is None:
             srcs: list[Tensor] = []
             for g in self._to_shadow.groups:
                 if self.impl == "flat":
@@ -382,21 +445,20 @@ class Plan:
                     srcs += fl.src + fc.src
                 else:
                     srcs += g.lerp_src + g.copy_src
-            by_device = self._finite_sources = {}
-            for t in srcs:
-                # integer tensors are always finite; an empty one has no max to take
-                if (t.is_floating_point() or t.is_complex()) and t.numel():
-                    by_device.setdefault(t.device, []).append(t)
-        flags = [
-            torch.stack([n.float() for n in torch._foreach_norm(ts, float("inf"))]).isfinite().all()
-            for ts in by_device.values()
-        ]
-        return all(bool(f) for f in flags)
+            self._finite_sources = srcs
+        if self._agreement is False:
+            self._agreement = Agreement.build(self.pairs)
+        flag = local_flag(self._finite_sources)
+        agreement = self._agreement
+        if isinstance(agreement, Agreement):
+            return agreement.combine(flag, call)
+        return flag
 
     @torch.no_grad()
-    def copy_unaveraged(self) -> None:
-        """Copy only the pairs that are never averaged (integer buffers, no-EMA names)."""
-        self._to_shadow.copy_only(self.impl)
+    def copy_unaveraged(self, guard: Tensor | None = None) -> None:
+        """Copy only the pairs that are never averaged (integer buffers, no-EMA names);
+        with a ``guard`` only where it holds (see :meth:`run`)."""
+        self._to_shadow.copy_only(self.impl, guard)
 
     @torch.no_grad()
     def copy_to_shadow(self) -> None:

@@ -56,8 +56,9 @@ class Work(Protocol):
         """Carry out ``action`` now."""
         ...
 
-    def stage(self, *, non_blocking: bool = False) -> None:
-        """Snapshot the online tensors into the staging buffers."""
+    def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
+        """Snapshot the online tensors into the staging buffers (what is copied rather than
+        staged, only where ``guard``, a 0-dim bool tensor, holds)."""
         ...
 
     def finish(self, action: Action) -> None:
@@ -147,7 +148,7 @@ class ThreadRunner:
             self._submit_live(work, action)
             return
         on_accelerator = work.on_accelerator
-        work.stage(non_blocking=on_accelerator)
+        work.stage(non_blocking=on_accelerator, guard=action.guard)
         event = None
         if on_accelerator:
             event = torch.cuda.Event()
@@ -232,7 +233,7 @@ class StreamRunner:
         current = torch.cuda.current_stream(self.device)
         if self._pending:
             current.wait_event(self._done)  # the staging buffer is free again
-        work.stage(non_blocking=True)
+        work.stage(non_blocking=True, guard=action.guard)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             work.finish(action)

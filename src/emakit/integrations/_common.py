@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
+from torch import Tensor
+
+from .._dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
 
-__all__ = ["check_ema_kwargs"]
+__all__ = ["check_ema_kwargs", "distribute_like", "gather_full", "sharded_keys"]
 
 
 def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -36,3 +40,46 @@ def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
             f"{owner} got keywords emakit.EMA does not take: {unknown}; EMA accepts {known}"
         )
     return ema_kwargs
+
+
+# -- sharded (FSDP2) EMAs in framework checkpoints ------------------------------------------
+
+
+def sharded_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` whose values are DTensors (an FSDP2 EMA's shards)."""
+    return [k for k, v in state.items() if is_dtensor(v)]
+
+
+def gather_full(ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (``ema.state_dict()``) with every DTensor replaced by the full tensor, on
+    the CPU of the first rank; the other ranks get the plain entries only.
+
+    A collective (one gather per tensor): call it on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(ema.ema_model, options=options)
+    out = {k: v for k, v in state.items() if not is_dtensor(v)}
+    for key in sharded_keys(state):
+        name = key.removeprefix("ema_model.")
+        if name in full:
+            out[key] = full[name]
+    return out
+
+
+def distribute_like(values: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each full tensor whose ``live`` counterpart is a DTensor cut into
+    this rank's shard of that DTensor's layout (``distribute_tensor``: rank 0's values are
+    scattered, one collective per tensor; call it on every rank). Without DTensors in
+    ``live``, ``values`` as they are."""
+    out = dict(values)
+    for key in sharded_keys(live):
+        value, like = out.get(key), live[key]
+        if isinstance(value, Tensor) and not is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor
+
+            out[key] = distribute_tensor(
+                value.to(like.device, like.dtype), like.device_mesh, like.placements
+            )
+    return out

@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import _validate as check
+from .._dtensor import is_dtensor
 from ..core.swap import Swap
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
-from ._common import check_ema_kwargs
+from ._common import check_ema_kwargs, distribute_like, gather_full, sharded_keys
 
 try:
     import lightning.pytorch as pl
@@ -38,18 +39,37 @@ except ImportError:  # pragma: no cover - depends on what is installed
             "(or pip install lightning)"
         ) from e
 
-__all__ = ["CHECKPOINT_KEY", "CHECKPOINT_VERSION", "ONLINE_STATE_DICT_KEY", "EMACallback"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "CHECKPOINT_VERSION",
+    "ONLINE_STATE_DICT_KEY",
+    "SHARDED_CHECKPOINT_VERSION",
+    "SHARDED_STATE_PREFIX",
+    "EMACallback",
+]
 
 #: Top-level checkpoint key holding the EMA (see :meth:`EMACallback.on_save_checkpoint`).
 CHECKPOINT_KEY = "emakit_ema"
 #: Version of the layout stored under :data:`CHECKPOINT_KEY`.
 CHECKPOINT_VERSION = 1
+#: Version of the layout for an FSDP2 EMA in a distributed (DCP) checkpoint.
+SHARDED_CHECKPOINT_VERSION = 2
+#: Prefix of the EMA's shards in the checkpoint's ``state_dict`` (distributed checkpoints).
+SHARDED_STATE_PREFIX = "emakit_ema."
 #: Where the raw (training) weights go when ``save_ema_weights_as_state_dict=True``.
 ONLINE_STATE_DICT_KEY = "emakit_online_state_dict"
 
-# Strategies that shard or re-own the parameters: a per-rank deep copy of the module and
-# swapping ``.data`` do not describe a sharded weight, so they are refused up front.
-_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+# Strategies whose parameters emakit cannot track: FSDP1 flattens them into FlatParameters
+# (names and shapes no longer the module's), DeepSpeed partitions them behind its engine.
+# ModelParallelStrategy (FSDP2/DTensor through configure_model) is supported.
+_REFUSED_STRATEGIES = {
+    "FSDPStrategy": "it flattens the parameters (FSDP1), so each rank would average a "
+    "fragment under names that do not match the module; use ModelParallelStrategy with "
+    "fully_shard in configure_model (FSDP2), or strategy='ddp'",
+    "DeepSpeedStrategy": "DeepSpeed partitions the parameters behind its engine; use "
+    "ModelParallelStrategy with fully_shard in configure_model (FSDP2), or strategy='ddp' "
+    "(for ZeRO-3 outside Lightning see docs/distributed.md)",
+}
 
 
 class EMACallback(pl.Callback):
@@ -85,9 +105,14 @@ class EMACallback(pl.Callback):
 
     Strategies: single device, DDP and DDP-spawn (every rank keeps an identical EMA; rank
     0 writes the checkpoint; with DDP-spawn the EMA lives in the worker processes, so read
-    it from the checkpoint). FSDP, DeepSpeed and ModelParallel (FSDP2) are refused at
-    ``setup``: they shard the parameters, and Lightning's own weight-averaging callbacks do
-    not support sharded models either. Use one ``EMACallback`` per ``Trainer``.
+    it from the checkpoint), and ``ModelParallelStrategy`` (FSDP2 or tensor parallelism
+    applied in ``configure_model``): each rank keeps the EMA of its own shards, updated
+    with no communication. With its default distributed checkpoints the EMA's shards are
+    written with the model's, under ``checkpoint["state_dict"]["emakit_ema.<key>"]``
+    (layout version 2; the counters stay under ``checkpoint["emakit_ema"]``), and loaded
+    back from that folder on resume; with ``save_distributed_checkpoint=False`` the full
+    EMA is gathered into the single file (layout version 1). ``FSDPStrategy`` (FSDP1) and
+    ``DeepSpeedStrategy`` are refused at ``setup``. Use one ``EMACallback`` per ``Trainer``.
 
     Args:
         validate_with_ema: run validation on the EMA weights. Default True.
@@ -133,12 +158,10 @@ class EMACallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse sharded strategies and a second ``EMACallback`` before any work is done."""
         name = type(trainer.strategy).__name__
-        if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
-            raise EMATypeError(
-                f"EMACallback does not support the {name} strategy: it shards the "
-                f"parameters, so each rank would average a fragment under names that do not "
-                f"match the module; use strategy='ddp' (or a single device)"
-            )
+        for cls in type(trainer.strategy).__mro__:
+            reason = _REFUSED_STRATEGIES.get(cls.__name__)
+            if reason is not None:
+                raise EMATypeError(f"EMACallback does not support the {name} strategy: {reason}")
         callbacks = getattr(trainer, "callbacks", ())
         others = [cb for cb in callbacks if isinstance(cb, EMACallback) and cb is not self]
         if others:
@@ -162,7 +185,7 @@ class EMACallback(pl.Callback):
         if self._pending is not None:
             state, self._pending = self._pending, None
             try:
-                ema.load_state_dict(state)
+                ema.load_state_dict(distribute_like(state, ema.state_dict(keep_vars=True)))
             except EMAStateError as e:
                 raise EMAStateError(
                     f"the checkpoint's EMA does not fit this module and EMACallback "
@@ -266,12 +289,35 @@ class EMACallback(pl.Callback):
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             finally:
                 self._enter_swap(pl_module)
-        checkpoint[CHECKPOINT_KEY] = {"version": CHECKPOINT_VERSION, "ema": ema.state_dict()}
+        state = ema.state_dict()
+        sharded = sharded_keys(state)
+        weights = checkpoint.get("state_dict", {})
+        distributed = bool(sharded) and any(is_dtensor(v) for v in weights.values())
         if self.save_ema_weights_as_state_dict:
+            if distributed:
+                raise EMARuntimeError(
+                    "save_ema_weights_as_state_dict=True needs a single-file checkpoint for "
+                    "a sharded model: use ModelParallelStrategy(save_distributed_checkpoint="
+                    "False), or export the EMA with emakit.distributed.save_full_ema_weights"
+                )
             checkpoint[ONLINE_STATE_DICT_KEY] = checkpoint["state_dict"]
             ctx = ema.swap() if self._swap is None else contextlib.nullcontext()
             with ctx:
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+        if distributed:
+            # The strategy writes state_dict with DCP, shard by shard, and pickles the rest
+            # on rank 0 alone: the EMA's shards go into state_dict, its counters here.
+            for key in sharded:
+                checkpoint["state_dict"][SHARDED_STATE_PREFIX + key] = state.pop(key)
+            checkpoint[CHECKPOINT_KEY] = {
+                "version": SHARDED_CHECKPOINT_VERSION,
+                "ema": state,
+                "shards_in_state_dict": SHARDED_STATE_PREFIX,
+            }
+            return
+        if sharded:
+            state = gather_full(ema, state)  # one file, written by rank 0: the full EMA
+        checkpoint[CHECKPOINT_KEY] = {"version": CHECKPOINT_VERSION, "ema": state}
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -301,13 +347,55 @@ class EMACallback(pl.Callback):
                 f"{type(entry).__name__} with keys {sorted(entry) if isinstance(entry, Mapping) else []}"
             )
         version = int(entry.get("version", CHECKPOINT_VERSION))
-        if version > CHECKPOINT_VERSION:
+        if version > SHARDED_CHECKPOINT_VERSION:
             raise EMAStateError(
                 f"checkpoint[{CHECKPOINT_KEY!r}] has version={version}, newer than this "
-                f"emakit's {CHECKPOINT_VERSION}; upgrade emakit to load it"
+                f"emakit's {SHARDED_CHECKPOINT_VERSION}; upgrade emakit to load it"
             )
+        if version == SHARDED_CHECKPOINT_VERSION:
+            self._load_shards(trainer, pl_module, entry)
+            return
         self._pending = entry["ema"]
         if self.ema is not None and self.ema.model is pl_module:
             if self._swap is not None:
                 raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
             self._ensure_ema(pl_module)
+
+    def _load_shards(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, entry: Mapping[str, Any]
+    ) -> None:
+        """Load an FSDP2 EMA from a distributed checkpoint (layout version 2): the shards
+        from the checkpoint folder with DCP, the counters from ``entry``."""
+        import torch.distributed.checkpoint as dcp
+
+        path = getattr(trainer, "ckpt_path", None)
+        if path is None:
+            raise EMAStateError(
+                f"checkpoint[{CHECKPOINT_KEY!r}] keeps the EMA's shards in the checkpoint "
+                f"folder, but the trainer does not say which folder it loaded (ckpt_path); "
+                f"pass ckpt_path= to fit, validate or test"
+            )
+        if self._swap is not None:
+            raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
+        self._pending = None
+        ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
+        state = ema.state_dict()
+        prefix = str(entry.get("shards_in_state_dict", SHARDED_STATE_PREFIX))
+        shards = {prefix + k: state[k] for k in sharded_keys(state)}
+        try:
+            dcp.load({"state_dict": shards}, checkpoint_id=path)  # in place, shard by shard
+        except Exception as e:
+            raise EMAStateError(
+                f"could not load the EMA's shards from ckpt_path={str(path)!r} ({e}); the "
+                f"checkpoint's EMA must come from EMACallback on a model with the same "
+                f"parameters"
+            ) from e
+        values = dict(entry["ema"])
+        values.update((k[len(prefix) :], v) for k, v in shards.items())
+        try:
+            ema.load_state_dict(values)
+        except EMAStateError as e:
+            raise EMAStateError(
+                f"the checkpoint's EMA does not fit this module and EMACallback keywords "
+                f"({self.ema_kwargs}): {e}"
+            ) from e

@@ -1,0 +1,168 @@
+"""The full export of a sharded EMA, streamed: one tensor gathered and written at a time.
+
+Imported by :mod:`emakit.distributed` only. :func:`write_sharded` writes the file that
+:func:`~emakit.checkpoint.save_ema_weights` would write for the full EMA, byte for byte the
+same layout (same header, same order, loads straight into the model class), without ever
+holding more than one full tensor:
+
+1. every rank builds the header from names, dtypes and global shapes alone
+   (:func:`~emakit._safetensors.safetensors_layout`), and rank 0 writes it first;
+2. for each tensor, in the file's order, every rank casts its shard to the export dtype
+   (``to_local()``, then ``.to(dtype)``: the cast happens *before* the gather, so a bf16
+   export moves and holds bf16) and the shards are all-gathered into one buffer
+   (:func:`full_tensor`); rank 0 appends the bytes, and the full tensor is dropped before
+   the next one;
+3. rank 0 writes into a temporary file that replaces ``path`` atomically when complete.
+
+Rank 0's extra memory is therefore the largest tensor in the export dtype, gathered (plus
+a padded copy of its own shard), plus its CPU copy on the way to the file (none when it
+already is on the CPU): at most about twice the largest tensor, whatever the model's size. Every other rank holds one gathered tensor at
+a time. A failure to write on rank 0 (disk full...) does not leave the other ranks waiting
+in a gather: rank 0 goes on gathering without writing, and :func:`share_outcome` then
+raises on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from ._dtensor import dist_ready, fsdp_module_type, is_dtensor, is_rank_zero
+from ._files import write_errors
+from ._io import atomic_path
+from ._safetensors import safetensors_layout, write_tensor
+from .checkpoint import weights_header
+from .ema import EMA
+from .errors import EMAError, EMAWriteError
+
+__all__ = ["full_tensor", "share_outcome", "write_sharded"]
+
+
+def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` in full on every rank (a collective for a DTensor), floating values cast to
+    ``dtype`` before they are gathered; a plain tensor is returned as it is.
+
+    FSDP2's layout (``Shard(0)`` on a 1-D mesh) is gathered with one
+    ``all_gather_into_tensor`` into a buffer of ``world * ceil(rows / world)`` rows, whose
+    first ``rows`` rows are the tensor (``torch.chunk``'s split: only the last ranks hold
+    fewer rows, or none), so the full tensor is a view of the one buffer it arrives in.
+    Any other placement goes through ``DTensor.full_tensor()``.
+    """
+    if not is_dtensor(t):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    d = cast(Any, t)
+    local = d.to_local()
+    if dtype is not None and local.is_floating_point():
+        local = local.to(dtype)
+    mesh = d.device_mesh
+    if local.device.type != mesh.device_type:  # e.g. shards kept on the CPU by FSDP's offload
+        target = torch.device(mesh.device_type)
+        if mesh.device_type == "cuda":
+            target = torch.device("cuda", torch.cuda.current_device())
+        local = local.to(target)
+    shape = tuple(d.shape)
+    if _rows_sharded(mesh, d.placements, shape):
+        return _gather_rows(local, shape, mesh)
+    return DTensor.from_local(
+        local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+    ).full_tensor()
+
+
+def _rows_sharded(mesh: Any, placements: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the tensor is split by rows over a 1-D mesh whose ranks are in order (the
+    same answer on every rank)."""
+    if mesh.ndim != 1 or len(placements) != 1 or not shape:
+        return False
+    ranks = mesh.mesh.tolist()
+    return bool(placements[0].is_shard(0)) and ranks == sorted(ranks)
+
+
+def _gather_rows(local: Tensor, shape: tuple[int, ...], mesh: Any) -> Tensor:
+    dist = torch.distributed
+    world = mesh.size()
+    rows = -(-shape[0] // world)
+    if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
+        padded = local.new_zeros((rows, *shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        local = padded
+    out = local.new_empty((world * rows, *shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=mesh.get_group())
+    return out[: shape[0]]
+
+
+def model_class(model: nn.Module) -> str:
+    """The name of ``model``'s own class (not FSDP2's generated ``FSDP<Name>`` subclass)."""
+    fsdp_cls = fsdp_module_type()
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, fsdp_cls or ()))
+    return cls.__name__
+
+
+def write_sharded(ema: EMA, dest: Path, dtype: torch.dtype | None) -> BaseException | None:
+    """Write the full EMA of a sharded (DTensor) EMA model to ``dest`` (call on every rank).
+
+    Args:
+        ema: the EMA (its model holds DTensors).
+        dest: the file rank 0 writes.
+        dtype: the export dtype of floating tensors (None: the shadow's).
+
+    Returns:
+        On rank 0, the exception that stopped the write (an :class:`~emakit.EMAWriteError`
+        for a full disk...) or None; None on the other ranks. Pass it to
+        :func:`share_outcome`.
+    """
+    model = ema.ema_model
+    tensors = model.state_dict()
+    header = weights_header(ema, tensors, dtype)
+    header["model_class"] = model_class(model)
+    head, order = safetensors_layout(tensors, header, dtype)
+    writer = is_rank_zero()
+    failure: BaseException | None = None
+    try:
+        with contextlib.ExitStack() as stack:
+            f = None
+            if writer:
+                try:
+                    stack.enter_context(write_errors([dest], "EMA weights file"))
+                    tmp = stack.enter_context(atomic_path(dest))
+                    f = stack.enter_context(open(tmp, "wb"))
+                    f.write(head)
+                except OSError as e:  # still take part in the gathers below
+                    failure, f = e, None
+            for name in order:
+                full = full_tensor(tensors[name], dtype)  # every rank, in the same order
+                if f is not None:
+                    try:
+                        write_tensor(f, full, dtype)
+                    except OSError as e:  # keep gathering: the other ranks are in the loop
+                        failure, f = e, None
+                del full
+            if failure is not None:
+                raise failure  # unwinds the temporary file; OSError -> EMAWriteError
+    except (OSError, EMAError) as e:  # on rank 0: a write, or the final rename, failed
+        if not writer:
+            raise
+        failure = e
+    return failure
+
+
+def share_outcome(failure: BaseException | None, what: str) -> None:
+    """Make rank 0's outcome every rank's: return everywhere, or raise everywhere (rank 0
+    its own exception, the others an :class:`~emakit.EMAWriteError` quoting it). Doubles as
+    the barrier after which every rank knows the file is complete."""
+    if not dist_ready():
+        if failure is not None:
+            raise failure
+        return
+    box: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        raise EMAWriteError(f"rank 0 could not write {what}: {box[0]}")

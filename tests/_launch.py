@@ -1,0 +1,98 @@
+"""A launcher for multi-process tests: ``run_ranks(fn, out, world=4)``.
+
+The same scheme as ``tests/test_distributed.py``'s: ``world`` ranks forked from the test
+process, gloo over loopback, a process-group timeout, and a deadline for the whole job. A
+worker that raises, dies or hangs fails the test with its traceback. ``fn(rank, out)``
+returns a picklable result per rank. With ``barrier=False`` the ranks skip the final
+barrier (for jobs that leave the process group unusable on purpose, e.g. a collective
+that only some ranks called).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    fn: Callable[[int, Path], Any], rank: int, world: int, port: int, out: Path, barrier: bool
+) -> None:
+    try:
+        torch.set_num_threads(1)  # several ranks on two cores; no OpenMP pool after fork
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
+        result = fn(rank, out)
+        torch.save(result, out / f"result-{rank}.pt")
+        if barrier:
+            dist.barrier()
+            dist.destroy_process_group()
+        os._exit(0)  # a process group left broken on purpose must not block the exit
+    except BaseException:
+        (out / f"error-{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def run_ranks(
+    fn: Callable[[int, Path], Any],
+    out: Path,
+    *,
+    world: int = 2,
+    timeout_s: float = 90,
+    barrier: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, out)`` on ``world`` forked gloo ranks; return each rank's result."""
+    import torch._dynamo  # fully_shard imports it: once here, not per rank
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
+
+    ctx = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, out, barrier)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0))
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    errors = [out / f"error-{r}.txt" for r in range(world)]
+    report = "\n".join(f"rank {r}:\n{e.read_text()}" for r, e in enumerate(errors) if e.exists())
+    if report:
+        pytest.fail(f"a worker raised:\n{report}")
+    if hung:
+        pytest.fail(f"ranks {hung} did not finish within {timeout_s} s")
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        pytest.fail(f"workers died: (rank, exit code) {bad}")
+    return [torch.load(out / f"result-{r}.pt", weights_only=False) for r in range(world)]
