@@ -9,13 +9,9 @@ tests below check those results against references computed in this process.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import multiprocessing
 import os
-import socket
-import time
-import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -27,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _launch import run_ranks
 from _models import LayerNormMLP, seeded
 from emakit import EMA, EMAStateError
 from emakit.distributed import (
@@ -86,62 +83,9 @@ def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
 # -- the launcher ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable[[int, Path], dict], rank: int, port: int, out: Path) -> None:
-    try:
-        torch.set_num_threads(1)  # two ranks on two cores; and no OpenMP pool after fork
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        result = fn(rank, out)
-        torch.save(result, out / f"result-{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"error-{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-
-
 def run_job(fn: Callable[[int, Path], dict], out: Path) -> list[dict]:
-    """Run ``fn(rank, out)`` on WORLD forked gloo ranks; return each rank's result."""
-    import torch._dynamo  # fully_shard imports it: once here, not per rank
-    import torch.distributed.checkpoint
-    import torch.distributed.fsdp
-
-    ctx = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, port, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    errors = [(out / f"error-{r}.txt") for r in range(WORLD)]
-    report = "\n".join(f"rank {r}:\n{e.read_text()}" for r, e in enumerate(errors) if e.exists())
-    if report:
-        pytest.fail(f"a worker raised:\n{report}")
-    if hung:
-        pytest.fail(f"ranks {hung} did not finish within {JOB_TIMEOUT_S} s")
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        pytest.fail(f"workers died: (rank, exit code) {bad}")
-    return [torch.load(out / f"result-{r}.pt", weights_only=False) for r in range(WORLD)]
+    """Run ``fn(rank, out)`` on WORLD forked gloo ranks (tests/_launch.py)."""
+    return run_ranks(fn, out, world=WORLD, timeout_s=JOB_TIMEOUT_S)
 
 
 # -- DDP (and torch.compile) --------------------------------------------------------------
