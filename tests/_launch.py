@@ -26,6 +26,18 @@ import torch.distributed as dist
 
 PG_TIMEOUT_S = 60
 
+#: The marks of every test module that launches ranks: the ``dist`` marker, and skips
+#: where gloo or ``fork`` is missing.
+DIST_MARKS = [
+    pytest.mark.dist,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+    ),
+    pytest.mark.skipif(
+        "fork" not in multiprocessing.get_all_start_methods(), reason="forks its workers"
+    ),
+]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

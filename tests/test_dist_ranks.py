@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 import time
 import weakref
 from pathlib import Path
@@ -20,10 +19,9 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from _launch import run_ranks
+from _launch import DIST_MARKS, run_ranks
 from _models import seeded
 from emakit import EMA, EMARuntimeError, EMAStateError, EMAWriteError, MultiEMA
 from emakit.checkpoint import save_ema_weights
@@ -34,15 +32,7 @@ from emakit.distributed import (
     save_sharded_ema,
 )
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
-    ),
-    pytest.mark.skipif(
-        "fork" not in multiprocessing.get_all_start_methods(), reason="forks its workers"
-    ),
-]
+pytestmark = DIST_MARKS
 
 KW = dict(beta=0.9, update_after_step=1, update_every=1)
 

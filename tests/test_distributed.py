@@ -10,7 +10,6 @@ tests below check those results against references computed in this process.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import os
 from collections.abc import Callable
 from functools import partial
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import run_ranks
+from _launch import DIST_MARKS, run_ranks
 from _models import LayerNormMLP, seeded
 from emakit import EMA, EMAStateError
 from emakit.distributed import (
@@ -36,15 +35,7 @@ from emakit.distributed import (
     swap_in_place,
 )
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
-    ),
-    pytest.mark.skipif(
-        "fork" not in multiprocessing.get_all_start_methods(), reason="forks its workers"
-    ),
-]
+pytestmark = DIST_MARKS
 
 WORLD = 2
 STEPS = 6

@@ -15,28 +15,20 @@ reference is a plain, unsharded model loaded with the gathered EMA weights.
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from _launch import run_ranks
+from _launch import DIST_MARKS, run_ranks
 from emakit import EMA, EMATypeError
 from emakit._dtensor import local_tensor, shard_identity, torch_version
 from emakit.core.sharding import fsdp_layout
 
 pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(
-        not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
-    ),
-    pytest.mark.skipif(
-        "fork" not in multiprocessing.get_all_start_methods(), reason="forks its workers"
-    ),
+    *DIST_MARKS,
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ._io import atomic_write_bytes
+from ._io import atomic_write_bytes, fsync_dir
 from .errors import EMAStateError
 
 __all__ = [
@@ -120,19 +120,10 @@ def resolve(folder: Path) -> Path:
     return folder if current is None else folder / current
 
 
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def commit(folder: Path, version: str) -> None:
     """Make ``folder/version`` (complete) the current checkpoint: one atomic replace of the
     pointer file."""
-    _fsync_dir(folder / version)
+    fsync_dir(folder / version)
     pointer = {"format": SHARDED_FORMAT, "format_version": 1, "current": version}
     atomic_write_bytes(folder / POINTER, json.dumps(pointer).encode())
 

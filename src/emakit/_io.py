@@ -39,14 +39,20 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
+#: Whether this platform has advisory file locks (``fcntl.flock``).
+LOCKS_AVAILABLE = fcntl is not None
+
 __all__ = [
+    "LOCKS_AVAILABLE",
     "STALE_TEMP_AGE_S",
     "TEMP_PREFIX",
     "atomic_path",
     "atomic_paths",
     "atomic_write",
     "atomic_write_bytes",
+    "fsync_dir",
     "remove_stale_temps",
+    "try_lock",
 ]
 
 #: Marker in the names of emakit's temporary files (``.<name>.emakit-tmp-XXXXXXXX``).
@@ -65,7 +71,8 @@ _live: set[str] = set()
 _live_lock = threading.Lock()
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename in it) to disk; a no-op where unsupported."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
         try:
@@ -96,7 +103,7 @@ def _is_temp_name(name: str) -> bool:
     return name.startswith(".") and TEMP_PREFIX in name
 
 
-def _lock_nb(fd: int) -> bool | None:
+def try_lock(fd: int) -> bool | None:
     """Try an exclusive non-blocking lock: True held, False busy, None not supported."""
     if fcntl is None:
         return None
@@ -122,7 +129,7 @@ def _make_temp(dest: Path) -> tuple[int, Path]:
             _live.add(name)
         # A cleaner in another process may lock and delete the file between mkstemp and
         # our lock; then the name no longer points at our file, and we start over.
-        locked = _lock_nb(fd)
+        locked = try_lock(fd)
         try:
             ours = locked is not False and os.path.samestat(os.fstat(fd), os.stat(name))
         except OSError:
@@ -167,7 +174,7 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
                     continue
             fd = os.open(entry.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
             try:
-                locked = _lock_nb(fd)
+                locked = try_lock(fd)
                 stale = locked is True or (
                     locked is None and now - os.fstat(fd).st_mtime > STALE_TEMP_AGE_S
                 )
@@ -241,7 +248,7 @@ def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]
         for (_, tmp), dest in zip(made, dests, strict=True):
             os.replace(tmp, dest)
         for folder in {d.parent for d in dests}:
-            _fsync_dir(folder)
+            fsync_dir(folder)
     finally:
         for fd, tmp in made:
             with contextlib.suppress(FileNotFoundError):

@@ -33,16 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._io import LOCKS_AVAILABLE, try_lock
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .snapshots import RUN_PATTERN, SnapshotInfo, list_legacy_files, list_snapshots
-
-fcntl: Any
-try:
-    import fcntl as _fcntl
-
-    fcntl = _fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
 
 __all__ = [
     "LOCK_NAME",
@@ -198,12 +191,11 @@ def _lock_file(path: Path) -> int | None:
     file system has no locks; raises BlockingIOError while another process holds it."""
     for _ in range(100):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        held = try_lock(fd)
+        if held is False:
             os.close(fd)
-            raise
-        except OSError:  # a file system without locks
+            raise BlockingIOError(f"{path} is locked")
+        if held is None:  # a file system without locks
             os.close(fd)
             return None
         try:
@@ -258,7 +250,7 @@ class FolderLock:
                 _held[key] = (fd, run, holders + 1)
                 self._hold(key)
                 return
-            if fcntl is None:
+            if not LOCKS_AVAILABLE:
                 return  # no locks on this platform: run ids still keep runs apart
             try:
                 locked = _lock_file(path)
