@@ -29,7 +29,7 @@ the honest measure. (The torch profiler's memory events were tried and dropped: 
 outside an op, such as the ``del`` of a written tensor, are not all recorded, so its running
 sum only grows.) Next to it, "held": the most bytes the exporter itself holds at once, by
 construction: for ``streamed`` the largest gather buffer (recorded by wrapping
-``emakit._export.full_tensor``), for ``gathered`` the whole state dict.
+``emakit._files.export.full_tensor``), for ``gathered`` the whole state dict.
 
 This file is a script, not part of the test suite; it asserts nothing.
 """
@@ -85,8 +85,8 @@ def _gathered_export(ema: Any, path: Path, dtype: torch.dtype | None) -> None:
     """emakit 0.1.0's save_full_ema_weights for a sharded EMA, for comparison."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from emakit._io import atomic_path
-    from emakit._safetensors import write_safetensors
+    from emakit._files.atomic import atomic_path
+    from emakit._files.safetensors_file import write_safetensors
     from emakit.checkpoint import weights_header
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -111,7 +111,7 @@ def _rank(rank: int, port: int, args: dict, out: Path) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        import emakit._export as export
+        import emakit._files.export as export
         from emakit import EMA
         from emakit.distributed import save_full_ema_weights
 

@@ -187,7 +187,7 @@ def table(params: int, rows: list[tuple[int, dict, dict]]) -> str:
 
 def write_docs(path: Path, text: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from emakit._io import atomic_write_bytes
+    from emakit._files.atomic import atomic_write_bytes
 
     doc = path.read_text()
     if START not in doc or END not in doc:

@@ -18,7 +18,7 @@ from torch import nn
 
 import emakit
 from emakit import EMA, EMAPytree, EMAStateError
-from emakit import _io as io_mod
+from emakit._files import atomic as io_mod
 from emakit.checkpoint import (
     WEIGHTS_FORMAT,
     load_ema_weights,

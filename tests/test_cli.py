@@ -192,14 +192,14 @@ def test_import_emakit_is_lazy_and_every_export_resolves() -> None:
         "print('torch' in sys.modules)\n"
         "names = [n for n in emakit.__all__ if getattr(emakit, n) is None]\n"
         "print(names, set(emakit.__all__) <= set(dir(emakit)))\n"
-        "print(emakit.engine.__name__, emakit.posthoc.PostHocEMA is emakit.PostHocEMA)\n"
+        "print(emakit._engine.__name__, emakit.posthoc.PostHocEMA is emakit.PostHocEMA)\n"
     )
     proc = _run("-c", code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:3] == [
         "False",
         "[] True",
-        "emakit.engine True",
+        "emakit._engine True",
     ]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         emakit.nope  # noqa: B018

@@ -29,8 +29,8 @@ from torch import nn
 import emakit
 from _models import bn_mlp
 from emakit import EMA, EMAPytree, EMATypeError, EMAValueError, KarrasEMA, MultiEMA, PostHocEMA
-from emakit.engine.fused import FusedPlan
-from emakit.engine.plan import Plan
+from emakit._engine.fused import FusedPlan
+from emakit._engine.plan import Plan
 from emakit.schedules import constant
 
 KINDS = ("ema", "pytree", "multi", "karras", "posthoc")

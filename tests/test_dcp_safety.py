@@ -148,7 +148,7 @@ def test_restricted_unpickler_reads_what_dcp_writes(tmp_path: Path) -> None:
     state["extra.c64"] = torch.ones(2, dtype=torch.complex64)
     state["extra.u8"] = torch.ones(2, dtype=torch.uint8)
     dcp.save(state, checkpoint_id=folder)
-    from emakit._dcp import SafeReader
+    from emakit._files.dcp import SafeReader
 
     metadata = SafeReader(folder).read_metadata()
     assert "extra.bf16" in metadata.state_dict_metadata

@@ -402,7 +402,7 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 def export_worker(rank: int, out: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import emakit._export as export
+    import emakit._files.export as export
 
     mesh = init_device_mesh("cpu", (4,))
     model = seeded(Deep, 0)

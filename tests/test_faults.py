@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from emakit import EMA
-from emakit._io import TEMP_PREFIX, atomic_write
+from emakit._files.atomic import TEMP_PREFIX, atomic_write
 from emakit.checkpoint import load_ema_weights, save_ema_weights
 
 pytestmark = pytest.mark.skipif(

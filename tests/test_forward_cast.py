@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from emakit import EMA
-from emakit._forward import IOCast, io_cast, map_tensors
+from emakit._core.forward import IOCast, io_cast, map_tensors
 
 
 def mlp(dtype: torch.dtype) -> nn.Module:

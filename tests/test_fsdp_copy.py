@@ -24,8 +24,8 @@ from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
 from emakit import EMA, EMATypeError
-from emakit._dtensor import local_tensor, shard_identity, torch_version
-from emakit.core.sharding import fsdp_layout
+from emakit._core.sharding import fsdp_layout
+from emakit._dist.dtensor import local_tensor, shard_identity, torch_version
 
 pytestmark = [
     *DIST_MARKS,
@@ -112,7 +112,7 @@ def fsdp_worker(rank: int, out: Path) -> dict:
         register_fsdp_forward_method,
     )
 
-    import emakit._dtensor
+    import emakit._dist.dtensor
 
     mesh = init_device_mesh("cpu", (WORLD,))
     policy = MixedPrecisionPolicy(output_dtype=torch.float32)
@@ -238,15 +238,15 @@ def fsdp_worker(rank: int, out: Path) -> dict:
     res["moved"] = (full(ema.ema_model), {n: v + (1.0 - v) * weight for n, v in before.items()})
 
     # A torch older than the FSDP2 floor refuses FSDP2 models up front.
-    saved = emakit._dtensor.torch_version
-    emakit._dtensor.torch_version = lambda: (2, 5)
+    saved = emakit._dist.dtensor.torch_version
+    emakit._dist.dtensor.torch_version = lambda: (2, 5)
     try:
         EMA(model, **EMA_KW)
         res["old_torch"] = ""
     except EMATypeError as e:
         res["old_torch"] = str(e)
     finally:
-        emakit._dtensor.torch_version = saved
+        emakit._dist.dtensor.torch_version = saved
     return res
 
 

@@ -1,4 +1,4 @@
-"""Atomic writes (emakit._io): replace-or-nothing, permissions, and stale temporary files."""
+"""Atomic writes (emakit._files.atomic): replace-or-nothing, permissions, and stale temporary files."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from emakit import _io
-from emakit._io import (
+from emakit._files import atomic as _io
+from emakit._files.atomic import (
     TEMP_PREFIX,
     atomic_path,
     atomic_write,

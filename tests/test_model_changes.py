@@ -191,7 +191,7 @@ def test_header_records_the_schedule_values(tmp_path):
 def test_registrations_elsewhere_do_not_walk_the_model(monkeypatch):
     """ema-pytorch does ``self.step += 1`` on a buffer every call, and other code builds
     modules while training: neither may cost every EMA a walk of its model."""
-    from emakit.core.sources import ModuleSource
+    from emakit._core.sources import ModuleSource
 
     _, ema = build(None, True, "sync")
     ema.update()

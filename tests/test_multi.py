@@ -32,7 +32,7 @@ def train(net: nn.Module, updaters: list, steps: int = 25) -> None:
 @pytest.mark.parametrize("ema_dtype", [None, torch.float64])
 def test_each_member_equals_a_lone_ema(flatten, ema_dtype, gather_below, monkeypatch):
     # gather_below 0 forces the direct per-tensor form, a huge one the gathered form
-    monkeypatch.setattr(emakit.engine.fused, "GATHER_BELOW", gather_below)
+    monkeypatch.setattr(emakit._engine.fused, "GATHER_BELOW", gather_below)
     kw = dict(update_after_step=3, update_every=2, ema_dtype=ema_dtype)
     net = make_net()
     if flatten:

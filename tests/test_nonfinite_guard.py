@@ -15,10 +15,10 @@ import warnings
 import pytest
 import torch
 
-import emakit.engine.kernels as kernels
+import emakit._engine.kernels as kernels
 from _models import bn_mlp
 from emakit import EMA
-from emakit.engine.kernels import guarded_copy_, guarded_lerp_
+from emakit._engine.kernels import guarded_copy_, guarded_lerp_
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

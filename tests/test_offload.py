@@ -14,8 +14,8 @@ from torch import nn
 import emakit
 from _models import bn_mlp
 from emakit import EMA
-from emakit.engine import plan as plan_mod
-from emakit.engine.runners import ThreadRunner
+from emakit._engine import plan as plan_mod
+from emakit._engine.runners import ThreadRunner
 
 make_net = partial(bn_mlp, 6, 16, 3, relu=True)
 

@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from .averaging import interpolate, update_bn
     from .checkpoint import load_ema_weights, save_ema_weights
     from .ema import EMA, STATE_VERSION, unwrap_model
-    from .engine import ema_copy_, ema_lerp_
-    from .engine.flat import flatten_parameters
+    from .engine import ema_copy_, ema_lerp_, flatten_parameters
     from .errors import (
         EMAError,
         EMAFileNotFoundError,
@@ -61,7 +60,7 @@ _EXPORTS = {
     "MultiEMA": "multi",
     "ema_copy_": "engine",
     "ema_lerp_": "engine",
-    "flatten_parameters": "engine.flat",
+    "flatten_parameters": "engine",
     "interpolate": "averaging",
     "update_bn": "averaging",
     "load_ema_weights": "checkpoint",

@@ -35,7 +35,7 @@ def lazy_attributes(
 
     Returns:
         ``(__getattr__, __dir__)`` to assign in the package. ``__getattr__`` also resolves
-        any submodule of the package by name (``emakit.engine``), as an eager package
+        any submodule of the package by name (``emakit._engine``), as an eager package
         that imported it would; anything else raises ``AttributeError``.
     """
 

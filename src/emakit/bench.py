@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._engine.flat import flatten_parameters
 from .ema import EMA
-from .engine.flat import flatten_parameters
 from .errors import EMAValueError
 
 __all__ = ["MODELS", "BenchResult", "BenchRow", "bench_update", "build_model"]

@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
-from ._files import writable_path, write_errors
-from ._io import atomic_path, atomic_write
-from ._safetensors import read_safetensors, write_safetensors
+from ._core.tree import leaves
+from ._files.atomic import atomic_path, atomic_write
+from ._files.reading import writable_path, write_errors
+from ._files.safetensors_file import read_safetensors, write_safetensors
 from ._validate import not_newer, stored_count
-from .core.tree import leaves
 from .ema import EMA
 from .errors import (
     EMAError,

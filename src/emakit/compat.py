@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .core.tracker import Tracker
+from ._core.tracker import Tracker
 
 __all__ = ["EMAPytorchSurface"]
 

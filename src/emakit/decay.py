@@ -54,7 +54,7 @@ class Action:
     nothing moves, but it counts as an averaging update) or ``"lerp"``
     (``shadow.lerp_(online, weights[group])``). ``call`` is the call number (1-based).
     ``guard`` (set by ``skip_nonfinite=True``) is a 0-dim bool tensor on the device: the
-    copy or lerp happens only where it is true (see :mod:`emakit.engine.finite`).
+    copy or lerp happens only where it is true (see :mod:`emakit._engine.finite`).
     """
 
     kind: Literal["skip", "init", "copy", "hold", "lerp"]

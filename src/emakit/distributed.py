@@ -20,12 +20,12 @@
   one file per rank, loadable into another world size (DCP reshards) or into a
   non-distributed EMA. A save goes into a fresh version folder and is switched to
   atomically, so a crash mid-save leaves the previous checkpoint loadable; a load never
-  unpickles code (see :mod:`emakit._dcp`). :func:`save_full_ema_weights` streams the
+  unpickles code (see :mod:`emakit._files.dcp`). :func:`save_full_ema_weights` streams the
   full EMA into one safetensors file that loads straight into the model class, one
-  tensor gathered and written at a time (:mod:`emakit._export`).
+  tensor gathered and written at a time (:mod:`emakit._files.export`).
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
-  agreement step (:mod:`emakit._collectives`): ranks missing after ``timeout_s``, ranks in
+  agreement step (:mod:`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
   another call, or ranks whose EMAs are at different steps or skip counts raise on every
   rank instead of hanging or saving a mix.
 
@@ -44,17 +44,17 @@ from typing import Any
 import torch
 
 from . import _validate as check
-from ._collectives import AGREE_TIMEOUT_S
-from ._dtensor import (
+from ._core.sharding import copy_module
+from ._dist.collectives import AGREE_TIMEOUT_S
+from ._dist.dtensor import (
     dist_ready,
     fsdp_modules,
     is_dtensor,
     is_rank_zero,
     local_tensor,
 )
-from ._files import writable_path
+from ._files.reading import writable_path
 from .checkpoint import save_ema_weights
-from .core.sharding import copy_module
 from .ema import EMA
 from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
@@ -152,8 +152,8 @@ def _check_ranks(
     extra: int = 0,
 ) -> Any:
     """Every rank is in ``operation`` with the same step and skip count (one bounded
-    all-gather; see :mod:`emakit._collectives`)."""
-    from . import _collectives
+    all-gather; see :mod:`emakit._dist.collectives`)."""
+    from ._dist import collectives as _collectives
 
     return _collectives.agree(
         operation,
@@ -235,7 +235,7 @@ def save_sharded_ema(
     """
     import torch.distributed.checkpoint as dcp
 
-    from . import _dcp
+    from ._files import dcp as _dcp
 
     ema = _ema_module(ema)
     timeout_s = _timeout(timeout_s)
@@ -270,7 +270,7 @@ def sharded_checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> Path:
     Raises:
         EMAStateError: the pointer file is damaged.
     """
-    from . import _dcp
+    from ._files import dcp as _dcp
 
     return _dcp.resolve(Path(os.fspath(checkpoint_id)))
 
@@ -314,7 +314,7 @@ def load_sharded_ema(
     """
     import torch.distributed.checkpoint as dcp
 
-    from . import _dcp
+    from ._files import dcp as _dcp
 
     ema = _ema_module(ema)
     timeout_s = _timeout(timeout_s)
@@ -388,7 +388,7 @@ def save_full_ema_weights(
         >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
         >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
     """
-    from . import _export
+    from ._files import export as _export
 
     ema = _ema_module(ema)
     dest = writable_path("path", path)

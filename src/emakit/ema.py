@@ -1,9 +1,9 @@
 """``EMA``: an exponential moving average of a module's weights, ema-pytorch compatible.
 
 The class is a facade: it validates the keywords and wires the parts that do the work, a
-:class:`~emakit.core.tracker.Tracker` (counters, the pure :mod:`~emakit.decay` rule, the
-engine's plan and a runner), the shadow copy (:mod:`~emakit.core.shadow`), the state
-codec (:mod:`~emakit.core.state`) and :class:`~emakit.core.swap.Swap`. A tensor or a
+:class:`~emakit._core.tracker.Tracker` (counters, the pure :mod:`~emakit.decay` rule, the
+engine's plan and a runner), the shadow copy (:mod:`~emakit._core.shadow`), the state
+codec (:mod:`~emakit._core.state`) and :class:`~emakit._core.swap.Swap`. A tensor or a
 nested dict/list/tuple of tensors is tracked the same way (see :class:`~emakit.EMAPytree`).
 """
 
@@ -16,18 +16,18 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._forward import ForwardMethod, eval_call, io_cast
-from ._options import KEYWORDS_DOC, EMAOptions, make_runner
+from ._core.forward import ForwardMethod, eval_call, io_cast
+from ._core.options import KEYWORDS_DOC, EMAOptions, make_runner
+from ._core.shadow import unwrap_model
+from ._core.sources import ModuleSource, TreeSource, call_factory
+from ._core.state import StateCodec, check_loadable, flag, integer
+from ._core.swap import Swap
+from ._core.tracker import Tracker
+from ._core.tree import leaves
+from ._engine.pairs import TensorPair
+from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
-from .core.shadow import unwrap_model
-from .core.sources import ModuleSource, TreeSource, call_factory
-from .core.state import StateCodec, check_loadable, flag, integer
-from .core.swap import Swap
-from .core.tracker import Tracker
-from .core.tree import leaves
 from .decay import INIT
-from .engine.pairs import TensorPair
-from .engine.runners import hook_optimizer
 from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
@@ -401,7 +401,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         whose shadow differs (``ema_dtype``, another device) are cast into a temporary;
         FSDP2 shards, and every tensor with ``in_place=True``, are copied in and back.
         The original weights come back on exit, also when the block raises. The returned
-        :class:`~emakit.core.swap.Swap` also has explicit ``enter()``/``exit()``.
+        :class:`~emakit._core.swap.Swap` also has explicit ``enter()``/``exit()``.
 
         Example:
             >>> net = torch.nn.Linear(2, 2)
@@ -417,7 +417,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         It takes the inputs the model takes. With ``ema_dtype`` (an fp32 shadow of a bf16
         or fp16 model) floating inputs are cast to the shadow's dtype and floating outputs
         back to the model's; with ``device=`` (the shadow offloaded) inputs are moved to
-        the shadow's device and outputs back to the model's (:mod:`emakit._forward`).
+        the shadow's device and outputs back to the model's (:mod:`emakit._core.forward`).
         For an EMA of a pytree: call the EMA pytree if it is callable, else return it.
         An FSDP2 EMA model is resharded before and after, so every call sees the current
         shards (a collective: call it on every rank).

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._files import open_regular, refusal_reason
-from ._safetensors import read_safetensors
+from ._files.reading import open_regular, refusal_reason
+from ._files.safetensors_file import read_safetensors
 from ._validate import stored_count
 from .checkpoint import check_ema, emakit_header, load_weights
 from .ema import EMA
@@ -48,7 +48,7 @@ def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
     """A checkpoint file's content and, for safetensors, its header metadata.
 
     A torch file is read through the descriptor its type was sniffed from; a safetensors
-    file through one descriptor of its own (see :class:`~emakit._safetensors.SafetensorsFile`).
+    file through one descriptor of its own (see :class:`~emakit._files.safetensors_file.SafetensorsFile`).
     """
     with open_regular(path, "checkpoint file") as f:
         head = f.read(9)

@@ -8,11 +8,11 @@ from typing import Any
 
 from torch import nn
 
-from .core.state import check_loadable
+from ._core.state import check_loadable
+from ._engine.fused import FusedPlan
+from ._engine.plan import Plan
 from .decay import SKIP, Action
 from .ema import EMA
-from .engine.fused import FusedPlan
-from .engine.plan import Plan
 from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]

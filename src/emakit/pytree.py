@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .core.tree import leaves, tree_copy
+from ._core.tree import leaves, tree_copy
 from .ema import EMA
 
 __all__ = ["EMAPytree", "EMATensor", "pytree_copy"]

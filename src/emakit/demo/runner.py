@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._io import atomic_write_bytes
+from .._files.atomic import atomic_write_bytes
 from .._version import __version__
 from .report import plot_history, results_table, summary_metrics
 from .settings import DEFAULTS, MODEL_LABELS, POSTHOC_SIGMA_REL, POSTHOC_TRACKED, DemoSettings
@@ -202,7 +202,7 @@ def run_demo(
         "files": files,
         "history": result["history"],
     }
-    # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._io).
+    # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._files.atomic).
     if plot:
         atomic_write_bytes(out / PLOT_NAME, plot_history(result["history"], settings))
     else:

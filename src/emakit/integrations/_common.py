@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .._dtensor import is_dtensor
+from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
 

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import _validate as check
-from .._dtensor import is_dtensor
-from ..core.swap import Swap
+from .._core.swap import Swap
+from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from ._common import check_ema_kwargs, distribute_like, gather_full, sharded_keys

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .. import _validate as check
+from .._core.swap import Swap
 from ..checkpoint import load_ema_weights, save_ema_weights
-from ..core.swap import Swap
 from ..ema import EMA
 from ..errors import EMATypeError
 from ._common import check_ema_kwargs

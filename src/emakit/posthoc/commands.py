@@ -33,9 +33,9 @@ from typing import Any
 import click
 import torch
 
-from .._files import writable_path, write_errors
-from .._io import atomic_path
-from .._safetensors import write_safetensors
+from .._files.atomic import atomic_path
+from .._files.reading import writable_path, write_errors
+from .._files.safetensors_file import write_safetensors
 from ..errors import EMAError
 from ._cli import (
     LEGACY_HINT,

@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 import torch
 
-from .._files import file_kind, torch_load
-from .._safetensors import SafetensorsFile
+from .._files.reading import file_kind, torch_load
+from .._files.safetensors_file import SafetensorsFile
 from ..checkpoint import emakit_header
 from ..errors import EMAError
 from ._cli import (

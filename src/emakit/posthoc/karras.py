@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.state import StateCodec, integer, real
+from .._core.state import StateCodec, integer, real
 from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
 from ..errors import EMAStateError, EMATypeError, EMAValueError

@@ -27,9 +27,9 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from .._files import writable_path
-from ..core.shadow import unwrap_model
-from ..core.state import StateCodec, check_loadable, reals, text
+from .._core.shadow import unwrap_model
+from .._core.state import StateCodec, check_loadable, reals, text
+from .._files.reading import writable_path
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._io import LOCKS_AVAILABLE, try_lock
+from .._files.atomic import LOCKS_AVAILABLE, try_lock
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .snapshots import RUN_PATTERN, SnapshotInfo, list_legacy_files, list_snapshots
 

@@ -56,9 +56,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .._files import writable_path, write_errors
-from .._io import TEMP_PREFIX, atomic_paths
-from .._safetensors import SafetensorsFile, write_safetensors
+from .._files.atomic import TEMP_PREFIX, atomic_paths
+from .._files.reading import writable_path, write_errors
+from .._files.safetensors_file import SafetensorsFile, write_safetensors
 from .._validate import not_newer, stored_count
 from ..errors import EMAError, EMAStateError
 from .legacy import (
@@ -243,7 +243,7 @@ def write_snapshots(
     """Write several snapshots as one set: all of them, or none.
 
     Each file is written to a temporary file next to it and fsynced; only when all are
-    complete are they renamed into place (see :func:`emakit._io.atomic_paths`). A failed
+    complete are they renamed into place (see :func:`emakit._files.atomic.atomic_paths`). A failed
     write (a full disk) leaves every destination as it was and no temporary file behind.
     ``produce(i)`` is called for one file at a time, so only one file's tensors are held.
 

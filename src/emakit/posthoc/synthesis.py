@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .._files import open_regular, refusal_reason
-from .._safetensors import SafetensorsFile
+from .._files.reading import open_regular, refusal_reason
+from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights

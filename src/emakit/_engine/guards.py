@@ -15,7 +15,7 @@ What it must notice is the model changing under it:
   or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
   update, which costs one lookup per buffer and per sharded tensor;
 * ``.data`` re-pointed, ``.to()`` of the weights: the plan's groups and spans check their
-  dtype, device and storage (see :mod:`emakit.engine.plan`).
+  dtype, device and storage (see :mod:`emakit._engine.plan`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .._dtensor import is_dtensor, shard_identity_getter
+from .._dist.dtensor import is_dtensor, shard_identity_getter
 
 __all__ = ["Guards", "registration_epoch"]
 

@@ -29,8 +29,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .._dtensor import check_fsdp2_torch, fsdp_module_type, fsdp_modules, is_dtensor, reshard
-from ..engine.pairs import TensorPair
+from .._dist.dtensor import check_fsdp2_torch, fsdp_module_type, fsdp_modules, is_dtensor, reshard
+from .._engine.pairs import TensorPair
 from ..errors import EMATypeError
 
 __all__ = ["FSDPLayout", "ShardGroup", "copy_module", "fsdp_layout", "unsharded_pairs"]

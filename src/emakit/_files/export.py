@@ -6,7 +6,7 @@ same layout (same header, same order, loads straight into the model class), with
 holding more than one full tensor:
 
 1. every rank builds the header from names, dtypes and global shapes alone
-   (:func:`~emakit._safetensors.safetensors_layout`), and rank 0 writes it first;
+   (:func:`~emakit._files.safetensors_file.safetensors_layout`), and rank 0 writes it first;
 2. for each tensor, in the file's order, every rank casts its shard to the export dtype
    (``to_local()``, then ``.to(dtype)``: the cast happens *before* the gather, so a bf16
    export moves and holds bf16) and the shards are all-gathered into one buffer
@@ -31,13 +31,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ._dtensor import dist_ready, fsdp_module_type, is_dtensor, is_rank_zero
-from ._files import write_errors
-from ._io import atomic_path
-from ._safetensors import safetensors_layout, write_tensor
-from .checkpoint import weights_header
-from .ema import EMA
-from .errors import EMAError, EMAWriteError
+from .._dist.dtensor import dist_ready, fsdp_module_type, is_dtensor, is_rank_zero
+from ..checkpoint import weights_header
+from ..ema import EMA
+from ..errors import EMAError, EMAWriteError
+from .atomic import atomic_path
+from .reading import write_errors
+from .safetensors_file import safetensors_layout, write_tensor
 
 __all__ = ["full_tensor", "share_outcome", "write_sharded"]
 

@@ -32,7 +32,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
-from .._dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
+from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from ..errors import EMARuntimeError
 from .tracker import Tracker
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _validate as check
-from .decay import DecayRule, ema_rule
-from .engine.kernels import Impl
-from .engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner
-from .errors import EMATypeError, EMAValueError
+from .. import _validate as check
+from .._engine.kernels import Impl
+from .._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner
+from ..decay import DecayRule, ema_rule
+from ..errors import EMATypeError, EMAValueError
 
 __all__ = ["KEYWORDS_DOC", "EMAOptions", "as_device", "make_runner"]
 

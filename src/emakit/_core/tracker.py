@@ -12,7 +12,7 @@ the count of updates skipped for non-finite weights, and the swap flag. Its
    the action with a device-side "weights are finite" flag, and hands it to the runner.
 
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
-device in ``update()``: the flag (:mod:`emakit.engine.finite`; for sharded models combined
+device in ``update()``: the flag (:mod:`emakit._engine.finite`; for sharded models combined
 across ranks by one small all-reduce) travels with the action and the kernels select on it,
 and a skip adds one to a counter on the device. The counter is read, and the warning about
 the first skip given, when :attr:`Tracker.num_skipped_nonfinite` is next read (a state dict
@@ -33,11 +33,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._engine.kernels import Impl
+from .._engine.pairs import TensorPair
+from .._engine.plan import Plan, build_plan
+from .._engine.runners import Runner, SyncRunner
 from ..decay import INIT, SKIP, Action, DecayRule
-from ..engine.kernels import Impl
-from ..engine.pairs import TensorPair
-from ..engine.plan import Plan, build_plan
-from ..engine.runners import Runner, SyncRunner
 from ..errors import EMARuntimeError
 
 __all__ = ["Tracker"]
@@ -59,7 +59,7 @@ class Tracker:
             plan must be built: first use, or after the model changed); it validates them
             and raises :class:`~emakit.EMAStateError` naming a tensor that no longer pairs.
         impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
-        runner: where updates run. Default: a :class:`~emakit.engine.runners.SyncRunner`.
+        runner: where updates run. Default: a :class:`~emakit._engine.runners.SyncRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
     """
 

@@ -14,7 +14,7 @@ use. A checkpoint folder ``ckpt/`` holds::
 
 A save writes a fresh sibling ``ckpt/v-<random>/``; once DCP has finished (every rank's
 data and the ``.metadata`` written and fsynced), rank 0 replaces the pointer file
-atomically (:func:`emakit._io.atomic_write_bytes`) and then removes the other ``v-*``
+atomically (:func:`emakit._files.atomic.atomic_write_bytes`) and then removes the other ``v-*``
 folders: the previous checkpoint, and any left by a save that was killed (stale
 temporaries). A kill at any moment leaves the pointer naming a complete checkpoint. A
 folder without the pointer is read as a plain DCP checkpoint (what emakit wrote before,
@@ -59,8 +59,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ._io import atomic_write_bytes, fsync_dir
-from .errors import EMAStateError
+from ..errors import EMAStateError
+from .atomic import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "POINTER",

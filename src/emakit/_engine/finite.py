@@ -15,7 +15,7 @@ bool tensor that never leaves the device:
    called ``update()`` more often), the update is skipped everywhere rather than averaged
    from a mismatched flag, and :func:`emakit.distributed` saves report the disagreement.
    DDP and single processes need no agreement: every rank holds the same weights.
-3. The kernels (:func:`~emakit.engine.kernels.guarded_lerp_`) select on the flag, so the
+3. The kernels (:func:`~emakit._engine.kernels.guarded_lerp_`) select on the flag, so the
    host never reads it; the tracker adds ``not ok`` to a device counter that is read only
    when someone asks for the count.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._dtensor import dist_ready, is_dtensor
+from .._dist.dtensor import dist_ready, is_dtensor
 from .pairs import TensorPair
 
 __all__ = ["Agreement", "local_flag"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._dtensor import local_tensor
+from .._dist.dtensor import local_tensor
 from .finite import Agreement, local_flag
 from .guards import Guards
 from .kernels import (
@@ -359,7 +359,7 @@ class Plan:
         a group's dtype or device changed, a span's tensor was re-pointed: build a new
         plan); ``"check"`` when a tensor may have been added or replaced somewhere (the
         owner compares the live pairs with :attr:`pairs`, see :meth:`same_pairs`); else
-        ``"fresh"``. See :mod:`emakit.engine.guards`."""
+        ``"fresh"``. See :mod:`emakit._engine.guards`."""
         if self._to_shadow.stale():
             return "stale"
         return self.guards.check()
@@ -387,7 +387,7 @@ class Plan:
         """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
         nothing (``"hold"``, ``"skip"``).
 
-        An ``action.guard`` (a 0-dim bool tensor, see :mod:`emakit.engine.finite`) makes the
+        An ``action.guard`` (a 0-dim bool tensor, see :mod:`emakit._engine.finite`) makes the
         update conditional on the device: where it is false nothing changes, where it is
         true the result is bit for bit the unguarded one."""
         kind = action.kind
@@ -430,7 +430,7 @@ class Plan:
     def finite_flag(self, call: int) -> Tensor | None:
         """Whether every floating online tensor is free of NaN and Inf, on every rank that
         holds a shard of them: a 0-dim bool tensor that stays on the device, or None when
-        nothing anywhere could be non-finite (see :mod:`emakit.engine.finite`).
+        nothing anywhere could be non-finite (see :mod:`emakit._engine.finite`).
 
         One reduction to the tensors' extremes per device and dtype, and for sharded
         (DTensor) models under ``torch.distributed`` one all-reduce of three numbers with

@@ -5,7 +5,7 @@
   (so a replaced tensor can be seen) and which are buffers.
 * :func:`copy_model` deep-copies a module's structure with every tensor replaced by an
   empty placeholder (no weight or gradient is duplicated); FSDP2 models are rebuilt
-  sharded (see :mod:`emakit.core.sharding`).
+  sharded (see :mod:`emakit._core.sharding`).
 * :func:`layout_shadow` gives the shadow tensors their storage: one flat buffer per
   (device, dtype), in the online tensors' memory order, averaged tensors first, so a
   flattened model updates each group as one span.
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._dtensor import is_dtensor
-from ..engine.flat import rehome_
-from ..engine.pairs import Slot, TensorPair
+from .._dist.dtensor import is_dtensor
+from .._engine.flat import rehome_
+from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 

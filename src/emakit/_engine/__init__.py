@@ -4,10 +4,10 @@ the runners that execute it.
 The layout mirrors ``torch.optim``: :func:`ema_lerp_` and :func:`ema_copy_` are the public
 functional entry points and dispatch to one kernel per implementation (``"loop"``, the
 reference per-tensor loop; ``"foreach"``, one multi-tensor call; and ``"flat"``, the same
-call over coalesced contiguous spans). :class:`~emakit.engine.plan.Plan` pairs the tensors
-once (:mod:`~emakit.engine.pairs`), watches them for replacement
-(:mod:`~emakit.engine.guards`) and builds the lists the kernels consume on every update;
-:mod:`~emakit.engine.runners` run it inline, on a thread or on a CUDA stream.
+call over coalesced contiguous spans). :class:`~emakit._engine.plan.Plan` pairs the tensors
+once (:mod:`~emakit._engine.pairs`), watches them for replacement
+(:mod:`~emakit._engine.guards`) and builds the lists the kernels consume on every update;
+:mod:`~emakit._engine.runners` run it inline, on a thread or on a CUDA stream.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from ._files import open_regular
-from .errors import EMARuntimeError, EMAStateError, EMATypeError
+from ..errors import EMARuntimeError, EMAStateError, EMATypeError
+from .reading import open_regular
 
 __all__ = [
     "MAX_HEADER_BYTES",

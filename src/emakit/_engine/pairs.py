@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .._dtensor import is_dtensor, local_tensor
+from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError
 
 __all__ = ["Pairs", "Slot", "TensorPair", "check_sharded_pair", "pair_tensors"]
@@ -53,7 +53,7 @@ class Pairs(list[TensorPair]):
     ``registries`` are the model's non-empty ``_parameters`` and ``_modules`` dicts: a
     parameter or submodule deleted with ``del`` (which no torch hook reports) changes their
     total size, so the plan sees it; ``modules`` are the ids of every module of both models
-    (see :mod:`emakit.engine.guards`).
+    (see :mod:`emakit._engine.guards`).
     """
 
     registries: tuple[Mapping[str, Any], ...] = ()

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._dtensor import fsdp_modules, reshard
+from .._dist.dtensor import fsdp_modules, reshard
 
 __all__ = ["ForwardMethod", "IOCast", "eval_call", "io_cast", "map_tensors"]
 
@@ -186,7 +186,7 @@ class ForwardMethod:
     Calling it waits for a background update in flight (``before``), then calls
     ``module.<name>``. For an FSDP2 module the method is registered with
     ``register_fsdp_forward_method`` first (unless it already is, e.g. because the model's
-    was and :func:`~emakit.core.sharding.copy_module` registered the copy's), and every
+    was and :func:`~emakit._core.sharding.copy_module` registered the copy's), and every
     call runs between two ``reshard()``; it is then a collective: call it on every rank.
     The mode (train/eval) and grad mode are the caller's, as in ema-pytorch.
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from .errors import (
+from ..errors import (
     EMAError,
     EMAFileNotFoundError,
     EMAStateError,

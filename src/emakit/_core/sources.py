@@ -2,7 +2,7 @@
 
 A source knows which tensors of the online model are tracked and how (averaged or copied,
 which decay group, which shadow dtype), builds the EMA copy, and pairs online and shadow
-tensors through :func:`~emakit.engine.pairs.pair_tensors`, the one validation routine.
+tensors through :func:`~emakit._engine.pairs.pair_tensors`, the one validation routine.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._dtensor import check_fsdp2_torch
-from ..engine.pairs import Pairs, TensorPair, pair_tensors
+from .._dist.dtensor import check_fsdp2_torch
+from .._engine.pairs import Pairs, TensorPair, pair_tensors
 from ..errors import EMATypeError
 from .shadow import copy_model, layout_shadow, module_tensors, structure
 from .tree import leaves, tree_copy

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._dtensor import local_tensor
+from .._dist.dtensor import local_tensor
 from .kernels import Guarded
 from .plan import Plan
 from .spans import span, split_runs

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import EMARuntimeError, EMAStateError
+from ..errors import EMARuntimeError, EMAStateError
 
 __all__ = ["AGREE_TIMEOUT_S", "OPERATIONS", "Agreed", "agree", "collective_device"]
 

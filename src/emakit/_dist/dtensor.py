@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from .errors import EMATypeError
+from ..errors import EMATypeError
 
 __all__ = [
     "FSDP2_MIN_TORCH",

@@ -1,7 +1,7 @@
 """Runners: where and when the arithmetic of an update runs, behind one small interface.
 
-A runner takes *work* (a :class:`~emakit.engine.plan.Plan`, or a
-:class:`~emakit.engine.fused.FusedPlan` for several EMAs of one model) and an
+A runner takes *work* (a :class:`~emakit._engine.plan.Plan`, or a
+:class:`~emakit._engine.fused.FusedPlan` for several EMAs of one model) and an
 :class:`~emakit.decay.Action`, and carries the action out:
 
 * :class:`SyncRunner` at once, on the caller's thread;

@@ -1,0 +1,1 @@
+"""torch.distributed helpers: DTensor, ranks, the bounded agreement collective. Private."""
