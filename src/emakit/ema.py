@@ -24,6 +24,7 @@ from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import leaves
+from ._dist.deepspeed import ZeroPartitions
 from ._engine.pairs import TensorPair
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
@@ -432,6 +433,9 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
+        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
+            with self.swap():
+                return eval_call(self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )
@@ -460,6 +464,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self._tracker.runner.wait()
+        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
+            self._modules["ema_model"].agree(self._tracker)  # every rank at the same step
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _CODEC.encode(self._counters(), destination, prefix)
         if self._tree is not None:
@@ -549,6 +555,9 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
+        partitions = self._modules.get("ema_model")
+        if isinstance(partitions, ZeroPartitions):
+            partitions.refuse_other_world(state_dict, "ema_model.")
         # Refuse first, load after: a failed load leaves the EMA exactly as it was.
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import unwrap_engine
 from .._dist.dtensor import is_dtensor
 from .._engine.flat import rehome_
 from .._engine.pairs import Slot, TensorPair
@@ -29,11 +30,13 @@ __all__ = ["copy_model", "layout_shadow", "module_tensors", "structure", "unwrap
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module that holds the weights: strips DDP/DataParallel ``.module`` and
-    ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
+    """The module that holds the weights: strips DDP/DataParallel ``.module``, a DeepSpeed
+    engine's ``.module`` and ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
+        elif (engine_module := unwrap_engine(model)) is not model:
+            model = engine_module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
         else:

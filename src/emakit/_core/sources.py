@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
 from .._engine.pairs import Pairs, TensorPair, pair_tensors
 from ..errors import EMATypeError
@@ -107,8 +108,15 @@ class ModuleSource(_Source):
         for m in (model, ema_model):
             if m is not None:
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
+        zero3 = bool(zero3_params(model))  # DeepSpeed ZeRO-3: the EMA of the partitions
+        if zero3 and not fresh:
+            raise EMATypeError(
+                "ema_model= is not supported for a DeepSpeed ZeRO-3 model: the EMA keeps this "
+                "rank's partitions, built from the model; leave ema_model=None"
+            )
         if ema_model is None:
-            ema_model = copy_model(
+            build = build_partitions if zero3 else copy_model
+            ema_model = build(
                 model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)
             )
         for p in ema_model.parameters():
@@ -122,6 +130,7 @@ class ModuleSource(_Source):
     ) -> list[TensorPair]:
         """The pairs of ``model`` and ``ema_model``, by name, validated."""
         online, oslots, buffers = module_tensors(model, self.ignored)
+        online, oslots = partition_tensors(online, oslots)  # ZeRO-3: ds_tensor
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
         pairs = Pairs(
