@@ -28,11 +28,13 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA
+from emakit import EMA, EMAStateError, EMATypeError, KarrasEMA, MultiEMA
 from emakit.distributed import load_full_ema_weights, save_full_ema_weights
+from emakit.integrations._common import refuse_zero3
 
 pytestmark = [
     *DIST_MARKS,
+    pytest.mark.timeout(1300),  # the first test waits for the warm-up and the job
     pytest.mark.skipif(
         importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
     ),
@@ -171,6 +173,11 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         torch.equal(a, b)
         for a, b in zip(ema3.ema_model.parameters(), ema.ema_model.parameters(), strict=True)
     ) and int(ema3.step) == int(ema.step)
+    # Integrations that write the EMA from one process refuse ZeRO-3, naming the way.
+    try:
+        refuse_zero3(engine.module, "EMATrainerCallback")
+    except EMATypeError as e:
+        r["integration_refusal"] = str(e)
     # A step mismatch across ranks is refused at save, on every rank.
     if rank == 1:
         ema.step = int(ema.step) + 1
@@ -294,6 +301,8 @@ def test_zero3_refusals_and_nonfinite_agreement(results: list) -> None:
     for r in results:
         z = r["zero3"]
         assert "step" in z["step_refusal"] and "rank" in z["step_refusal"]
+        assert "ZeRO-3" in z["integration_refusal"]
+        assert "emakit.EMA(engine)" in z["integration_refusal"]
         assert z["skipped"] == 1 and z["unchanged"]
 
 

@@ -64,7 +64,7 @@ def unwrap_engine(model: Any) -> Any:
     """``engine.module`` for a DeepSpeed engine (the module that holds the weights)."""
     cls = engine_type()
     if cls is not None and isinstance(model, cls):
-        return model.module
+        return getattr(model, "module")  # noqa: B009 (isinstance narrowed it to object)
     return model
 
 

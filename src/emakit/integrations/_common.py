@@ -8,11 +8,41 @@ from typing import Any
 
 from torch import Tensor
 
+from .._dist.deepspeed import zero3_params
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
 
-__all__ = ["check_ema_kwargs", "distribute_like", "gather_full", "sharded_keys"]
+__all__ = [
+    "ZERO3_ALTERNATIVE",
+    "check_ema_kwargs",
+    "distribute_like",
+    "gather_full",
+    "refuse_zero3",
+    "sharded_keys",
+]
+
+#: What to do instead of an integration under DeepSpeed ZeRO-3.
+ZERO3_ALTERNATIVE = (
+    "keep the EMA in the training loop instead: ema = emakit.EMA(engine) and ema.update() "
+    "on every rank, engine.save_checkpoint(dir, client_state={'ema': ema.state_dict()}), "
+    "emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, DeepSpeed); "
+    "ZeRO-1 and 2 work here as they are"
+)
+
+
+def refuse_zero3(model: object, owner: str) -> None:
+    """Refuse a DeepSpeed ZeRO-3 model in an integration that saves from one process.
+
+    Raises:
+        EMATypeError: ``model`` has ZeRO-3 parameters (the message says the alternative).
+    """
+    if zero3_params(model):
+        raise EMATypeError(
+            f"{owner} does not support DeepSpeed ZeRO-3: it writes the EMA from one process, "
+            f"and under ZeRO-3 each process holds only its partitions of it; "
+            f"{ZERO3_ALTERNATIVE}"
+        )
 
 
 def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from .._core.swap import Swap
 from ..checkpoint import load_ema_weights, save_ema_weights
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import check_ema_kwargs
+from ._common import check_ema_kwargs, refuse_zero3
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -80,8 +80,10 @@ class EMATrainerCallback(TrainerCallback):
       ``model.safetensors``).
 
     Every process keeps an identical EMA under DDP; the process that saves checkpoints
-    (``args.should_save``) writes the files. FSDP and DeepSpeed ZeRO-3 shard the weights
-    and are not supported.
+    (``args.should_save``) writes the files; DeepSpeed ZeRO-1 and 2 keep whole weights on
+    every process and work the same way. FSDP and DeepSpeed ZeRO-3 shard the weights and
+    are refused (ZeRO-3 at ``on_train_begin``, naming the alternative: ``EMA(engine)`` in
+    your own loop, see docs/distributed.md).
 
     Args:
         eval_with_ema: evaluate on the EMA weights during training. Default True.
@@ -127,6 +129,7 @@ class EMATrainerCallback(TrainerCallback):
             raise EMATypeError(
                 f"EMATrainerCallback needs the Trainer's model, got {type(model).__name__}"
             )
+        refuse_zero3(model, "EMATrainerCallback")
         self._leave_swap()
         self.ema = EMA(model, **self.ema_kwargs)
         self.restored_from = None
