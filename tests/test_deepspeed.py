@@ -162,7 +162,7 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         torch.equal(mine[k], theirs[k]) for k in mine
     )
     # Another world size: refused, naming the way that works; the full file loads.
-    other = dict(mine, **{"ema_model.zero3_world_size": torch.tensor(4)})
+    other = dict(mine, **{"ema_model.partition_layout": torch.tensor([4, rank])})
     try:
         ema2.load_state_dict(other)
     except EMAStateError as e:
@@ -205,30 +205,56 @@ def zero2_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=make_net(), config=config(2))
     side = make_net()
     ema, ref = EMA(engine, **KW), EMA(side, **KW)
+    parted = EMA(engine, **KW, partition=True, skip_nonfinite=True)  # 1/world of the EMA
     for x, y in batches():
         xr, yr = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
         engine.backward(nn.functional.mse_loss(engine(xr), yr))
         engine.step()
         side.load_state_dict(engine.module.state_dict())
-        ema.update()
-        ref.update()
+        for e in (ema, ref, parted):
+            e.update()
     x = batches()[0][0]
-    with torch.no_grad(), ema.swap():
-        swap_out = engine(x)
+    online = {n: t.clone() for n, t in engine.module.state_dict().items()}
+    with torch.no_grad():
+        with ema.swap():
+            swap_out = engine(x)
+        with parted.swap():
+            parted_swap_out = engine(x)
+        parted_call_out = parted(x)
+    restored = all(torch.equal(v, online[n]) for n, v in engine.module.state_dict().items())
     path = out / "ema2.safetensors"
     save_full_ema_weights(ema, path)
-    engine.save_checkpoint(str(out / "ckpt2"), client_state={"ema": ema.state_dict()})
+    parted_path = out / "parted.safetensors"
+    save_full_ema_weights(parted, parted_path)
+    state = {"ema": ema.state_dict(), "parted": parted.state_dict()}
+    engine.save_checkpoint(str(out / "ckpt2"), client_state=state)
     engine2, *_ = deepspeed.initialize(model=make_net(), config=config(2))
-    ema2 = EMA(engine2, **KW)
+    ema2, parted2 = EMA(engine2, **KW), EMA(engine2, **KW, partition=True, skip_nonfinite=True)
     _, client = engine2.load_checkpoint(str(out / "ckpt2"))
     ema2.load_state_dict(client["ema"])
+    # ZeRO-2 checkpoints keep rank 0's client_state only: another rank's part is refused;
+    # the partitioned EMA resumes from the full file (any world size).
+    rank_refusal = ""
+    try:
+        parted2.load_state_dict(client["parted"])
+    except EMAStateError as e:
+        rank_refusal = str(e)
+    load_full_ema_weights(parted2, parted_path)
     return {
-        "ema": {n: t.clone() for n, t in ema.ema_model.state_dict().items()},
-        "ref": {n: t.clone() for n, t in ref.ema_model.state_dict().items()},
+        "ema": _state(ema),
+        "ref": _state(ref),
+        "parted": full_ema(parted),
+        "parted_numel": sum(p.numel() for p in parted.ema_model.parameters()),
+        "total_numel": sum(p.numel() for p in side.parameters()),
         "swap_out": swap_out,
+        "parted_outs": (parted_swap_out, parted_call_out),
+        "restored": restored,
         "ref_out": ref(x),
         "file": safetensors.torch.load_file(path) if rank == 0 else None,
-        "resumed": {n: t.clone() for n, t in ema2.ema_model.state_dict().items()},
+        "parted_file": safetensors.torch.load_file(parted_path) if rank == 0 else None,
+        "resumed": _state(ema2),
+        "parted_resumed": full_ema(parted2),
+        "rank_refusal": rank_refusal,
     }
 
 
@@ -320,5 +346,24 @@ def test_zero2_ema_is_identical_on_every_rank_and_resumes(results: list) -> None
         assert torch.equal(z["swap_out"], z["ref_out"])
     net = make_net()
     net.load_state_dict(first["file"])
+    for n, v in first["ref"].items():
+        assert torch.equal(net.state_dict()[n], v), n
+
+
+def test_zero2_partitioned_ema_keeps_a_slice_and_gathers_on_demand(results: list) -> None:
+    first = results[0]["zero2"]
+    for r in results:
+        z = r["zero2"]
+        assert z["parted_numel"] <= z["total_numel"] // WORLD + 4  # its slices only
+        for n, v in z["ref"].items():
+            assert torch.equal(z["parted"][n], v), n
+            assert torch.equal(z["parted_resumed"][n], v), n
+        for out in z["parted_outs"]:
+            assert torch.equal(out, z["ref_out"])
+        assert z["restored"]
+    assert results[0]["zero2"]["rank_refusal"] == ""  # rank 0's own state
+    assert "rank 0's EMA partitions, and this is rank 1" in results[1]["zero2"]["rank_refusal"]
+    net = make_net()
+    net.load_state_dict(first["parted_file"])
     for n, v in first["ref"].items():
         assert torch.equal(net.state_dict()[n], v), n

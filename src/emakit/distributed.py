@@ -431,8 +431,9 @@ def save_full_ema_weights(
 def load_full_ema_weights(
     ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
 ) -> dict[str, str]:
-    """Load a full EMA file (:func:`save_full_ema_weights`) into an EMA of a DeepSpeed
-    ZeRO-3 model (a collective: call on every rank), on any number of ranks.
+    """Load a full EMA file (:func:`save_full_ema_weights`) into a partitioned EMA (of a
+    DeepSpeed ZeRO-3 model, or ``partition=True``; a collective: call on every rank), on
+    any number of ranks.
 
     Each rank reads the file, one tensor at a time, and keeps its own partition of each
     (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);
@@ -442,7 +443,7 @@ def load_full_ema_weights(
     :func:`~emakit.checkpoint.load_ema_weights`.
 
     Args:
-        ema: an EMA of a ZeRO-3 model (``EMA(engine)``).
+        ema: a partitioned EMA (``EMA(engine)`` of a ZeRO-3 engine, or ``partition=True``).
         path: the safetensors file, readable by every rank.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
             Default 300.
@@ -451,7 +452,7 @@ def load_full_ema_weights(
         The file's header metadata.
 
     Raises:
-        EMATypeError: ``ema`` is not an EMA of a ZeRO-3 model.
+        EMATypeError: ``ema`` is not a partitioned EMA.
         EMAStateError: the file does not fit the model (names, shapes), or is damaged.
         EMARuntimeError: some ranks did not call it within ``timeout_s``.
     """
@@ -462,14 +463,15 @@ def load_full_ema_weights(
     model = ema.ema_model
     if not isinstance(model, ZeroPartitions):
         raise EMATypeError(
-            "load_full_ema_weights loads into an EMA of a DeepSpeed ZeRO-3 model; load a "
-            "full file into any other EMA with emakit.checkpoint.load_ema_weights(ema, path)"
+            "load_full_ema_weights loads into a partitioned EMA (DeepSpeed ZeRO-3, or "
+            "partition=True); load a full file into any other EMA with "
+            "emakit.checkpoint.load_ema_weights(ema, path)"
         )
     src = as_path("path", path)
     timeout_s = _timeout(timeout_s)
     if dist_ready():
         _check_ranks(ema, "load_full_ema_weights", None, timeout_s, counts=False)
-    weights: dict[str, torch.Tensor] = {WORLD_KEY: torch.tensor(model.world_size)}
+    weights: dict[str, torch.Tensor] = {WORLD_KEY: model.layout_tensor()}
     with SafetensorsFile(src, "EMA weights file") as f:
         metadata = dict(f.metadata)
         for name in f.keys():  # noqa: SIM118 (a file, not a dict)

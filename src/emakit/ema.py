@@ -123,6 +123,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        partition: bool = False,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -171,6 +172,7 @@ class EMA(EMAPytorchSurface, nn.Module):
             no_ema=self.param_or_buffer_names_no_ema,
             group_patterns=list(opts.decay_groups),
             move_to_online=self.move_ema_to_online_device,
+            partition=opts.values["partition"],
             **common,
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
@@ -439,9 +441,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
-        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
-            with self.swap():
-                return eval_call(self.model, self.model, args, kwargs)
+        if isinstance(ema_model, ZeroPartitions):  # the model on the EMA partitions
+            return self.swap().run(eval_call, self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )

@@ -69,6 +69,7 @@ class ModuleSource(_Source):
         no_ema: names copied instead of averaged.
         group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
         move_to_online: move the EMA to the model's device when they differ.
+        partition: keep only this rank's slice of each parameter (``EMA(partition=True)``).
         ema_dtype, cast, other_devices, device: see :class:`~emakit.EMA`.
     """
 
@@ -82,9 +83,11 @@ class ModuleSource(_Source):
         no_ema: frozenset[str] = frozenset(),
         group_patterns: Sequence[str] = (),
         move_to_online: bool = False,
+        partition: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.partition = partition
         self.ignore_names = ignore_names
         self.ignore_prefixes = ignore_prefixes
         self.no_ema = no_ema
@@ -94,6 +97,10 @@ class ModuleSource(_Source):
     def ignored(self, name: str) -> bool:
         """Whether ``name`` is never touched."""
         return name in self.ignore_names or name.startswith(self.ignore_prefixes)
+
+    def tracked(self, name: str) -> bool:
+        """Whether ``name`` is tracked (not ignored)."""
+        return not self.ignored(name)
 
     def group_of(self, name: str) -> int:
         """The decay group of ``name`` (0 when no pattern matches)."""
@@ -105,19 +112,22 @@ class ModuleSource(_Source):
     def build(self, model: nn.Module, ema_model: nn.Module | None) -> nn.Module:
         """The EMA copy of ``model`` (``ema_model`` adopted if given), laid out."""
         fresh = ema_model is None
+        kwargs: dict[str, Any] = {"dtype_for": self.shadow_dtype, "tracked": self.tracked}
         for m in (model, ema_model):
             if m is not None:
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
-        zero3 = bool(zero3_params(model))  # DeepSpeed ZeRO-3: the EMA of the partitions
-        if zero3 and not fresh:
+        parted = self.partition or bool(zero3_params(model))  # the EMA of partitions
+        if parted and not fresh:
             raise EMATypeError(
-                "ema_model= is not supported for a DeepSpeed ZeRO-3 model: the EMA keeps this "
-                "rank's partitions, built from the model; leave ema_model=None"
+                "ema_model= is not supported for a partitioned EMA (DeepSpeed ZeRO-3, or "
+                "partition=True): it keeps this rank's partitions, built from the model; "
+                "leave ema_model=None"
             )
         if ema_model is None:
-            build = build_partitions if zero3 else copy_model
-            ema_model = build(
-                model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)
+            ema_model = (
+                build_partitions(model, **kwargs, replicated=self.partition)
+                if parted
+                else copy_model(model, **kwargs)
             )
         for p in ema_model.parameters():
             p.requires_grad_(False)
@@ -130,7 +140,7 @@ class ModuleSource(_Source):
     ) -> list[TensorPair]:
         """The pairs of ``model`` and ``ema_model``, by name, validated."""
         online, oslots, buffers = module_tensors(model, self.ignored)
-        online, oslots = partition_tensors(online, oslots)  # ZeRO-3: ds_tensor
+        online, oslots = partition_tensors(online, oslots, replicated=self.partition)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
         return pair_tensors(
