@@ -380,7 +380,8 @@ def gather_partition(
     if local.numel() != size:
         local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
     out = local.new_empty(dist.get_world_size(group) * size)
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=group)
     return out[:numel].view(shape)
 
 
