@@ -46,13 +46,8 @@ import torch
 from . import _validate as check
 from ._core.sharding import copy_module
 from ._dist.collectives import AGREE_TIMEOUT_S
-from ._dist.dtensor import (
-    dist_ready,
-    fsdp_modules,
-    is_dtensor,
-    is_rank_zero,
-    local_tensor,
-)
+from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
+from ._dist.ranks import dist_ready, is_rank_zero
 from ._files.reading import writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA

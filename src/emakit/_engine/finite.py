@@ -34,7 +34,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .._dist.dtensor import dist_ready, is_dtensor
+from .._dist.dtensor import is_dtensor
+from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
 from .kernels import converted
 from .pairs import TensorPair

@@ -31,7 +31,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .._dist.dtensor import dist_ready, fsdp_module_type, is_dtensor, is_rank_zero
+from .._dist.dtensor import fsdp_module_type, is_dtensor
+from .._dist.ranks import dist_ready, is_rank_zero
 from ..checkpoint import weights_header
 from ..ema import EMA
 from ..errors import EMAError, EMAWriteError
