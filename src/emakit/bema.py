@@ -184,13 +184,15 @@ class BEMA(EMA):
 
     def _lay_out_state(self) -> None:
         """Allocate the EMA and ``theta0`` tensors, laid out like the evaluated weights."""
-        order = state_order(self.tracker.plan().pairs)
+        pairs = self.tracker.plan().pairs
+        order = state_order(pairs)
         shadows = [local_tensor(p.shadow) for p in order]
         for store in (self._ema, self._theta0):
             tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
             rehome_(tensors, sources=shadows)
-            store.clear()
-            store.update((p.name, t) for p, t in zip(order, tensors, strict=True))
+            by_name = {p.name: t for p, t in zip(order, tensors, strict=True)}
+            store.clear()  # in the model's order (the same on every rank), not memory order
+            store.update((p.name, by_name[p.name]) for p in pairs if p.name in by_name)
 
     def copy_params_from_model_to_ema(self) -> None:
         """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
