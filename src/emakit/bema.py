@@ -300,7 +300,7 @@ class BEMA(EMA):
 
 class BEMARunner:
     """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
-    handed a [`BEMAWork`][emakit._engine.bema.BEMAWork] for each plan it is given, so the
+    handed a ``BEMAWork`` (:mod:`emakit._engine.bema`) for each plan it is given, so the
     tracker's one update path (``Tracker.update()``) drives BEMA too.
 
     Args:
@@ -327,13 +327,18 @@ class BEMARunner:
     def work_for(self, plan: Plan) -> BEMAWork:
         """The BEMA work over ``plan``'s pairs (built again when the plan is new)."""
         if self._work is None or self._work[0] is not plan:
-            names = {p.name for p in plan.pairs if p.average}
-            if names != self.ema.keys():  # the model changed: the state cannot follow
+            averaged = {p.name: p for p in plan.pairs if p.average}
+            gone = sorted(self.ema.keys() - averaged.keys())
+            if gone:  # the model changed: the state cannot follow
                 raise EMAStateError(
-                    f"the model's averaged tensors changed under this BEMA (now "
-                    f"{sorted(names - self.ema.keys())[:5]} are new, "
-                    f"{sorted(self.ema.keys() - names)[:5]} gone); build a new BEMA"
+                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
+                    f"gone); build a new BEMA for the new model"
                 )
+            with torch.no_grad():
+                for name, p in averaged.items():
+                    if name not in self.ema:  # a frozen weight trained again: from its value
+                        self.ema[name] = local_tensor(p.shadow).clone()
+                        self.theta0[name] = local_tensor(p.shadow).clone()
             self._work = (plan, BEMAWork(plan.pairs, self.ema, self.theta0))
         return self._work[1]
 

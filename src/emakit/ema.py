@@ -91,6 +91,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     device: torch.device | None
     async_update: bool
     stream: bool
+    share_frozen: bool
 
     def __init__(
         self,
@@ -122,6 +123,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        share_frozen: bool = True,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -166,6 +168,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             no_ema=self.param_or_buffer_names_no_ema,
             group_patterns=list(opts.decay_groups),
             move_to_online=self.move_ema_to_online_device,
+            share_frozen=self.share_frozen,
+            on_unshare=self._tracker.invalidate,
             **common,
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
@@ -488,6 +492,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        if isinstance(self._source, ModuleSource):  # copy-on-write of shared frozen weights
+            self._source.frozen.unshare_changed(state_dict, prefix + "ema_model.")
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

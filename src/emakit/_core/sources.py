@@ -8,7 +8,7 @@ tensors through :func:`~emakit._engine.pairs.pair_tensors`, the one validation r
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .._dist.dtensor import check_fsdp2_torch
 from .._engine.pairs import Pairs, TensorPair, pair_tensors
 from ..errors import EMATypeError
+from .frozen import FrozenShare, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors, structure
 from .tree import leaves, tree_copy
 
@@ -81,6 +82,8 @@ class ModuleSource(_Source):
         no_ema: frozenset[str] = frozenset(),
         group_patterns: Sequence[str] = (),
         move_to_online: bool = False,
+        share_frozen: bool = False,
+        on_unshare: Callable[[], None] = lambda: None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -89,6 +92,9 @@ class ModuleSource(_Source):
         self.no_ema = no_ema
         self.group_patterns = list(group_patterns)
         self.move_to_online = move_to_online
+        self.share_frozen = share_frozen
+        #: The shared frozen weights and their watch (see :mod:`emakit._core.frozen`).
+        self.frozen = FrozenShare(on_unshare)
 
     def ignored(self, name: str) -> bool:
         """Whether ``name`` is never touched."""
@@ -109,13 +115,27 @@ class ModuleSource(_Source):
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
         if ema_model is None:
             ema_model = copy_model(
-                model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)
+                model,
+                dtype_for=self.shadow_dtype,
+                tracked=lambda n: not self.ignored(n),
+                shared=shared_parameters(model, self._shareable) if self.share_frozen else (),
             )
         for p in ema_model.parameters():
             p.requires_grad_(False)
         pairs = self.pair(model, ema_model, placeholders=fresh)
-        layout_shadow(pairs, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        self.frozen.watch([p for p in pairs if shares(p)])
         return ema_model
+
+    def _shareable(self, name: str, t: Tensor) -> bool:
+        """Whether a frozen parameter may be shared: tracked, and its shadow would have its
+        dtype and device (no ``ema_dtype`` widening, no offload)."""
+        return (
+            not self.ignored(name)
+            and self.shadow_dtype(t) in (None, t.dtype)
+            and (self.device is None or self.device == t.device)
+        )
 
     def pair(
         self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
@@ -143,11 +163,19 @@ class ModuleSource(_Source):
         return pairs
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> list[TensorPair]:
-        """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""
+        """:meth:`pair`, after moving the EMA to the model's device if asked and needed,
+        without the shared frozen weights (which need no work; they are watched)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
-        return pairs
+        shared = [p for p in pairs if shares(p)]
+        self.frozen.watch(shared)
+        if not shared:
+            return pairs
+        own = Pairs(p for p in pairs if not shares(p))
+        own.registries = getattr(pairs, "registries", ())
+        own.modules = getattr(pairs, "modules", frozenset())
+        return own
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device
@@ -155,7 +183,8 @@ class ModuleSource(_Source):
         """Move the EMA model to ``device`` and lay its storage out again; the new pairs."""
         ema_model.to(device)
         pairs = self.pair(model, ema_model)
-        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=False, dtype_for=self.shadow_dtype)
         return pairs
 
 
