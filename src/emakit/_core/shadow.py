@@ -19,36 +19,28 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import unwrap_engine
 from .._dist.dtensor import is_dtensor
 from .._engine.flat import rehome_
 from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 
-__all__ = ["copy_model", "layout_shadow", "module_tensors", "structure", "unwrap_model"]
+__all__ = ["copy_model", "layout_shadow", "module_tensors", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module that holds the weights: strips DDP/DataParallel ``.module`` and
-    ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
+    """The module that holds the weights: strips DDP/DataParallel ``.module``, a DeepSpeed
+    engine's ``.module`` and ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
+        elif (engine_module := unwrap_engine(model)) is not model:
+            model = engine_module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
         else:
             return model
-
-
-def structure(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """The non-empty ``_parameters`` and ``_modules`` dicts of ``module``'s tree (their total
-    size changes when a parameter or submodule is deleted)."""
-    return tuple(
-        registry
-        for mod in module.modules()
-        for registry in (mod.__dict__["_parameters"], mod.__dict__["_modules"])
-        if registry
-    )
 
 
 def module_tensors(
