@@ -27,21 +27,19 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .._files.reading import open_regular, refusal_reason
-from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAStateError, EMATypeError, EMAValueError
+from .assemble import Target, weighted_sums
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights
+from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
 from .runs import pick_run
+from .shards import Block
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
@@ -66,141 +64,6 @@ def _check_step(step: object) -> int | None:
     if step < 1:
         raise EMAValueError(f"step must be >= 1 (a training step), got {step=}")
     return step
-
-
-# -- reading one snapshot -------------------------------------------------------------------
-
-
-def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """The EMA model's tensors in an ema-pytorch snapshot, as stored (names without the
-    ``ema_model.`` prefix; ``initted`` and ``step`` left out).
-
-    Loaded with ``torch.load(weights_only=True)``: a file holding anything but tensors
-    (e.g. a pickled object with code) is refused, never executed.
-
-    Raises:
-        EMAFileNotFoundError: the file does not exist.
-        EMAValueError: it is not a regular file (a FIFO...).
-        EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
-    """
-    with open_regular(path, "ema-pytorch snapshot") as f:
-        return _legacy_tensors(f, Path(path))
-
-
-def _legacy_tensors(f: Any, p: Path) -> dict[str, Tensor]:
-    try:
-        obj = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise EMAStateError(
-            f"{p} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
-            f"True) refused it ({refusal_reason(e)}). emakit reads .pt snapshots with "
-            f"weights_only=True and never runs pickled code; move the file out of the "
-            f"snapshot folder if it is not one of ema-pytorch's snapshots"
-        ) from e
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
-    ):
-        raise EMAStateError(
-            f"{p} holds a {type(obj).__name__} that is not an ema-pytorch KarrasEMA state dict "
-            f"(names -> tensors); move it out of the snapshot folder"
-        )
-    prefix = "ema_model."
-    stray = sorted(k for k in obj if not k.startswith(prefix) and k not in ("initted", "step"))
-    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)}
-    if stray or not out:
-        raise EMAStateError(
-            f"{p} is not an ema-pytorch KarrasEMA state dict: expected initted, step and "
-            f"ema_model.* keys, got {sorted(obj)[:10]}; move it out of the snapshot folder"
-        )
-    return out
-
-
-def restore_exact(info: SnapshotInfo, name: str, value: Tensor) -> Tensor | None:
-    """``value`` of ``name`` from ``info``'s file in its exact dtype (rounded), for
-    ema-pytorch files that stored integer and bool tensors as floats; unchanged otherwise.
-
-    Returns:
-        The tensor, or None when the float copy overflowed (inf/NaN: the value is lost).
-    """
-    dtype = dict(info.exact_dtypes).get(name)
-    if dtype is None or value.dtype == dtype:
-        return value
-    if value.is_floating_point():
-        if not bool(torch.isfinite(value).all()):
-            return None
-        value = value.round()
-    return value.to(dtype)
-
-
-class SnapshotReader(Protocol):
-    """The tensors of one open snapshot (:func:`open_snapshot`)."""
-
-    def keys(self) -> list[str]:
-        """The tensor names."""
-        ...
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape."""
-        ...
-
-    def dtype(self, name: str) -> torch.dtype:
-        """A tensor's stored dtype."""
-        ...
-
-    def get(self, name: str) -> Tensor:
-        """A tensor, as stored."""
-        ...
-
-
-class _TensorsReader:
-    def __init__(self, tensors: dict[str, Tensor]) -> None:
-        self._t = tensors
-
-    def keys(self) -> list[str]:
-        return list(self._t)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._t[name].shape)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._t[name].dtype
-
-    def get(self, name: str) -> Tensor:
-        return self._t[name]
-
-
-def _changed(info: SnapshotInfo, identity: tuple[int, int, int, int], digest: str) -> None:
-    if (info.identity is not None and identity != info.identity) or (
-        info.header_digest and digest != info.header_digest
-    ):
-        raise EMAStateError(
-            f"snapshot {info.path} changed after the synthesis was planned (it was replaced "
-            f"or rewritten: another process is writing to the folder?); plan the synthesis "
-            f"again once the folder is no longer written to"
-        )
-
-
-@contextmanager
-def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
-    """Open one snapshot for reading through one open file: an emakit file lazily
-    (its header, then one tensor at a time), an ema-pytorch file loaded whole
-    (``torch.load(weights_only=True)``).
-
-    Raises:
-        EMAStateError: the file changed since ``info`` was read (another file at the path,
-            or another header); an ema-pytorch file that cannot be loaded safely; a
-            damaged file.
-    """
-    if info.is_legacy:
-        with open_regular(info.path, "ema-pytorch snapshot") as fh:
-            st = os.fstat(fh.fileno())
-            _changed(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
-            tensors = _legacy_tensors(fh, info.path)
-        yield _TensorsReader(tensors)
-        return
-    with SafetensorsFile(info.path, "snapshot") as f:
-        _changed(info, f.identity, f.header_digest)
-        yield f
 
 
 # -- planning and running -------------------------------------------------------------------
@@ -237,8 +100,11 @@ class SynthesisPlan:
         dtype: torch.dtype | None = torch.float32,
         progress: Callable[[int, int], None] | None = None,
         fill: Mapping[str, Tensor] | None = None,
+        regions: Mapping[str, Block] | None = None,
+        rank: int | None = None,
     ) -> dict[str, Tensor]:
-        """Stream the snapshots into the reconstructed state dict.
+        """Stream the snapshots into the reconstructed state dict (see
+        :func:`~emakit.posthoc.assemble.weighted_sums`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 
@@ -252,6 +118,9 @@ class SynthesisPlan:
             fill: values for integer tensors an ema-pytorch file lost (its float16 copy
                 overflowed to inf), used with a :class:`PostHocWarning`. Default None:
                 such a tensor raises.
+            regions: name -> the block of each tensor to build (a rank's shard, see
+                :class:`~emakit.posthoc.shards.Block`). Default None: whole tensors.
+            rank: the caller's rank, whose files of a sharded snapshot are read first.
 
         Returns:
             name -> tensor (on CPU), loadable with ``model.load_state_dict``. Integer and
@@ -262,50 +131,15 @@ class SynthesisPlan:
                 ema-pytorch file cannot be loaded with ``weights_only=True``; an integer
                 tensor was lost (see ``fill``).
         """
-        base = self.buffers_from
-        with open_snapshot(base) as f:
-            names = f.keys()
-            shapes = {n: f.shape(n) for n in names}
-            copied = {n: _exact(base, n, f.get(n), fill) for n in names if n in base.copied}
-        averaged = [n for n in names if n not in base.copied]
-        stored: dict[str, torch.dtype] = {}
-        acc: dict[str, Tensor] = {}
-        total = len(self.snapshots)
-        for i, (snap, w) in enumerate(zip(self.snapshots, self.weights, strict=True)):
-            with open_snapshot(snap) as f:
-                keys = set(f.keys())
-                if keys != set(names) or snap.copied != base.copied:
-                    missing, extra = sorted(set(names) - keys), sorted(keys - set(names))
-                    raise EMAStateError(
-                        f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
-                        f"missing {missing[:10]}, extra {extra[:10]}"
-                        + ("" if missing or extra else ", and a different set of copied names")
-                        + "; keep only snapshots of one model in the folder"
-                    )
-                for name in averaged:
-                    x = f.get(name)
-                    if tuple(x.shape) != shapes[name]:
-                        raise EMAStateError(
-                            f"tensor {name!r} has shape {tuple(x.shape)} in {snap.path} but "
-                            f"{shapes[name]} in {base.path}; keep only snapshots of one model"
-                        )
-                    stored.setdefault(name, x.dtype)
-                    if name not in acc:
-                        wide = torch.complex64 if x.is_complex() else torch.float32
-                        acc[name] = torch.zeros(x.shape, dtype=wide)
-                    acc[name].add_(x, alpha=w)  # fp16 -> fp32 inside the kernel, no temp
-                    del x
-            if progress is not None:
-                progress(i + 1, total)
-        out: dict[str, Tensor] = {}
-        for name in names:
-            if name in copied:
-                out[name] = copied[name]
-            else:
-                target = dtype if dtype is not None else stored[name]
-                t = acc.pop(name)
-                out[name] = t if (t.is_complex() or t.dtype == target) else t.to(target)
-        return out
+        return weighted_sums(
+            self.snapshots,
+            [Target(self.weights, self.buffers_from)],
+            regions=regions,
+            rank=rank,
+            dtype=dtype,
+            fill=fill,
+            progress=progress,
+        )[0]
 
 
 def plan_synthesis(
@@ -467,25 +301,6 @@ def _stored_roundoff(snap: SnapshotInfo) -> float:
                 dtype = f.dtype(name)
                 return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
     return 0.0
-
-
-def _exact(
-    snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
-) -> Tensor:
-    out = restore_exact(snap, name, value)
-    if out is not None:
-        return out
-    why = (
-        f"ema-pytorch stored the integer tensor {name!r} in float16 (its checkpoint_dtype) and "
-        f"it overflowed to inf in {snap.path}: its value is lost"
-    )
-    if fill is None or name not in fill:
-        raise EMAStateError(
-            f"{why}. Synthesize at a step whose latest snapshot is an emakit one, or with "
-            f"PostHocEMA.synthesize_ema_model, which keeps the model's current value"
-        )
-    warnings.warn(f"{why}; keeping the model's current value", PostHocWarning, stacklevel=4)
-    return fill[name].detach().to("cpu", copy=True)
 
 
 def synthesize_state_dict(
