@@ -79,9 +79,14 @@ class _Pass:
     """The state of one pass: the regions wanted and what has been read into them."""
 
     def __init__(
-        self, base: SnapshotInfo, regions: Mapping[str, Block] | None, rank: int | None
+        self,
+        base: SnapshotInfo,
+        regions: Mapping[str, Block] | None,
+        rank: int | None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.base = base
+        self.model_shapes = shapes
         self.rank = rank
         self.wanted = None if regions is None else dict(regions)
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -102,6 +107,12 @@ class _Pass:
                 f"the snapshots do not match the model: the model lacks {missing[:10]} and "
                 f"has {extra[:10]}, which the snapshots do not hold"
             )
+        for name, shape in (self.model_shapes or {}).items():
+            if tuple(shape) != self.shapes[name]:
+                raise EMAStateError(
+                    f"the snapshots do not match the model: tensor {name!r} has shape "
+                    f"{self.shapes[name]} in {self.base.path} but {tuple(shape)} in the model"
+                )
         self.regions = self.wanted
 
     def visit(
@@ -150,6 +161,7 @@ def weighted_sums(
     *,
     regions: Mapping[str, Block] | None = None,
     rank: int | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
     dtype: torch.dtype | None = torch.float32,
     fill: Mapping[str, Tensor] | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -167,6 +179,8 @@ def weighted_sums(
         regions: name -> the block of each tensor to compute (a rank's shard). Default
             None: every tensor whole.
         rank: the caller's rank: for sharded snapshots its file is read first.
+        shapes: name -> the model's global shape of each tensor in ``regions``, checked
+            against the snapshots'. Default None: not checked.
         dtype: dtype of the averaged tensors returned; None keeps the stored dtype.
         fill: values for integer tensors an ema-pytorch file lost (see
             :meth:`~emakit.posthoc.synthesis.SynthesisPlan.run`).
@@ -181,7 +195,7 @@ def weighted_sums(
             snapshots hold.
     """
     base = targets[0].buffers_from
-    run = _Pass(base, regions, rank)
+    run = _Pass(base, regions, rank, shapes)
     copied = {str(base.path): _copied(run, base, fill)}  # the first read learns the layout
     averaged = run.names - base.copied
     accs: list[dict[str, Tensor]] = [{} for _ in targets]

@@ -51,7 +51,9 @@ __all__ = [
     "Block",
     "ShardEntry",
     "complete_sets",
+    "held_block",
     "intersect",
+    "layout_json",
     "local_block",
     "parse_layout",
     "shard_fields",
@@ -109,6 +111,16 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def held_block(t: Tensor) -> Block:
+    """The block of the full tensor that this rank holds of ``t``: a DTensor's local shard
+    (``__create_chunk_list__``, the protocol ``torch.distributed.checkpoint`` uses), or the
+    whole of another tensor."""
+    if not is_dtensor(t):
+        return Block.whole(t.shape)
+    chunk = t.__create_chunk_list__()[0]  # type: ignore[attr-defined]
+    return Block(tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+
+
 def local_block(t: Tensor) -> tuple[Tensor, Block] | None:
     """The block of the full tensor ``t`` that this rank stores in a sharded snapshot, and
     the local tensor holding it; None when this rank stores nothing of ``t``.
@@ -129,9 +141,8 @@ def local_block(t: Tensor) -> tuple[Tensor, Block] | None:
             )
         if placement.is_replicate() and c != 0:
             return None
-    chunk = d.__create_chunk_list__()[0]
     local = d.to_local()
-    block = Block(tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+    block = held_block(t)
     if tuple(local.shape) != block.size:  # a torch whose chunks are not the local shard
         raise EMAStateError(
             f"a DTensor's local shard has shape {tuple(local.shape)} but its chunk is "

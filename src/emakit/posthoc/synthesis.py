@@ -31,15 +31,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .assemble import Target, weighted_sums
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights
 from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
 from .runs import pick_run
-from .shards import Block
+from .shards import Block, held_block
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "open_snapshot",
     "plan_synthesis",
     "restore_exact",
+    "synthesize_into",
     "synthesize_state_dict",
 ]
 
@@ -102,6 +104,7 @@ class SynthesisPlan:
         fill: Mapping[str, Tensor] | None = None,
         regions: Mapping[str, Block] | None = None,
         rank: int | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
         :func:`~emakit.posthoc.assemble.weighted_sums`).
@@ -121,6 +124,7 @@ class SynthesisPlan:
             regions: name -> the block of each tensor to build (a rank's shard, see
                 :class:`~emakit.posthoc.shards.Block`). Default None: whole tensors.
             rank: the caller's rank, whose files of a sharded snapshot are read first.
+            shapes: the model's global shapes of the tensors in ``regions``, checked.
 
         Returns:
             name -> tensor (on CPU), loadable with ``model.load_state_dict``. Integer and
@@ -136,6 +140,7 @@ class SynthesisPlan:
             [Target(self.weights, self.buffers_from)],
             regions=regions,
             rank=rank,
+            shapes=shapes,
             dtype=dtype,
             fill=fill,
             progress=progress,
@@ -301,6 +306,51 @@ def _stored_roundoff(snap: SnapshotInfo) -> float:
                 dtype = f.dtype(name)
                 return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
     return 0.0
+
+
+def synthesize_into(
+    model: nn.Module, plan: SynthesisPlan, *, where: str | os.PathLike[str] = "the folder"
+) -> None:
+    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
+
+    A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
+    model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism) gets, on each rank,
+    the block of every tensor that rank holds, cut out of whichever snapshot files overlap
+    it (the rank's own first): the snapshots may come from any number of ranks, or from one
+    process. No collective is run; memory is the rank's blocks in float32 plus one stored
+    tensor (or block) at a time.
+
+    Args:
+        model: the module to fill (the EMA model of a synthesized :class:`KarrasEMA`).
+        plan: the synthesis (:func:`plan_synthesis`).
+        where: the snapshot folder, for messages.
+
+    Raises:
+        EMAStateError: the snapshots do not match the model (names or shapes).
+    """
+    state = model.state_dict()
+    if not any(is_dtensor(v) for v in state.values()):
+        out = plan.run(dtype=torch.float32, fill=state)
+        try:
+            model.load_state_dict(out, strict=True)
+        except RuntimeError as e:
+            raise EMAStateError(
+                f"the snapshots in {str(where)!r} do not match the model: {e}"
+            ) from e
+        return
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    out = plan.run(
+        dtype=torch.float32,
+        regions={n: held_block(v) for n, v in state.items()},
+        rank=rank,
+        shapes={n: tuple(v.shape) for n, v in state.items()},
+    )
+    with torch.no_grad():
+        for name, value in state.items():
+            local = local_tensor(value)
+            if local.numel():
+                local.copy_(out[name].reshape(local.shape))
 
 
 def synthesize_state_dict(
