@@ -131,7 +131,7 @@ class _Pass:
             if need is None:
                 if not self.shapes:
                     self._first(layout)
-                    names = names(self.names) if callable(names) else names
+                names = names(self.names) if callable(names) else names
                 _mismatch(snap, self.base, self.names, set(layout))
                 need = {n: self.regions[n].numel for n in names}
                 left = sum(need.values())

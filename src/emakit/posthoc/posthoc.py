@@ -36,6 +36,7 @@ from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
 from .runs import check_run_id, new_run_id, run_to_continue, runs_in
 from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
+from .sweep import SweepResult, sweep_module
 from .synthesis import plan_synthesis, synthesize_into
 from .writing import SnapshotWriter
 
@@ -407,6 +408,70 @@ class PostHocEMA(nn.Module):
         synthesize_into(target, plan, where=self.checkpoint_folder)
         synth.tracker.reset(plan.step)
         return synth
+
+    def sweep(
+        self,
+        evaluate: Callable[[nn.Module], Any],
+        sigma_rels: Sequence[float],
+        *,
+        step: int | None = None,
+        mode: Literal["min", "max"] = "min",
+        lengths_per_pass: int = 8,
+        plot: str | os.PathLike[str] | None = None,
+    ) -> SweepResult:
+        """Synthesize the EMA at each of ``sigma_rels`` and score it with ``evaluate``.
+
+        The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
+        is read once per ``lengths_per_pass`` lengths and added into all of them (see
+        :mod:`emakit.posthoc.sweep`), each reconstruction is loaded into one EMA model
+        (sharded like the model, for FSDP2: then call it on every rank) and
+        ``evaluate(model) -> float`` scores it.
+
+        Args:
+            evaluate: scores the synthesized EMA model (in eval mode, under no_grad).
+            sigma_rels: the lengths to try, each in ``(0, 1/sqrt(12))``.
+            step: the step to synthesize at. Default None: the latest snapshot's.
+            mode: ``"min"`` if lower scores are better (a loss, FID), else ``"max"``.
+                Default ``"min"``.
+            lengths_per_pass: lengths held in memory at once (one float32 model each).
+                Default 8.
+            plot: write the score against ``sigma_rel`` to this PNG, the tracked profiles
+                marked (needs matplotlib). Default None.
+
+        Returns:
+            A [`SweepResult`][emakit.posthoc.SweepResult]: ``(sigma_rel, score)`` pairs
+            in order, ``.best``, ``.plot(path)``, ``.table()``.
+
+        Example:
+            >>> result = posthoc.sweep(val_loss, sigma_rels=[0.05, 0.1, 0.15, 0.2])  # doctest: +SKIP
+            >>> result.best  # doctest: +SKIP
+            (0.1, 0.0123)
+        """
+        own = self.run_id in runs_in(list_snapshots(self.checkpoint_folder))
+        first = sigma_rels[0] if isinstance(sigma_rels, Sequence) and sigma_rels else 0.1
+
+        def build() -> nn.Module:
+            synth = KarrasEMA(
+                self.model,
+                sigma_rel=first,
+                ema_model=self._new_ema_model(),
+                update_every=self.update_every,
+                **self._karras_kwargs,
+            )
+            return cast(nn.Module, synth.ema_model)
+
+        return sweep_module(
+            self.checkpoint_folder,
+            evaluate,
+            sigma_rels,
+            build=build,
+            step=step,
+            mode=mode,
+            lengths_per_pass=lengths_per_pass,
+            legacy=self.legacy_profiles(),
+            run=self.run_id if own else None,
+            plot=plot,
+        )
 
     # -- forward --------------------------------------------------------------------------
 

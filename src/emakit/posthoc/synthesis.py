@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +46,11 @@ from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_sna
 __all__ = [
     "SnapshotReader",
     "SynthesisPlan",
+    "load_into",
     "load_legacy_tensors",
+    "model_regions",
     "open_snapshot",
+    "pick_snapshots",
     "plan_synthesis",
     "restore_exact",
     "synthesize_into",
@@ -147,6 +150,27 @@ class SynthesisPlan:
         )[0]
 
 
+def pick_snapshots(
+    folder: str | os.PathLike[str], legacy: LegacyProfiles | None, run: str | None
+) -> list[SnapshotInfo]:
+    """The snapshots of ``folder`` that a synthesis uses: those of the run picked
+    (:func:`~emakit.posthoc.runs.pick_run`), ema-pytorch's read with ``legacy``.
+
+    Raises:
+        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
+    """
+    snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
+    if legacy is None and (stray := list_legacy_files(folder)):
+        raise EMAStateError(
+            f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
+            f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
+            f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
+            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
+            f"move them out of the folder"
+        )
+    return snaps
+
+
 def plan_synthesis(
     folder: str | os.PathLike[str],
     *,
@@ -155,6 +179,7 @@ def plan_synthesis(
     step: int | None = None,
     legacy: LegacyProfiles | None = None,
     run: str | None = None,
+    snapshots: Sequence[SnapshotInfo] | None = None,
 ) -> SynthesisPlan:
     """Choose the snapshots and solve the weights for one target EMA (from the snapshot
     headers and names; only an ema-pytorch file chosen for the buffers is loaded, to
@@ -173,6 +198,9 @@ def plan_synthesis(
         run: the run whose snapshots to use (see :mod:`emakit.posthoc.runs`; ``""`` for
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
+        snapshots: the folder's snapshots, already listed and picked
+            (:func:`pick_snapshots`), to plan several targets from one listing. Default
+            None: list the folder.
 
     Returns:
         A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
@@ -191,15 +219,7 @@ def plan_synthesis(
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = _check_step(step)
-    snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
-    if legacy is None and (stray := list_legacy_files(folder)):
-        raise EMAStateError(
-            f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
-            f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
-            f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
-            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
-            f"move them out of the folder"
-        )
+    snaps = list(snapshots) if snapshots is not None else pick_snapshots(folder, legacy, run)
     if not snaps:
         raise EMAValueError(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
@@ -330,7 +350,33 @@ def synthesize_into(
     """
     state = model.state_dict()
     if not any(is_dtensor(v) for v in state.values()):
-        out = plan.run(dtype=torch.float32, fill=state)
+        load_into(model, plan.run(dtype=torch.float32, fill=state), where=where)
+        return
+    regions, shapes, rank = model_regions(state)
+    load_into(model, plan.run(dtype=torch.float32, regions=regions, rank=rank, shapes=shapes))
+
+
+def model_regions(
+    state: Mapping[str, Tensor],
+) -> tuple[dict[str, Block] | None, dict[str, tuple[int, ...]] | None, int | None]:
+    """``(regions, global shapes, rank)`` to synthesize ``state``'s tensors with: the block
+    of every tensor this rank holds for a sharded state, ``(None, None, None)`` (whole
+    tensors) otherwise."""
+    if not any(is_dtensor(v) for v in state.values()):
+        return None, None, None
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    regions = {n: held_block(v) for n, v in state.items()}
+    return regions, {n: tuple(v.shape) for n, v in state.items()}, rank
+
+
+def load_into(
+    model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
+) -> None:
+    """Copy a synthesized state (whole tensors, or this rank's blocks, see
+    :func:`model_regions`) into ``model``'s tensors."""
+    state = model.state_dict()
+    if not any(is_dtensor(v) for v in state.values()):
         try:
             model.load_state_dict(out, strict=True)
         except RuntimeError as e:
@@ -338,14 +384,6 @@ def synthesize_into(
                 f"the snapshots in {str(where)!r} do not match the model: {e}"
             ) from e
         return
-    dist = torch.distributed
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    out = plan.run(
-        dtype=torch.float32,
-        regions={n: held_block(v) for n, v in state.items()},
-        rank=rank,
-        shapes={n: tuple(v.shape) for n, v in state.items()},
-    )
     with torch.no_grad():
         for name, value in state.items():
             local = local_tensor(value)
