@@ -127,15 +127,16 @@ class _Pass:
         names, for the first visit (which learns them)."""
         need: dict[str, int] | None = None
         left = 0
+        wanted: set[str] = set()
         for f, layout in snapshot_sources(snap, first=self.rank):
             if need is None:
                 if not self.shapes:
                     self._first(layout)
-                names = names(self.names) if callable(names) else names
+                wanted = names(self.names) if callable(names) else names
                 _mismatch(snap, self.base, self.names, set(layout))
-                need = {n: self.regions[n].numel for n in names}
+                need = {n: self.regions[n].numel for n in wanted}
                 left = sum(need.values())
-            for name in names:
+            for name in wanted:
                 shape, block = layout[name]
                 if shape != self.shapes[name]:
                     raise EMAStateError(

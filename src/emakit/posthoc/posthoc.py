@@ -34,10 +34,9 @@ from .._files.reading import writable_path
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
-from .runs import check_run_id, new_run_id, run_to_continue, runs_in
+from .runs import check_run_id, new_run_id, run_to_continue
 from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
-from .sweep import SweepResult, sweep_module
-from .synthesis import plan_synthesis, synthesize_into
+from .synthesizing import SynthesisMethods
 from .writing import SnapshotWriter
 
 __all__ = [
@@ -71,7 +70,7 @@ _KARRAS_KWARGS = frozenset(
 )
 
 
-class PostHocEMA(nn.Module):
+class PostHocEMA(nn.Module, SynthesisMethods):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
     Karras et al. 2024 (arXiv:2312.02696, §3): track a few :class:`KarrasEMA` profiles
@@ -341,137 +340,6 @@ class PostHocEMA(nn.Module):
         )
         self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
         return paths
-
-    # -- synthesis ------------------------------------------------------------------------
-
-    def synthesize_ema_model(
-        self,
-        gamma: float | None = None,
-        sigma_rel: float | None = None,
-        step: int | None = None,
-    ) -> KarrasEMA:
-        """Reconstruct the power-function EMA with ``gamma`` (or ``sigma_rel``) at ``step``.
-
-        The arguments are in ema-pytorch's order: ``synthesize_ema_model(7.0)`` is
-        ``gamma=7.0``; pass ``sigma_rel=`` by keyword.
-
-        Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
-        before ``step`` only), then a streamed weighted sum of the snapshots (see
-        :class:`~emakit.posthoc.synthesis.SynthesisPlan`): emakit's and, read as this
-        PostHocEMA's profiles, ema-pytorch's (see :meth:`legacy_profiles`). Buffers come
-        from the latest snapshot at or before ``step``. The snapshots are this run's
-        (:attr:`run_id`) when the folder holds any, else the folder's only run's; a folder
-        of several other runs is refused (build with ``run_id=`` to pick one).
-
-        Args:
-            gamma: the target exponent, ``> 0``. Give this or ``sigma_rel``.
-            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``.
-            step: the target step. Default None: the latest snapshot's step.
-
-        Returns:
-            A :class:`KarrasEMA` of the model with that profile, whose ``ema_model`` holds
-            the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
-            use ``synth.ema_model``.
-
-        Raises:
-            EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
-                first snapshot.
-            EMAStateError: the snapshots do not match the model, or changed since they
-                were listed; several runs and none of them this one; an ema-pytorch file
-                whose profile index is out of range or that ``torch.load(weights_only=True)``
-                refuses.
-
-        Warns:
-            PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
-                (its value is lost): the model's current value is kept, as ema-pytorch does.
-        """
-        own = self.run_id in runs_in(list_snapshots(self.checkpoint_folder))
-        plan = plan_synthesis(
-            self.checkpoint_folder,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            step=step,
-            legacy=self.legacy_profiles(),
-            run=self.run_id if own else None,
-        )
-        synth = KarrasEMA(
-            self.model,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            ema_model=self._new_ema_model(),
-            update_every=self.update_every,
-            **self._karras_kwargs,
-        )
-        target = synth.ema_model
-        if target is None:  # pragma: no cover - KarrasEMA builds its model eagerly
-            raise EMARuntimeError("the synthesized KarrasEMA has no ema_model")
-        synthesize_into(target, plan, where=self.checkpoint_folder)
-        synth.tracker.reset(plan.step)
-        return synth
-
-    def sweep(
-        self,
-        evaluate: Callable[[nn.Module], Any],
-        sigma_rels: Sequence[float],
-        *,
-        step: int | None = None,
-        mode: Literal["min", "max"] = "min",
-        lengths_per_pass: int = 8,
-        plot: str | os.PathLike[str] | None = None,
-    ) -> SweepResult:
-        """Synthesize the EMA at each of ``sigma_rels`` and score it with ``evaluate``.
-
-        The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
-        is read once per ``lengths_per_pass`` lengths and added into all of them (see
-        :mod:`emakit.posthoc.sweep`), each reconstruction is loaded into one EMA model
-        (sharded like the model, for FSDP2: then call it on every rank) and
-        ``evaluate(model) -> float`` scores it.
-
-        Args:
-            evaluate: scores the synthesized EMA model (in eval mode, under no_grad).
-            sigma_rels: the lengths to try, each in ``(0, 1/sqrt(12))``.
-            step: the step to synthesize at. Default None: the latest snapshot's.
-            mode: ``"min"`` if lower scores are better (a loss, FID), else ``"max"``.
-                Default ``"min"``.
-            lengths_per_pass: lengths held in memory at once (one float32 model each).
-                Default 8.
-            plot: write the score against ``sigma_rel`` to this PNG, the tracked profiles
-                marked (needs matplotlib). Default None.
-
-        Returns:
-            A [`SweepResult`][emakit.posthoc.SweepResult]: ``(sigma_rel, score)`` pairs
-            in order, ``.best``, ``.plot(path)``, ``.table()``.
-
-        Example:
-            >>> result = posthoc.sweep(val_loss, sigma_rels=[0.05, 0.1, 0.15, 0.2])  # doctest: +SKIP
-            >>> result.best  # doctest: +SKIP
-            (0.1, 0.0123)
-        """
-        own = self.run_id in runs_in(list_snapshots(self.checkpoint_folder))
-        first = sigma_rels[0] if isinstance(sigma_rels, Sequence) and sigma_rels else 0.1
-
-        def build() -> nn.Module:
-            synth = KarrasEMA(
-                self.model,
-                sigma_rel=first,
-                ema_model=self._new_ema_model(),
-                update_every=self.update_every,
-                **self._karras_kwargs,
-            )
-            return cast(nn.Module, synth.ema_model)
-
-        return sweep_module(
-            self.checkpoint_folder,
-            evaluate,
-            sigma_rels,
-            build=build,
-            step=step,
-            mode=mode,
-            lengths_per_pass=lengths_per_pass,
-            legacy=self.legacy_profiles(),
-            run=self.run_id if own else None,
-            plot=plot,
-        )
 
     # -- forward --------------------------------------------------------------------------
 
