@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from . import _validate as check
+from . import _warmup32 as warmup32
 from .errors import EMATypeError, EMAValueError
 from .schedules import describe, inverse_gamma
 
@@ -41,6 +42,7 @@ __all__ = [
     "DecayRule",
     "PowerDecay",
     "ScheduleDecay",
+    "WarmupDecay",
     "ema_rule",
 ]
 
@@ -129,6 +131,37 @@ class ScheduleDecay:
         if self.floor:
             decay = min(max(decay, self.floor), 1.0)
         return decay
+
+
+class WarmupDecay:
+    """The default decay: ema-pytorch's inverse-gamma warm-up as a :class:`Decay`, in one
+    call to the float32 warm-up (:mod:`emakit._warmup32`).
+
+    .. math:: t = \\text{call} - \\text{update\\_after\\_step} - 1, \\quad
+       d = \\text{clamp}\\big(1 - (1 + t / \\text{inv\\_gamma})^{-\\text{power}},
+       \\text{floor}, \\beta\\big), \\quad d(t \\le 0) = 0
+
+    The offset (``t``), the clamp to ``[floor, beta]`` and the float32 rounding all happen
+    here and in :func:`emakit._warmup32.decay`, which this calls directly: the same bits as
+    :class:`ScheduleDecay` over :func:`~emakit.schedules.inverse_gamma`, two calls fewer.
+
+    Args:
+        beta: the ceiling. inv_gamma, power: the warm-up's shape.
+        floor: the lowest decay (``min(min_value, beta)``).
+        update_after_step: the warm-up length in calls.
+    """
+
+    def __init__(
+        self, beta: float, inv_gamma: float, power: float, floor: float, update_after_step: int
+    ) -> None:
+        self.settings = (beta, inv_gamma, power, floor)
+        self.update_after_step = update_after_step
+
+    def __repr__(self) -> str:
+        return describe(inverse_gamma(*self.settings))
+
+    def __call__(self, call: int, last: int = 0) -> float:
+        return warmup32.decay(call - self.update_after_step - 1, *self.settings)
 
 
 class PowerDecay:
@@ -233,9 +266,9 @@ def ema_rule(
         )
     timing = {"update_after_step": update_after_step, "update_every": update_every}
 
-    def warmup(ceiling: float) -> ScheduleDecay:
-        curve = inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
-        return ScheduleDecay(curve, **timing)
+    def warmup(ceiling: float) -> WarmupDecay:
+        floor = min(min_value, ceiling)
+        return WarmupDecay(ceiling, inv_gamma, power, floor, update_after_step)
 
     if schedule is None:
         if min_value > beta:

@@ -24,7 +24,7 @@ from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import leaves
-from ._engine.pairs import TensorPair
+from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
 from .decay import INIT
@@ -143,7 +143,11 @@ class EMA(EMAPytorchSurface, nn.Module):
         self._group_patterns = list(opts.decay_groups)
         runner = make_runner(model, self.device, self.async_update, self.stream)
         self._tracker = Tracker(
-            opts.rule, self._pairs, impl=opts.impl, runner=runner, skip_nonfinite=skip_nonfinite
+            opts.rule,
+            _LivePairs(self),
+            impl=opts.impl,
+            runner=runner,
+            skip_nonfinite=skip_nonfinite,
         )
         common: dict[str, Any] = {
             "ema_dtype": self.ema_dtype,
@@ -227,13 +231,14 @@ class EMA(EMAPytorchSurface, nn.Module):
             setattr(self, name, ForwardMethod(ema_model, name, self._tracker.runner.wait))
         self._tracker.invalidate()
 
-    def _pairs(self) -> list[TensorPair]:
-        """The current pairs (the tracker calls this whenever it builds a plan)."""
+    def _tracked(self) -> Tracked:
+        """The current pairs (see :class:`_LivePairs`); creates a lazy EMA model first."""
         if self._tree is not None and isinstance(self._source, TreeSource):
             return self._source.pairs(*self._tree)
         if self._modules["ema_model"] is None:
             self.init_ema()
         ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
+        assert isinstance(self._source, ModuleSource)
         return self._source.pairs(self.model, ema_model)
 
     def restore_ema_model_device(self) -> None:
@@ -284,8 +289,9 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def tracker(self) -> Tracker:
-        """The EMA's bookkeeping (counters, decay rule, plan, runner); for emakit's other
-        EMA kinds and for advanced use."""
+        """The internal bookkeeping (rule, plan, runner, counters, non-finite guard) that
+        emakit's other EMA kinds share. **Unstable internals:** it may change in any
+        release; the public API (``step``, ``swap()`` ...) is what stays compatible."""
         return self._tracker
 
     @property
@@ -553,11 +559,11 @@ class EMA(EMAPytorchSurface, nn.Module):
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = self._tracker.counters()
+        saved = self._tracker.snapshot()
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception as e:
-            self._tracker.restore_counters(saved)
+            self._tracker.restore(saved)
             if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
                 raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise
@@ -567,6 +573,17 @@ class EMA(EMAPytorchSurface, nn.Module):
     def __getstate__(self) -> dict:
         self._tracker.runner.wait()
         return self.__dict__.copy()
+
+
+class _LivePairs:
+    """An EMA as its tracker's [`PairSource`][emakit._core.tracker.PairSource]."""
+
+    def __init__(self, ema: EMA) -> None:
+        self.ema = ema
+
+    def tracked(self) -> Tracked:
+        """The live pairs (see `EMA._tracked`)."""
+        return self.ema._tracked()
 
 
 def _tensors(model: Any) -> list[Tensor]:

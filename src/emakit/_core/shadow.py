@@ -25,7 +25,7 @@ from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 
-__all__ = ["copy_model", "layout_shadow", "module_tensors", "structure", "unwrap_model"]
+__all__ = ["copy_model", "layout_shadow", "module_tensors", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -38,17 +38,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def structure(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """The non-empty ``_parameters`` and ``_modules`` dicts of ``module``'s tree (their total
-    size changes when a parameter or submodule is deleted)."""
-    return tuple(
-        registry
-        for mod in module.modules()
-        for registry in (mod.__dict__["_parameters"], mod.__dict__["_modules"])
-        if registry
-    )
 
 
 def module_tensors(

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import check_fsdp2_torch
-from .._engine.pairs import Pairs, TensorPair, pair_tensors
+from .._engine.pairs import TensorPair, Tracked, pair_tensors
 from ..errors import EMATypeError
-from .shadow import copy_model, layout_shadow, module_tensors, structure
+from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
 __all__ = ["ModuleSource", "TreeSource", "call_factory"]
@@ -124,30 +124,27 @@ class ModuleSource(_Source):
         online, oslots, buffers = module_tensors(model, self.ignored)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
-        pairs = Pairs(
-            pair_tensors(
-                online,
-                shadow,
-                average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
-                group=self.group_of,
-                buffers=buffers,
-                online_slots=oslots,
-                shadow_slots=sslots,
-                cast=self.cast,
-                other_devices=self.other_devices or self.move_to_online,
-                placeholders=placeholders,
-            )
+        return pair_tensors(
+            online,
+            shadow,
+            average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
+            group=self.group_of,
+            buffers=buffers,
+            online_slots=oslots,
+            shadow_slots=sslots,
+            cast=self.cast,
+            other_devices=self.other_devices or self.move_to_online,
+            placeholders=placeholders,
         )
-        pairs.registries = structure(model)
-        pairs.modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return pairs
 
-    def pairs(self, model: nn.Module, ema_model: nn.Module) -> list[TensorPair]:
-        """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""
+    def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
+        """:meth:`pair`, after moving the EMA to the model's device if asked and needed,
+        with the ids of both models' modules (what the plan's guards watch)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
-        return pairs
+        modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
+        return Tracked(tuple(pairs), modules)
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device
@@ -170,11 +167,15 @@ class TreeSource(_Source):
             shadow = tree_copy(tree)
         elif callable(shadow) and not isinstance(shadow, (Tensor, nn.Module)):
             shadow = shadow()
-        pairs = self.pairs(tree, shadow)
+        pairs = self.pair(tree, shadow)
         layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype, device=self.device)
         return shadow
 
-    def pairs(self, tree: Any, shadow: Any) -> list[TensorPair]:
+    def pairs(self, tree: Any, shadow: Any) -> Tracked:
+        """The pairs of leaves, by path, validated, as the plan takes them."""
+        return Tracked(tuple(self.pair(tree, shadow)))
+
+    def pair(self, tree: Any, shadow: Any) -> list[TensorPair]:
         """The pairs of leaves, by path, validated."""
         return pair_tensors(
             leaves(tree),
