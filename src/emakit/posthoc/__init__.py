@@ -45,7 +45,7 @@ from .snapshots import (
     list_snapshots,
     read_snapshot_info,
 )
-from .sweep import SweepResult, sweep, sweep_lengths
+from .sweeping import SweepResult, sweep, sweep_lengths
 from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
 from .where import find_snapshot_folder
 

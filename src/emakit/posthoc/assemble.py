@@ -31,6 +31,21 @@ from .snapshots import SnapshotInfo
 
 __all__ = ["Target", "weighted_sums"]
 
+#: Elements added per call when the stored dtype differs from the accumulator's: the cast
+#: float16 -> float32 goes through a temporary of this size, not of the whole tensor.
+ADD_CHUNK = 1 << 20
+
+
+def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
+    """``dst += alpha * src``, in row blocks of about :data:`ADD_CHUNK` elements when a
+    cast is needed (torch casts ``src`` into a temporary the size of what it adds)."""
+    if src.dtype == dst.dtype or src.dim() == 0 or src.numel() <= ADD_CHUNK:
+        dst.add_(src, alpha=alpha)
+        return
+    rows = max(1, ADD_CHUNK // max(1, src[0].numel()))
+    for i in range(0, src.shape[0], rows):
+        dst[i : i + rows].add_(src[i : i + rows], alpha=alpha)
+
 
 @dataclass(frozen=True)
 class Target:
@@ -212,7 +227,7 @@ def weighted_sums(
                 if acc is None:
                     wide = torch.complex64 if x.is_complex() else torch.float32
                     acc = accs[k][name] = torch.zeros(run.regions[name].size, dtype=wide)
-                acc[where].add_(part, alpha=target.weights[index])  # fp16 -> fp32 in the kernel
+                _add(acc[where], part, target.weights[index])
 
         return use
 

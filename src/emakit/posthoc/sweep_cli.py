@@ -27,7 +27,7 @@ import click
 
 from ..errors import EMAError
 from ._cli import fail, fmt, legacy_options, legacy_profiles, run_option, snapshot_folder
-from .sweep import sweep, sweep_lengths
+from .sweeping import sweep, sweep_lengths
 
 __all__ = ["load_function", "sweep_cmd"]
 

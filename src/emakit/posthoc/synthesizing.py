@@ -11,18 +11,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
+import torch
 from torch import nn
 
-from ..errors import EMARuntimeError
+from ..errors import EMAError, EMARuntimeError
 from .karras import KarrasEMA
 from .runs import runs_in
 from .snapshots import LegacyProfiles, list_snapshots
-from .sweep import SweepResult, sweep_module
-from .synthesis import plan_synthesis, synthesize_into
+from .sweeping import SweepResult, sweep_module
+from .synthesis import pick_snapshots, plan_synthesis, synthesize_into
+from .writing import is_sharded
 
 __all__ = ["SynthesisMethods"]
+
+T = TypeVar("T")
 
 
 class SynthesisMethods:
@@ -42,6 +46,28 @@ class SynthesisMethods:
 
     def legacy_profiles(self) -> LegacyProfiles:
         raise NotImplementedError  # pragma: no cover - PostHocEMA's
+
+    @property
+    def profiles(self) -> list[KarrasEMA]:
+        raise NotImplementedError  # pragma: no cover - PostHocEMA's
+
+    def _on_rank_zero(self, fn: Callable[[], T]) -> T:
+        """``fn()``: for a sharded model under ``torch.distributed``, computed by rank 0
+        and broadcast (a collective: the folder is listed once, not by every rank, and
+        every rank uses the same snapshots; an error raises on every rank)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and is_sharded(self.profiles[0])):
+            return fn()
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = fn()
+            except EMAError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return cast(T, box[0])
 
     def _run(self) -> str | None:
         """This run's id when the folder holds its snapshots, else None (the only run)."""
@@ -90,13 +116,15 @@ class SynthesisMethods:
             PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
                 (its value is lost): the model's current value is kept, as ema-pytorch does.
         """
-        plan = plan_synthesis(
-            self.checkpoint_folder,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            step=step,
-            legacy=self.legacy_profiles(),
-            run=self._run(),
+        plan = self._on_rank_zero(
+            lambda: plan_synthesis(
+                self.checkpoint_folder,
+                sigma_rel=sigma_rel,
+                gamma=gamma,
+                step=step,
+                legacy=self.legacy_profiles(),
+                run=self._run(),
+            )
         )
         synth = KarrasEMA(
             self.model,
@@ -127,7 +155,7 @@ class SynthesisMethods:
 
         The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
         is read once per ``lengths_per_pass`` lengths and added into all of them (see
-        :mod:`emakit.posthoc.sweep`), each reconstruction is loaded into one EMA model
+        :mod:`emakit.posthoc.sweeping`), each reconstruction is loaded into one EMA model
         (sharded like the model, for FSDP2: then call it on every rank) and
         ``evaluate(model) -> float`` scores it.
 
@@ -163,15 +191,17 @@ class SynthesisMethods:
             )
             return cast(nn.Module, synth.ema_model)
 
+        folder = self.checkpoint_folder
         return sweep_module(
-            self.checkpoint_folder,
+            folder,
             evaluate,
             sigma_rels,
             build=build,
             step=step,
             mode=mode,
             lengths_per_pass=lengths_per_pass,
-            legacy=self.legacy_profiles(),
-            run=self._run(),
+            snapshots=lambda: self._on_rank_zero(
+                lambda: pick_snapshots(folder, self.legacy_profiles(), self._run())
+            ),
             plot=plot,
         )

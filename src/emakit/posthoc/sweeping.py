@@ -277,14 +277,14 @@ def sweep_module(
     step: int | None,
     mode: Literal["min", "max"],
     lengths_per_pass: int,
-    legacy: LegacyProfiles | None,
-    run: str | None,
+    snapshots: Callable[[], list[SnapshotInfo]],
     plot: str | os.PathLike[str] | None,
 ) -> SweepResult:
     """:meth:`~emakit.PostHocEMA.sweep`: ``build()`` makes the one EMA model every length
-    is loaded into (sharded like the model), and ``evaluate`` receives it, in eval mode."""
+    is loaded into (sharded like the model), and ``evaluate`` receives it, in eval mode;
+    ``snapshots()`` lists and picks the folder's snapshots."""
     srs, per_pass = _check(sigma_rels, mode, lengths_per_pass)
-    snaps = pick_snapshots(folder, legacy, run)
+    snaps = snapshots()
     plans = plans_for(folder, srs, step=step, snaps=snaps)
     model = build().eval()
     state = model.state_dict()
