@@ -23,7 +23,8 @@ from ._core.sources import ModuleSource, TreeSource, call_factory
 from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
-from ._core.tree import leaves
+from ._core.tree import all_tensors, leaves
+from ._dist.deepspeed import ZeroPartitions
 from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
@@ -91,6 +92,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     device: torch.device | None
     async_update: bool
     stream: bool
+    share_frozen: bool
 
     def __init__(
         self,
@@ -122,6 +124,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        share_frozen: bool = True,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -164,13 +167,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
             return
-        self._source = ModuleSource(
-            ignore_names=self.ignore_names,
-            ignore_prefixes=tuple(self.ignore_startswith_names),
-            no_ema=self.param_or_buffer_names_no_ema,
-            group_patterns=list(opts.decay_groups),
-            move_to_online=self.move_ema_to_online_device,
-            **common,
+        self._source = ModuleSource.for_ema(
+            opts.values, list(opts.decay_groups), self._tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -392,7 +390,7 @@ class EMA(EMAPytorchSurface, nn.Module):
                 f"optimizer must be a torch.optim.Optimizer (with register_step_post_hook), "
                 f"got {type(optimizer).__name__}"
             )
-        on_accelerator = any(t.is_cuda for t in _tensors(self.model))
+        on_accelerator = any(t.is_cuda for t in all_tensors(self.model))
         return hook_optimizer(
             optimizer, self.update, self._tracker.runner, on_accelerator=on_accelerator
         )
@@ -438,6 +436,9 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
+        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
+            with self.swap():
+                return eval_call(self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )
@@ -466,6 +467,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self._tracker.runner.wait()
+        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
+            self._modules["ema_model"].agree(self._tracker)  # every rank at the same step
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _CODEC.encode(self._counters(), destination, prefix)
         if self._tree is not None:
@@ -494,6 +497,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -555,6 +559,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
+        if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
+            zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after: a failed load leaves the EMA exactly as it was.
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
@@ -584,12 +590,6 @@ class _LivePairs:
     def tracked(self) -> Tracked:
         """The live pairs (see `EMA._tracked`)."""
         return self.ema._tracked()
-
-
-def _tensors(model: Any) -> list[Tensor]:
-    if isinstance(model, nn.Module):
-        return [*model.parameters(), *model.buffers()]
-    return list(leaves(model).values())
 
 
 # The keywords are documented next to their validation (_options.py); help(EMA) shows them.

@@ -50,7 +50,9 @@ OPERATIONS = {
     2: "load_sharded_ema",
     3: "save_full_ema_weights",
     4: "load_sharded_ema (after loading)",
-    5: "PostHocEMA.checkpoint",
+    5: "state_dict of a ZeRO-3 EMA",
+    6: "load_full_ema_weights",
+    7: "PostHocEMA.checkpoint",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's

@@ -34,6 +34,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .._dist.collectives import collective_device
+from .._dist.deepspeed import is_partition
 from .._dist.dtensor import dist_ready, is_dtensor
 from ..decay import SKIP, Action
 from .kernels import converted
@@ -105,12 +107,13 @@ class Agreement:
 
     @classmethod
     def build(cls, pairs: Sequence[TensorPair]) -> Agreement | None:
-        """The agreement for ``pairs``: None unless some online tensor is a DTensor and a
-        default process group exists.
+        """The agreement for ``pairs``: None unless some online tensor is a DTensor or a
+        DeepSpeed ZeRO-3 partition and a default process group exists.
 
         One all-reduce on the default group when the meshes of the DTensors cover every
-        rank (FSDP, HSDP, FSDP+TP on the whole job); otherwise one per dimension of each
-        distinct mesh (e.g. FSDP on one pipeline stage's ranks).
+        rank (FSDP, HSDP, FSDP+TP on the whole job), and for ZeRO-3 partitions (cut over
+        the data-parallel ranks); otherwise one per dimension of each distinct mesh (e.g.
+        FSDP on one pipeline stage's ranks).
         """
         if not dist_ready():
             return None
@@ -121,6 +124,8 @@ class Agreement:
                 key = (mesh.device_type, _mesh_ranks(mesh), tuple(mesh.mesh.shape))
                 meshes.setdefault(key, mesh)
         if not meshes:
+            if any(is_partition(p.online) for p in pairs):
+                return cls([None], collective_device())
             return None
         first = next(iter(meshes.values()))
         if first.device_type == "cuda":

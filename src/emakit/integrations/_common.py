@@ -12,15 +12,29 @@ from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
 
-__all__ = ["check_ema_kwargs", "distribute_like", "gather_full", "sharded_keys"]
+__all__ = ["check_ema_class", "check_ema_kwargs", "distribute_like", "gather_full", "sharded_keys"]
 
 
-def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Refuse keywords :class:`~emakit.EMA` does not take, up front (not at fit time).
+def check_ema_class(owner: str, ema_class: object) -> type[EMA]:
+    """``ema_class`` (the EMA kind an integration builds: [`EMA`][emakit.EMA],
+    [`BEMA`][emakit.BEMA] ...), checked to be an [`EMA`][emakit.EMA] subclass."""
+    if not (isinstance(ema_class, type) and issubclass(ema_class, EMA)):
+        raise EMATypeError(
+            f"{owner} ema_class must be emakit.EMA or a subclass such as emakit.BEMA, "
+            f"got {ema_class=!r}"
+        )
+    return ema_class
+
+
+def check_ema_kwargs(
+    owner: str, ema_kwargs: dict[str, Any], ema_class: type[EMA] = EMA
+) -> dict[str, Any]:
+    """Refuse keywords ``ema_class`` does not take, up front (not at fit time).
 
     Args:
         owner: the class or function receiving the keywords, for the message.
-        ema_kwargs: the keywords meant for :class:`~emakit.EMA`.
+        ema_kwargs: the keywords meant for ``ema_class``.
+        ema_class: the EMA kind built from them. Default [`EMA`][emakit.EMA].
 
     Returns:
         ``ema_kwargs`` unchanged.
@@ -32,12 +46,13 @@ def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
         raise EMATypeError(
             f"{owner} passes the training model to EMA itself; drop model= from its keywords"
         )
-    params = inspect.signature(EMA.__init__).parameters
+    params = inspect.signature(ema_class.__init__).parameters
     unknown = sorted(set(ema_kwargs) - set(params) - {"self"})
     if unknown:
         known = [p for p in params if p not in ("self", "model")]
+        name = ema_class.__name__
         raise EMATypeError(
-            f"{owner} got keywords emakit.EMA does not take: {unknown}; EMA accepts {known}"
+            f"{owner} got keywords emakit.{name} does not take: {unknown}; {name} accepts {known}"
         )
     return ema_kwargs
 

@@ -24,7 +24,7 @@ from .._core.swap import Swap
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
-from ._common import check_ema_kwargs, distribute_like, gather_full, sharded_keys
+from ._common import check_ema_class, check_ema_kwargs, distribute_like, gather_full, sharded_keys
 
 try:
     import lightning.pytorch as pl
@@ -119,6 +119,9 @@ class EMACallback(pl.Callback):
         test_with_ema: run test on the EMA weights. Default True.
         save_ema_weights_as_state_dict: write the EMA weights as the checkpoint's
             ``state_dict`` (inference export). Default False.
+        ema_class: keyword-only; the EMA kind to keep, e.g. [`BEMA`][emakit.BEMA] (then
+            ``ema_kwargs`` are its keywords: ``update_freq``, ``lag`` ...). Default
+            [`EMA`][emakit.EMA].
         **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_after_step``,
             ``update_every``, ``ema_dtype``, ...), checked now. Its defaults apply
             (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
@@ -137,15 +140,18 @@ class EMACallback(pl.Callback):
         validate_with_ema: bool = True,
         test_with_ema: bool = True,
         save_ema_weights_as_state_dict: bool = False,
+        *,
+        ema_class: type[EMA] = EMA,
         **ema_kwargs: Any,
     ) -> None:
         super().__init__()
+        self.ema_class = check_ema_class("EMACallback", ema_class)
         self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
         self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
         self.save_ema_weights_as_state_dict = check.boolean(
             "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
         )
-        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs))
+        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs), self.ema_class)
         #: The :class:`~emakit.EMA`, created when fit starts (None before).
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
@@ -181,7 +187,7 @@ class EMACallback(pl.Callback):
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            ema = self.ema = EMA(pl_module, **self.ema_kwargs)
+            ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
             try:
