@@ -14,6 +14,8 @@ from ..ema import EMA
 from ..errors import EMATypeError
 
 __all__ = [
+    "LIGHTNING_CHECKPOINT_KEY",
+    "TRAINER_WEIGHTS_NAME",
     "EMAKeywords",
     "check_ema_kwargs",
     "distribute_like",
@@ -21,6 +23,11 @@ __all__ = [
     "gather_full",
     "sharded_keys",
 ]
+
+#: Where ``EMACallback`` puts the EMA in a Lightning checkpoint (``emakit inspect`` reads it).
+LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
+#: The EMA file ``EMATrainerCallback`` writes into every ``checkpoint-N`` folder.
+TRAINER_WEIGHTS_NAME = "ema.safetensors"
 
 
 class EMAKeywords(TypedDict, total=False):

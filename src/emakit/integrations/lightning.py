@@ -27,6 +27,7 @@ from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from ._common import (
+    LIGHTNING_CHECKPOINT_KEY,
     EMAKeywords,
     check_ema_kwargs,
     distribute_like,
@@ -67,7 +68,7 @@ __all__ = [
 ONLINE_SUFFIX = "_online"
 
 #: Top-level checkpoint key holding the EMA (see :meth:`EMACallback.on_save_checkpoint`).
-CHECKPOINT_KEY = "emakit_ema"
+CHECKPOINT_KEY = LIGHTNING_CHECKPOINT_KEY
 #: Version of the layout stored under :data:`CHECKPOINT_KEY`.
 CHECKPOINT_VERSION = 1
 #: Version of the layout for an FSDP2 EMA in a distributed (DCP) checkpoint.

@@ -30,7 +30,7 @@ from .._core.swap import Swap
 from ..checkpoint import load_ema_weights, save_ema_weights
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import EMAKeywords, check_ema_kwargs, ema_metrics
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -47,7 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 __all__ = ["EMA_WEIGHTS_NAME", "EMATrainerCallback"]
 
 #: File name of the EMA weights in every ``checkpoint-N`` folder (and in ``output_dir``).
-EMA_WEIGHTS_NAME = "ema.safetensors"
+EMA_WEIGHTS_NAME = TRAINER_WEIGHTS_NAME
 
 
 class EMATrainerCallback(TrainerCallback):
