@@ -310,3 +310,20 @@ def test_swap_then_save_pretrained_keeps_tied_weights(tmp_path: Path):
     expected = ema.ema_model.state_dict()
     assert_same(weights(reloaded), {k: v.detach().clone() for k, v in expected.items()})
     assert not torch.equal(reloaded.transformer.wte.weight, model.transformer.wte.weight)
+    # what EMATrainerCallback writes into checkpoint-N: the tied tensor once, as the
+    # model's own model.safetensors stores it (the issue saw 29 keys against 28)
+    from safetensors import safe_open
+
+    from emakit import load_ema_weights, save_ema_weights
+
+    with safe_open(tmp_path / "ema-model" / "model.safetensors", "pt") as f:
+        model_keys = set(f.keys())
+    path = save_ema_weights(ema, tmp_path / EMA_WEIGHTS_NAME, tied_once=True)
+    assert set(load_file(path)) == model_keys
+    assert (
+        len(load_file(save_ema_weights(ema, tmp_path / "all.safetensors"))) == len(model_keys) + 1
+    )
+    fresh = EMA(transformers.GPT2LMHeadModel(config), update_after_step=0, update_every=1)
+    load_ema_weights(fresh, path)  # the tied name is filled in from its twin
+    assert_same(weights(fresh.ema_model), {k: v.detach().clone() for k, v in expected.items()})
+    assert int(fresh.step) == 3

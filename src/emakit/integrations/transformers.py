@@ -68,8 +68,9 @@ class EMATrainerCallback(TrainerCallback):
       ``train()`` returns, ``trainer.evaluate()`` uses the raw weights again; wrap it in
       ``with callback.ema.swap():`` for the EMA's.
     * **Checkpoints:** every ``checkpoint-N`` folder gets ``ema.safetensors`` (the EMA
-      weights under the model's own names, step and settings in the header, written
-      atomically by :func:`emakit.checkpoint.save_ema_weights`). ``train(
+      weights under the model's own names, a tied tensor once as in the model's own
+      ``model.safetensors``, step and settings in the header, written atomically by
+      :func:`emakit.checkpoint.save_ema_weights`). ``train(
       resume_from_checkpoint=...)`` restores it, so a resumed run ends with the same EMA.
       The Trainer does not tell callbacks which checkpoint it resumed from; the callback
       takes the folder ``train()`` resolved (a path, or the last checkpoint for ``True``),
@@ -277,7 +278,7 @@ class EMATrainerCallback(TrainerCallback):
                 stacklevel=2,
             )
             return
-        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME)
+        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME, tied_once=True)  # as the model's
 
     def on_train_end(
         self,
