@@ -99,8 +99,88 @@ def _import_graph() -> tuple[dict[str, set[str]], list[str], dict[str, int]]:
     return edges, private, sizes
 
 
+def _shape_violations(package: Path) -> list[str]:
+    """What breaks round 2's structure rules under ``package`` (the rules and definitions
+    of ``/work/shared/tools/structure_check.py``): more than 4 single-file private modules
+    at its root; a class keeping more than 14 attributes of its own (names assigned as
+    ``self.x`` in its methods); a function over 60 lines of code (lines holding a
+    statement or expression, the docstring, blank lines and comment-only lines aside)."""
+    import ast
+
+    out = []
+    loose = sorted(
+        p.name for p in package.glob("_*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    if len(loose) > 4:
+        out.append(f"{len(loose)} single-file private modules at the root: {loose}")
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(package.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                attrs = {
+                    t.attr
+                    for fn in node.body
+                    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for sub in ast.walk(fn)
+                    for t in (
+                        sub.targets
+                        if isinstance(sub, ast.Assign)
+                        else [sub.target]
+                        if isinstance(sub, (ast.AnnAssign, ast.AugAssign))
+                        else []
+                    )
+                    if isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                }
+                if len(attrs) > 14:
+                    out.append(f"class {where}:{node.name} keeps {len(attrs)} attributes")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if (
+                    body
+                    and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)
+                ):
+                    body = body[1:]
+                lines = {
+                    sub.lineno
+                    for stmt in body
+                    for sub in ast.walk(stmt)
+                    if hasattr(sub, "lineno")
+                    and not (isinstance(sub, ast.Constant) and isinstance(sub.value, str))
+                }
+                if len(lines) > 60:
+                    out.append(f"function {where}:{node.name} has {len(lines)} lines of code")
+    return out
+
+
+def test_structure_rules_catch_planted_violations(tmp_path):
+    """The rules of :func:`_shape_violations` fail on a package that breaks each one."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name in ("_a", "_b", "_c", "_d"):
+        (package / f"{name}.py").write_text("")
+    assert _shape_violations(package) == []
+    (package / "_e.py").write_text("")
+    wide = "".join(f"        self.a{i} = {i}\n" for i in range(15))
+    (package / "wide.py").write_text(f"class Wide:\n    def __init__(self):\n{wide}")
+    body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    (package / "long.py").write_text(f'def long():\n    """Doc."""\n{body}')
+    found = _shape_violations(package)
+    assert len(found) == 3, found
+    assert "5 single-file private modules" in found[0]
+    assert "Wide keeps 15 attributes" in found[1] or "Wide keeps 15 attributes" in found[2]
+    assert any("long has 61 lines of code" in v for v in found)
+
+
 def test_import_structure():
-    """No import cycle, no private name used across modules, no module over 600 lines."""
+    """No import cycle, no private name used across modules, no module over 600 lines; at
+    most 4 single-file private modules at the package root, no class over 14 attributes
+    of its own, no function over 60 lines of code."""
+    assert _shape_violations(ROOT / "src" / "emakit") == []
     edges, private, sizes = _import_graph()
     done: set[str] = set()
 

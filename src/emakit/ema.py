@@ -23,8 +23,9 @@ from ._core.sources import ModuleSource, TreeSource, call_factory
 from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
-from ._core.tree import leaves
-from ._engine.pairs import TensorPair
+from ._core.tree import all_tensors, leaves
+from ._dist.deepspeed import ZeroPartitions
+from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
 from .decay import INIT
@@ -91,6 +92,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     device: torch.device | None
     async_update: bool
     stream: bool
+    share_frozen: bool
 
     def __init__(
         self,
@@ -122,6 +124,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        share_frozen: bool = True,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -143,7 +146,11 @@ class EMA(EMAPytorchSurface, nn.Module):
         self._group_patterns = list(opts.decay_groups)
         runner = make_runner(model, self.device, self.async_update, self.stream)
         self._tracker = Tracker(
-            opts.rule, self._pairs, impl=opts.impl, runner=runner, skip_nonfinite=skip_nonfinite
+            opts.rule,
+            _LivePairs(self),
+            impl=opts.impl,
+            runner=runner,
+            skip_nonfinite=skip_nonfinite,
         )
         common: dict[str, Any] = {
             "ema_dtype": self.ema_dtype,
@@ -160,13 +167,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
             return
-        self._source = ModuleSource(
-            ignore_names=self.ignore_names,
-            ignore_prefixes=tuple(self.ignore_startswith_names),
-            no_ema=self.param_or_buffer_names_no_ema,
-            group_patterns=list(opts.decay_groups),
-            move_to_online=self.move_ema_to_online_device,
-            **common,
+        self._source = ModuleSource.for_ema(
+            opts.values, list(opts.decay_groups), self._tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -227,13 +229,14 @@ class EMA(EMAPytorchSurface, nn.Module):
             setattr(self, name, ForwardMethod(ema_model, name, self._tracker.runner.wait))
         self._tracker.invalidate()
 
-    def _pairs(self) -> list[TensorPair]:
-        """The current pairs (the tracker calls this whenever it builds a plan)."""
+    def _tracked(self) -> Tracked:
+        """The current pairs (see :class:`_LivePairs`); creates a lazy EMA model first."""
         if self._tree is not None and isinstance(self._source, TreeSource):
             return self._source.pairs(*self._tree)
         if self._modules["ema_model"] is None:
             self.init_ema()
         ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
+        assert isinstance(self._source, ModuleSource)
         return self._source.pairs(self.model, ema_model)
 
     def restore_ema_model_device(self) -> None:
@@ -284,8 +287,9 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def tracker(self) -> Tracker:
-        """The EMA's bookkeeping (counters, decay rule, plan, runner); for emakit's other
-        EMA kinds and for advanced use."""
+        """The internal bookkeeping (rule, plan, runner, counters, non-finite guard) that
+        emakit's other EMA kinds share. **Unstable internals:** it may change in any
+        release; the public API (``step``, ``swap()`` ...) is what stays compatible."""
         return self._tracker
 
     @property
@@ -386,7 +390,7 @@ class EMA(EMAPytorchSurface, nn.Module):
                 f"optimizer must be a torch.optim.Optimizer (with register_step_post_hook), "
                 f"got {type(optimizer).__name__}"
             )
-        on_accelerator = any(t.is_cuda for t in _tensors(self.model))
+        on_accelerator = any(t.is_cuda for t in all_tensors(self.model))
         return hook_optimizer(
             optimizer, self.update, self._tracker.runner, on_accelerator=on_accelerator
         )
@@ -432,6 +436,9 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
+        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
+            with self.swap():
+                return eval_call(self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )
@@ -460,6 +467,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self._tracker.runner.wait()
+        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
+            self._modules["ema_model"].agree(self._tracker)  # every rank at the same step
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _CODEC.encode(self._counters(), destination, prefix)
         if self._tree is not None:
@@ -488,6 +497,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -549,15 +559,17 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
+        if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
+            zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after: a failed load leaves the EMA exactly as it was.
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = self._tracker.counters()
+        saved = self._tracker.snapshot()
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception as e:
-            self._tracker.restore_counters(saved)
+            self._tracker.restore(saved)
             if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
                 raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise
@@ -569,10 +581,15 @@ class EMA(EMAPytorchSurface, nn.Module):
         return self.__dict__.copy()
 
 
-def _tensors(model: Any) -> list[Tensor]:
-    if isinstance(model, nn.Module):
-        return [*model.parameters(), *model.buffers()]
-    return list(leaves(model).values())
+class _LivePairs:
+    """An EMA as its tracker's [`PairSource`][emakit._core.tracker.PairSource]."""
+
+    def __init__(self, ema: EMA) -> None:
+        self.ema = ema
+
+    def tracked(self) -> Tracked:
+        """The live pairs (see `EMA._tracked`)."""
+        return self.ema._tracked()
 
 
 # The keywords are documented next to their validation (_options.py); help(EMA) shows them.

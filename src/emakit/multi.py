@@ -173,12 +173,12 @@ class MultiEMA(nn.Module):
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = [e.tracker.counters() for e in self]
+        saved = [e.tracker.snapshot() for e in self]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception:
             for e, counters in zip(self, saved, strict=True):
-                e.tracker.restore_counters(counters)
+                e.tracker.restore(counters)
             raise
         for e in self:
             e.tracker.invalidate()

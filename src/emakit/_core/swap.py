@@ -12,7 +12,10 @@
   re-pointing ``.data`` would not be seen) and when asked (``in_place=True``, for
   frameworks that read their own storage): the shadow is copied into the online tensor
   and the online values, stashed, are copied back on exit. FSDP2 modules are resharded on
-  entry and exit, so no stale gathered weight is used.
+  entry and exit, so no stale gathered weight is used. DeepSpeed ZeRO-3 partitions
+  (``ds_tensor``) are copied the same way, with the gathered parameters released on entry
+  and exit, so DeepSpeed's next forward gathers the partitions then in place (and the
+  persistent parameters gathered again on exit: a collective, every rank).
 
 One semantics in every mode: **inside the block the model's tensors are the EMA's**.
 Whatever writes them there (an ``optimizer.step()``, a train-mode forward updating
@@ -32,6 +35,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import PartitionSwap, zero3_params
 from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from ..errors import EMARuntimeError
 from .tracker import Tracker
@@ -57,6 +61,7 @@ class Swap:
         # (online local tensor, its stashed values, shadow local tensor)
         self._copied: list[tuple[Tensor, Tensor, Tensor]] = []
         self._roots: list[nn.Module] = []
+        self._zero = PartitionSwap(zero3_params(model))  # DeepSpeed ZeRO-3 (else empty)
         self.active = False
 
     def enter(self) -> Swap:
@@ -69,11 +74,13 @@ class Swap:
         reshard(self._roots)  # the sharded parameters registered, not gathered ones
         pairs = tracker.plan().pairs
         copies = False
+        in_place = self.in_place or bool(self._zero.params)
         try:
+            self._zero.release()
             with torch.no_grad():
                 for p in pairs:
                     online, shadow = p.online, p.shadow
-                    if self.in_place or is_dtensor(online):
+                    if in_place or is_dtensor(online):
                         copies = True
                         local, saved = local_tensor(online), local_tensor(online).clone()
                         local.copy_(local_tensor(shadow))
@@ -106,6 +113,7 @@ class Swap:
             self.tracker.swapped = self.active = False
 
     def _restore(self) -> None:
+        self._zero.release()
         with torch.no_grad():
             # Tensors written inside the block (not all writes bump a version counter:
             # BatchNorm's running statistics do not) go back into the EMA; untouched ones
@@ -121,6 +129,7 @@ class Swap:
         self._pointed, self._copied = [], []
         reshard(self._roots)
         self._roots = []
+        self._zero.restore()
 
     def __enter__(self) -> Swap:
         return self.enter()

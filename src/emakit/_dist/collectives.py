@@ -41,6 +41,8 @@ OPERATIONS = {
     2: "load_sharded_ema",
     3: "save_full_ema_weights",
     4: "load_sharded_ema (after loading)",
+    5: "state_dict of a ZeRO-3 EMA",
+    6: "load_full_ema_weights",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's

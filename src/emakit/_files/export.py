@@ -25,6 +25,7 @@ raises on every rank.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -104,13 +105,26 @@ def model_class(model: nn.Module) -> str:
     return cls.__name__
 
 
-def write_sharded(ema: EMA, dest: Path, dtype: torch.dtype | None) -> BaseException | None:
+def write_sharded(
+    ema: EMA,
+    dest: Path,
+    dtype: torch.dtype | None,
+    *,
+    tensors: Mapping[str, Tensor] | None = None,
+    gather: Callable[[str, torch.dtype | None], Tensor] | None = None,
+    model_name: str | None = None,
+) -> BaseException | None:
     """Write the full EMA of a sharded (DTensor) EMA model to ``dest`` (call on every rank).
 
     Args:
         ema: the EMA (its model holds DTensors).
         dest: the file rank 0 writes.
         dtype: the export dtype of floating tensors (None: the shadow's).
+        tensors: the tensors by name, for the header (only names, dtypes and full shapes
+            are read). Default: the EMA model's state dict.
+        gather: ``(name, dtype) -> full tensor`` on every rank. Default: :func:`full_tensor`
+            of ``tensors[name]``.
+        model_name: the class name in the header. Default: the EMA model's class.
 
     Returns:
         On rank 0, the exception that stopped the write (an :class:`~emakit.EMAWriteError`
@@ -118,9 +132,10 @@ def write_sharded(ema: EMA, dest: Path, dtype: torch.dtype | None) -> BaseExcept
         :func:`share_outcome`.
     """
     model = ema.ema_model
-    tensors = model.state_dict()
+    tensors = model.state_dict() if tensors is None else tensors
     header = weights_header(ema, tensors, dtype)
-    header["model_class"] = model_class(model)
+    header["model_class"] = model_name or model_class(model)
+    full_of = gather or (lambda name, dt: full_tensor(tensors[name], dt))
     head, order = safetensors_layout(tensors, header, dtype)
     writer = is_rank_zero()
     failure: BaseException | None = None
@@ -136,7 +151,7 @@ def write_sharded(ema: EMA, dest: Path, dtype: torch.dtype | None) -> BaseExcept
                 except OSError as e:  # still take part in the gathers below
                     failure, f = e, None
             for name in order:
-                full = full_tensor(tensors[name], dtype)  # every rank, in the same order
+                full = full_of(name, dtype)  # every rank, in the same order
                 if f is not None:
                     try:
                         write_tensor(f, full, dtype)

@@ -17,6 +17,7 @@ __all__ = [
     "LIGHTNING_CHECKPOINT_KEY",
     "TRAINER_WEIGHTS_NAME",
     "EMAKeywords",
+    "check_ema_class",
     "check_ema_kwargs",
     "distribute_like",
     "ema_metrics",
@@ -31,10 +32,11 @@ TRAINER_WEIGHTS_NAME = "ema.safetensors"
 
 
 class EMAKeywords(TypedDict, total=False):
-    """The keywords the callbacks pass on to [`EMA`][emakit.EMA], typed for IDEs and type
-    checkers (``**ema_kwargs: Unpack[EMAKeywords]``, PEP 692). Each means what it means
-    for [`EMA`][emakit.EMA], with its default; ``tests/test_integration_lightning.py``
-    checks that this list and ``EMA``'s signature stay the same."""
+    """The keywords the callbacks pass on to [`EMA`][emakit.EMA] (or, with
+    ``ema_class=BEMA``, to [`BEMA`][emakit.BEMA]), typed for IDEs and type checkers
+    (``**ema_kwargs: Unpack[EMAKeywords]``, PEP 692). Each means what it means there, with
+    its default; which ones a kind takes is checked when the callback is built, and
+    ``tests/test_integration_lightning.py`` checks this list against both signatures."""
 
     ema_model: nn.Module | Callable[[], Any] | Any | None
     beta: float
@@ -62,6 +64,15 @@ class EMAKeywords(TypedDict, total=False):
     device: torch.device | str | None
     async_update: bool | None
     stream: bool
+    share_frozen: bool
+    # ema_class=BEMA: BEMA's own keywords (the others above apply to it as well)
+    update_freq: int
+    ema_power: float
+    bias_power: float
+    lag: float
+    update_after: int
+    multiplier: float
+    min_ema_multiplier: float
 
 
 #: The prefix of every value the callbacks log.
@@ -98,12 +109,26 @@ def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     return values
 
 
-def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Refuse keywords :class:`~emakit.EMA` does not take, up front (not at fit time).
+def check_ema_class(owner: str, ema_class: object) -> type[EMA]:
+    """``ema_class`` (the EMA kind an integration builds: [`EMA`][emakit.EMA],
+    [`BEMA`][emakit.BEMA] ...), checked to be an [`EMA`][emakit.EMA] subclass."""
+    if not (isinstance(ema_class, type) and issubclass(ema_class, EMA)):
+        raise EMATypeError(
+            f"{owner} ema_class must be emakit.EMA or a subclass such as emakit.BEMA, "
+            f"got {ema_class=!r}"
+        )
+    return ema_class
+
+
+def check_ema_kwargs(
+    owner: str, ema_kwargs: dict[str, Any], ema_class: type[EMA] = EMA
+) -> dict[str, Any]:
+    """Refuse keywords ``ema_class`` does not take, up front (not at fit time).
 
     Args:
         owner: the class or function receiving the keywords, for the message.
-        ema_kwargs: the keywords meant for :class:`~emakit.EMA`.
+        ema_kwargs: the keywords meant for ``ema_class``.
+        ema_class: the EMA kind built from them. Default [`EMA`][emakit.EMA].
 
     Returns:
         ``ema_kwargs`` unchanged.
@@ -115,12 +140,13 @@ def check_ema_kwargs(owner: str, ema_kwargs: dict[str, Any]) -> dict[str, Any]:
         raise EMATypeError(
             f"{owner} passes the training model to EMA itself; drop model= from its keywords"
         )
-    params = inspect.signature(EMA.__init__).parameters
+    params = inspect.signature(ema_class.__init__).parameters
     unknown = sorted(set(ema_kwargs) - set(params) - {"self"})
     if unknown:
         known = [p for p in params if p not in ("self", "model")]
+        name = ema_class.__name__
         raise EMATypeError(
-            f"{owner} got keywords emakit.EMA does not take: {unknown}; EMA accepts {known}"
+            f"{owner} got keywords emakit.{name} does not take: {unknown}; {name} accepts {known}"
         )
     return ema_kwargs
 

@@ -29,6 +29,7 @@ from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from ._common import (
     LIGHTNING_CHECKPOINT_KEY,
     EMAKeywords,
+    check_ema_class,
     check_ema_kwargs,
     distribute_like,
     ema_metrics,
@@ -152,10 +153,13 @@ class EMACallback(pl.Callback):
             Default True.
         also_validate_online: keyword-only; with ``validate_with_ema``, validate the raw
             weights too, their metrics suffixed ``"_online"``. Default False.
+        ema_class: keyword-only; the EMA kind to keep, e.g. [`BEMA`][emakit.BEMA] (then
+            ``ema_kwargs`` are its keywords: ``update_freq``, ``lag`` ...). Default
+            [`EMA`][emakit.EMA].
         **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_after_step``,
-            ``update_every``, ``ema_dtype``, ...; typed as
+            ``update_every``, ``ema_dtype``, ...) or for ``ema_class``; typed as
             [`EMAKeywords`][emakit.integrations.lightning.EMAKeywords], so IDEs complete
-            them), checked now. Its defaults apply (``update_every=10``,
+            them; checked now. Its defaults apply (``update_every=10``,
             ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
@@ -175,17 +179,19 @@ class EMACallback(pl.Callback):
         *,
         log_stats: bool = True,
         also_validate_online: bool = False,
+        ema_class: type[EMA] = EMA,
         **ema_kwargs: Unpack[EMAKeywords],
     ) -> None:
         super().__init__()
         self.log_stats = check.boolean("log_stats", log_stats)
         self.also_validate_online = check.boolean("also_validate_online", also_validate_online)
+        self.ema_class = check_ema_class("EMACallback", ema_class)
         self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
         self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
         self.save_ema_weights_as_state_dict = check.boolean(
             "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
         )
-        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs))
+        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs), self.ema_class)
         #: The :class:`~emakit.EMA`, created when fit starts (None before).
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
@@ -221,7 +227,7 @@ class EMACallback(pl.Callback):
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            ema = self.ema = EMA(pl_module, **self.ema_kwargs)
+            ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
             try:

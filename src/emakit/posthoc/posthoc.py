@@ -202,7 +202,6 @@ class PostHocEMA(nn.Module):
         self.update_every = int(self.profiles[0].update_every or 1)
         self.gammas = gs
         self.sigma_rels = tuple(m.sigma_rel for m in self.profiles)
-        self.num_ema_models = len(gs)
         self.checkpoint_every_num_steps = every
         self.checkpoint_folder = Path(checkpoint_folder)
         self.checkpoint_dtype = checkpoint_dtype
@@ -225,6 +224,11 @@ class PostHocEMA(nn.Module):
     def model(self) -> nn.Module:
         """The online (training) model."""
         return self._model[0]
+
+    @property
+    def num_ema_models(self) -> int:
+        """How many EMA profiles are tracked (one per gamma)."""
+        return len(self.gammas)
 
     @property
     def profiles(self) -> list[KarrasEMA]:
@@ -522,12 +526,12 @@ class PostHocEMA(nn.Module):
         check_loadable(  # refuse first: a failed load leaves every profile as it was
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self._owns
         )
-        saved = [ema.tracker.counters() for ema in self.profiles]
+        saved = [ema.tracker.snapshot() for ema in self.profiles]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception as e:
             for ema, counters in zip(self.profiles, saved, strict=True):
-                ema.tracker.restore_counters(counters)
+                ema.tracker.restore(counters)
             if isinstance(e, RuntimeError) and not isinstance(e, EMAError):
                 raise EMAStateError(str(e)) from e
             raise
