@@ -92,6 +92,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     device: torch.device | None
     async_update: bool
     stream: bool
+    share_frozen: bool
 
     def __init__(
         self,
@@ -123,6 +124,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        share_frozen: bool = True,
         partition: bool = False,
     ) -> None:
         super().__init__()
@@ -166,14 +168,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
             return
-        self._source = ModuleSource(
-            ignore_names=self.ignore_names,
-            ignore_prefixes=tuple(self.ignore_startswith_names),
-            no_ema=self.param_or_buffer_names_no_ema,
-            group_patterns=list(opts.decay_groups),
-            move_to_online=self.move_ema_to_online_device,
-            partition=opts.values["partition"],
-            **common,
+        self._source = ModuleSource.for_ema(
+            opts.values, list(opts.decay_groups), self._tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -501,6 +497,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -94,6 +94,15 @@ KEYWORDS_DOC = """
             thread, overlapping the next forward/backward: ``update()`` only snapshots the
             weights into a reusable staging buffer. Everything that reads the EMA waits for
             the pending update first. Default None: True when ``device`` is given.
+        share_frozen: keyword-only; parameters with ``requires_grad=False`` (a LoRA base,
+            a frozen encoder) are shared with the model instead of copied and averaged:
+            no memory, no update work, the same numbers as ema-pytorch while they stay
+            frozen. A weight that an ``optimizer.step()`` is about to train again, or that
+            a load would change, gets its own copy first and is averaged from then on. A
+            frozen value changed in place (new base weights) is seen by the EMA at once;
+            ``False`` copies and averages frozen weights as ema-pytorch does (they then
+            lag). Not shared: with ``ema_dtype`` widening them, ``device=`` offload, FSDP2
+            shards. Default True.
         skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
             (counted in ``num_skipped_nonfinite``, warned once, when the count is read).
             Decided on the device, with no host read in ``update()``: one reduction to
@@ -220,6 +229,7 @@ class EMAOptions:
                 else device is not None
             ),
             "stream": check.boolean("stream", kw["stream"]),
+            "share_frozen": check.boolean("share_frozen", kw["share_frozen"]),
             "param_or_buffer_names_no_ema": check.names(
                 "param_or_buffer_names_no_ema", kw["param_or_buffer_names_no_ema"]
             ),

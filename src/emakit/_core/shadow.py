@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -78,24 +78,30 @@ def copy_model(
     *,
     dtype_for: Callable[[Tensor], torch.dtype | None],
     tracked: Callable[[str], bool],
+    shared: Iterable[int] = (),
 ) -> nn.Module:
     """A copy of ``model`` whose tracked tensors are empty placeholders to be laid out.
 
     Untracked (ignored) tensors get a clone of the model's, since the copy still needs
-    them to run.
+    them to run. Parameters whose id is in ``shared`` (frozen weights, see
+    :mod:`emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage.
 
     Args:
         model: the module to copy.
         dtype_for: the dtype a sharded parameter's copy should have (None: the same).
         tracked: whether a name is tracked by the EMA.
+        shared: ids of parameters to share instead of copy. Default: none.
 
     Raises:
         EMATypeError: the model cannot be deep-copied (the message says the fix).
     """
     memo: dict[int, Any] = {}
+    share = set(shared)
     for t in (*model.parameters(), *model.buffers()):
         empty = torch.empty(0, dtype=t.dtype, device=t.device)
-        if type(t) is nn.Parameter:
+        if type(t) is nn.Parameter and id(t) in share:
+            memo[id(t)] = nn.Parameter(t.detach(), requires_grad=False)
+        elif type(t) is nn.Parameter:
             memo[id(t)] = nn.Parameter(empty, requires_grad=False)
         elif type(t) is Tensor:
             memo[id(t)] = empty

@@ -8,7 +8,7 @@ tensors through :func:`~emakit._engine.pairs.pair_tensors`, the one validation r
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
 from .._engine.pairs import TensorPair, Tracked, pair_tensors
 from ..errors import EMATypeError
+from .frozen import FrozenShare, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
@@ -52,6 +53,10 @@ class _Source:
         self.other_devices = other_devices
         self.device = device
 
+    def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Called before ``state_dict`` is copied into the EMA (a module's shares frozen
+        weights: see :meth:`ModuleSource.before_load`)."""
+
     def shadow_dtype(self, t: Tensor) -> torch.dtype | None:
         """The shadow dtype of ``t`` (None: its own). ``ema_dtype`` only ever widens: a
         float64 buffer stays float64 under ``ema_dtype=torch.float32``."""
@@ -83,6 +88,8 @@ class ModuleSource(_Source):
         no_ema: frozenset[str] = frozenset(),
         group_patterns: Sequence[str] = (),
         move_to_online: bool = False,
+        share_frozen: bool = False,
+        on_unshare: Callable[[], None] = lambda: None,
         partition: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -93,14 +100,43 @@ class ModuleSource(_Source):
         self.no_ema = no_ema
         self.group_patterns = list(group_patterns)
         self.move_to_online = move_to_online
+        self.share_frozen = share_frozen
+        #: The shared frozen weights and their watch (see :mod:`emakit._core.frozen`).
+        self.frozen = FrozenShare(on_unshare)
 
-    def ignored(self, name: str) -> bool:
-        """Whether ``name`` is never touched."""
-        return name in self.ignore_names or name.startswith(self.ignore_prefixes)
+    @classmethod
+    def for_ema(
+        cls,
+        values: Mapping[str, Any],
+        group_patterns: Sequence[str],
+        on_unshare: Callable[[], None],
+        **kwargs: Any,
+    ) -> ModuleSource:
+        """The source of an [`EMA`][emakit.EMA] from its checked keywords (``values``)."""
+        return cls(
+            ignore_names=values["ignore_names"],
+            ignore_prefixes=tuple(values["ignore_startswith_names"]),
+            no_ema=values["param_or_buffer_names_no_ema"],
+            group_patterns=group_patterns,
+            move_to_online=values["move_ema_to_online_device"],
+            share_frozen=values["share_frozen"],
+            on_unshare=on_unshare,
+            partition=values.get("partition", False),
+            **kwargs,
+        )
+
+    def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Copy-on-write: give every shared frozen weight whose value the load would change
+        its own storage first (see :mod:`emakit._core.frozen`)."""
+        self.frozen.unshare_changed(state_dict, prefix)
 
     def tracked(self, name: str) -> bool:
         """Whether ``name`` is tracked (not ignored)."""
         return not self.ignored(name)
+
+    def ignored(self, name: str) -> bool:
+        """Whether ``name`` is never touched."""
+        return name in self.ignore_names or name.startswith(self.ignore_prefixes)
 
     def group_of(self, name: str) -> int:
         """The decay group of ``name`` (0 when no pattern matches)."""
@@ -112,7 +148,6 @@ class ModuleSource(_Source):
     def build(self, model: nn.Module, ema_model: nn.Module | None) -> nn.Module:
         """The EMA copy of ``model`` (``ema_model`` adopted if given), laid out."""
         fresh = ema_model is None
-        kwargs: dict[str, Any] = {"dtype_for": self.shadow_dtype, "tracked": self.tracked}
         for m in (model, ema_model):
             if m is not None:
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
@@ -124,16 +159,34 @@ class ModuleSource(_Source):
                 "leave ema_model=None"
             )
         if ema_model is None:
-            ema_model = (
-                build_partitions(model, **kwargs, replicated=self.partition)
-                if parted
-                else copy_model(model, **kwargs)
-            )
+            tracked = self.tracked
+            if parted:
+                ema_model = build_partitions(
+                    model, dtype_for=self.shadow_dtype, tracked=tracked, replicated=self.partition
+                )
+            else:
+                ema_model = copy_model(
+                    model,
+                    dtype_for=self.shadow_dtype,
+                    tracked=tracked,
+                    shared=shared_parameters(model, self._shareable) if self.share_frozen else (),
+                )
         for p in ema_model.parameters():
             p.requires_grad_(False)
         pairs = self.pair(model, ema_model, placeholders=fresh)
-        layout_shadow(pairs, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        self.frozen.watch([p for p in pairs if shares(p)])
         return ema_model
+
+    def _shareable(self, name: str, t: Tensor) -> bool:
+        """Whether a frozen parameter may be shared: tracked, and its shadow would have its
+        dtype and device (no ``ema_dtype`` widening, no offload)."""
+        return (
+            not self.ignored(name)
+            and self.shadow_dtype(t) in (None, t.dtype)
+            and (self.device is None or self.device == t.device)
+        )
 
     def pair(
         self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
@@ -158,12 +211,16 @@ class ModuleSource(_Source):
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
         """:meth:`pair`, after moving the EMA to the model's device if asked and needed,
-        with the ids of both models' modules (what the plan's guards watch)."""
+        with the ids of both models' modules (what the plan's guards watch), without the
+        shared frozen weights (which need no work; they are watched, see
+        :mod:`emakit._core.frozen`)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
+        shared = [p for p in pairs if shares(p)]
+        self.frozen.watch(shared)
         modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return Tracked(tuple(pairs), modules)
+        return Tracked(tuple(p for p in pairs if not shares(p)), modules)
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device
@@ -171,7 +228,8 @@ class ModuleSource(_Source):
         """Move the EMA model to ``device`` and lay its storage out again; the new pairs."""
         ema_model.to(device)
         pairs = self.pair(model, ema_model)
-        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=False, dtype_for=self.shadow_dtype)
         return pairs
 
 
