@@ -2,7 +2,7 @@
 
 One launch runs every check (a DeepSpeed engine takes seconds to build on the CPU): the
 EMA of ZeRO-3 partitions against a full-weight reference EMA fed the gathered weights
-(bit for bit), ``EMA(engine.module)``, MultiEMA and KarrasEMA, the keywords users pass,
+(bit for bit), ``EMA(engine.module)``, MultiEMA, KarrasEMA and BEMA, the keywords users pass,
 ``swap()`` evaluation, ``ema(x)``, the streamed full export, resume through
 ``client_state``, refusals (another world size, a step mismatch at save), the non-finite
 guard's agreement, and ZeRO-2 (an ordinary EMA, identical on every rank).
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from emakit import EMA, EMAStateError, EMATypeError, KarrasEMA, MultiEMA
+from emakit import BEMA, EMA, EMAStateError, EMATypeError, KarrasEMA, MultiEMA
 from emakit.distributed import load_full_ema_weights, save_full_ema_weights
 from emakit.integrations._common import refuse_zero3
 
@@ -120,6 +120,7 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         ),
         "multi": lambda m: MultiEMA(m, betas=(0.5, 0.9), update_after_step=0, update_every=1),
         "karras": lambda m: KarrasEMA(m, sigma_rel=0.2, update_every=1),
+        "bema": lambda m: BEMA(m, update_freq=1, lag=1),
     }
     emas = {k: make(engine) for k, make in variants.items()}
     refs = {k: make(side) for k, make in variants.items()}
