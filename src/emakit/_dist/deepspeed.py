@@ -180,8 +180,9 @@ def partition(param: Tensor) -> PartitionSlot:
         return entry[1]
     slot = PartitionSlot(param)
     key, view = id(param), id(slot.view)
-    _SLOTS[key] = (weakref.ref(param, lambda _: _SLOTS.pop(key, None)), slot)
-    _VIEWS[view] = (weakref.ref(slot.view, lambda _: _VIEWS.pop(view, None)), slot)
+    # the dicts bound now: at interpreter exit the module's globals may already be None
+    _SLOTS[key] = (weakref.ref(param, lambda _, d=_SLOTS: d.pop(key, None)), slot)
+    _VIEWS[view] = (weakref.ref(slot.view, lambda _, d=_VIEWS: d.pop(view, None)), slot)
     return slot
 
 
@@ -377,6 +378,8 @@ def gather_partition(
     local = part.detach()
     if dtype is not None and local.is_floating_point():
         local = local.to(dtype)
+    if not dist.is_initialized():  # one process: the partition is the whole tensor
+        return local.reshape(-1)[:numel].view(shape)
     if local.numel() != size:
         local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
     out = local.new_empty(dist.get_world_size(group) * size)
