@@ -173,6 +173,16 @@ _SLOTS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 _VIEWS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 
 
+def _forget(table: dict[int, Any], key: int) -> Callable[[object], None]:
+    """A weakref callback that drops ``table[key]`` (the table bound now: at interpreter
+    exit the module's globals may already be None)."""
+
+    def drop(_: object) -> None:
+        table.pop(key, None)
+
+    return drop
+
+
 def partition(param: Tensor) -> PartitionSlot:
     """The :class:`PartitionSlot` of a parameter (made again if it moved)."""
     entry = _SLOTS.get(id(param))
@@ -180,9 +190,8 @@ def partition(param: Tensor) -> PartitionSlot:
         return entry[1]
     slot = PartitionSlot(param)
     key, view = id(param), id(slot.view)
-    # the dicts bound now: at interpreter exit the module's globals may already be None
-    _SLOTS[key] = (weakref.ref(param, lambda _, d=_SLOTS: d.pop(key, None)), slot)
-    _VIEWS[view] = (weakref.ref(slot.view, lambda _, d=_VIEWS: d.pop(view, None)), slot)
+    _SLOTS[key] = (weakref.ref(param, _forget(_SLOTS, key)), slot)
+    _VIEWS[view] = (weakref.ref(slot.view, _forget(_VIEWS, view)), slot)
     return slot
 
 
