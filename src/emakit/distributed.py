@@ -25,13 +25,15 @@
   tensor gathered and written at a time (:mod:`emakit._files.export`).
 * **DeepSpeed** (``EMA(engine)`` or ``EMA(engine.module)``): under ZeRO-1 and 2 the
   parameters are whole on every rank, so the EMA is as under DDP. Under ZeRO-3 each rank
-  keeps the EMA of its own partitions (``param.ds_tensor``, :mod:`emakit._dist.deepspeed`):
+  keeps the EMA of its own partitions (``param.ds_tensor``, `emakit._dist.deepspeed`):
   ``update()`` runs no collective (``skip_nonfinite``: one all-reduce of three numbers);
   ``swap()`` and ``ema(x)`` copy the EMA partitions into ``ds_tensor`` and let DeepSpeed's
   own gather do the rest (collectives: every rank); ``ema.state_dict()`` is this rank's
   part, saved through ``engine.save_checkpoint(dir, client_state={"ema": ...})`` (every
-  rank at the same step, checked); :func:`save_full_ema_weights` streams the full EMA and
-  :func:`load_full_ema_weights` reads it back into any world size.
+  rank at the same step, checked);
+  [`save_full_ema_weights`][emakit.distributed.save_full_ema_weights] streams the full
+  EMA and [`load_full_ema_weights`][emakit.distributed.load_full_ema_weights] reads it
+  back into any world size.
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
   agreement step (:mod:`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
@@ -84,9 +86,10 @@ def swap_in_place(ema: EMA) -> Iterator[None]:
 
     ``swap()`` re-points ``.data``, which frameworks that read their own storage do not
     see (it already copies for FSDP2 shards and DeepSpeed ZeRO-3 partitions). Use this for
-    them: whatever reads the model's storage then reads the EMA weights. The model's values are stashed (one copy of each tracked tensor, a shard
-    where sharded) and copied back on exit, also when the block raises; ``update()``
-    inside the block is an error, as in ``swap()``. Same as ``ema.swap(in_place=True)``.
+    them: whatever reads the model's storage then reads the EMA weights. The model's
+    values are stashed (one copy of each tracked tensor, a shard where sharded) and copied
+    back on exit, also when the block raises; ``update()`` inside the block is an error,
+    as in ``swap()``. Same as ``ema.swap(in_place=True)``.
 
     Args:
         ema: an :class:`~emakit.EMA` (of a module or a pytree).
@@ -428,9 +431,10 @@ def save_full_ema_weights(
 def load_full_ema_weights(
     ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
 ) -> dict[str, str]:
-    """Load a full EMA file (:func:`save_full_ema_weights`) into a partitioned EMA (of a
-    DeepSpeed ZeRO-3 model, or ``partition=True``; a collective: call on every rank), on
-    any number of ranks.
+    """Load a full EMA file
+    ([`save_full_ema_weights`][emakit.distributed.save_full_ema_weights]) into a
+    partitioned EMA (of a DeepSpeed ZeRO-3 model, or ``partition=True``; a collective:
+    call on every rank), on any number of ranks.
 
     Each rank reads the file, one tensor at a time, and keeps its own partition of each
     (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);

@@ -1,19 +1,19 @@
 """DeepSpeed engines and ZeRO-3 partitions, without importing deepspeed (a leaf module).
 
-``EMA(engine)`` tracks ``engine.module`` (:func:`unwrap_engine`). Under ZeRO-1 and 2 the
+``EMA(engine)`` tracks ``engine.module`` (`unwrap_engine()`). Under ZeRO-1 and 2 the
 module's parameters are whole on every rank, so the EMA is an ordinary one, identical on
 every rank. Under ZeRO-3 a parameter's ``.data`` is an empty placeholder and
 ``param.ds_tensor`` holds this rank's partition: a 1-D slice of the flattened parameter,
 padded so that every rank's partition has the same length. Then
 
-* the EMA tracks the partitions (:func:`partition_tensors`): each rank averages its own,
-  with no collective; its EMA copy is a :class:`ZeroPartitions`, a module tree of the
+* the EMA tracks the partitions (`partition_tensors()`): each rank averages its own,
+  with no collective; its EMA copy is a `ZeroPartitions`, a module tree of the
   model's names holding the partitions (its ``state_dict`` is this rank's part);
-* :class:`PartitionSwap` lets DeepSpeed's own gather do the evaluation: gathered
+* `PartitionSwap` lets DeepSpeed's own gather do the evaluation: gathered
   parameters are released, the EMA partitions are copied into ``ds_tensor`` (by the
   caller), and the next forward gathers them; on exit the same dance puts the online
   partitions back, bit for bit;
-* :func:`gather_partition` assembles one full tensor from every rank's partitions (the
+* `gather_partition()` assembles one full tensor from every rank's partitions (the
   streamed full export).
 
 DeepSpeed's classes are looked up in ``sys.modules`` under their import paths; nothing
@@ -51,7 +51,7 @@ __all__ = [
     "zero3_params",
 ]
 
-#: The key :class:`ZeroPartitions` adds to its state: ``[world size, rank]`` its
+#: The key `ZeroPartitions` adds to its state: ``[world size, rank]`` its
 #: partitions were cut for.
 WORLD_KEY = "partition_layout"
 
@@ -75,7 +75,7 @@ def is_zero3_param(t: object) -> bool:
 
 
 def is_partition(t: object) -> bool:
-    """Whether ``t`` is the tracked view of a partition (see :func:`partition`)."""
+    """Whether ``t`` is the tracked view of a partition (see `partition()`)."""
     return slot_of(t) is not None
 
 
@@ -90,9 +90,9 @@ def partition_tensors(
     tensors: dict[str, Tensor], slots: dict[str, Any], *, replicated: bool = False
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """``tensors`` with every ZeRO-3 parameter replaced by its partition, and with
-    ``replicated`` every other parameter too by this rank's slice (:func:`partition`).
+    ``replicated`` every other parameter too by this rank's slice (`partition()`).
 
-    A partition's slot is its :class:`PartitionSlot`, so the plan sees DeepSpeed replace or
+    A partition's slot is its `PartitionSlot`, so the plan sees DeepSpeed replace or
     move a partition (or ``.data`` re-pointed) and pairs again.
     """
     if not replicated and (
@@ -130,7 +130,7 @@ class PartitionSlot:
     data: chunk ``rank`` of ``ceil(numel / world)`` elements.
 
     It stands in the plan's identity guards for the registry a plain tensor is watched in
-    (:mod:`emakit._engine.guards`): ``get()`` returns the view while the sliced tensor is
+    (`emakit._engine.guards`): ``get()`` returns the view while the sliced tensor is
     the same object at the same address, else None (the plan pairs again).
 
     Attributes:
@@ -184,7 +184,7 @@ def _forget(table: dict[int, Any], key: int) -> Callable[[object], None]:
 
 
 def partition(param: Tensor) -> PartitionSlot:
-    """The :class:`PartitionSlot` of a parameter (made again if it moved)."""
+    """The `PartitionSlot` of a parameter (made again if it moved)."""
     entry = _SLOTS.get(id(param))
     if entry is not None and entry[0]() is param and entry[1].get("") is not None:
         return entry[1]
@@ -196,7 +196,7 @@ def partition(param: Tensor) -> PartitionSlot:
 
 
 def slot_of(t: object) -> PartitionSlot | None:
-    """The :class:`PartitionSlot` whose view ``t`` is, or None."""
+    """The `PartitionSlot` whose view ``t`` is, or None."""
     entry = _VIEWS.get(id(t))
     return entry[1] if entry is not None and entry[0]() is t else None
 
@@ -256,7 +256,7 @@ class ZeroPartitions(nn.Module):
 
     def agree(self, tracker: Any) -> None:
         """Every rank's EMA at the same step and skip count before a state is taken (one
-        bounded all-gather, :func:`~emakit._dist.collectives.agree`): the ranks' states
+        bounded all-gather, `agree()`): the ranks' states
         are the parts of one, as DeepSpeed's ``save_checkpoint`` saves them together.
 
         Raises:
@@ -339,7 +339,7 @@ def build_partitions(
     dtype_for: Callable[[Tensor], torch.dtype | None],
     replicated: bool = False,
 ) -> ZeroPartitions:
-    """The :class:`ZeroPartitions` of a ZeRO-3 ``model`` (with ``replicated``, of any model,
+    """The `ZeroPartitions` of a ZeRO-3 ``model`` (with ``replicated``, of any model,
     every parameter sliced), with empty placeholders for the tracked tensors (laid out from
     the partitions by the caller)."""
     rank, world = _rank_world(None)
@@ -402,11 +402,11 @@ class PartitionSwap:
 
     * ZeRO-3: DeepSpeed gathers a parameter from the partitions before the forward of the
       module that uses it, and frees it after, except *persistent* parameters (small ones,
-      kept gathered for the whole run). :meth:`release` frees every gathered parameter (no
+      kept gathered for the whole run). `release()` frees every gathered parameter (no
       collective), so the next forward gathers the partitions as they are then;
-      :meth:`restore` gathers the persistent ones again (one collective).
+      `restore()` gathers the persistent ones again (one collective).
     * ``partition=True`` (replicated parameters): each rank copies only its slice, so
-      :meth:`spread` all-gathers every sliced parameter from the ranks' slices (one
+      `spread()` all-gathers every sliced parameter from the ranks' slices (one
       collective per parameter), on entry (the EMA everywhere) and on exit (the online
       weights back, bit for bit).
 
@@ -435,7 +435,7 @@ class PartitionSwap:
             p.partition(has_been_updated=False)  # type: ignore[attr-defined]
 
     def restore(self) -> None:
-        """Gather again the parameters that were gathered before :meth:`release`."""
+        """Gather again the parameters that were gathered before `release()`."""
         gathered, self.gathered = self.gathered, []
         if gathered:
             gathered[0].all_gather(param_list=gathered)  # type: ignore[attr-defined]
