@@ -272,6 +272,17 @@ def two_ranks(rank: int, out: Path) -> dict:
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "fsdp", run_id=RUN, **KW
     )
     res["resharded"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    # the sweep on the ranks (evaluate runs the sharded forward) vs one synthesis per length
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+
+    def score(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(m(x).pow(2).sum())
+
+    res["sweep"] = list(ema.sweep(score, sigma_rels=[0.1, 0.2], lengths_per_pass=1))
+    res["per_length"] = [
+        (s, score(ema.synthesize_ema_model(sigma_rel=s).ema_model.eval())) for s in (0.1, 0.2)
+    ]
 
     kill = PostHocEMA(
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "kill", **KW
@@ -324,6 +335,13 @@ def two(four: tuple[Path, list[dict]]) -> list[dict]:
 def test_synthesis_on_two_ranks_reshards_the_four_rank_snapshots(four, two) -> None:
     _, results = four
     close(two[0]["resharded"], results[0]["reference"])
+
+
+def test_the_sweep_on_two_ranks_equals_one_synthesis_per_length(two) -> None:
+    r0 = two[0]
+    assert [s for s, _ in r0["sweep"]] == [0.1, 0.2]
+    for (_, got), (_, want) in zip(r0["sweep"], r0["per_length"], strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
 
 
 def test_a_full_disk_on_one_rank_fails_every_rank(two) -> None:
