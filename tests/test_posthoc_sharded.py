@@ -159,6 +159,17 @@ def four_ranks(rank: int, out: Path) -> dict:
         warnings.simplefilter("ignore", PostHocWarning)  # few snapshots: a rough fit
         fsdp_part(rank, out, init_device_mesh("cpu", (4,)), res)
         mesh_part(rank, out, res)
+        # DDP: identical EMAs on every rank, rank 0 writes whole-model files, no collective
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = PostHocEMA(
+            DistributedDataParallel(seeded(Wide, 0)),
+            checkpoint_every_num_steps="manual",
+            checkpoint_folder=out / "ddp",
+            **KW,
+        )
+        ddp.update()
+        res["ddp_files"] = [p.name for p in ddp.checkpoint()]
         # the misuse, last (it leaves the process group unusable): rank 0 alone
         model = shard_all(seeded(Wide, 0), init_device_mesh("cpu", (4,)))
         ema = PostHocEMA(
@@ -204,6 +215,12 @@ def test_every_rank_writes_its_own_shards(four: tuple[Path, list[dict]]) -> None
     ref = list_snapshots(out / "ref")
     assert abs(snaps[0].nbytes - ref[0].nbytes) < 4 * 4096  # headers only differ
     assert results[3]["local_bytes"] < results[0]["local_bytes"]  # rank 3's shards are empty
+
+
+def test_ddp_snapshots_are_written_by_rank_zero_whole(four: tuple[Path, list[dict]]) -> None:
+    out, results = four
+    assert len(results[0]["ddp_files"]) == 2 and all(not r["ddp_files"] for r in results[1:])
+    assert [s.world for s in list_snapshots(out / "ddp")] == [1, 1]
 
 
 def test_karras_profiles_on_fsdp_equal_the_full_weight_ones(four: tuple[Path, list[dict]]) -> None:
