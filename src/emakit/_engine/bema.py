@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .._dist.deepspeed import trainable
 from .._dist.dtensor import local_tensor
 from .pairs import TensorPair
 from .spans import adjacent, span
@@ -47,7 +48,7 @@ def held(p: TensorPair) -> bool:
     """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a
     frozen weight the EMA could not share, e.g. offloaded: TRL's ``running_model`` holds
     those too): no ``theta0``, no EMA, no work until it is trained again."""
-    return p.average and not p.buffer and not p.online.requires_grad
+    return p.average and not p.buffer and not trainable(p.online)  # partitions: the param
 
 
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
@@ -157,7 +158,7 @@ class BEMAWork:
 
     def thawed(self) -> bool:
         """Whether a held frozen weight is trainable again (the work must be rebuilt)."""
-        return any(t.requires_grad for t in self.held)
+        return any(trainable(t) for t in self.held)
 
     @property
     def on_accelerator(self) -> bool:
