@@ -188,7 +188,10 @@ def save_sharded_ema(
     timeout_s: float = AGREE_TIMEOUT_S,
     **kwargs: Any,
 ) -> None:
-    """Save ``ema.state_dict()`` with ``torch.distributed.checkpoint`` (call on every rank).
+    """Save the EMA's state with ``torch.distributed.checkpoint`` (call on every rank).
+
+    The state is ``ema.state_dict(include_online_model=False)``: the online model is
+    saved by the training checkpoint, never twice.
 
     Each rank writes the shards it holds (DTensors), plain tensors are written once, and
     the ``.metadata`` records the global layout, so the checkpoint loads into any world
@@ -248,7 +251,9 @@ def save_sharded_ema(
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
-        dcp.save(ema.state_dict(), checkpoint_id=folder / version, **kwargs)
+        # The model's own checkpoint holds the online model: only the EMA is written.
+        state = ema.state_dict(include_online_model=False)
+        dcp.save(state, checkpoint_id=folder / version, **kwargs)
     except dcp.CheckpointException as e:
         raise EMARuntimeError(
             f"saving the sharded checkpoint {folder} failed ({_failures(e)}); the previous "
@@ -325,7 +330,7 @@ def load_sharded_ema(
     name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
     target = Path(name)
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
-    state = ema.state_dict()
+    state = ema.state_dict(include_online_model=False)
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:

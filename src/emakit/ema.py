@@ -9,7 +9,8 @@ nested dict/list/tuple of tensors is tracked the same way (see :class:`~emakit.E
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -105,7 +106,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         param_or_buffer_names_no_ema: Iterable[str] = (),
         ignore_names: Iterable[str] = (),
         ignore_startswith_names: Iterable[str] = (),
-        include_online_model: bool = False,
+        include_online_model: bool = True,
         allow_different_devices: bool = False,
         use_foreach: bool | None = None,
         update_model_with_ema_every: int | None = None,
@@ -129,6 +130,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         tree = not isinstance(model, nn.Module)
         if tree:
             opts.refuse_for_pytree()
+            self.include_online_model = False  # the online pytree is never saved
             online_tree, shadow_tree = model, ema_model
             if not leaves(online_tree):
                 raise EMATypeError(
@@ -153,9 +155,10 @@ class EMA(EMAPytorchSurface, nn.Module):
         }
         self._source: ModuleSource | TreeSource
         self._online = [model]  # a list hides it from the module tree and state_dict
-        if include_online_model:
+        if self.include_online_model:
             self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
+        self.register_load_state_dict_post_hook(_keep_online_model)
         if self._tree is not None:
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
@@ -191,8 +194,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def online_model(self) -> nn.Module | Any:
-        """The online model (ema-pytorch's name); in the state dict only with
-        ``include_online_model=True``."""
+        """The online model (ema-pytorch's name); in the state dict with
+        ``include_online_model=True`` (the default)."""
         return self.model
 
     @online_model.setter
@@ -481,6 +484,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         error_msgs: list[str],
     ) -> None:
         self._tracker.runner.wait()
+        if "online_model" in self._modules and not _has_online(state_dict, prefix):
+            self.__dict__["_online_left_out"] = prefix  # see _keep_online_model
         if (
             self._modules.get("ema_model") is None
             and self._tree is None
@@ -508,25 +513,54 @@ class EMA(EMAPytorchSurface, nn.Module):
         # those keys are accepted and left alone.
         return not self.include_online_model and key.startswith("online_model.")
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The EMA state, versioned. The online model is left out unless
-        ``include_online_model=True``.
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, include_online_model: bool | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The EMA state, versioned, with ema-pytorch's keys.
 
-        Layout (version 1), for ``EMA(nn.Linear(2, 2))``::
+        Layout (version 2), for ``EMA(nn.Linear(2, 2))``; the version lives in torch's
+        per-module metadata (``state._metadata[""]["version"]``), not in the keys::
 
             {
-                "version": tensor(1),           # layout version
                 "step": tensor(1234),           # update() calls so far
                 "initted": tensor(True),        # whether the first update() happened
+                "online_model.weight": tensor(...),  # with include_online_model (default)
+                "online_model.bias": tensor(...),
                 "ema_model.weight": tensor(...),  # the EMA weights, in the shadow dtype
                 "ema_model.bias": tensor(...),
             }
+
+        Args:
+            include_online_model: keyword-only; whether the online model's tensors
+                (``online_model.*``) are in the state. Default None: the constructor's
+                ``include_online_model`` (True, as ema-pytorch). emakit's own checkpoints
+                pass False: the framework saves the model already.
 
         An EMA of a pytree stores its leaves as ``"ema.<path>"``. With
         ``skip_nonfinite=True`` the skip count is kept under ``num_skipped_nonfinite``.
         ema-pytorch 0.8.3 states (no ``version``, maybe ``online_model.*``) load too.
         """
-        return super().state_dict(*args, **kwargs)
+        if include_online_model is None:
+            return super().state_dict(*args, **kwargs)
+        if check.boolean("include_online_model", include_online_model):
+            if not self.include_online_model:
+                raise EMAValueError(
+                    "state_dict(include_online_model=True) needs the online model registered: "
+                    "build the EMA with include_online_model=True"
+                )
+            return super().state_dict(*args, **kwargs)
+        with self._online_hidden():
+            return super().state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _online_hidden(self) -> Iterator[None]:
+        # Hides the online model from torch's walk over the children (state_dict, load).
+        modules = self._modules
+        self.__dict__["_modules"] = {k: m for k, m in modules.items() if k != "online_model"}
+        try:
+            yield
+        finally:
+            self.__dict__["_modules"] = modules
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -549,9 +583,16 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
+        # A state without the online model (emakit's own checkpoints, or ema-pytorch's with
+        # include_online_model=False) loads into an EMA that saves it: the model is kept.
         # Refuse first, load after: a failed load leaves the EMA exactly as it was.
         check_loadable(
-            self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
+            self.state_dict(
+                keep_vars=True, include_online_model=None if _has_online(state_dict, "") else False
+            ),
+            state_dict,
+            strict=strict,
+            owned=self.owns_state_key,
         )
         saved = self._tracker.counters()
         try:
@@ -567,6 +608,21 @@ class EMA(EMAPytorchSurface, nn.Module):
     def __getstate__(self) -> dict:
         self._tracker.runner.wait()
         return self.__dict__.copy()
+
+
+def _has_online(state_dict: Mapping[str, Any], prefix: str) -> bool:
+    return any(k.startswith(prefix + "online_model.") for k in state_dict)
+
+
+def _keep_online_model(ema: nn.Module, incompatible: Any) -> None:
+    # A state without online_model.* (emakit's own checkpoints, ema-pytorch's with
+    # include_online_model=False) loads into an EMA that saves the model: the model is kept.
+    prefix = ema.__dict__.pop("_online_left_out", None)
+    if prefix is not None:
+        ours = prefix + "online_model."
+        incompatible.missing_keys[:] = [
+            k for k in incompatible.missing_keys if not k.startswith(ours)
+        ]
 
 
 def _tensors(model: Any) -> list[Tensor]:

@@ -33,7 +33,8 @@ class MultiEMA(nn.Module):
         schedules: alternatively one schedule (``t -> decay``) per EMA; overrides ``betas``.
         **ema_kwargs: any :class:`~emakit.EMA` keyword shared by all (``update_every``,
             ``update_after_step``, ``ema_dtype``, ...). ``update_model_with_ema_every``
-            and ``decay_groups`` are not supported here.
+            and ``decay_groups`` are not supported here; ``include_online_model``
+            defaults to False (the state holds the EMAs, not N copies of the model).
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -77,6 +78,8 @@ class MultiEMA(nn.Module):
                 "MultiEMA needs at least one EMA: give a non-empty betas= or schedules="
             )
         ema_kwargs.pop("ema_model", None)
+        # N EMAs of one model: the model is saved once, by whoever owns it.
+        ema_kwargs.setdefault("include_online_model", False)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
         # One runner for the set: a fused update is one piece of work, and every EMA's
         # readers (state_dict, swap, forward) wait for it.

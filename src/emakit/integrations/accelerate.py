@@ -99,8 +99,9 @@ def prepare_ema(accelerator: Accelerator, model: nn.Module, **ema_kwargs: Any) -
         accelerator: the ``accelerate.Accelerator``.
         model: the model as returned by ``accelerator.prepare`` (a plain module works too).
         **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
-            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply; the counts are
-            in optimizer steps.
+            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply, except
+            ``include_online_model``, False here (``save_state`` saves the model once);
+            the counts are in optimizer steps.
 
     Returns:
         The registered :class:`AcceleratedEMA`.
@@ -122,6 +123,8 @@ def prepare_ema(accelerator: Accelerator, model: nn.Module, **ema_kwargs: Any) -
     # The default keep_fp32_wrapper=True matters: unwrapping without it would strip the
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
+    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
+    ema_kwargs.setdefault("include_online_model", False)
     ema = AcceleratedEMA(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -100,7 +100,7 @@ class EMACallback(pl.Callback):
 
         checkpoint["emakit_ema"] = {
             "version": 1,
-            "ema": ema.state_dict(),  # see emakit.EMA.state_dict
+            "ema": ema.state_dict(include_online_model=False),  # see emakit.EMA.state_dict
         }
 
     Strategies: single device, DDP and DDP-spawn (every rank keeps an identical EMA; rank
@@ -181,7 +181,8 @@ class EMACallback(pl.Callback):
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            ema = self.ema = EMA(pl_module, **self.ema_kwargs)
+            # The checkpoint holds the module already: the EMA's state leaves it out.
+            ema = self.ema = EMA(pl_module, **{"include_online_model": False, **self.ema_kwargs})
         if self._pending is not None:
             state, self._pending = self._pending, None
             try:
@@ -289,7 +290,7 @@ class EMACallback(pl.Callback):
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             finally:
                 self._enter_swap(pl_module)
-        state = ema.state_dict()
+        state = ema.state_dict(include_online_model=False)
         sharded = sharded_keys(state)
         weights = checkpoint.get("state_dict", {})
         distributed = bool(sharded) and any(is_dtensor(v) for v in weights.values())
@@ -379,7 +380,7 @@ class EMACallback(pl.Callback):
             raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         self._pending = None
         ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
-        state = ema.state_dict()
+        state = ema.state_dict(include_online_model=False)
         prefix = str(entry.get("shards_in_state_dict", SHARDED_STATE_PREFIX))
         shards = {prefix + k: state[k] for k in sharded_keys(state)}
         try:

@@ -128,7 +128,8 @@ class EMATrainerCallback(TrainerCallback):
                 f"EMATrainerCallback needs the Trainer's model, got {type(model).__name__}"
             )
         self._leave_swap()
-        self.ema = EMA(model, **self.ema_kwargs)
+        # The Trainer saves the model; ema.safetensors holds only the EMA weights.
+        self.ema = EMA(model, **{"include_online_model": False, **self.ema_kwargs})
         self.restored_from = None
         if state.global_step > 0:
             path = self._resume_file(args, state)

@@ -178,6 +178,7 @@ class KarrasEMA(EMA):
             ema_model=ema_model,
             update_after_step=0,
             update_every=update_every,
+            include_online_model=False,  # as ema-pytorch's KarrasEMA
             param_or_buffer_names_no_ema=param_or_buffer_names_no_ema,
             ignore_names=ignore_names,
             ignore_startswith_names=ignore_startswith_names,
