@@ -9,14 +9,14 @@ nested dict/list/tuple of tensors is tracked the same way (see :class:`~emakit.E
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._core import online
 from ._core.forward import ForwardMethod, eval_call, io_cast
 from ._core.options import KEYWORDS_DOC, EMAOptions, make_runner
 from ._core.shadow import unwrap_model
@@ -158,7 +158,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         if self.include_online_model:
             self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
-        self.register_load_state_dict_post_hook(_keep_online_model)
+        self.register_load_state_dict_post_hook(online.keep_online_model)
         if self._tree is not None:
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
@@ -484,8 +484,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         error_msgs: list[str],
     ) -> None:
         self._tracker.runner.wait()
-        if "online_model" in self._modules and not _has_online(state_dict, prefix):
-            self.__dict__["_online_left_out"] = prefix  # see _keep_online_model
+        online.note_left_out(self, state_dict, prefix)  # see online.keep_online_model
         if (
             self._modules.get("ema_model") is None
             and self._tree is None
@@ -514,12 +513,9 @@ class EMA(EMAPytorchSurface, nn.Module):
         return not self.include_online_model and key.startswith("online_model.")
 
     def state_dict(  # type: ignore[override]
-        self, *args: Any, include_online_model: bool | None = None, **kwargs: Any
+        self, *args: Any, include_online_model: bool = True, **kwargs: Any
     ) -> dict[str, Any]:
-        """The EMA state, versioned, with ema-pytorch's keys.
-
-        Layout (version 2), for ``EMA(nn.Linear(2, 2))``; the version lives in torch's
-        per-module metadata (``state._metadata[""]["version"]``), not in the keys::
+        """The EMA state, with ema-pytorch's keys; for ``EMA(nn.Linear(2, 2))``::
 
             {
                 "step": tensor(1234),           # update() calls so far
@@ -530,37 +526,20 @@ class EMA(EMAPytorchSurface, nn.Module):
                 "ema_model.bias": tensor(...),
             }
 
+        The layout version (2) is in torch's per-module metadata
+        (``state._metadata[""]["version"]``). An EMA of a pytree stores its leaves as
+        ``"ema.<path>"``. With ``skip_nonfinite=True`` the skip count is kept in the
+        metadata too. ema-pytorch 0.8.3 states (maybe with ``online_model.*``) load.
+
         Args:
-            include_online_model: keyword-only; whether the online model's tensors
-                (``online_model.*``) are in the state. Default None: the constructor's
-                ``include_online_model`` (True, as ema-pytorch). emakit's own checkpoints
-                pass False: the framework saves the model already.
-
-        An EMA of a pytree stores its leaves as ``"ema.<path>"``. With
-        ``skip_nonfinite=True`` the skip count is kept under ``num_skipped_nonfinite``.
-        ema-pytorch 0.8.3 states (no ``version``, maybe ``online_model.*``) load too.
+            include_online_model: keyword-only; False leaves ``online_model.*`` out of an
+                EMA built with ``include_online_model=True`` (emakit's own checkpoints do:
+                the training checkpoint holds the model). Default True: as built.
         """
-        if include_online_model is None:
-            return super().state_dict(*args, **kwargs)
         if check.boolean("include_online_model", include_online_model):
-            if not self.include_online_model:
-                raise EMAValueError(
-                    "state_dict(include_online_model=True) needs the online model registered: "
-                    "build the EMA with include_online_model=True"
-                )
             return super().state_dict(*args, **kwargs)
-        with self._online_hidden():
+        with online.hidden(self):
             return super().state_dict(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _online_hidden(self) -> Iterator[None]:
-        # Hides the online model from torch's walk over the children (state_dict, load).
-        modules = self._modules
-        self.__dict__["_modules"] = {k: m for k, m in modules.items() if k != "online_model"}
-        try:
-            yield
-        finally:
-            self.__dict__["_modules"] = modules
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -583,13 +562,10 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
-        # A state without the online model (emakit's own checkpoints, or ema-pytorch's with
-        # include_online_model=False) loads into an EMA that saves it: the model is kept.
-        # Refuse first, load after: a failed load leaves the EMA exactly as it was.
+        # Refuse first, load after: a failed load leaves the EMA exactly as it was. A state
+        # without online_model.* loads into an EMA that saves it: the model is kept.
         check_loadable(
-            self.state_dict(
-                keep_vars=True, include_online_model=None if _has_online(state_dict, "") else False
-            ),
+            self.state_dict(keep_vars=True, include_online_model=online.has_online(state_dict)),
             state_dict,
             strict=strict,
             owned=self.owns_state_key,
@@ -608,21 +584,6 @@ class EMA(EMAPytorchSurface, nn.Module):
     def __getstate__(self) -> dict:
         self._tracker.runner.wait()
         return self.__dict__.copy()
-
-
-def _has_online(state_dict: Mapping[str, Any], prefix: str) -> bool:
-    return any(k.startswith(prefix + "online_model.") for k in state_dict)
-
-
-def _keep_online_model(ema: nn.Module, incompatible: Any) -> None:
-    # A state without online_model.* (emakit's own checkpoints, ema-pytorch's with
-    # include_online_model=False) loads into an EMA that saves the model: the model is kept.
-    prefix = ema.__dict__.pop("_online_left_out", None)
-    if prefix is not None:
-        ours = prefix + "online_model."
-        incompatible.missing_keys[:] = [
-            k for k in incompatible.missing_keys if not k.startswith(ours)
-        ]
 
 
 def _tensors(model: Any) -> list[Tensor]:
