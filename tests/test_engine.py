@@ -24,6 +24,7 @@ from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit._core.tracker import Tracker
 from emakit._engine import IMPLS, Plan, ema_copy_, ema_lerp_
+from emakit._engine.spans import aligned_offsets
 from emakit.schedules import inverse_gamma_float32
 
 PATHS = [False, True, None]
@@ -438,9 +439,14 @@ def test_flatten_parameters_keeps_identity_values_and_layout():
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert {f.dtype for f in flats} == {torch.float32, torch.int64}
     f32 = next(f for f in flats if f.dtype == torch.float32)
-    assert f32.numel() == sum(
-        t.numel() for t in named_tensors(model).values() if t.is_floating_point()
-    )
+    floats = [t for t in named_tensors(model).values() if t.is_floating_point()]
+    # each tensor starts on a 64-element boundary; the padding between them is zero
+    assert f32.numel() == aligned_offsets([t.numel() for t in floats])[-1] + floats[-1].numel()
+    assert all(t.data_ptr() % 64 == 0 for t in floats)
+    covered = torch.zeros(f32.numel(), dtype=torch.bool)
+    for t in floats:
+        covered[t.storage_offset() : t.storage_offset() + t.numel()] = True
+    assert not f32[~covered].any()
     lo, hi = f32.data_ptr(), f32.data_ptr() + f32.numel() * f32.element_size()
     for n, t in named_tensors(model).items():
         if t.is_floating_point():

@@ -2,8 +2,9 @@
 
 After re-homing, each tensor keeps its identity (a ``Parameter`` stays the same Python
 object, so optimizers that hold it keep working) but its ``.data`` is a view into a shared
-flat buffer. Neighbouring tensors are then adjacent in memory, and the engine updates a
-whole run of them with a single kernel.
+flat buffer. Neighbouring tensors are then adjacent in memory (each starting on a 64-byte
+boundary, :data:`~emakit._engine.spans.ALIGN` elements, the padding zero), and the engine
+updates a whole run of them with a single kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+from .spans import aligned_offsets
 
 __all__ = ["dense_layout", "flatten_parameters", "rehome_"]
 
@@ -78,15 +81,14 @@ def rehome_(
     with torch.no_grad():
         for (dev, dtype), members in groups.items():
             pin = pin_memory and dev.type == "cpu"
-            flat = torch.empty(
-                sum(s.numel() for _, s in members), device=dev, dtype=dtype, pin_memory=pin
-            )
-            offset = 0
-            for t, src in members:
+            offsets = aligned_offsets([s.numel() for _, s in members])
+            total = offsets[-1] + members[-1][1].numel()
+            # zeros: the alignment padding is read by span kernels and must stay finite
+            flat = torch.zeros(total, device=dev, dtype=dtype, pin_memory=pin)
+            for (t, src), offset in zip(members, offsets, strict=True):
                 view = _view_like(flat, offset, src)
                 view.copy_(src)
                 t.data = view
-                offset += src.numel()
             flats.append(flat)
     return flats
 
@@ -111,8 +113,8 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
-        >>> [flat.numel() for flat in flatten_parameters(net)]
-        [16]
+        >>> [flat.numel() for flat in flatten_parameters(net)]  # each tensor 64-aligned
+        [193]
     """
     if not isinstance(model, torch.nn.Module):
         from ..errors import EMATypeError

@@ -36,7 +36,7 @@ from .kernels import (
     single_tensor_lerp,
 )
 from .pairs import TensorPair
-from .spans import runs_both, span, split_runs
+from .spans import aligned_offsets, runs_both, span, split_runs
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -112,23 +112,24 @@ def _flatten(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, staged: bool = F
     # Different dtype or device: copy online runs into a staging buffer laid out pair by
     # pair, then update each shadow run from the matching staging slice. The buffer is
     # reused on every update, so nothing is allocated on the hot path.
-    offsets, total = [], 0
-    for t in dsts:
-        offsets.append(total)
-        total += t.numel()
+    # Laid out as emakit lays out the shadow (aligned, zero padding), so runs of both
+    # sides map onto it.
+    offsets = aligned_offsets([t.numel() for t in dsts])
     # Pinned when the values arrive from an accelerator, so the copy can be non-blocking.
     pin = staged and dsts[0].device.type == "cpu" and srcs[0].device.type != "cpu"
-    staging = torch.empty(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
+    total = offsets[-1] + dsts[-1].numel()
+    staging = torch.zeros(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
 
     def staging_view(run: list[int], like: Sequence[Tensor]) -> Tensor:
-        view = staging.narrow(0, offsets[run[0]], sum(like[i].numel() for i in run))
+        n = offsets[run[-1]] + like[run[-1]].numel() - offsets[run[0]]
+        view = staging.narrow(0, offsets[run[0]], n)
         return view.view(like[run[0]].shape) if len(run) == 1 else view
 
-    for run in split_runs(srcs):
+    for run in split_runs(srcs, offsets):
         flat.src.append(span([srcs[i] for i in run]))
         flat.staging_src.append(staging_view(run, srcs))
         _guard(flat, run, srcs)
-    for run in split_runs(dsts):
+    for run in split_runs(dsts, offsets):
         flat.dst.append(span([dsts[i] for i in run]))
         flat.staging_dst.append(staging_view(run, dsts))
         _guard(flat, run, dsts, every=False)
