@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .karras import KARRAS_STATE_VERSION, KarrasEMA
 from .math import (
+    GAMMA_MIN,
     SIGMA_REL_MAX,
     PostHocWarning,
     WeightSolution,
@@ -46,6 +47,7 @@ from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
 from .where import find_snapshot_folder
 
 __all__ = [
+    "GAMMA_MIN",
     "KARRAS_STATE_VERSION",
     "POSTHOC_STATE_VERSION",
     "SIGMA_REL_MAX",

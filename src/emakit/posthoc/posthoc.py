@@ -109,9 +109,11 @@ class PostHocEMA(nn.Module):
         ema_model: a module to copy for each profile (deep-copied per profile, never
             shared), or a zero-argument factory called per profile. Default None: copies
             of ``model``.
-        sigma_rels: relative EMA lengths to track, each in ``(0, 1/sqrt(12))``. Give this
+        sigma_rels: relative EMA lengths to track, each in ``(0, SIGMA_REL_MAX]``
+            (~0.30028; above ``1/sqrt(12)`` gamma < 0: more weight on early iterates,
+            as in ema-pytorch, which takes the same root). Give this
             or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
-        gammas: profile exponents to track, each ``> 0``.
+        gammas: profile exponents to track, each ``>= GAMMA_MIN`` (~ -0.382).
         checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
             ``"manual"`` to write only on :meth:`checkpoint`. Default 1000.
         checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
@@ -407,8 +409,9 @@ class PostHocEMA(nn.Module):
         of several other runs is refused (build with ``run_id=`` to pick one).
 
         Args:
-            gamma: the target exponent, ``> 0``. Give this or ``sigma_rel``.
-            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``.
+            gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382). Give this or ``sigma_rel``.
+            sigma_rel: the target relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028;
+                above ``1/sqrt(12)`` gamma < 0: more weight on early iterates).
             step: the target step. Default None: the latest snapshot's step.
 
         Returns:

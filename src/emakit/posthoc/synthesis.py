@@ -40,7 +40,7 @@ from .._files.reading import open_regular, refusal_reason
 from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .karras import resolve_profile
-from .math import PostHocWarning, WeightSolution, solve_weights
+from .math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
 from .runs import pick_run
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
@@ -323,9 +323,10 @@ def plan_synthesis(
 
     Args:
         folder: the snapshot folder.
-        sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``. Give this or
+        sigma_rel: the target relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028;
+            above ``1/sqrt(12)`` gamma < 0: more weight on early iterates). Give this or
             ``gamma``.
-        gamma: the target exponent, ``> 0``.
+        gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382).
         step: the target step; only snapshots taken at or before it are used. Default
             None: the latest snapshot's step.
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
@@ -388,7 +389,7 @@ def plan_synthesis(
     last = max(s.step for s in usable)
     buffers_from = min(
         (s for s in usable if s.step == last),
-        key=lambda s: (abs(math.log(s.gamma / gamma)), s.path.name),
+        key=lambda s: (_profile_distance(s.gamma, gamma), s.path.name),
     )
     if solution.residual > RESIDUAL_WARN:
         warnings.warn(
@@ -486,6 +487,14 @@ def _exact(
         )
     warnings.warn(f"{why}; keeping the model's current value", PostHocWarning, stacklevel=4)
     return fill[name].detach().to("cpu", copy=True)
+
+
+def _profile_distance(a: float, b: float) -> float:
+    # how far apart two profiles are: by gamma's ratio, or (a gamma <= 0, sigma_rel above
+    # 1/sqrt(12)) by sigma_rel's
+    if a > 0 and b > 0:
+        return abs(math.log(a / b))
+    return abs(math.log(gamma_to_sigma_rel(a) / gamma_to_sigma_rel(b)))
 
 
 def synthesize_state_dict(
