@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .._dist.dtensor import is_dtensor
 from .spans import aligned_offsets
 
 __all__ = ["dense_layout", "flatten_parameters", "rehome_"]
@@ -101,7 +102,8 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
     (device, dtype) group with a single ``lerp_`` over one span (see the ``"flat"`` path),
     which is what makes models with many small tensors cheap to average.
 
-    Call it before building an EMA. Tensors are laid out in ``named_parameters()`` order,
+    Call it before building an EMA, and before sharding the model (``fully_shard``): a
+    sharded model raises an ``EMAValueError``. Tensors are laid out in ``named_parameters()`` order,
     then ``named_buffers()`` order; channels-last tensors stay channels-last.
 
     Args:
@@ -126,4 +128,14 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
     tensors: list[Tensor] = list(model.parameters())
     if buffers:
         tensors += list(model.buffers())
+    sharded = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_dtensor(t)]
+    if sharded:
+        from ..errors import EMAValueError
+
+        raise EMAValueError(
+            f"flatten_parameters got a sharded model (DTensor parameters, e.g. after "
+            f"fully_shard: {sharded[:3]}); a DTensor cannot be re-homed into a flat buffer. "
+            f"Call flatten_parameters(model) before sharding it (FSDP2 keeps its own flat "
+            f"shards)"
+        )
     return rehome_(tensors)
