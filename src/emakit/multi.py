@@ -13,7 +13,7 @@ from ._engine.fused import FusedPlan
 from ._engine.plan import Plan
 from .decay import SKIP, Action
 from .ema import EMA
-from .errors import EMARuntimeError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]
 
@@ -179,9 +179,11 @@ class MultiEMA(nn.Module):
         saved = [e.tracker.counters() for e in self]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
-        except Exception:
-            for e, counters in zip(self, saved, strict=True):
-                e.tracker.restore_counters(counters)
+        except Exception as e:
+            for member, counters in zip(self, saved, strict=True):
+                member.tracker.restore_counters(counters)
+            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise
         for e in self:
             e.tracker.invalidate()
