@@ -97,6 +97,25 @@ def _shadow_tensors(ema: EMA) -> dict[str, Tensor]:
     return ema.ema_model.state_dict()
 
 
+def _check_fits(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> None:
+    """Refuse a cast to ``dtype`` that would turn finite EMA values into ``inf``."""
+    if dtype is None:
+        return
+    limit = torch.finfo(dtype).max
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0 or torch.finfo(t.dtype).max <= limit:
+            continue
+        with torch.no_grad():
+            big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
+        if big > limit:
+            raise EMAValueError(
+                f"dtype={dtype} cannot hold the EMA tensor {name!r}: its largest magnitude is "
+                f"{big:.6g}, above {str(dtype).replace('torch.', '')}'s maximum {limit:g}, so "
+                f"it would be written as inf; export in a wider dtype (torch.bfloat16 keeps "
+                f"float32's range) or leave dtype=None"
+            )
+
+
 def weights_header(
     ema: EMA, tensors: Mapping[str, Tensor], dtype: torch.dtype | None
 ) -> dict[str, str]:
@@ -156,7 +175,9 @@ def save_ema_weights(
             paths) to export.
         path: the destination file; its folder is created if missing.
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
-            for deployment). Default None keeps the shadow dtype.
+            for deployment). Default None keeps the shadow dtype. A cast that would turn a
+            finite value into ``inf`` (above 65504 in float16) raises ``EMAValueError``
+            naming the tensor and its largest magnitude; nothing is written.
         metadata: extra ``str -> str`` header entries; they may not reuse emakit's keys.
 
     Returns:
@@ -178,6 +199,7 @@ def save_ema_weights(
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
     tensors = _shadow_tensors(ema)
+    _check_fits(tensors, dtype)
     header = weights_header(ema, tensors, dtype)
     if metadata is not None:
         if not isinstance(metadata, Mapping) or not all(

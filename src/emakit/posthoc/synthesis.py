@@ -260,7 +260,8 @@ class SynthesisPlan:
         Raises:
             EMAStateError: the snapshots disagree on tensor names or shapes; an
                 ema-pytorch file cannot be loaded with ``weights_only=True``; an integer
-                tensor was lost (see ``fill``).
+                tensor was lost (see ``fill``); a snapshot used holds inf or NaN in an
+                averaged tensor (the message names the snapshots).
         """
         base = self.buffers_from
         with open_snapshot(base) as f:
@@ -270,6 +271,7 @@ class SynthesisPlan:
         averaged = [n for n in names if n not in base.copied]
         stored: dict[str, torch.dtype] = {}
         acc: dict[str, Tensor] = {}
+        nonfinite: dict[str, list[str]] = {}  # tensor -> snapshots holding inf/NaN for it
         total = len(self.snapshots)
         for i, (snap, w) in enumerate(zip(self.snapshots, self.weights, strict=True)):
             with open_snapshot(snap) as f:
@@ -290,6 +292,8 @@ class SynthesisPlan:
                             f"{shapes[name]} in {base.path}; keep only snapshots of one model"
                         )
                     stored.setdefault(name, x.dtype)
+                    if w != 0.0 and not bool(torch.isfinite(x).all()):
+                        nonfinite.setdefault(name, []).append(snap.path.name)
                     if name not in acc:
                         wide = torch.complex64 if x.is_complex() else torch.float32
                         acc[name] = torch.zeros(x.shape, dtype=wide)
@@ -297,6 +301,15 @@ class SynthesisPlan:
                     del x
             if progress is not None:
                 progress(i + 1, total)
+        if nonfinite:
+            name, files = next(iter(nonfinite.items()))
+            raise EMAStateError(
+                f"the reconstruction is not finite: {len(files)} snapshot(s) hold inf or NaN "
+                f"in {name!r} (and {len(nonfinite) - 1} other tensor(s)): {files[:5]} in "
+                f"{str(base.path.parent)!r}. float16 snapshots overflow above 65504: snapshot "
+                f"in float32 or bfloat16 (PostHocEMA(checkpoint_dtype=...)); or synthesize at "
+                f"a step before the first such snapshot"
+            )
         out: dict[str, Tensor] = {}
         for name in names:
             if name in copied:
