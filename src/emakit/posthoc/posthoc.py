@@ -38,6 +38,7 @@ from .runs import (
     check_run_id,
     first_write_warnings,
     new_run_id,
+    own_path,
     run_to_continue,
     runs_in,
 )
@@ -368,7 +369,8 @@ class PostHocEMA(nn.Module):
             return []
         profiles = self.profiles
         folder = self.checkpoint_folder
-        paths = [folder / snapshot_filename(step, e.sigma_rel, e.gamma) for e in profiles]
+        names = [snapshot_filename(step, e.sigma_rel, e.gamma) for e in profiles]
+        paths = [own_path(folder / name, self.run_id) for name in names]  # never another's
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
             ema = profiles[index]
