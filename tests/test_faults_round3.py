@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from emakit import EMA, EMAStateError, EMAValueError, PostHocEMA
+from emakit import EMA, EMAError, EMAStateError, EMAValueError, PostHocEMA
 from emakit.checkpoint import save_ema_weights
 
 
@@ -72,3 +72,76 @@ def test_a_second_run_in_the_same_folder_keeps_the_first_runs_snapshots(tmp_path
     assert len(list(tmp_path.glob(f"*_run-{second.run_id}.safetensors"))) == 8
     synth = second.synthesize_ema_model(sigma_rel=0.1)  # its own run's snapshots
     assert torch.isfinite(synth.ema_model.weight).all()
+
+
+def test_a_fifo_as_the_sharded_pointer_file_is_refused_not_waited_on(tmp_path: Path):
+    import os
+    import threading
+
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    ema = EMA(nn.Linear(3, 2))
+    save_sharded_ema(ema, tmp_path)
+    pointer = tmp_path / "emakit-sharded.json"
+    pointer.unlink()
+    os.mkfifo(pointer)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    if worker.is_alive():  # the hang this replaces: unblock the reader, then fail
+        with open(pointer, "wb"):
+            pass
+        worker.join(timeout=10)
+        pytest.fail("load_sharded_ema waited on a FIFO")
+    (error,) = outcome
+    assert isinstance(error, EMAError) and "FIFO" in str(error), error
+
+
+def test_an_uninitialized_lazy_module_is_refused_with_the_fix():
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(EMAValueError, match=r"0\.weight.*forward.*lazy_init_ema=True"):
+        EMA(model)
+    ema = EMA(model, lazy_init_ema=True)  # the way out it names
+    model(torch.zeros(1, 2))
+    ema.update()
+    assert ema.ema_model[0].weight.shape == (3, 2)
+
+
+def test_a_checkpoint_folder_that_is_a_regular_file_is_refused(tmp_path: Path):
+    from emakit.distributed import save_sharded_ema
+
+    file = tmp_path / "taken"
+    file.write_text("not a folder")
+    with pytest.raises(EMAValueError, match="checkpoint_folder must be a folder.*regular file"):
+        PostHocEMA(nn.Linear(2, 2), checkpoint_folder=file)
+    with pytest.raises(EMAValueError, match="checkpoint_id must be a folder"):
+        save_sharded_ema(EMA(nn.Linear(2, 2)), file)
+    assert file.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("value", ["0.9", b"x", True, object()])
+def test_a_schedule_returning_a_non_number_raises_an_ema_error(value):
+    from emakit import EMATypeError
+
+    ema = EMA(nn.Linear(2, 2), schedule=lambda t: value, update_after_step=0, update_every=1)
+    ema.update()  # the first call copies
+    with pytest.raises(EMATypeError, match=r"schedule .* returned .* a float in \[0, 1\]"):
+        ema.update()
+
+
+@pytest.mark.parametrize(
+    "key", ["update_every", "update_after_step", "update_model_with_ema_every"]
+)
+def test_counts_beyond_the_int64_counters_are_refused(key):
+    with pytest.raises(EMAValueError, match=rf"{key} must be <= {2**63 - 1}.*int64"):
+        EMA(nn.Linear(2, 2), **{key: 2**70})
+    EMA(nn.Linear(2, 2), **{key: 2**63 - 1})

@@ -53,7 +53,7 @@ from ._dist.dtensor import (
     is_rank_zero,
     local_tensor,
 )
-from ._files.reading import writable_path
+from ._files.reading import writable_folder, writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA
 from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
@@ -121,7 +121,7 @@ def _checkpoint_folder(checkpoint_id: object) -> Path:
             f"emakit switches sharded checkpoints over atomically with a pointer file, which "
             f"needs a (shared) file system: save to a local or mounted folder and copy it"
         )
-    return writable_path("checkpoint_id", checkpoint_id)
+    return writable_folder("checkpoint_id", checkpoint_id)
 
 
 def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:

@@ -59,8 +59,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import EMAStateError
+from ..errors import EMAFileNotFoundError, EMAStateError
 from .atomic import atomic_write_bytes, fsync_dir
+from .reading import open_regular
 
 __all__ = [
     "POINTER",
@@ -90,15 +91,15 @@ def read_pointer(folder: Path) -> str | None:
     """The current version named by ``folder``'s pointer file (None without one).
 
     Raises:
-        EMAStateError: the pointer file is malformed.
+        EMAStateError: the pointer file is malformed or cannot be read.
+        EMAValueError: the pointer is not a regular file (a FIFO, a device, a folder).
     """
     path = folder / POINTER
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    try:  # the one safe opener: a FIFO or device in its place is refused, not waited on
+        with open_regular(path, "sharded-checkpoint pointer file") as f:
+            raw = f.read()
+    except EMAFileNotFoundError:
         return None
-    except OSError as e:
-        raise EMAStateError(f"{path} cannot be read ({e.strerror or e})") from e
     try:
         pointer = json.loads(raw.decode("utf-8"))
         current = pointer["current"]

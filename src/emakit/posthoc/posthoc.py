@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
-from .._files.reading import writable_path
+from .._files.reading import writable_folder
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
@@ -174,7 +174,7 @@ class PostHocEMA(nn.Module):
                 f"checkpoint_every_num_steps must be an int >= 1 or 'manual', got "
                 f"checkpoint_every_num_steps={every!r}"
             )
-        checkpoint_folder = writable_path("checkpoint_folder", checkpoint_folder)
+        checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
         if checkpoint_dtype is not None and not (
             isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
         ):
