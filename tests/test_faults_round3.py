@@ -121,7 +121,7 @@ def test_a_checkpoint_folder_that_is_a_regular_file_is_refused(tmp_path: Path):
 
     file = tmp_path / "taken"
     file.write_text("not a folder")
-    with pytest.raises(EMAValueError, match="checkpoint_folder must be a folder.*regular file"):
+    with pytest.raises(EMAValueError, match=r"checkpoint_folder must be a folder.*regular file"):
         PostHocEMA(nn.Linear(2, 2), checkpoint_folder=file)
     with pytest.raises(EMAValueError, match="checkpoint_id must be a folder"):
         save_sharded_ema(EMA(nn.Linear(2, 2)), file)
