@@ -145,3 +145,16 @@ def test_counts_beyond_the_int64_counters_are_refused(key):
     with pytest.raises(EMAValueError, match=rf"{key} must be <= {2**63 - 1}.*int64"):
         EMA(nn.Linear(2, 2), **{key: 2**70})
     EMA(nn.Linear(2, 2), **{key: 2**63 - 1})
+
+
+def test_load_ema_weights_strict_false_names_the_extra_and_missing_tensors(tmp_path: Path):
+    import safetensors.torch
+
+    from emakit.checkpoint import load_ema_weights
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"weight": torch.ones(2, 3), "stray.bias": torch.ones(2)}, path)
+    ema = EMA(nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match=r"1 name\(s\).*stray\.bias.*1 tensor\(s\).*bias"):
+        load_ema_weights(ema, path, strict=False)
+    assert torch.equal(ema.ema_model.weight, torch.ones(2, 3))

@@ -20,6 +20,7 @@ save sees exactly one of them.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,8 @@ def load_ema_weights(
         ema: the :class:`~emakit.EMA` or :class:`~emakit.EMAPytree` to load into.
         path: the safetensors file.
         strict: with True (default) a missing or extra tensor name is an error listing
-            them; with False, tensors absent from the file keep their values.
+            them; with False, tensors absent from the file keep their values, and a
+            ``UserWarning`` names the extra and the missing ones.
         restore_step: take ``step`` and ``initted`` from the header when the file was
             written by emakit (default True). Otherwise, and for files without them, the
             EMA keeps its step and counts as initialized, so the next ``update()`` does not
@@ -347,6 +349,15 @@ def load_weights(
         raise EMAStateError(
             f"{source}{what} does not match the EMA model by name: missing {_few(missing)}, "
             f"unexpected {_few(extra)}; it was saved from another model (or pass strict=False)"
+        )
+    if extra or missing:  # strict=False: say what was left out, never silently
+        warnings.warn(
+            f"{source}{what} loaded with strict=False: {len(extra)} name(s) of the checkpoint "
+            f"match no tensor of the EMA model and were not loaded {_few(extra)}; "
+            f"{len(missing)} tensor(s) of the EMA model are not in it and keep their values "
+            f"{_few(missing)}",
+            UserWarning,
+            stacklevel=3,
         )
     bad = [
         f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(cur.shape)} in the model"
