@@ -158,3 +158,53 @@ def test_load_ema_weights_strict_false_names_the_extra_and_missing_tensors(tmp_p
     with pytest.warns(UserWarning, match=r"1 name\(s\).*stray\.bias.*1 tensor\(s\).*bias"):
         load_ema_weights(ema, path, strict=False)
     assert torch.equal(ema.ema_model.weight, torch.ones(2, 3))
+
+
+def test_save_checkpoint_is_torch_save_and_leaves_the_old_file_on_failure(tmp_path, monkeypatch):
+    import os
+
+    import emakit
+    from emakit import EMAWriteError
+
+    net = nn.Linear(3, 2)
+    ema = EMA(net)
+    path = tmp_path / "ckpt.pt"
+    assert emakit.save_checkpoint({"ema": ema.state_dict(), "step": 1}, path) == path
+    old = path.read_bytes()
+    back = torch.load(path, weights_only=True)
+    assert back["step"] == 1 and set(back["ema"]) == set(ema.state_dict())
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(EMAWriteError, match="No space left"):
+        emakit.save_checkpoint({"ema": ema.state_dict(), "step": 2}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old  # the previous checkpoint, intact
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary left
+
+
+def test_atomic_writes_fsync_the_file_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    import emakit
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    emakit.save_checkpoint({"x": torch.zeros(2)}, tmp_path / "c.pt")
+    assert "replace" in calls
+    first_replace = calls.index("replace")
+    assert "fsync" in calls[:first_replace]  # the data is on disk before it is renamed
+    assert "fsync" in calls[first_replace + 1 :]  # and the folder after

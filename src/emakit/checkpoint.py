@@ -51,6 +51,7 @@ __all__ = [
     "atomic_path",
     "atomic_write",
     "load_ema_weights",
+    "save_checkpoint",
     "save_ema_weights",
 ]
 
@@ -213,6 +214,44 @@ def save_ema_weights(
         header.update(metadata)
     with write_errors([dest], "EMA weights file"):
         atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
+    return dest
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)``, crash-safe: a training checkpoint that holds the EMA.
+
+    The object is written to a temporary file next to ``path``, fsynced, then renamed over
+    ``path`` (and the folder fsynced): a crash, ``SIGKILL`` or full disk at any moment
+    leaves either the previous file or the complete new one, never a torn file that
+    ``torch.load`` cannot read. It is the same atomic write emakit uses for its own files
+    (:func:`~emakit._files.atomic.atomic_write`).
+
+    Args:
+        obj: what ``torch.save`` takes, e.g. ``{"model": net.state_dict(),
+            "opt": opt.state_dict(), "ema": ema.state_dict()}``.
+        path: the checkpoint file; its folder is created if missing.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        EMAValueError: ``path`` is not a valid UTF-8 name.
+        EMAWriteError: the file could not be written (disk full, read-only folder); an
+            ``OSError`` with the original ``errno``. The previous file is left as it was.
+
+    Example:
+        >>> import tempfile
+        >>> net = torch.nn.Linear(2, 2)
+        >>> ema = EMA(net)
+        >>> path = save_checkpoint(
+        ...     {"model": net.state_dict(), "ema": ema.state_dict()}, f"{tempfile.mkdtemp()}/c.pt"
+        ... )
+        >>> ema.load_state_dict(torch.load(path)["ema"])
+        <All keys matched successfully>
+    """
+    dest = writable_path("path", path)
+    with write_errors([dest], "checkpoint"):
+        atomic_write(dest, lambda f: torch.save(obj, f))
     return dest
 
 
