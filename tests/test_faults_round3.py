@@ -208,3 +208,36 @@ def test_atomic_writes_fsync_the_file_before_the_rename(tmp_path, monkeypatch):
     first_replace = calls.index("replace")
     assert "fsync" in calls[:first_replace]  # the data is on disk before it is renamed
     assert "fsync" in calls[first_replace + 1 :]  # and the folder after
+
+
+def test_a_full_disk_during_save_sharded_ema_names_enospc_and_removes_the_partial_folder(
+    tmp_path: Path, monkeypatch
+):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from emakit import EMARuntimeError
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    ema = EMA(nn.Linear(3, 2))
+    save_sharded_ema(ema, tmp_path)
+    (previous,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
+
+    def full(*args, **kwargs):  # what torch's zip writer raises on a full disk
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(EMARuntimeError, match=rf"ENOSPC.*{tmp_path}.*partial version folder"):
+        save_sharded_ema(ema, tmp_path)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [previous]  # no partial
+    load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)  # the previous one is still current
+
+
+def test_a_garbled_distcp_file_is_named(tmp_path: Path):
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    save_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)
+    (data,) = tmp_path.rglob("*.distcp")
+    data.write_bytes(data.read_bytes()[:10])  # truncated
+    with pytest.raises(EMAStateError, match=rf"data file .*{data.name}.*truncated or damaged"):
+        load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)

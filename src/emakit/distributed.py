@@ -35,7 +35,9 @@ created a DTensor or an FSDP module pays one dictionary lookup per check.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -181,6 +183,20 @@ def _failures(e: BaseException) -> str:
     return "; ".join(lines) or str(e)
 
 
+def _disk_full(e: BaseException, folder: Path) -> str:
+    """``"; the disk is full (ENOSPC ...)"`` when a rank's failure is a full disk: an
+    ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of saying it)."""
+    failures = getattr(e, "failures", None) or {}
+    for exc, _ in failures.values():
+        chain: BaseException | None = exc
+        while chain is not None:
+            full = isinstance(chain, OSError) and chain.errno == errno.ENOSPC
+            if full or "unexpected pos" in str(chain):
+                return f"; the disk is full (ENOSPC: no space left on device) under {folder}"
+            chain = chain.__cause__ or chain.__context__
+    return ""
+
+
 def save_sharded_ema(
     ema: EMA,
     checkpoint_id: str | os.PathLike[str],
@@ -255,9 +271,12 @@ def save_sharded_ema(
         state = ema.state_dict(include_online_model=False)
         dcp.save(state, checkpoint_id=folder / version, **kwargs)
     except dcp.CheckpointException as e:
+        if coordinator:  # every rank is done with it: DCP gathered their outcomes
+            shutil.rmtree(folder / version, ignore_errors=True)
         raise EMARuntimeError(
-            f"saving the sharded checkpoint {folder} failed ({_failures(e)}); the previous "
-            f"checkpoint there is still the current one"
+            f"saving the sharded checkpoint {folder} failed ({_failures(e)})"
+            f"{_disk_full(e, folder)}; the partial version folder {version} was removed and "
+            f"the previous checkpoint there is still the current one"
         ) from e
     # DCP returns on the coordinator once every rank's data and the .metadata are written.
     if coordinator:

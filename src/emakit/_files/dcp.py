@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -288,4 +289,22 @@ class SafeReader(FileSystemReader):
                 f"DCP would load with torch.load(weights_only=False); an EMA's state holds "
                 f"only tensors, so emakit refuses them"
             )
-        return super().read_data(plan, planner)
+        # file by file, so a damaged data file is named (DCP's own error is only the
+        # exception type: "rank 0: EOFError")
+        per_file: dict[str, list[Any]] = collections.defaultdict(list)
+        for item in plan.items:
+            per_file[self.storage_data[item.storage_index].relative_path].append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except EMAStateError:
+                raise
+            except Exception as e:
+                raise EMAStateError(
+                    f"data file {Path(self.path) / name} of the sharded checkpoint cannot be read "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200] or 'no message'}); "
+                    f"it is truncated or damaged: restore it, or load an older checkpoint"
+                ) from e
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
