@@ -15,10 +15,10 @@ import warnings
 import pytest
 import torch
 
-import emakit._engine.kernels as kernels
+import emakit._engine.finite as finite
 from _models import bn_mlp
 from emakit import EMA
-from emakit._engine.kernels import guarded_copy_, guarded_lerp_
+from emakit._engine.finite import guarded_copy_, guarded_lerp_
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -37,11 +37,11 @@ def tensors(dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [kernels.GUARD_CHUNK, 7])
+@pytest.mark.parametrize("chunk", [finite.GUARD_CHUNK, 7])
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_guarded_lerp_is_lerp_bit_for_bit(dst_dtype, src_dtype, chunk, monkeypatch):
-    monkeypatch.setattr(kernels, "GUARD_CHUNK", chunk)  # 7: every tensor over 7 in chunks
+    monkeypatch.setattr(finite, "GUARD_CHUNK", chunk)  # 7: every tensor over 7 in chunks
     dsts, srcs = tensors(dst_dtype, 0), tensors(src_dtype, 1)
     want = [d.clone() for d in dsts]
     for w, s in zip(want, srcs, strict=True):
@@ -52,9 +52,9 @@ def test_guarded_lerp_is_lerp_bit_for_bit(dst_dtype, src_dtype, chunk, monkeypat
         assert torch.equal(bits(got), bits(ref))
 
 
-@pytest.mark.parametrize("chunk", [kernels.GUARD_CHUNK, 7])
+@pytest.mark.parametrize("chunk", [finite.GUARD_CHUNK, 7])
 def test_guarded_kernels_leave_every_bit_when_false(chunk, monkeypatch):
-    monkeypatch.setattr(kernels, "GUARD_CHUNK", chunk)
+    monkeypatch.setattr(finite, "GUARD_CHUNK", chunk)
     dsts = tensors(torch.float32, 0)
     dsts[0][0, 0] = -0.0  # lerp_(s, s, w) would turn -0.0 into +0.0; the select does not
     srcs = tensors(torch.float32, 1)
@@ -163,7 +163,7 @@ def test_the_guard_selects_a_whole_shadow_with_one_where():
     ema.update()
     offsets = [p.storage_offset() for p in ema.ema_model.parameters()]
     assert offsets != sorted(offsets)  # the shadow is not in the model's order
-    guarded = [g for g, *_ in ema.tracker.plan()._to_shadow._guarded_lists.values()]
+    guarded = [g for g, *_ in ema.tracker.plan()._guarded.kernels.values()]
     floats = [g for g in guarded if g.batches and g.batches[0].key[1] == torch.float32]
     averaged = sum(t.numel() for t in ema.ema_model.state_dict().values() if t.is_floating_point())
     assert len(floats) == 1 and len(floats[0].batches) == 1

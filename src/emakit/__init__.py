@@ -21,6 +21,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from . import schedules
     from .averaging import interpolate, update_bn
+    from .bema import BEMA
     from .checkpoint import load_ema_weights, save_checkpoint, save_ema_weights
     from .ema import EMA, STATE_VERSION, unwrap_model
     from .engine import ema_copy_, ema_lerp_, flatten_parameters
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 #: Exported name -> the submodule that defines it ("" for a submodule itself).
 _EXPORTS = {
     "EMA": "ema",
+    "BEMA": "bema",
     "STATE_VERSION": "ema",
     "unwrap_model": "ema",
     "EMAError": "errors",
@@ -74,6 +76,7 @@ if not TYPE_CHECKING:  # type checkers see the imports above, not a catch-all __
     __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = [
+    "BEMA",
     "EMA",
     "STATE_VERSION",
     "EMAError",

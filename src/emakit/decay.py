@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from . import _validate as check
+from . import _warmup32 as warmup32
 from .errors import EMATypeError, EMAValueError
 from .schedules import describe, inverse_gamma
 
@@ -37,10 +38,15 @@ __all__ = [
     "INIT",
     "SKIP",
     "Action",
+    "BEMARule",
     "Decay",
     "DecayRule",
     "PowerDecay",
     "ScheduleDecay",
+    "WarmupDecay",
+    "bema_alpha",
+    "bema_beta",
+    "bema_rule",
     "ema_rule",
 ]
 
@@ -55,12 +61,15 @@ class Action:
     (``shadow.lerp_(online, weights[group])``). ``call`` is the call number (1-based).
     ``guard`` (set by ``skip_nonfinite=True``) is a 0-dim bool tensor on the device: the
     copy or lerp happens only where it is true (see :mod:`emakit._engine.finite`).
+    ``bias`` is BEMA's bias-correction weight ``alpha_t`` of a ``"lerp"`` (see
+    [`BEMARule`][emakit.decay.BEMARule]; 0 for every other kind of EMA).
     """
 
     kind: Literal["skip", "init", "copy", "hold", "lerp"]
     weights: tuple[float, ...] = ()
     call: int = 0
     guard: Any = field(default=None, compare=False, repr=False)
+    bias: float = 0.0
 
     @property
     def averages(self) -> bool:
@@ -138,6 +147,37 @@ class ScheduleDecay:
         if self.floor:
             decay = min(max(decay, self.floor), 1.0)
         return decay
+
+
+class WarmupDecay:
+    """The default decay: ema-pytorch's inverse-gamma warm-up as a :class:`Decay`, in one
+    call to the float32 warm-up (:mod:`emakit._warmup32`).
+
+    .. math:: t = \\text{call} - \\text{update\\_after\\_step} - 1, \\quad
+       d = \\text{clamp}\\big(1 - (1 + t / \\text{inv\\_gamma})^{-\\text{power}},
+       \\text{floor}, \\beta\\big), \\quad d(t \\le 0) = 0
+
+    The offset (``t``), the clamp to ``[floor, beta]`` and the float32 rounding all happen
+    here and in :func:`emakit._warmup32.decay`, which this calls directly: the same bits as
+    :class:`ScheduleDecay` over :func:`~emakit.schedules.inverse_gamma`, two calls fewer.
+
+    Args:
+        beta: the ceiling. inv_gamma, power: the warm-up's shape.
+        floor: the lowest decay (``min(min_value, beta)``).
+        update_after_step: the warm-up length in calls.
+    """
+
+    def __init__(
+        self, beta: float, inv_gamma: float, power: float, floor: float, update_after_step: int
+    ) -> None:
+        self.settings = (beta, inv_gamma, power, floor)
+        self.update_after_step = update_after_step
+
+    def __repr__(self) -> str:
+        return describe(inverse_gamma(*self.settings))
+
+    def __call__(self, call: int, last: int = 0) -> float:
+        return warmup32.decay(call - self.update_after_step - 1, *self.settings)
 
 
 class PowerDecay:
@@ -242,9 +282,9 @@ def ema_rule(
         )
     timing = {"update_after_step": update_after_step, "update_every": update_every}
 
-    def warmup(ceiling: float) -> ScheduleDecay:
-        curve = inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
-        return ScheduleDecay(curve, **timing)
+    def warmup(ceiling: float) -> WarmupDecay:
+        floor = min(min_value, ceiling)
+        return WarmupDecay(ceiling, inv_gamma, power, floor, update_after_step)
 
     if schedule is None:
         if min_value > beta:
@@ -265,3 +305,150 @@ def ema_rule(
             decays.append(warmup(rule))
             frozen = False
     return DecayRule(decays, frozen=frozen, **timing)
+
+
+# -- BEMA ------------------------------------------------------------------------------------
+
+
+def bema_beta(
+    t: int, *, lag: float, multiplier: float, ema_power: float, min_ema_multiplier: float
+) -> float:
+    """BEMA's EMA weight at step ``t`` (TRL's ``BEMACallback._ema_beta``, to the same bits).
+
+    .. math:: \\beta_t = \\max\\big((\\rho + \\gamma t)^{-\\kappa},\\ \\beta_{\\min}\\big)
+
+    with ``rho = lag``, ``gamma = multiplier``, ``kappa = ema_power`` and
+    ``beta_min = min_ema_multiplier``. The EMA moves as ``ema += beta_t * (theta_t - ema)``:
+    ``beta_t`` is the weight of the *new* value (``1 - decay`` in ema-pytorch's terms).
+    """
+    beta = (lag + multiplier * t) ** (-ema_power)
+    return max(beta, min_ema_multiplier)
+
+
+def bema_alpha(t: int, *, lag: float, multiplier: float, bias_power: float) -> float:
+    """BEMA's bias-correction weight at step ``t`` (TRL's ``BEMACallback._bema_alpha``).
+
+    .. math:: \\alpha_t = (\\rho + \\gamma t)^{-\\eta}, \\quad \\eta = \\text{bias\\_power}
+    """
+    return (lag + multiplier * t) ** (-bias_power)
+
+
+class BEMARule(DecayRule):
+    """The rule of a BEMA (bias-corrected EMA, Block et al. 2025, arXiv:2508.00180), with
+    TRL's ``BEMACallback`` timing: ``t`` is the 1-based call number (the Trainer's
+    ``global_step`` after the optimizer step), ``tau = update_after``, ``phi = update_freq``.
+
+    .. math:: \\text{action}(t) = \\begin{cases}
+       \\text{skip} & t < \\tau \\\\
+       \\text{copy} & t = \\tau \\quad (\\theta_0 \\leftarrow \\theta_t,\\ \\text{ema} \\leftarrow \\theta_t) \\\\
+       \\text{lerp}(\\beta_t;\\ \\alpha_t) & t > \\tau,\\ (t - \\tau) \\bmod \\phi = 0 \\\\
+       \\text{skip} & \\text{otherwise}
+       \\end{cases}
+
+    A ``"lerp"`` carries ``weights=(beta_t,)`` and ``bias=alpha_t`` (see [`bema_beta`][emakit.decay.bema_beta]
+    and [`bema_alpha`][emakit.decay.bema_alpha]). Build it with [`bema_rule`][emakit.decay.bema_rule],
+    which validates the numbers.
+    """
+
+    def __init__(
+        self,
+        *,
+        update_freq: int,
+        ema_power: float,
+        bias_power: float,
+        lag: float,
+        update_after: int,
+        multiplier: float,
+        min_ema_multiplier: float,
+    ) -> None:
+        super().__init__([None], update_every=1, update_after_step=0)
+        self.update_freq = update_freq
+        self.ema_power = ema_power
+        self.bias_power = bias_power
+        self.lag = lag
+        self.update_after = update_after
+        self.multiplier = multiplier
+        self.min_ema_multiplier = min_ema_multiplier
+
+    def __repr__(self) -> str:
+        return (
+            f"bema(update_freq={self.update_freq}, ema_power={self.ema_power}, "
+            f"bias_power={self.bias_power}, lag={self.lag}, update_after={self.update_after}, "
+            f"multiplier={self.multiplier}, min_ema_multiplier={self.min_ema_multiplier})"
+        )
+
+    def beta(self, t: int) -> float:
+        """``beta_t`` (see [`bema_beta`][emakit.decay.bema_beta])."""
+        return bema_beta(
+            t,
+            lag=self.lag,
+            multiplier=self.multiplier,
+            ema_power=self.ema_power,
+            min_ema_multiplier=self.min_ema_multiplier,
+        )
+
+    def alpha(self, t: int) -> float:
+        """``alpha_t`` (see [`bema_alpha`][emakit.decay.bema_alpha])."""
+        return bema_alpha(t, lag=self.lag, multiplier=self.multiplier, bias_power=self.bias_power)
+
+    def action(self, step: int, last: int) -> Action:
+        """What call ``t = step + 1`` does (see the class docstring)."""
+        t = step + 1
+        if t < self.update_after:
+            return SKIP
+        if t == self.update_after:
+            return Action("copy", call=t)
+        if (t - self.update_after) % self.update_freq:
+            return SKIP
+        return Action("lerp", (self.beta(t),), t, bias=self.alpha(t))
+
+    def weights(self, call: int, last: int) -> tuple[float, ...]:
+        """``(beta_t,)`` at ``call``."""
+        return (self.beta(call),)
+
+    def decay(self, call: int, last: int = 0, group: int = 0) -> float:
+        """``1 - beta_t`` at ``call`` (the fraction of the old EMA kept)."""
+        return 1.0 - self.beta(call)
+
+
+def bema_rule(
+    *,
+    update_freq: int = 400,
+    ema_power: float = 0.5,
+    bias_power: float = 0.2,
+    lag: float = 10,
+    update_after: int = 0,
+    multiplier: float = 1.0,
+    min_ema_multiplier: float = 0.0,
+) -> BEMARule:
+    """A [`BEMARule`][emakit.decay.BEMARule] from TRL's keywords (TRL's defaults), each
+    validated here.
+
+    Raises:
+        EMAValueError, EMATypeError: a keyword out of range or of the wrong type, or a
+            ``lag`` and ``multiplier`` that would give ``beta_t > 1`` at the first update.
+    """
+    update_freq = check.integer("update_freq", update_freq, low=1)
+    update_after = check.integer("update_after", update_after, low=0)
+    ema_power = check.real("ema_power", ema_power, low=0.0)
+    bias_power = check.real("bias_power", bias_power, low=0.0)
+    lag = check.real("lag", lag, low=0.0)
+    multiplier = check.real("multiplier", multiplier, low=0.0, low_open=True)
+    min_ema_multiplier = check.real("min_ema_multiplier", min_ema_multiplier, low=0.0, high=1.0)
+    first = update_after + update_freq
+    if ema_power > 0 and lag + multiplier * first < 1.0:
+        raise EMAValueError(
+            f"lag + multiplier * t must be >= 1 at the first BEMA update (t={first}) so that "
+            f"beta_t = (lag + multiplier * t) ** -ema_power stays <= 1, got {lag=} and "
+            f"{multiplier=}; raise lag (TRL's default is 10)"
+        )
+    rule = BEMARule(
+        update_freq=update_freq,
+        ema_power=ema_power,
+        bias_power=bias_power,
+        lag=int(lag) if float(lag).is_integer() else lag,
+        update_after=update_after,
+        multiplier=multiplier,
+        min_ema_multiplier=min_ema_multiplier,
+    )
+    return rule

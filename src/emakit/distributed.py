@@ -48,13 +48,9 @@ import torch
 from . import _validate as check
 from ._core.sharding import copy_module
 from ._dist.collectives import AGREE_TIMEOUT_S
-from ._dist.dtensor import (
-    dist_ready,
-    fsdp_modules,
-    is_dtensor,
-    is_rank_zero,
-    local_tensor,
-)
+from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
+from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
+from ._dist.ranks import dist_ready, is_rank_zero
 from ._files.reading import writable_folder, writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA
@@ -65,6 +61,7 @@ __all__ = [
     "fsdp_modules",
     "is_dtensor",
     "is_rank_zero",
+    "load_full_ema_weights",
     "load_sharded_ema",
     "local_tensor",
     "save_full_ema_weights",
@@ -235,7 +232,7 @@ def save_sharded_ema(
             URL); created if missing.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement
             step before it raises (a call that only some ranks make fails this way instead
-            of hanging until the process group times out). Default 300.
+            of hanging until the process group times out). Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.save`` (``storage_writer``,
             ``planner``, ``process_group``, ``no_dist``...); a ``storage_writer`` is
             pointed at the new version folder.
@@ -327,7 +324,7 @@ def load_sharded_ema(
         ema: the EMA to load into (built like the saved one: same model and names).
         checkpoint_id: the checkpoint folder.
         timeout_s: keyword-only; seconds a rank waits for the others at the first check
-            before it raises. Default 300.
+            before it raises. Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.load``.
 
     Raises:
@@ -378,11 +375,14 @@ def save_full_ema_weights(
     and EMAs at different steps or skip counts raise :class:`~emakit.EMAStateError` on
     every rank.
 
-    For an FSDP2 EMA the file is streamed: tensor by tensor, each rank casts its shard to
-    ``dtype``, the shards are all-gathered, rank 0 appends the tensor to the file and drops
-    it. Rank 0's extra memory is about twice the largest tensor in the export dtype (the
-    gathered tensor and its CPU copy), whatever the model's size; every other rank holds
-    one gathered tensor at a time. Otherwise (DDP, one process) every rank already holds
+    For an FSDP2 EMA, and for an EMA of a DeepSpeed ZeRO-3 model (gathered from the
+    ranks' partitions), the file is streamed: tensor by tensor, each rank casts its shard to
+    ``dtype``, the shards are gathered to rank 0 (for FSDP2's and HSDP's rows a gather, not
+    an all-gather: the other ranks receive nothing), rank 0 appends the tensor to the file
+    and drops it. Rank 0's extra memory is about twice the largest tensor in the export
+    dtype (the gathered tensor and its CPU copy), whatever the model's size; every other
+    rank holds its padded shard of one tensor at a time (a ZeRO-3 gather: one gathered
+    tensor). Otherwise (DDP, one process) every rank already holds
     the full EMA and rank 0 writes it with :func:`~emakit.checkpoint.save_ema_weights`.
     Either way the file has ``save_ema_weights``'s layout and header (the model's own class
     name), is written atomically, and loads straight into the model class::
@@ -395,7 +395,7 @@ def save_full_ema_weights(
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``),
             before they are gathered. Default None keeps the shadow dtype.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 300.
+            Default 30.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`, on every rank.
@@ -421,7 +421,17 @@ def save_full_ema_weights(
     if dist_ready():
         _check_ranks(ema, "save_full_ema_weights", None, timeout_s)
     failure: BaseException | None = None
-    if any(is_dtensor(t) for t in ema.ema_model.state_dict().values()):
+    model = ema.ema_model
+    if isinstance(model, ZeroPartitions):  # DeepSpeed ZeRO-3: gathered from the partitions
+        failure = _export.write_sharded(
+            ema,
+            dest,
+            dtype,
+            tensors=model.layout(),
+            gather=model.full,
+            model_name=model.model_class,
+        )
+    elif any(is_dtensor(t) for t in model.state_dict().values()):
         failure = _export.write_sharded(ema, dest, dtype)
     elif is_rank_zero():
         try:
@@ -430,3 +440,55 @@ def save_full_ema_weights(
             failure = e
     _export.share_outcome(failure, str(dest))
     return dest
+
+
+def load_full_ema_weights(
+    ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
+) -> dict[str, str]:
+    """Load a full EMA file (:func:`save_full_ema_weights`) into an EMA of a DeepSpeed
+    ZeRO-3 model (a collective: call on every rank), on any number of ranks.
+
+    Each rank reads the file, one tensor at a time, and keeps its own partition of each
+    (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);
+    ``step`` and ``initted`` come from the header. This is how an EMA moves to another
+    world size: a per-rank ``ema.state_dict()`` holds partitions cut for one world size
+    and is refused on another. Any other EMA loads the file with
+    :func:`~emakit.checkpoint.load_ema_weights`.
+
+    Args:
+        ema: an EMA of a ZeRO-3 model (``EMA(engine)``).
+        path: the safetensors file, readable by every rank.
+        timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
+            Default 30.
+
+    Returns:
+        The file's header metadata.
+
+    Raises:
+        EMATypeError: ``ema`` is not an EMA of a ZeRO-3 model.
+        EMAStateError: the file does not fit the model (names, shapes), or is damaged.
+        EMARuntimeError: some ranks did not call it within ``timeout_s``.
+    """
+    from ._files.safetensors_file import SafetensorsFile
+    from .checkpoint import as_path, emakit_header, load_weights
+
+    ema = _ema_module(ema)
+    model = ema.ema_model
+    if not isinstance(model, ZeroPartitions):
+        raise EMATypeError(
+            "load_full_ema_weights loads into an EMA of a DeepSpeed ZeRO-3 model; load a "
+            "full file into any other EMA with emakit.checkpoint.load_ema_weights(ema, path)"
+        )
+    src = as_path("path", path)
+    timeout_s = _timeout(timeout_s)
+    if dist_ready():
+        _check_ranks(ema, "load_full_ema_weights", None, timeout_s, counts=False)
+    weights: dict[str, torch.Tensor] = {WORLD_KEY: torch.tensor(model.world_size)}
+    with SafetensorsFile(src, "EMA weights file") as f:
+        metadata = dict(f.metadata)
+        for name in f.keys():  # noqa: SIM118 (a file, not a dict)
+            weights[name] = model.own_part(name, f.get(name))
+    header = emakit_header(metadata, str(src))
+    step, initted = header if header is not None else (None, True)
+    load_weights(ema, weights, step=step, initted=initted, strict=True, source=str(src))
+    return metadata

@@ -24,8 +24,9 @@ from ._core.sources import ModuleSource, TreeSource, call_factory
 from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
-from ._core.tree import leaves
-from ._engine.pairs import TensorPair
+from ._core.tree import all_tensors, leaves
+from ._dist.deepspeed import ZeroPartitions
+from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
 from .decay import INIT
@@ -92,6 +93,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     device: torch.device | None
     async_update: bool
     stream: bool
+    share_frozen: bool
 
     def __init__(
         self,
@@ -123,6 +125,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         stream: bool = False,
+        share_frozen: bool = True,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -130,7 +133,6 @@ class EMA(EMAPytorchSurface, nn.Module):
         tree = not isinstance(model, nn.Module)
         if tree:
             opts.refuse_for_pytree()
-            self.include_online_model = False  # the online pytree is never saved
             online_tree, shadow_tree = model, ema_model
             if not leaves(online_tree):
                 raise EMATypeError(
@@ -145,7 +147,11 @@ class EMA(EMAPytorchSurface, nn.Module):
         self._group_patterns = list(opts.decay_groups)
         runner = make_runner(model, self.device, self.async_update, self.stream)
         self._tracker = Tracker(
-            opts.rule, self._pairs, impl=opts.impl, runner=runner, skip_nonfinite=skip_nonfinite
+            opts.rule,
+            _LivePairs(self),
+            impl=opts.impl,
+            runner=runner,
+            skip_nonfinite=skip_nonfinite,
         )
         common: dict[str, Any] = {
             "ema_dtype": self.ema_dtype,
@@ -155,7 +161,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         }
         self._source: ModuleSource | TreeSource
         self._online = [model]  # a list hides it from the module tree and state_dict
-        if self.include_online_model:
+        if self.include_online_model and not tree:  # (a pytree's online tree is never saved)
             self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
         self.register_load_state_dict_post_hook(online.keep_online_model)
@@ -163,13 +169,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
             return
-        self._source = ModuleSource(
-            ignore_names=self.ignore_names,
-            ignore_prefixes=tuple(self.ignore_startswith_names),
-            no_ema=self.param_or_buffer_names_no_ema,
-            group_patterns=list(opts.decay_groups),
-            move_to_online=self.move_ema_to_online_device,
-            **common,
+        self._source = ModuleSource.for_ema(
+            opts.values, list(opts.decay_groups), self._tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -194,8 +195,7 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def online_model(self) -> nn.Module | Any:
-        """The online model (ema-pytorch's name); in the state dict with
-        ``include_online_model=True`` (the default)."""
+        """The online model (ema-pytorch's name); saved with ``include_online_model``."""
         return self.model
 
     @online_model.setter
@@ -230,13 +230,14 @@ class EMA(EMAPytorchSurface, nn.Module):
             setattr(self, name, ForwardMethod(ema_model, name, self._tracker.runner.wait))
         self._tracker.invalidate()
 
-    def _pairs(self) -> list[TensorPair]:
-        """The current pairs (the tracker calls this whenever it builds a plan)."""
+    def _tracked(self) -> Tracked:
+        """The current pairs (see :class:`_LivePairs`); creates a lazy EMA model first."""
         if self._tree is not None and isinstance(self._source, TreeSource):
             return self._source.pairs(*self._tree)
         if self._modules["ema_model"] is None:
             self.init_ema()
         ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
+        assert isinstance(self._source, ModuleSource)
         return self._source.pairs(self.model, ema_model)
 
     def restore_ema_model_device(self) -> None:
@@ -287,8 +288,9 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def tracker(self) -> Tracker:
-        """The EMA's bookkeeping (counters, decay rule, plan, runner); for emakit's other
-        EMA kinds and for advanced use."""
+        """The internal bookkeeping (rule, plan, runner, counters, non-finite guard) that
+        emakit's other EMA kinds share. **Unstable internals:** it may change in any
+        release; the public API (``step``, ``swap()`` ...) is what stays compatible."""
         return self._tracker
 
     @property
@@ -389,7 +391,7 @@ class EMA(EMAPytorchSurface, nn.Module):
                 f"optimizer must be a torch.optim.Optimizer (with register_step_post_hook), "
                 f"got {type(optimizer).__name__}"
             )
-        on_accelerator = any(t.is_cuda for t in _tensors(self.model))
+        on_accelerator = any(t.is_cuda for t in all_tensors(self.model))
         return hook_optimizer(
             optimizer, self.update, self._tracker.runner, on_accelerator=on_accelerator
         )
@@ -435,6 +437,9 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
+        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
+            with self.swap():
+                return eval_call(self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )
@@ -463,6 +468,8 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self._tracker.runner.wait()
+        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
+            self._modules["ema_model"].agree(self._tracker)  # every rank at the same step
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _CODEC.encode(self._counters(), destination, prefix)
         if self._tree is not None:
@@ -492,6 +499,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
         self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -508,8 +516,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         ``online_model.*``)."""
         if key in _CODEC.keys or (self._tree is not None and key.startswith("ema.")):
             return True
-        # ema-pytorch saves the online model by default; without include_online_model
-        # those keys are accepted and left alone.
+        # without include_online_model, ema-pytorch's online_model.* are accepted and ignored
         return not self.include_online_model and key.startswith("online_model.")
 
     def state_dict(  # type: ignore[override]
@@ -521,24 +528,17 @@ class EMA(EMAPytorchSurface, nn.Module):
                 "step": tensor(1234),           # update() calls so far
                 "initted": tensor(True),        # whether the first update() happened
                 "online_model.weight": tensor(...),  # with include_online_model (default)
-                "online_model.bias": tensor(...),
                 "ema_model.weight": tensor(...),  # the EMA weights, in the shadow dtype
-                "ema_model.bias": tensor(...),
             }
 
-        The layout version (2) is in torch's per-module metadata
-        (``state._metadata[""]["version"]``). An EMA of a pytree stores its leaves as
-        ``"ema.<path>"``. With ``skip_nonfinite=True`` the skip count is kept in the
-        metadata too. ema-pytorch 0.8.3 states (maybe with ``online_model.*``) load.
+        (and ``.bias``). The version (2) and the ``skip_nonfinite`` count are in the metadata
+        (``state._metadata[""]``); a pytree's leaves are ``"ema.<path>"``.
 
         Args:
-            include_online_model: keyword-only; False leaves ``online_model.*`` out of an
-                EMA built with ``include_online_model=True`` (emakit's own checkpoints do:
-                the training checkpoint holds the model). Default True: as built.
+            include_online_model: keyword-only; False leaves ``online_model.*`` out (as
+                emakit's own checkpoints do). Default True.
         """
-        if check.boolean("include_online_model", include_online_model):
-            return super().state_dict(*args, **kwargs)
-        with online.hidden(self):
+        with online.left_out(self, not check.boolean("include_online_model", include_online_model)):
             return super().state_dict(*args, **kwargs)
 
     def load_state_dict(
@@ -562,19 +562,16 @@ class EMA(EMAPytorchSurface, nn.Module):
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
-        # Refuse first, load after: a failed load leaves the EMA exactly as it was. A state
-        # without online_model.* loads into an EMA that saves it: the model is kept.
-        check_loadable(
-            self.state_dict(keep_vars=True, include_online_model=online.has_online(state_dict)),
-            state_dict,
-            strict=strict,
-            owned=self.owns_state_key,
-        )
-        saved = self._tracker.counters()
+        if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
+            zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
+        # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
+        mine = self.state_dict(keep_vars=True, include_online_model=online.has_online(state_dict))
+        check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
+        saved = self._tracker.snapshot()
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception as e:
-            self._tracker.restore_counters(saved)
+            self._tracker.restore(saved)
             if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
                 raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise
@@ -586,10 +583,15 @@ class EMA(EMAPytorchSurface, nn.Module):
         return self.__dict__.copy()
 
 
-def _tensors(model: Any) -> list[Tensor]:
-    if isinstance(model, nn.Module):
-        return [*model.parameters(), *model.buffers()]
-    return list(leaves(model).values())
+class _LivePairs:
+    """An EMA as its tracker's [`PairSource`][emakit._core.tracker.PairSource]."""
+
+    def __init__(self, ema: EMA) -> None:
+        self.ema = ema
+
+    def tracked(self) -> Tracked:
+        """The live pairs (see `EMA._tracked`)."""
+        return self.ema._tracked()
 
 
 # The keywords are documented next to their validation (_options.py); help(EMA) shows them.

@@ -271,6 +271,46 @@ def _counter(obj: Mapping[str, Any], field: str, source: str, fmt: str) -> int |
     return None if value is None else stored_count(f"{source} ({fmt})", field, value)
 
 
+def _check_format(format: Any) -> None:
+    if not isinstance(format, str):
+        raise EMATypeError(
+            f"format must be a str, 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
+        )
+    if format != "auto" and format not in FOREIGN_FORMATS:
+        raise EMAValueError(
+            f"format must be 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
+        )
+
+
+def _foreign_weights(
+    ema: EMA, obj: Mapping[str, Any], fmt: str, source: str, st_step: int | None
+) -> tuple[Any, int | None, str]:
+    """``(weights by name, the update count found or None, the source named)`` of a foreign
+    checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's)."""
+    if fmt == "timm":
+        if not _is_tensor_map(obj):
+            key = next((k for k in ("state_dict_ema", "model_ema") if k in obj), None)
+            if key is None:
+                _require_keys(obj, fmt, source, ("state_dict_ema",))
+            obj, source = obj[key], f"{source}[{key!r}]"
+        weights, found = obj, None
+    elif fmt == "averaged_model":
+        _require_keys(obj, fmt, source, ("n_averaged",))
+        weights = {k: v for k, v in obj.items() if k != "n_averaged"}
+        found = _counter(obj, "n_averaged", source, fmt)
+    elif fmt == "torch_ema":
+        _require_keys(obj, fmt, source, ("shadow_params",))
+        weights = _positional(ema, obj["shadow_params"], source, fmt)
+        found = _counter(obj, "num_updates", source, fmt)
+    elif fmt == "diffusers":
+        _require_keys(obj, fmt, source, ("shadow_params",))
+        weights = _positional(ema, obj["shadow_params"], source, fmt)
+        found = _counter(obj, "optimization_step", source, fmt)
+    else:  # state_dict
+        weights, found = obj, st_step
+    return weights, found, source
+
+
 def load_foreign_state(
     ema: EMA,
     obj: Any,
@@ -355,14 +395,7 @@ def load_foreign_state(
         'torch_ema'
     """
     check_ema(ema)
-    if not isinstance(format, str):
-        raise EMATypeError(
-            f"format must be a str, 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
-        )
-    if format != "auto" and format not in FOREIGN_FORMATS:
-        raise EMAValueError(
-            f"format must be 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
-        )
+    _check_format(format)
     if step is not None:
         step = check.integer("step", step, low=0)
     check.boolean("strict", strict)
@@ -405,27 +438,7 @@ def load_foreign_state(
     _require_keys(obj, fmt, source, ())  # a mapping
     if ema.ema_model is None:
         ema.init_ema()
-    if fmt == "timm":
-        if not _is_tensor_map(obj):
-            key = next((k for k in ("state_dict_ema", "model_ema") if k in obj), None)
-            if key is None:
-                _require_keys(obj, fmt, source, ("state_dict_ema",))
-            obj, source = obj[key], f"{source}[{key!r}]"
-        weights, found = obj, None
-    elif fmt == "averaged_model":
-        _require_keys(obj, fmt, source, ("n_averaged",))
-        weights = {k: v for k, v in obj.items() if k != "n_averaged"}
-        found = _counter(obj, "n_averaged", source, fmt)
-    elif fmt == "torch_ema":
-        _require_keys(obj, fmt, source, ("shadow_params",))
-        weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _counter(obj, "num_updates", source, fmt)
-    elif fmt == "diffusers":
-        _require_keys(obj, fmt, source, ("shadow_params",))
-        weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _counter(obj, "optimization_step", source, fmt)
-    else:  # state_dict
-        weights, found = obj, st_step
+    weights, found, source = _foreign_weights(ema, obj, fmt, source, st_step)
     if not isinstance(weights, Mapping):
         raise EMAStateError(f"{source} ({fmt}) holds {_describe(weights)}, not a state dict")
     load_weights(

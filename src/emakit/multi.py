@@ -176,12 +176,12 @@ class MultiEMA(nn.Module):
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = [e.tracker.counters() for e in self]
+        saved = [e.tracker.snapshot() for e in self]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
         except Exception as e:
             for member, counters in zip(self, saved, strict=True):
-                member.tracker.restore_counters(counters)
+                member.tracker.restore(counters)
             if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
                 raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise

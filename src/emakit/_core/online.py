@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["NAME", "has_online", "hidden", "keep_online_model", "note_left_out"]
+__all__ = ["NAME", "has_online", "hidden", "keep_online_model", "left_out", "note_left_out"]
 
 #: The child's name, as in ema-pytorch: keys ``online_model.<model's names>``.
 NAME = "online_model"
@@ -37,6 +37,11 @@ def hidden(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.__dict__["_modules"] = modules
+
+
+def left_out(module: nn.Module, hide: bool) -> contextlib.AbstractContextManager[None]:
+    """:func:`hidden` when ``hide``, else a block that changes nothing."""
+    return hidden(module) if hide else contextlib.nullcontext()
 
 
 def note_left_out(module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:

@@ -97,6 +97,15 @@ KEYWORDS_DOC = """
             thread, overlapping the next forward/backward: ``update()`` only snapshots the
             weights into a reusable staging buffer. Everything that reads the EMA waits for
             the pending update first. Default None: True when ``device`` is given.
+        share_frozen: keyword-only; parameters with ``requires_grad=False`` (a LoRA base,
+            a frozen encoder) are shared with the model instead of copied and averaged:
+            no memory, no update work, the same numbers as ema-pytorch while they stay
+            frozen. A weight that an ``optimizer.step()`` is about to train again, or that
+            a load would change, gets its own copy first and is averaged from then on. A
+            frozen value changed in place (new base weights) is seen by the EMA at once;
+            ``False`` copies and averages frozen weights as ema-pytorch does (they then
+            lag). Not shared: with ``ema_dtype`` widening them, ``device=`` offload, FSDP2
+            shards. Default True.
         skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
             (counted in ``num_skipped_nonfinite``, warned once, when the count is read).
             Decided on the device, with no host read in ``update()``: one reduction to
@@ -135,6 +144,37 @@ def as_device(device: object) -> torch.device | None:
     raise EMATypeError(f"device must be a str or torch.device, got {device=!r}")
 
 
+def _decay_groups(groups: Any) -> dict[str, float | Callable[[int], float]]:
+    """``decay_groups`` checked: str patterns to a beta in [0, 1] or a schedule."""
+    checked: dict[str, float | Callable[[int], float]] = {}
+    if groups is None:
+        return checked
+    if not isinstance(groups, Mapping):
+        raise EMATypeError(
+            f"decay_groups must map name patterns to a beta or a schedule, e.g. "
+            f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(groups).__name__}'
+        )
+    for pattern, rule in groups.items():
+        if not isinstance(pattern, str):
+            raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
+        checked[pattern] = (
+            rule
+            if callable(rule)
+            else check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
+        )
+    return checked
+
+
+def _forward_names(names: Any) -> tuple[str, ...]:
+    """``forward_method_names`` checked (a lone string is refused, not split)."""
+    if isinstance(names, str):
+        raise EMATypeError(
+            f"forward_method_names must be a tuple of names, got the string "
+            f"{names!r}; wrap it: ({names!r},)"
+        )
+    return tuple(check.names("forward_method_names", names))
+
+
 @dataclass
 class EMAOptions:
     """The checked keywords of :class:`~emakit.EMA` (see its docstring for each)."""
@@ -146,22 +186,7 @@ class EMAOptions:
     @classmethod
     def parse(cls, kw: Mapping[str, Any]) -> EMAOptions:
         """Check the keywords (``EMA.__init__``'s ``locals()``)."""
-        groups = kw["decay_groups"]
-        checked_groups: dict[str, float | Callable[[int], float]] = {}
-        if groups is not None:
-            if not isinstance(groups, Mapping):
-                raise EMATypeError(
-                    f"decay_groups must map name patterns to a beta or a schedule, e.g. "
-                    f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(groups).__name__}'
-                )
-            for pattern, rule in groups.items():
-                if not isinstance(pattern, str):
-                    raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
-                checked_groups[pattern] = (
-                    rule
-                    if callable(rule)
-                    else check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
-                )
+        checked_groups = _decay_groups(kw["decay_groups"])
         rule = ema_rule(
             beta=kw["beta"],
             update_after_step=kw["update_after_step"],
@@ -174,12 +199,6 @@ class EMAOptions:
         )
         device = as_device(kw["device"])
         async_update = kw["async_update"]
-        forward_names = kw["forward_method_names"]
-        if isinstance(forward_names, str):
-            raise EMATypeError(
-                f"forward_method_names must be a tuple of names, got the string "
-                f"{forward_names!r}; wrap it: ({forward_names!r},)"
-            )
         v: dict[str, Any] = {
             "beta": float(kw["beta"]),
             "update_after_step": kw["update_after_step"],
@@ -203,6 +222,7 @@ class EMAOptions:
                 else device is not None
             ),
             "stream": check.boolean("stream", kw["stream"]),
+            "share_frozen": check.boolean("share_frozen", kw["share_frozen"]),
             "param_or_buffer_names_no_ema": check.names(
                 "param_or_buffer_names_no_ema", kw["param_or_buffer_names_no_ema"]
             ),
@@ -223,7 +243,7 @@ class EMAOptions:
                 "move_ema_to_online_device", kw["move_ema_to_online_device"]
             ),
             "lazy_init_ema": check.boolean("lazy_init_ema", kw["lazy_init_ema"]),
-            "forward_method_names": tuple(check.names("forward_method_names", forward_names)),
+            "forward_method_names": _forward_names(kw["forward_method_names"]),
         }
         if v["stream"] and (device is not None or async_update):
             raise EMAValueError(

@@ -13,42 +13,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import unwrap_engine
 from .._dist.dtensor import is_dtensor
 from .._engine.flat import rehome_
 from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 
-__all__ = ["copy_model", "layout_shadow", "module_tensors", "structure", "unwrap_model"]
+__all__ = ["copy_model", "layout_shadow", "module_tensors", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module that holds the weights: strips DDP/DataParallel ``.module`` and
-    ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
+    """The module that holds the weights: strips DDP/DataParallel ``.module``, a DeepSpeed
+    engine's ``.module`` and ``torch.compile``'s ``_orig_mod`` wrappers (in any nesting)."""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
+        elif (engine_module := unwrap_engine(model)) is not model:
+            model = engine_module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
         else:
             return model
-
-
-def structure(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    """The non-empty ``_parameters`` and ``_modules`` dicts of ``module``'s tree (their total
-    size changes when a parameter or submodule is deleted)."""
-    return tuple(
-        registry
-        for mod in module.modules()
-        for registry in (mod.__dict__["_parameters"], mod.__dict__["_modules"])
-        if registry
-    )
 
 
 def module_tensors(
@@ -86,24 +78,30 @@ def copy_model(
     *,
     dtype_for: Callable[[Tensor], torch.dtype | None],
     tracked: Callable[[str], bool],
+    shared: Iterable[int] = (),
 ) -> nn.Module:
     """A copy of ``model`` whose tracked tensors are empty placeholders to be laid out.
 
     Untracked (ignored) tensors get a clone of the model's, since the copy still needs
-    them to run.
+    them to run. Parameters whose id is in ``shared`` (frozen weights, see
+    :mod:`emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage.
 
     Args:
         model: the module to copy.
         dtype_for: the dtype a sharded parameter's copy should have (None: the same).
         tracked: whether a name is tracked by the EMA.
+        shared: ids of parameters to share instead of copy. Default: none.
 
     Raises:
         EMATypeError: the model cannot be deep-copied (the message says the fix).
     """
     memo: dict[int, Any] = {}
+    share = set(shared)
     for t in (*model.parameters(), *model.buffers()):
         empty = torch.empty(0, dtype=t.dtype, device=t.device)
-        if type(t) is nn.Parameter:
+        if type(t) is nn.Parameter and id(t) in share:
+            memo[id(t)] = nn.Parameter(t.detach(), requires_grad=False)
+        elif type(t) is nn.Parameter:
             memo[id(t)] = nn.Parameter(empty, requires_grad=False)
         elif type(t) is Tensor:
             memo[id(t)] = empty

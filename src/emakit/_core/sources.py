@@ -8,16 +8,18 @@ tensors through :func:`~emakit._engine.pairs.pair_tensors`, the one validation r
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
-from .._engine.pairs import Pairs, TensorPair, pair_tensors
+from .._engine.pairs import TensorPair, Tracked, pair_tensors
 from ..errors import EMATypeError, EMAValueError
-from .shadow import copy_model, layout_shadow, module_tensors, structure
+from .frozen import FrozenShare, shared_parameters, shares
+from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
 __all__ = ["ModuleSource", "TreeSource", "call_factory"]
@@ -51,6 +53,10 @@ class _Source:
         self.other_devices = other_devices
         self.device = device
 
+    def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Called before ``state_dict`` is copied into the EMA (a module's shares frozen
+        weights: see :meth:`ModuleSource.before_load`)."""
+
     def shadow_dtype(self, t: Tensor) -> torch.dtype | None:
         """The shadow dtype of ``t`` (None: its own). ``ema_dtype`` only ever widens: a
         float64 buffer stays float64 under ``ema_dtype=torch.float32``."""
@@ -81,6 +87,8 @@ class ModuleSource(_Source):
         no_ema: frozenset[str] = frozenset(),
         group_patterns: Sequence[str] = (),
         move_to_online: bool = False,
+        share_frozen: bool = False,
+        on_unshare: Callable[[], None] = lambda: None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -89,6 +97,38 @@ class ModuleSource(_Source):
         self.no_ema = no_ema
         self.group_patterns = list(group_patterns)
         self.move_to_online = move_to_online
+        self.share_frozen = share_frozen
+        #: The shared frozen weights and their watch (see :mod:`emakit._core.frozen`).
+        self.frozen = FrozenShare(on_unshare)
+
+    @classmethod
+    def for_ema(
+        cls,
+        values: Mapping[str, Any],
+        group_patterns: Sequence[str],
+        on_unshare: Callable[[], None],
+        **kwargs: Any,
+    ) -> ModuleSource:
+        """The source of an [`EMA`][emakit.EMA] from its checked keywords (``values``)."""
+        return cls(
+            ignore_names=values["ignore_names"],
+            ignore_prefixes=tuple(values["ignore_startswith_names"]),
+            no_ema=values["param_or_buffer_names_no_ema"],
+            group_patterns=group_patterns,
+            move_to_online=values["move_ema_to_online_device"],
+            share_frozen=values["share_frozen"],
+            on_unshare=on_unshare,
+            **kwargs,
+        )
+
+    def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Copy-on-write: give every shared frozen weight whose value the load would change
+        its own storage first (see :mod:`emakit._core.frozen`)."""
+        self.frozen.unshare_changed(state_dict, prefix)
+
+    def tracked(self, name: str) -> bool:
+        """Whether ``name`` is tracked (not ignored)."""
+        return not self.ignored(name)
 
     def ignored(self, name: str) -> bool:
         """Whether ``name`` is never touched."""
@@ -108,47 +148,73 @@ class ModuleSource(_Source):
             if m is not None:
                 _refuse_lazy(m, "model" if m is model else "ema_model")
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
-        if ema_model is None:
-            ema_model = copy_model(
-                model, dtype_for=self.shadow_dtype, tracked=lambda n: not self.ignored(n)
+        zero3 = bool(zero3_params(model))  # DeepSpeed ZeRO-3: the EMA of the partitions
+        if zero3 and not fresh:
+            raise EMATypeError(
+                "ema_model= is not supported for a DeepSpeed ZeRO-3 model: the EMA keeps this "
+                "rank's partitions, built from the model; leave ema_model=None"
             )
+        if ema_model is None:
+            tracked = self.tracked
+            if zero3:
+                ema_model = build_partitions(model, dtype_for=self.shadow_dtype, tracked=tracked)
+            else:
+                ema_model = copy_model(
+                    model,
+                    dtype_for=self.shadow_dtype,
+                    tracked=tracked,
+                    shared=shared_parameters(model, self._shareable) if self.share_frozen else (),
+                )
         for p in ema_model.parameters():
             p.requires_grad_(False)
         pairs = self.pair(model, ema_model, placeholders=fresh)
-        layout_shadow(pairs, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
+        self.frozen.watch([p for p in pairs if shares(p)])
         return ema_model
+
+    def _shareable(self, name: str, t: Tensor) -> bool:
+        """Whether a frozen parameter may be shared: tracked, and its shadow would have its
+        dtype and device (no ``ema_dtype`` widening, no offload)."""
+        return (
+            not self.ignored(name)
+            and self.shadow_dtype(t) in (None, t.dtype)
+            and (self.device is None or self.device == t.device)
+        )
 
     def pair(
         self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
     ) -> list[TensorPair]:
         """The pairs of ``model`` and ``ema_model``, by name, validated."""
         online, oslots, buffers = module_tensors(model, self.ignored)
+        online, oslots = partition_tensors(online, oslots)  # ZeRO-3: ds_tensor
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
-        pairs = Pairs(
-            pair_tensors(
-                online,
-                shadow,
-                average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
-                group=self.group_of,
-                buffers=buffers,
-                online_slots=oslots,
-                shadow_slots=sslots,
-                cast=self.cast,
-                other_devices=self.other_devices or self.move_to_online,
-                placeholders=placeholders,
-            )
+        return pair_tensors(
+            online,
+            shadow,
+            average=lambda n, t: (t.is_floating_point() or t.is_complex()) and n not in no_ema,
+            group=self.group_of,
+            buffers=buffers,
+            online_slots=oslots,
+            shadow_slots=sslots,
+            cast=self.cast,
+            other_devices=self.other_devices or self.move_to_online,
+            placeholders=placeholders,
         )
-        pairs.registries = structure(model)
-        pairs.modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return pairs
 
-    def pairs(self, model: nn.Module, ema_model: nn.Module) -> list[TensorPair]:
-        """:meth:`pair`, after moving the EMA to the model's device if asked and needed."""
+    def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
+        """:meth:`pair`, after moving the EMA to the model's device if asked and needed,
+        with the ids of both models' modules (what the plan's guards watch), without the
+        shared frozen weights (which need no work; they are watched, see
+        :mod:`emakit._core.frozen`)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
-        return pairs
+        shared = [p for p in pairs if shares(p)]
+        self.frozen.watch(shared)
+        modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
+        return Tracked(tuple(p for p in pairs if not shares(p)), modules)
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device
@@ -156,7 +222,8 @@ class ModuleSource(_Source):
         """Move the EMA model to ``device`` and lay its storage out again; the new pairs."""
         ema_model.to(device)
         pairs = self.pair(model, ema_model)
-        layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype)
+        own = [p for p in pairs if not shares(p)]
+        layout_shadow(own, from_online=False, dtype_for=self.shadow_dtype)
         return pairs
 
 
@@ -171,11 +238,15 @@ class TreeSource(_Source):
             shadow = tree_copy(tree)
         elif callable(shadow) and not isinstance(shadow, (Tensor, nn.Module)):
             shadow = shadow()
-        pairs = self.pairs(tree, shadow)
+        pairs = self.pair(tree, shadow)
         layout_shadow(pairs, from_online=False, dtype_for=self.shadow_dtype, device=self.device)
         return shadow
 
-    def pairs(self, tree: Any, shadow: Any) -> list[TensorPair]:
+    def pairs(self, tree: Any, shadow: Any) -> Tracked:
+        """The pairs of leaves, by path, validated, as the plan takes them."""
+        return Tracked(tuple(self.pair(tree, shadow)))
+
+    def pair(self, tree: Any, shadow: Any) -> list[TensorPair]:
         """The pairs of leaves, by path, validated."""
         return pair_tensors(
             leaves(tree),

@@ -12,13 +12,18 @@
   re-pointing ``.data`` would not be seen) and when asked (``in_place=True``, for
   frameworks that read their own storage): the shadow is copied into the online tensor
   and the online values, stashed, are copied back on exit. FSDP2 modules are resharded on
-  entry and exit, so no stale gathered weight is used.
+  entry and exit, so no stale gathered weight is used. DeepSpeed ZeRO-3 partitions
+  (``ds_tensor``) are copied the same way, with the gathered parameters released on entry
+  and exit, so DeepSpeed's next forward gathers the partitions then in place (and the
+  persistent parameters gathered again on exit: a collective, every rank).
 
 One semantics in every mode: **inside the block the model's tensors are the EMA's**.
 Whatever writes them there (an ``optimizer.step()``, a train-mode forward updating
 BatchNorm statistics, ``load_state_dict``) writes the EMA: by reference directly, by cast
-and by copy through a write-back on exit of every tensor whose version counter moved
-(untouched tensors are not written back, so a cast never rounds the shadow). To evaluate
+and by copy through a write-back on exit of every tensor whose values now differ from the
+shadow they came from (compared element by element, one host read per device: version
+counters would miss writes such as BatchNorm's running statistics). Untouched tensors are
+not written back, so a cast never rounds the shadow. To evaluate
 without touching the EMA, evaluate in eval mode without grad, as ``ema(x)`` does.
 
 The original weights come back on exit, also when the block raises. Updating the EMA
@@ -32,6 +37,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import PartitionSwap, zero3_params
 from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from ..errors import EMARuntimeError
 from .tracker import Tracker
@@ -62,6 +68,7 @@ class Swap:
         # (online local tensor, its stashed values, shadow local tensor)
         self._copied: list[tuple[Tensor, Tensor, Tensor]] = []
         self._roots: list[nn.Module] = []
+        self._zero = PartitionSwap(zero3_params(model))  # DeepSpeed ZeRO-3 (else empty)
         self.active = False
 
     def enter(self) -> Swap:
@@ -74,11 +81,13 @@ class Swap:
         reshard(self._roots)  # the sharded parameters registered, not gathered ones
         pairs = tracker.plan().pairs
         copies = False
+        in_place = self.in_place or bool(self._zero.params)
         try:
+            self._zero.release()
             with torch.no_grad():
                 for p in pairs:
                     online, shadow = p.online, p.shadow
-                    if self.in_place or is_dtensor(online):
+                    if in_place or is_dtensor(online):
                         copies = True
                         local, saved = local_tensor(online), local_tensor(online).clone()
                         local.copy_(local_tensor(shadow))
@@ -130,10 +139,12 @@ class Swap:
         return {id(o) for o, _, _ in self._pointed} | {id(o) for o, _, _ in self._copied}
 
     def _restore(self) -> None:
+        self._zero.release()
         with torch.no_grad():
-            # Tensors written inside the block (not all writes bump a version counter:
-            # BatchNorm's running statistics do not) go back into the EMA; untouched ones
-            # are left alone, so a cast never rounds the shadow. One host read for all.
+            # Tensors whose values changed inside the block (compared with the shadow they
+            # came from; not all writes bump a version counter: BatchNorm's running
+            # statistics do not) go back into the EMA; untouched ones are left alone, so a
+            # cast never rounds the shadow. One host read per device.
             held = [(o.data, s) for o, _, s in self._pointed if s is not None]
             held += [(local, s) for local, _, s in self._copied]
             for value, shadow in _written(held):
@@ -145,6 +156,7 @@ class Swap:
         self._pointed, self._copied = [], []
         reshard(self._roots)
         self._roots = []
+        self._zero.restore()
 
     def __enter__(self) -> Swap:
         return self.enter()

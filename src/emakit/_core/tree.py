@@ -9,10 +9,10 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import _pytree as tree_utils
 
-__all__ = ["leaves", "tree_copy"]
+__all__ = ["all_tensors", "leaves", "tree_copy"]
 
 
 def _key_name(path: tuple[Any, ...]) -> str:
@@ -38,3 +38,10 @@ def tree_copy(tree: Any) -> Any:
     return tree_utils.tree_map(
         lambda x: x.detach().clone() if isinstance(x, Tensor) else deepcopy(x), tree
     )
+
+
+def all_tensors(model: Any) -> list[Tensor]:
+    """A module's parameters and buffers, or a pytree's leaves."""
+    if isinstance(model, nn.Module):
+        return [*model.parameters(), *model.buffers()]
+    return list(leaves(model).values())

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import local_tensor
-from .kernels import Guarded
+from .finite import Guarded
 from .plan import Plan
 from .spans import span, split_runs
 

@@ -9,8 +9,12 @@ What it must notice is the model changing under it:
   the owner walk the model again and compare the live pairs with the plan's (so an
   unchanged model pays one integer compare per update, and a registration elsewhere one
   walk);
-* a parameter or submodule deleted with ``del`` (no hook): the total size of the model's
-  ``_parameters``/``_modules`` dicts, one C-level sum per update;
+* a parameter, buffer or submodule deleted with ``del`` (no torch hook reports one):
+  ``nn.Module.__delattr__`` is wrapped once, when the hooks are installed, to note the
+  deletion as a registration event on that module, so a ``del`` costs the same as a
+  registration and an unchanged model pays nothing per update whatever its size (a
+  ``del`` straight from ``module._parameters`` bypasses ``__delattr__`` and is not seen
+  until the next registration);
 * a buffer replaced without registration (``module.to()`` assigns ``_buffers`` directly),
   or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
   update, which costs one lookup per buffer and per sharded tensor;
@@ -22,12 +26,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from .._dist.dtensor import is_dtensor, shard_identity_getter
+from .pairs import Tracked
 
 __all__ = ["Guards", "registration_epoch"]
 
@@ -39,12 +43,33 @@ _hooked: bool | None = None  # None: not tried yet; False: hooks unavailable
 _events: deque[tuple[int, int]] = deque(maxlen=4096)
 
 
-def _note(module: nn.Module, registry: str, name: str, value: object) -> None:
+def _event(owner: int) -> None:
     global _epoch
+    _epoch = next(_counter)
+    _events.append((_epoch, owner))
+
+
+def _note(module: nn.Module, registry: str, name: str, value: object) -> None:
     if module.__dict__.get(registry, {}).get(name) is value:
         return  # the same object again (``self.step += 1`` on a buffer): nothing changed
-    _epoch = next(_counter)
-    _events.append((_epoch, 0 if registry == "_modules" else id(module)))
+    _event(0 if registry == "_modules" else id(module))
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _wrap_delattr() -> None:
+    """Make ``del module.name`` of a parameter, buffer or submodule a registration event."""
+    original = nn.Module.__delattr__
+
+    def delattr_noting(self: nn.Module, name: str) -> None:
+        registered = any(name in self.__dict__.get(r, ()) for r in _REGISTRIES)
+        original(self, name)
+        if registered:
+            _event(id(self))
+
+    delattr_noting.__wrapped__ = original  # type: ignore[attr-defined]
+    nn.Module.__delattr__ = delattr_noting  # type: ignore[method-assign]
 
 
 def _on_parameter(module: nn.Module, name: str, value: object) -> None:
@@ -61,9 +86,9 @@ def _on_module(module: nn.Module, name: str, value: object) -> None:
 
 def registration_epoch() -> int:
     """A number that changes whenever any module registers a new parameter, buffer or
-    submodule (re-registering the same object does not count).
+    submodule (re-registering the same object does not count), or deletes one with ``del``.
 
-    Installs torch's global registration hooks on first use. Where they are unavailable,
+    Installs torch's global registration hooks (and the ``del`` event) on first use. Where they are unavailable,
     every call returns a new number, so callers fall back to checking every time.
     """
     global _hooked, _epoch
@@ -74,12 +99,12 @@ def registration_epoch() -> int:
             torch_module.register_module_parameter_registration_hook(_on_parameter)
             torch_module.register_module_buffer_registration_hook(_on_buffer)
             torch_module.register_module_module_registration_hook(_on_module)
+            _wrap_delattr()
             _hooked = True
         except AttributeError:  # pragma: no cover - torch without registration hooks
             _hooked = False
     if not _hooked:  # pragma: no cover
-        _epoch = next(_counter)
-        _events.append((_epoch, 0))
+        _event(0)
     return _epoch
 
 
@@ -96,19 +121,21 @@ def _touched(since: int, owners: set[int]) -> bool:
 
 
 class Guards:
-    """Identity guards over the tensors of a list of pairs (see the module docstring).
+    """Identity guards over the tensors of a :class:`~emakit._engine.pairs.Tracked` value
+    (see the module docstring).
 
     Args:
-        pairs: the plan's pairs; each may carry an ``online_slot`` and a ``shadow_slot``.
+        tracked: the plan's pairs (each may carry an ``online_slot`` and a
+            ``shadow_slot``) and the ids of the modules they live in.
     """
 
-    def __init__(self, pairs: Sequence[Any]) -> None:
+    def __init__(self, tracked: Tracked) -> None:
         self.epoch = registration_epoch()
         always: list[tuple[Any, str, Tensor]] = []
         on_epoch: list[tuple[Any, str, Tensor]] = []
         self.sharded: list[tuple[Tensor, object, Any]] = []  # (DTensor, shard, getter)
-        self.owners: set[int] = set()
-        for p in pairs:
+        self.owners: set[int] = set(tracked.modules)
+        for p in tracked.pairs:
             for slot, t in ((p.online_slot, p.online), (p.shadow_slot, p.shadow)):
                 if is_dtensor(t):
                     get = shard_identity_getter(t)
@@ -121,23 +148,19 @@ class Guards:
                 target.append((container, key, t))
         self.always = always
         self.on_epoch = on_epoch
-        self.registries = tuple(getattr(pairs, "registries", ()))
-        self.size = sum(map(len, self.registries))
-        self.owners |= getattr(pairs, "modules", frozenset())
 
     def check(self) -> str:
         """``"stale"`` if a tracked tensor is no longer the one registered; ``"check"`` if
-        something, anywhere, registered a parameter, buffer or module since (the owner
-        then compares the live pairs with the plan's, see :meth:`accept`); else
-        ``"fresh"``."""
+        something registered (or deleted) a parameter, buffer or module on one of the
+        models since (the owner then compares the live pairs with the plan's, see
+        :meth:`accept`); else ``"fresh"``. Constant time for an unchanged model, apart from
+        one lookup per buffer and per sharded tensor."""
         for container, key, t in self.always:
             if container.get(key) is not t:
                 return "stale"
         for d, local, get in self.sharded:
             if get(d) is not local:
                 return "stale"
-        if self.registries and sum(map(len, self.registries)) != self.size:
-            return "check"  # something was deleted (``del``), which no hook reports
         epoch = registration_epoch()
         if epoch == self.epoch:
             return "fresh"
@@ -152,4 +175,3 @@ class Guards:
     def accept(self) -> None:
         """The owner found the live tensors unchanged: stop checking until the next change."""
         self.epoch = registration_epoch()
-        self.size = sum(map(len, self.registries))

@@ -8,7 +8,7 @@ tensor and says the fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import Tensor
 from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError
 
-__all__ = ["Pairs", "Slot", "TensorPair", "check_sharded_pair", "pair_tensors"]
+__all__ = ["Slot", "TensorPair", "Tracked", "check_sharded_pair", "pair_tensors"]
 
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
 #: ``(module._parameters, "weight", id(module))``. The plan checks
@@ -47,19 +47,27 @@ class TensorPair:
     shadow_slot: Slot | None = None
 
 
-class Pairs(list[TensorPair]):
-    """The pairs of an EMA, and the registries that hold the online model's structure.
+@dataclass(frozen=True)
+class Tracked:
+    """What an EMA tracks, as one value: its pairs and the ids of the modules they live in.
 
-    ``registries`` are the model's non-empty ``_parameters`` and ``_modules`` dicts: a
-    parameter or submodule deleted with ``del`` (which no torch hook reports) changes their
-    total size, so the plan sees it; ``modules`` are the ids of every module of both models
-    (see :mod:`emakit._engine.guards`).
+    Built by the owner (an EMA's source) whenever the plan must be built, and passed
+    explicitly to the plan and its staleness guards (:mod:`emakit._engine.guards`).
+
+    Attributes:
+        pairs: the pairs, in the order the shadow is laid out.
+        modules: ids of every module of the online and EMA models; a registration or a
+            ``del`` on any of them makes the plan compare the live pairs again. Empty for
+            a pytree (nothing registers on one).
     """
 
-    registries: tuple[Mapping[str, Any], ...] = ()
-    #: ids of every module of the online and EMA models: a registration on any of them
-    #: (a parameter added to a container, say) makes the plan look again.
+    pairs: tuple[TensorPair, ...]
     modules: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:
+        """``pairs`` as a :class:`Tracked` value (no module ids), or ``pairs`` itself."""
+        return pairs if isinstance(pairs, Tracked) else cls(tuple(pairs))
 
 
 def _few(names: list[str]) -> str:

@@ -142,24 +142,9 @@ def train(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         net = make_model()
-    ema = EMA(
-        net,
-        beta=settings.beta,
-        update_after_step=settings.update_after_step,
-        update_every=settings.update_every,
-        power=settings.power,
-    )
+    ema, posthoc = _averages(net, settings, posthoc_folder)
     opt = torch.optim.SGD(net.parameters(), lr=settings.lr)
     g = torch.Generator().manual_seed(settings.seed + 2)
-    posthoc = None
-    if posthoc_folder is not None and settings.posthoc_every > 0:
-        posthoc = PostHocEMA(
-            net,
-            sigma_rels=POSTHOC_TRACKED,
-            update_every=1,
-            checkpoint_every_num_steps=settings.posthoc_every,
-            checkpoint_folder=posthoc_folder,
-        )
 
     def online(x: Tensor) -> Tensor:
         net.eval()
@@ -215,6 +200,29 @@ def train(
         synthesized = posthoc.synthesize_ema_model(sigma_rel=POSTHOC_SIGMA_REL)
         final["posthoc"] = evaluate(synthesized, x_test, y_test)
     return {"final": final, "history": history}
+
+
+def _averages(
+    net: nn.Module, settings: DemoSettings, posthoc_folder: Path | None
+) -> tuple[EMA, PostHocEMA | None]:
+    """The run's EMA of ``net``, and its post-hoc EMA (None unless snapshots are asked)."""
+    ema = EMA(
+        net,
+        beta=settings.beta,
+        update_after_step=settings.update_after_step,
+        update_every=settings.update_every,
+        power=settings.power,
+    )
+    if posthoc_folder is None or settings.posthoc_every <= 0:
+        return ema, None
+    posthoc = PostHocEMA(
+        net,
+        sigma_rels=POSTHOC_TRACKED,
+        update_every=1,
+        checkpoint_every_num_steps=settings.posthoc_every,
+        checkpoint_folder=posthoc_folder,
+    )
+    return ema, posthoc
 
 
 def late_statistics(history: Mapping[str, Sequence[float]], key: str) -> dict[str, float]:

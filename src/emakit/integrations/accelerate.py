@@ -22,9 +22,10 @@ from typing import Any
 
 from torch import nn
 
+from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import check_ema_kwargs
+from ._common import check_ema_class, check_ema_kwargs
 
 try:
     from accelerate import Accelerator
@@ -35,10 +36,40 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
         "(or pip install accelerate)"
     ) from e
 
-__all__ = ["AcceleratedEMA", "prepare_ema"]
+__all__ = ["AcceleratedBEMA", "AcceleratedEMA", "prepare_ema"]
 
 
-class AcceleratedEMA(EMA):
+class _SyncGated:
+    """``update()`` only when Accelerate's gradients are in sync (see [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA])."""
+
+    def __init__(
+        self, model: nn.Module, *, gradient_state: GradientState, **ema_kwargs: Any
+    ) -> None:
+        super().__init__(model, **ema_kwargs)  # type: ignore[call-arg]
+        self._gradient_state = gradient_state
+
+    def update(self) -> None:
+        """Advance the EMA when this call follows an optimizer step; see :meth:`emakit.EMA.update`."""
+        if self._gradient_state.sync_gradients:
+            super().update()  # type: ignore[misc]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["_gradient_state"] = None  # process-wide singleton: re-attached on load
+        return state  # type: ignore[no-any-return]
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self._gradient_state = GradientState()
+
+
+class AcceleratedBEMA(_SyncGated, BEMA):
+    """A [`BEMA`][emakit.BEMA] whose :meth:`update` counts only optimizer steps (as
+    [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA] does); built by
+    ``prepare_ema(accelerator, model, ema_class=BEMA, ...)``."""
+
+
+class AcceleratedEMA(_SyncGated, EMA):
     """An :class:`~emakit.EMA` whose :meth:`update` counts only optimizer steps.
 
     Under ``accelerator.accumulate(model)``, ``update()`` returns at once on micro-steps
@@ -55,28 +86,16 @@ class AcceleratedEMA(EMA):
         **ema_kwargs: keywords for :class:`~emakit.EMA`.
     """
 
-    def __init__(
-        self, model: nn.Module, *, gradient_state: GradientState, **ema_kwargs: Any
-    ) -> None:
-        super().__init__(model, **ema_kwargs)
-        self._gradient_state = gradient_state
 
-    def update(self) -> None:
-        """Advance the EMA when this call follows an optimizer step; see :meth:`emakit.EMA.update`."""
-        if self._gradient_state.sync_gradients:
-            super().update()
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state["_gradient_state"] = None  # process-wide singleton: re-attached on load
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._gradient_state = GradientState()
+_GATED: dict[type[EMA], type[AcceleratedEMA] | type[AcceleratedBEMA]] = {
+    EMA: AcceleratedEMA,
+    BEMA: AcceleratedBEMA,
+}
 
 
-def prepare_ema(accelerator: Accelerator, model: nn.Module, **ema_kwargs: Any) -> AcceleratedEMA:
+def prepare_ema(
+    accelerator: Accelerator, model: nn.Module, *, ema_class: type[EMA] = EMA, **ema_kwargs: Any
+) -> AcceleratedEMA | AcceleratedBEMA:
     """Build the EMA of a model prepared by ``accelerator`` and register it for checkpoints.
 
     Call it after ``accelerator.prepare(model, ...)``, so the EMA lives on the model's
@@ -98,6 +117,8 @@ def prepare_ema(accelerator: Accelerator, model: nn.Module, **ema_kwargs: Any) -
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the model as returned by ``accelerator.prepare`` (a plain module works too).
+        ema_class: keyword-only; [`EMA`][emakit.EMA] (default) or [`BEMA`][emakit.BEMA]
+            (then ``ema_kwargs`` are BEMA's: ``update_freq``, ``lag`` ...).
         **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
             ``update_after_step``, ``ema_dtype``, ...). Its defaults apply, except
             ``include_online_model``, False here (``save_state`` saves the model once);
@@ -119,12 +140,18 @@ def prepare_ema(accelerator: Accelerator, model: nn.Module, **ema_kwargs: Any) -
         raise EMATypeError(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
         )
-    check_ema_kwargs("prepare_ema", ema_kwargs)
+    gated = _GATED.get(check_ema_class("prepare_ema", ema_class))
+    if gated is None:
+        raise EMATypeError(
+            f"prepare_ema builds an EMA or a BEMA, got ema_class={ema_class.__name__}; "
+            f"build other kinds yourself and call update() when accelerator.sync_gradients"
+        )
+    check_ema_kwargs("prepare_ema", ema_kwargs, ema_class)
     # The default keep_fp32_wrapper=True matters: unwrapping without it would strip the
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
     # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
     ema_kwargs.setdefault("include_online_model", False)
-    ema = AcceleratedEMA(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
+    ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

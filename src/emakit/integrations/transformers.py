@@ -20,17 +20,24 @@ import sys
 import warnings
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .. import _validate as check
 from .._core.swap import Swap
+from .._files.atomic import atomic_write
+from .._files.reading import torch_load, write_errors
+from ..bema import BEMA
 from ..checkpoint import load_ema_weights, save_ema_weights
-from ..ema import EMA
+from ..decay import bema_rule
+from ..ema import EMA, unwrap_model
 from ..errors import EMATypeError
-from ._common import check_ema_kwargs
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -41,10 +48,13 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
         "'emakit[transformers]' (or pip install transformers accelerate)"
     ) from e
 
-__all__ = ["EMA_WEIGHTS_NAME", "EMATrainerCallback"]
+__all__ = ["BEMA_STATE_NAME", "EMA_WEIGHTS_NAME", "BEMACallback", "EMATrainerCallback"]
 
 #: File name of the EMA weights in every ``checkpoint-N`` folder (and in ``output_dir``).
-EMA_WEIGHTS_NAME = "ema.safetensors"
+EMA_WEIGHTS_NAME = TRAINER_WEIGHTS_NAME
+
+#: File name of the BEMA state (``BEMA.state_dict()``) in every ``checkpoint-N`` folder.
+BEMA_STATE_NAME = "bema_state.pt"
 
 
 class EMATrainerCallback(TrainerCallback):
@@ -65,8 +75,9 @@ class EMATrainerCallback(TrainerCallback):
       ``train()`` returns, ``trainer.evaluate()`` uses the raw weights again; wrap it in
       ``with callback.ema.swap():`` for the EMA's.
     * **Checkpoints:** every ``checkpoint-N`` folder gets ``ema.safetensors`` (the EMA
-      weights under the model's own names, step and settings in the header, written
-      atomically by :func:`emakit.checkpoint.save_ema_weights`). ``train(
+      weights under the model's own names, a tied tensor once as in the model's own
+      ``model.safetensors``, step and settings in the header, written atomically by
+      :func:`emakit.checkpoint.save_ema_weights`). ``train(
       resume_from_checkpoint=...)`` restores it, so a resumed run ends with the same EMA.
       The Trainer does not tell callbacks which checkpoint it resumed from; the callback
       takes the folder ``train()`` resolved (a path, or the last checkpoint for ``True``),
@@ -79,6 +90,14 @@ class EMATrainerCallback(TrainerCallback):
       ``args.output_dir`` (``save_pretrained`` for a ``PreTrainedModel``, else
       ``model.safetensors``).
 
+    * **Logging** (``log_stats``): each time the Trainer logs (every ``logging_steps``),
+      ``ema/decay``, ``ema/step``, ``ema/bias_weight`` for a BEMA and, with
+      ``skip_nonfinite=True``, ``ema/num_skipped_nonfinite`` are added to that log entry:
+      to ``state.log_history`` and to the logs the callbacks after this one receive. The
+      reporting callbacks ``report_to`` creates (TensorBoard, W&B) come before the ones
+      you pass, so for them put this one first:
+      ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(callback))``.
+
     Every process keeps an identical EMA under DDP; the process that saves checkpoints
     (``args.should_save``) writes the files. FSDP and DeepSpeed ZeRO-3 shard the weights
     and are not supported.
@@ -86,8 +105,12 @@ class EMATrainerCallback(TrainerCallback):
     Args:
         eval_with_ema: evaluate on the EMA weights during training. Default True.
         save_final_as_model: make the EMA weights the final model (see above). Default False.
-        **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
-            ``update_after_step``, ``ema_dtype``, ...), checked now. Its defaults apply
+        log_stats: keyword-only; add the EMA's decay, step and skip count to the Trainer's
+            logs (see above). Default True.
+        **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_every``,
+            ``update_after_step``, ``ema_dtype``, ...; typed as
+            [`EMAKeywords`][emakit.integrations.lightning.EMAKeywords], so IDEs complete
+            them), checked now. Its defaults apply
             (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
@@ -100,9 +123,15 @@ class EMATrainerCallback(TrainerCallback):
     """
 
     def __init__(
-        self, eval_with_ema: bool = True, save_final_as_model: bool = False, **ema_kwargs: Any
+        self,
+        eval_with_ema: bool = True,
+        save_final_as_model: bool = False,
+        *,
+        log_stats: bool = True,
+        **ema_kwargs: Unpack[EMAKeywords],
     ) -> None:
         self.eval_with_ema = check.boolean("eval_with_ema", eval_with_ema)
+        self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
         self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
         #: The :class:`~emakit.EMA`, created at ``on_train_begin`` (None before).
@@ -149,7 +178,9 @@ class EMATrainerCallback(TrainerCallback):
             self._hook = model.register_forward_pre_hook(self._before_forward)
 
     @staticmethod
-    def _resume_file(args: TrainingArguments, state: TrainerState) -> Path | None:
+    def _resume_file(
+        args: TrainingArguments, state: TrainerState, name: str = EMA_WEIGHTS_NAME
+    ) -> Path | None:
         candidates: list[Any] = []
         # The Trainer hands callbacks no checkpoint path: read the one train() resolved
         # (resume_from_checkpoint=True becomes the last checkpoint) from its training loop.
@@ -167,7 +198,7 @@ class EMATrainerCallback(TrainerCallback):
         )
         for folder in candidates:
             if isinstance(folder, (str, os.PathLike)):
-                path = Path(folder) / EMA_WEIGHTS_NAME
+                path = Path(folder) / name
                 if path.is_file():
                     return path
         return None
@@ -187,6 +218,23 @@ class EMATrainerCallback(TrainerCallback):
         self._leave_swap()
         if self.ema is not None:
             self.ema.update()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Add the EMA's values to the entry the Trainer is logging (``log_stats``)."""
+        if not self.log_stats or self.ema is None or logs is None:
+            return
+        values = ema_metrics(self.ema, skips=True)
+        logs.update(values)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(values)  # the Trainer stored a copy of `logs` before this call
 
     # -- evaluation ---------------------------------------------------------------------
 
@@ -240,7 +288,7 @@ class EMATrainerCallback(TrainerCallback):
                 stacklevel=2,
             )
             return
-        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME)
+        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME, tied_once=True)  # as the model's
 
     def on_train_end(
         self,
@@ -275,3 +323,158 @@ class EMATrainerCallback(TrainerCallback):
             save_pretrained(out)
         else:
             save_ema_weights(ema, out / "model.safetensors")
+
+
+class BEMACallback(EMATrainerCallback):
+    """A drop-in for ``trl.BEMACallback``: BEMA (arXiv:2508.00180) of the Trainer's model,
+    with TRL's signature, defaults and numbers, written to ``output_dir/bema`` at the end.
+
+    The BEMA is an [`emakit.BEMA`][emakit.BEMA] (``callback.bema``, also ``callback.ema``),
+    created at ``on_train_begin`` and updated at every ``on_step_end`` with
+    ``t = state.global_step``, exactly where TRL's callback acts. Beyond TRL's:
+
+    * **Checkpoints:** every ``checkpoint-N`` folder gets ``bema_state.pt`` (the BEMA's
+      ``state_dict()``: the evaluated weights, the EMA, ``theta0``, the step and the
+      settings), and ``train(resume_from_checkpoint=...)`` restores it, so a resumed run
+      ends with the BEMA of the uninterrupted one, bit for bit (TRL restarts from the
+      resumed weights).
+    * **PEFT and frozen weights:** only trainable tensors are averaged, the EMA model is a
+      copy of the model itself (a ``PeftModel`` stays one, so ``bema/`` holds the adapters
+      as ``save_pretrained`` writes them), and models with frozen parameters work (TRL's
+      strict ``zip`` over trainable against all parameters fails on them).
+    * **Evaluation** (``eval_with_bema=True``): the Trainer's evaluations during training
+      run on the BEMA weights, as [`EMATrainerCallback`][emakit.integrations.transformers.EMATrainerCallback]
+      does for an EMA.
+
+    Args:
+        update_freq: steps between BEMA updates. Default 400.
+        ema_power: the EMA weight's exponent. Default 0.5.
+        bias_power: the bias weight's exponent. Default 0.2.
+        lag: the offset of both schedules. Default 10.
+        update_after: the burn-in, in optimizer steps. Default 0.
+        multiplier: the time scale. Default 1.0.
+        min_ema_multiplier: the floor of the EMA weight. Default 0.0.
+        device: where the BEMA tensors live. Default ``"cpu"`` (TRL's).
+        eval_with_bema: keyword-only; evaluate on the BEMA weights during training.
+            Default False (TRL evaluates the raw model).
+        **bema_kwargs: keyword-only; other [`BEMA`][emakit.BEMA] keywords
+            (``ema_dtype``, ``ignore_names``, ``async_update`` ...).
+
+    Raises:
+        EMAValueError, EMATypeError: a setting out of range (checked now, not at fit time).
+
+    Example:
+        >>> cb = BEMACallback(update_freq=100)
+        >>> cb.bema is None  # created when training begins
+        True
+    """
+
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+        *,
+        eval_with_bema: bool = False,
+        **bema_kwargs: Any,
+    ) -> None:
+        super().__init__(eval_with_ema=eval_with_bema)
+        self.settings: dict[str, Any] = {
+            "update_freq": update_freq,
+            "ema_power": ema_power,
+            "bias_power": bias_power,
+            "lag": lag,
+            "update_after": update_after,
+            "multiplier": multiplier,
+            "min_ema_multiplier": min_ema_multiplier,
+        }
+        bema_rule(**self.settings)  # refuse bad settings now
+        self.device = device
+        self.bema_kwargs = bema_kwargs
+
+    @property
+    def bema(self) -> BEMA | None:
+        """The [`BEMA`][emakit.BEMA] (None before ``on_train_begin``)."""
+        return self.ema  # type: ignore[return-value]
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Create the BEMA of ``model``; on a resumed run load the checkpoint's state."""
+        if not isinstance(model, nn.Module):
+            raise EMATypeError(
+                f"BEMACallback needs the Trainer's model, got {type(model).__name__}"
+            )
+        self._leave_swap()
+        model = unwrap_model(getattr(model, "module", model))
+        bema = BEMA(model, **self.settings, device=self.device, **self.bema_kwargs)
+        self.ema, self.restored_from = bema, None
+        if state.global_step > 0:
+            path = self._resume_file(args, state, BEMA_STATE_NAME)
+            if path is None:
+                warnings.warn(
+                    f"resuming at step {state.global_step} but no {BEMA_STATE_NAME} was found "
+                    f"in the checkpoint; BEMA restarts from the loaded weights",
+                    stacklevel=2,
+                )
+            else:
+                bema.load_state_dict(torch_load(path, "BEMA state"))
+                self.restored_from = path
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.eval_with_ema:
+            self._hook = model.register_forward_pre_hook(self._before_forward)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Write ``bema_state.pt`` into the checkpoint folder the Trainer just saved."""
+        bema = self.bema
+        if bema is None or not args.should_save:
+            return
+        folder = Path(args.output_dir or "") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():
+            warnings.warn(
+                f"checkpoint folder {folder} not found; the BEMA was not saved with it",
+                stacklevel=2,
+            )
+            return
+        dest = folder / BEMA_STATE_NAME
+        state_dict = bema.state_dict()
+        with write_errors([dest], "BEMA state"):
+            atomic_write(dest, lambda f: torch.save(state_dict, f))
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Write the BEMA model to ``output_dir/bema`` (``save_pretrained``, as TRL does;
+        ``model.safetensors`` for a model without it), from the main process."""
+        self._leave_swap()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        bema = self.bema
+        if bema is None or not state.is_world_process_zero:
+            return
+        out = Path(args.output_dir or ".") / "bema"
+        save_pretrained = getattr(bema.ema_model, "save_pretrained", None)
+        if callable(save_pretrained):
+            save_pretrained(out)
+        else:
+            save_ema_weights(bema, out / "model.safetensors")

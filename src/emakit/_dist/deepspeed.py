@@ -1,0 +1,361 @@
+"""DeepSpeed engines and ZeRO-3 partitions, without importing deepspeed (a leaf module).
+
+``EMA(engine)`` tracks ``engine.module`` (:func:`unwrap_engine`). Under ZeRO-1 and 2 the
+module's parameters are whole on every rank, so the EMA is an ordinary one, identical on
+every rank. Under ZeRO-3 a parameter's ``.data`` is an empty placeholder and
+``param.ds_tensor`` holds this rank's partition: a 1-D slice of the flattened parameter,
+padded so that every rank's partition has the same length. Then
+
+* the EMA tracks the partitions (:func:`partition_tensors`): each rank averages its own,
+  with no collective; its EMA copy is a :class:`ZeroPartitions`, a module tree of the
+  model's names holding the partitions (its ``state_dict`` is this rank's part);
+* :class:`PartitionSwap` lets DeepSpeed's own gather do the evaluation: gathered
+  parameters are released, the EMA partitions are copied into ``ds_tensor`` (by the
+  caller), and the next forward gathers them; on exit the same dance puts the online
+  partitions back, bit for bit;
+* :func:`gather_partition` assembles one full tensor from every rank's partitions (the
+  streamed full export).
+
+DeepSpeed's classes are looked up in ``sys.modules`` under their import paths; nothing
+here imports deepspeed. The attributes read (``ds_tensor``, ``ds_shape``, ``ds_numel``,
+``ds_status``, ``ds_process_group``, ``partition()``, ``all_gather()``) are those of
+DeepSpeed's ZeRO-3 parameters (``deepspeed.runtime.zero.partition_parameters``);
+``tests/test_deepspeed.py`` runs them against the real package.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import EMAStateError
+from .collectives import agree
+
+__all__ = [
+    "WORLD_KEY",
+    "PartitionSlot",
+    "PartitionSwap",
+    "ZeroPartitions",
+    "engine_type",
+    "gather_partition",
+    "is_partition",
+    "partition",
+    "partition_tensors",
+    "unwrap_engine",
+    "zero3_params",
+]
+
+#: The key :class:`ZeroPartitions` adds to its state: the world size its partitions
+#: were cut for.
+WORLD_KEY = "zero3_world_size"
+
+
+def engine_type() -> type | None:
+    """``deepspeed.runtime.engine.DeepSpeedEngine`` if deepspeed has been imported."""
+    return getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+
+
+def unwrap_engine(model: Any) -> Any:
+    """``engine.module`` for a DeepSpeed engine (the module that holds the weights)."""
+    cls = engine_type()
+    if cls is not None and isinstance(model, cls):
+        return model.module
+    return model
+
+
+def is_zero3_param(t: object) -> bool:
+    """Whether ``t`` is a ZeRO-3 parameter (its values live in ``t.ds_tensor``)."""
+    return getattr(t, "ds_tensor", None) is not None and hasattr(t, "ds_shape")
+
+
+def is_partition(t: object) -> bool:
+    """Whether ``t`` is the tracked view of a ZeRO-3 partition (see :func:`partition`)."""
+    ref = _VIEWS.get(id(t))
+    return ref is not None and ref() is t
+
+
+def zero3_params(model: object) -> list[Tensor]:
+    """The ZeRO-3 parameters of ``model`` (``[]`` for any other model)."""
+    if not isinstance(model, nn.Module) or "deepspeed" not in sys.modules:
+        return []
+    return [p for p in model.parameters() if is_zero3_param(p)]
+
+
+def partition_tensors(
+    tensors: dict[str, Tensor], slots: dict[str, Any]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """``tensors`` with every ZeRO-3 parameter replaced by its partition (:func:`partition`).
+
+    A partition's slot is a :class:`PartitionSlot`, so the plan sees DeepSpeed replace or
+    move a partition and pairs again.
+    """
+    if "deepspeed" not in sys.modules or not any(map(is_zero3_param, tensors.values())):
+        return tensors, slots
+    out, out_slots = dict(tensors), dict(slots)
+    for name, t in tensors.items():
+        if is_zero3_param(t):
+            slot = partition(t)
+            out[name] = slot.view
+            out_slots[name] = (slot, name, slots[name][2] if name in slots else 0)
+    return out, out_slots
+
+
+class PartitionSlot:
+    """A ZeRO-3 parameter's partition as the EMA tracks it: the first ``valid`` elements of
+    ``ds_tensor`` (DeepSpeed pads the last ranks' partitions; the padding is never
+    averaged, checked for NaN or exported).
+
+    It stands in the plan's identity guards for the registry a plain tensor is watched in
+    (:mod:`emakit._engine.guards`): ``get()`` returns the view while ``ds_tensor`` is the
+    same object at the same address, else None (the plan pairs again).
+    """
+
+    __slots__ = ("__weakref__", "param", "part", "ptr", "view")
+
+    def __init__(self, param: Tensor) -> None:
+        part = param.ds_tensor  # type: ignore[attr-defined]
+        group = getattr(param, "ds_process_group", None)
+        rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+        size = part.numel()
+        valid = max(0, min(size, param.ds_numel - rank * size))  # type: ignore[attr-defined]
+        self.param, self.part, self.ptr = param, part, part.data_ptr()
+        self.view = part.narrow(0, 0, valid)
+
+    def get(self, key: str, default: object = None) -> object:
+        """The view while the partition has not moved, else ``default``."""
+        part = self.param.ds_tensor  # type: ignore[attr-defined]
+        if part is self.part and part.data_ptr() == self.ptr:
+            return self.view
+        return default
+
+
+#: The current PartitionSlot of each ZeRO-3 parameter (the same view object for every
+#: pairing, so an unchanged model keeps its plan).
+#: Keyed by id: weak containers compare tensors with ``==``, which is elementwise.
+_SLOTS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
+_VIEWS: dict[int, weakref.ref[Tensor]] = {}
+
+
+def partition(param: Tensor) -> PartitionSlot:
+    """The :class:`PartitionSlot` of a ZeRO-3 parameter (made again if it moved)."""
+    entry = _SLOTS.get(id(param))
+    if entry is not None and entry[0]() is param and entry[1].get("") is not None:
+        return entry[1]
+    slot = PartitionSlot(param)
+    key, view = id(param), id(slot.view)
+    _SLOTS[key] = (weakref.ref(param, lambda _: _SLOTS.pop(key, None)), slot)
+    _VIEWS[view] = weakref.ref(slot.view, lambda _: _VIEWS.pop(view, None))
+    return slot
+
+
+class ZeroPartitions(nn.Module):
+    """The EMA copy of a ZeRO-3 model on one rank: the model's names, this rank's partitions.
+
+    Submodules are plain ``nn.Module`` containers (it has no forward: ``ema(x)`` and
+    ``ema.swap()`` run the online model on the EMA partitions). Each ZeRO-3 parameter is a
+    1-D parameter of its partition's length; buffers and parameters DeepSpeed does not
+    partition have their own shapes. Its state adds ``zero3_world_size``, so that a state
+    saved on another number of ranks is refused by name.
+
+    Attributes:
+        model_class: the online model's class name (for the export's header).
+        shapes: ``name -> (full shape, numel, process group, padded partition size)`` of
+            each partition.
+        world_size: the number of ranks the partitions were cut for.
+    """
+
+    def __init__(self, model_class: str, world_size: int) -> None:
+        super().__init__()
+        self.model_class = model_class
+        self.shapes: dict[str, tuple[torch.Size, int, Any, int]] = {}
+        self.world_size = world_size
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + WORLD_KEY] = torch.tensor(self.world_size)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + WORLD_KEY
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key in missing_keys:
+            missing_keys.remove(key)
+
+    def agree(self, tracker: Any) -> None:
+        """Every rank's EMA at the same step and skip count before a state is taken (one
+        bounded all-gather, :func:`~emakit._dist.collectives.agree`): the ranks' states
+        are the parts of one, as DeepSpeed's ``save_checkpoint`` saves them together.
+
+        Raises:
+            EMAStateError: the ranks' steps or skip counts differ (on every rank).
+            EMARuntimeError: some ranks did not take their state within the timeout.
+        """
+        if torch.distributed.is_initialized():
+            tracker.sync_views()
+            step, skips = tracker.step, tracker.num_skipped_nonfinite
+            agree("state_dict of a ZeRO-3 EMA", step=step, skips=skips)
+
+    def refuse_other_world(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Raise unless ``state_dict`` holds partitions cut for this world size.
+
+        Raises:
+            EMAStateError: saved on another number of ranks, or not by a ZeRO-3 EMA; the
+                message says what to use instead.
+        """
+        saved = state_dict.get(prefix + WORLD_KEY)
+        if saved is not None and int(saved) == self.world_size:
+            return
+        what = (
+            f"ZeRO-3 partitions of {int(saved)} ranks"
+            if saved is not None
+            else "no ZeRO-3 partitions (it was not saved by an EMA of a ZeRO-3 model)"
+        )
+        raise EMAStateError(
+            f"this EMA holds ZeRO-3 partitions of {self.world_size} ranks, and the state "
+            f"holds {what}: a per-rank EMA state loads only on the same number of ranks; "
+            f"to change the world size, export the full EMA on the old job with "
+            f"emakit.distributed.save_full_ema_weights(ema, path) and start the new "
+            f"job's EMA from that file with emakit.distributed.load_full_ema_weights(ema, "
+            f"path)"
+        )
+
+    def layout(self) -> dict[str, Tensor]:
+        """Every tensor of the full EMA as a meta tensor of its full shape and dtype."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name == WORLD_KEY:
+                continue
+            shape = self.shapes[name][0] if name in self.shapes else t.shape
+            out[name] = torch.empty(shape, dtype=t.dtype, device="meta")
+        return out
+
+    def own_part(self, name: str, full: Tensor) -> Tensor:
+        """This rank's partition of the full tensor ``full`` of ``name`` (``full`` itself
+        for a tensor DeepSpeed does not partition, or of another size, which the caller's
+        shape check names)."""
+        if name not in self.shapes or full.numel() != self.shapes[name][1]:
+            return full
+        _, _, group, size = self.shapes[name]
+        rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+        return full.reshape(-1)[rank * size : (rank + 1) * size]
+
+    def full(self, name: str, dtype: torch.dtype | None) -> Tensor:
+        """The full EMA tensor ``name`` (a collective for a partition: every rank calls
+        it, in the same order), floating values cast to ``dtype`` before the gather."""
+        t = self.get_parameter(name) if name in self.shapes else self.state_dict()[name]
+        if name not in self.shapes:
+            return t
+        shape, numel, group, size = self.shapes[name]
+        return gather_partition(t, shape, numel, group, size, dtype)
+
+
+def build_partitions(
+    model: nn.Module,
+    *,
+    tracked: Callable[[str], bool],
+    dtype_for: Callable[[Tensor], torch.dtype | None],
+) -> ZeroPartitions:
+    """The :class:`ZeroPartitions` of a ZeRO-3 ``model``, with empty placeholders for the
+    tracked tensors (laid out from the partitions by the caller) and clones of the rest."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    root = ZeroPartitions(type(model).__name__, world)
+    copies: dict[str, nn.Module] = {"": root}
+    for name, module in model.named_modules():
+        if name:
+            parent, _, leaf = name.rpartition(".")
+            copies[name] = nn.Module()
+            copies[parent].add_module(leaf, copies[name])
+        copy = copies[name]
+        for key, p in module._parameters.items():
+            full = f"{name}.{key}" if name else key
+            if p is None or not tracked(full):
+                continue
+            value = partition(p).view if is_zero3_param(p) else p
+            dtype = dtype_for(value) or value.dtype
+            placeholder = torch.empty(0, dtype=dtype, device=value.device)
+            copy.register_parameter(key, nn.Parameter(placeholder, requires_grad=False))
+            if is_zero3_param(p):
+                group = getattr(p, "ds_process_group", None)
+                size = p.ds_tensor.numel()  # type: ignore[attr-defined]
+                root.shapes[full] = (p.ds_shape, p.ds_numel, group, size)  # type: ignore[attr-defined]
+        for key, b in module._buffers.items():
+            full = f"{name}.{key}" if name else key
+            if b is not None and tracked(full):
+                copy.register_buffer(key, torch.empty(0, dtype=b.dtype, device=b.device))
+    return root
+
+
+def gather_partition(
+    part: Tensor,
+    shape: torch.Size,
+    numel: int,
+    group: Any,
+    size: int,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """The full tensor from every rank's 1-D partition ``part`` (one all-gather on
+    ``group``): the ranks' partitions, each padded to ``size``, in rank order, the first
+    ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
+    dist = torch.distributed
+    local = part.detach()
+    if dtype is not None and local.is_floating_point():
+        local = local.to(dtype)
+    if local.numel() != size:
+        local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
+    out = local.new_empty(dist.get_world_size(group) * size)
+    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    return out[:numel].view(shape)
+
+
+class PartitionSwap:
+    """Gathered ZeRO-3 parameters released around writes into their partitions.
+
+    DeepSpeed gathers a parameter from the partitions before the forward of the module
+    that uses it, and frees it after, except *persistent* parameters (small ones, kept
+    gathered for the whole run). :meth:`release` frees every gathered parameter (no
+    collective), so the next forward gathers the partitions as they are then;
+    :meth:`restore` gathers the persistent ones again (one collective: every rank).
+
+    Args:
+        params: the model's ZeRO-3 parameters.
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.gathered: list[Tensor] = []
+
+    def release(self) -> None:
+        """Free the gathered parameters (remembering them the first time)."""
+        available = [p for p in self.params if _available(p)]
+        if not self.gathered:
+            self.gathered = available
+        for p in available:
+            p.partition(has_been_updated=False)  # type: ignore[attr-defined]
+
+    def restore(self) -> None:
+        """Gather again the parameters that were gathered before :meth:`release`."""
+        gathered, self.gathered = self.gathered, []
+        if gathered:
+            gathered[0].all_gather(param_list=gathered)  # type: ignore[attr-defined]
+
+
+def _available(p: Tensor) -> bool:
+    status = getattr(p, "ds_status", None)
+    return getattr(status, "name", None) == "AVAILABLE"

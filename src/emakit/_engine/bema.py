@@ -1,0 +1,187 @@
+"""BEMA's update over an EMA's pairs: the EMA, ``theta0`` and the evaluated weights.
+
+A :class:`BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
+:mod:`emakit._engine.runners`). Per (device, dtype) group of averaged tensors it keeps
+three lists laid out alike, one span per run of memory-adjacent tensors:
+
+* ``out``: the evaluated (bias-corrected) weights, which are the EMA model's own tensors
+  (so ``swap()``, ``ema(x)`` and every export read them);
+* ``ema``: the plain EMA;
+* ``theta0``: the weights at ``update_after``;
+
+and a source per span: the online tensors themselves when they already form the same span
+in the same dtype and device, else a staging buffer laid out like the shadow (pinned when
+the values come from an accelerator), allocated once. An averaging update is five
+foreach kernels and allocates nothing:
+
+.. math:: \\text{ema} \\leftarrow \\text{ema} + \\beta_t(\\theta_t - \\text{ema}),\\qquad
+   \\text{out} \\leftarrow ((\\theta_t - \\theta_0)\\,\\alpha_t) + \\text{ema}
+
+The second line is TRL's ``ema + alpha * (thetat - theta0)`` in TRL's order of operations,
+so ``out`` has TRL's bits for a given ``ema``; the first is one ``lerp_`` where TRL does
+``ema.mul_(1 - beta).add_(theta, alpha=beta)`` (the two agree to float rounding). A copy
+action (the first call, or ``t == update_after``) sets all three to the online values.
+Tensors that are copied rather than averaged (integer buffers, no-EMA names) are copied
+into the EMA model on every update and every copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .._dist.dtensor import local_tensor
+from .pairs import TensorPair
+from .spans import adjacent, span
+
+if TYPE_CHECKING:
+    from ..decay import Action
+
+__all__ = ["BEMAWork", "state_order"]
+
+
+def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
+    """The averaged pairs in the memory order of their shadows, the order in which the EMA
+    and ``theta0`` tensors are laid out (so they form the same spans)."""
+
+    def order(p: TensorPair) -> tuple[str, str, int, int]:
+        s = local_tensor(p.shadow)
+        return (str(s.device), str(s.dtype), s.untyped_storage().data_ptr(), s.storage_offset())
+
+    return sorted((p for p in pairs if p.average), key=order)
+
+
+def _runs(lists: Sequence[Sequence[Tensor]]) -> list[list[int]]:
+    """Maximal runs of indices whose tensors are memory-adjacent in every list at once."""
+    runs: list[list[int]] = []
+    for i in range(len(lists[0])):
+        j = runs[-1][-1] if runs else -1
+        gaps = {ts[i].storage_offset() - ts[j].storage_offset() for ts in lists}
+        # adjacent in every list, and spaced alike (alignment padding), so spans line up
+        if runs and len(gaps) == 1 and all(adjacent(ts[j], ts[i]) for ts in lists):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+class _Group:
+    """One (device, dtype) group of averaged tensors: spans of out, ema, theta0, source."""
+
+    def __init__(
+        self, outs: list[Tensor], emas: list[Tensor], theta0s: list[Tensor], onlines: list[Tensor]
+    ) -> None:
+        ref = outs[0]
+        direct = all(o.dtype == ref.dtype and o.device == ref.device for o in onlines)
+        runs = _runs([outs, emas, theta0s, onlines] if direct else [outs, emas, theta0s])
+        self.out = [span([outs[i] for i in r]) for r in runs]
+        self.ema = [span([emas[i] for i in r]) for r in runs]
+        self.theta0 = [span([theta0s[i] for i in r]) for r in runs]
+        self.gather_dst: list[Tensor] = []  # staging views, one per tensor
+        self.gather_src: list[Tensor] = []  # the online tensors
+        if direct:
+            self.src = [span([onlines[i] for i in r]) for r in runs]
+            return
+        pin = ref.device.type == "cpu" and onlines[0].device.type != "cpu"
+        pin = pin and torch.cuda.is_available()
+        # laid out as the out spans are, alignment padding (zeros) included
+        size = sum(o.numel() for o in self.out)
+        staging = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        if pin:
+            staging = staging.pin_memory()
+        self.src, base = [], 0
+        for r, out_span in zip(runs, self.out, strict=True):
+            self.src.append(torch.as_strided(staging, out_span.shape, out_span.stride(), base))
+            start = outs[r[0]].storage_offset()
+            for i in r:
+                out = outs[i]  # the same shape and strides as the shadow tensor
+                at = base + out.storage_offset() - start
+                view = torch.as_strided(staging, out.shape, out.stride(), at)
+                self.gather_dst.append(view)
+                self.gather_src.append(onlines[i])
+            base += out_span.numel()
+
+    def gather(self, non_blocking: bool) -> None:
+        if self.gather_dst:
+            torch._foreach_copy_(self.gather_dst, self.gather_src, non_blocking=non_blocking)
+
+    def snapshot(self) -> None:
+        for dst in (self.theta0, self.ema, self.out):
+            torch._foreach_copy_(dst, self.src)
+
+    def average(self, beta: float, alpha: float) -> None:
+        torch._foreach_lerp_(self.ema, self.src, beta)
+        torch._foreach_copy_(self.out, self.src)
+        torch._foreach_sub_(self.out, self.theta0)
+        torch._foreach_mul_(self.out, alpha)
+        torch._foreach_add_(self.out, self.ema)
+
+
+class BEMAWork:
+    """The BEMA update of ``pairs`` (see the module docstring), runnable by any runner.
+
+    Args:
+        pairs: the EMA's pairs (its plan's); the shadow tensors are the evaluated weights.
+        ema: the EMA tensor of each averaged pair, by name, laid out in
+            :func:`state_order` (DTensors: this rank's shard).
+        theta0: ``theta0`` likewise.
+    """
+
+    def __init__(
+        self,
+        pairs: Sequence[TensorPair],
+        ema: Mapping[str, Tensor],
+        theta0: Mapping[str, Tensor],
+    ) -> None:
+        self.pairs = list(pairs)
+        by_key: dict[tuple[Any, ...], list[TensorPair]] = {}
+        for p in state_order(self.pairs):
+            s = local_tensor(p.shadow)
+            by_key.setdefault((s.device, s.dtype), []).append(p)
+        self.groups = [
+            _Group(
+                [local_tensor(p.shadow) for p in members],
+                [ema[p.name] for p in members],
+                [theta0[p.name] for p in members],
+                [local_tensor(p.online) for p in members],
+            )
+            for members in by_key.values()
+        ]
+        copied = [p for p in self.pairs if not p.average]
+        self.copy_dst = [local_tensor(p.shadow) for p in copied]
+        self.copy_src = [local_tensor(p.online) for p in copied]
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
+        return bool(self.pairs) and self.pairs[0].online.is_cuda
+
+    def run(self, action: Action) -> None:
+        """Carry out ``action`` now."""
+        self.stage()
+        self.finish(action)
+
+    @torch.no_grad()
+    def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
+        """Copy the never-averaged tensors into the EMA model and snapshot the averaged
+        ones into the staging buffers (where they are staged)."""
+        if self.copy_dst:
+            torch._foreach_copy_(self.copy_dst, self.copy_src)
+        for g in self.groups:
+            g.gather(non_blocking)
+
+    @torch.no_grad()
+    def finish(self, action: Action) -> None:
+        """The arithmetic of ``action`` from the snapshot (``"lerp"``: BEMA's update with
+        ``beta_t = action.weights[0]`` and ``alpha_t = action.bias``; ``"init"`` and
+        ``"copy"``: snapshot ``theta0``, the EMA and the output)."""
+        if action.kind == "lerp":
+            beta, alpha = action.weights[0], action.bias
+            for g in self.groups:
+                g.average(beta, alpha)
+        elif action.kind in ("init", "copy"):
+            for g in self.groups:
+                g.snapshot()

@@ -1,0 +1,278 @@
+"""The fast paths: one function per path, with one signature, picked when a plan is built.
+
+As ``torch.optim`` picks ``_single_tensor_adam`` or ``_multi_tensor_adam`` once, a
+:class:`~emakit._engine.plan.Plan` picks one :class:`Path` when it is built and calls it
+on every update, with no branch on the implementation in between:
+
+* ``"loop"`` (:data:`LOOP`): one ``lerp_``/``copy_`` per tensor, the reference (what
+  ema-pytorch runs);
+* ``"foreach"`` (:data:`FOREACH`): one ``torch._foreach_lerp_``/``_foreach_copy_`` per
+  group of tensors;
+* ``"flat"``: the same foreach functions over groups built from *spans* (runs of
+  memory-adjacent tensors viewed as one tensor, :mod:`~emakit._engine.spans`), so a model
+  laid out flat is averaged by one ``lerp_`` per group.
+
+Every path takes ``groups`` (:class:`Group`, one per decay group, device and dtype) and the
+lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``,
+``copy_unaveraged(groups)``. What happens around a path is not in it: :func:`stage` copies
+the online tensors into staging buffers first (flat groups of another dtype or device, and
+every group of a background runner), and the non-finite guard
+(:class:`~emakit._engine.finite.GuardedPath`) runs the same groups through select kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .._dist.dtensor import local_tensor
+from .kernels import multi_tensor_lerp, single_tensor_lerp
+from .pairs import TensorPair
+from .spans import aligned_offsets, runs_both, span, split_runs
+
+__all__ = ["FOREACH", "LOOP", "Group", "Path", "Transfer", "build_groups", "stage"]
+
+#: ``torch._C._storage_Use_Count`` (private, present in the torch versions emakit
+#: supports); without it every freshness check compares every pointer.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+@dataclass
+class Transfer:
+    """One list of pairs a kernel moves: ``dst`` from ``src``.
+
+    ``stage_dst``/``stage_src``: the staging copies that must happen first (flat groups
+    whose online tensors have another dtype or device, and every group of a staged plan);
+    ``src`` then holds views of the staging buffer. ``convert``: some source differs from
+    its destination in dtype or device (the per-tensor paths cast on the fly).
+    """
+
+    dst: list[Tensor] = field(default_factory=list)
+    src: list[Tensor] = field(default_factory=list)
+    stage_dst: list[Tensor] = field(default_factory=list)
+    stage_src: list[Tensor] = field(default_factory=list)
+    convert: bool = False
+
+    @property
+    def online(self) -> list[Tensor]:
+        """The online tensors (or spans) this transfer reads, staged or not."""
+        return self.stage_src or self.src
+
+
+@dataclass
+class _Pointers:
+    """Pointer guards of the spans made at build time (see :meth:`Group.stale`)."""
+
+    tensors: list[Tensor] = field(default_factory=list)
+    ptrs: list[int] = field(default_factory=list)
+    counts: list[tuple[int, int]] = field(default_factory=list)  # (storage, use count)
+
+    def add(self, run: list[int], side: Sequence[Tensor], *, every: bool = True) -> None:
+        # A multi-tensor span is a view made now; if the storage of a tensor in it moves
+        # later (``model.to()``, ``param.data = ...``), the span is stale. Online spans
+        # guard every tensor (a user may re-point any one parameter); the EMA's own spans
+        # guard their ends, which catches ``ema_model.to()``. Lone tensors are used live.
+        if len(run) > 1:
+            for i in run if every else (run[0], run[-1]):
+                self.tensors.append(side[i])
+                self.ptrs.append(side[i].data_ptr())
+
+    def seal(self) -> None:
+        """Record the use counts of the storages under the guarded spans."""
+        if _use_count is not None:
+            handles = {t.untyped_storage()._cdata for t in self.tensors}
+            self.counts = [(h, _use_count(h)) for h in handles]
+
+    def moved(self) -> bool:
+        # Re-pointing a tensor's .data away from a span's storage drops that storage's use
+        # count: if no count moved, nothing moved; if one did (a view was made or freed
+        # somewhere), compare every pointer, then accept the new counts.
+        counts = self.counts
+        if counts and _use_count is not None and all(_use_count(h) == n for h, n in counts):
+            return False
+        moved = list(map(Tensor.data_ptr, self.tensors)) != self.ptrs
+        if not moved:
+            self.seal()
+        return moved
+
+
+@dataclass
+class Group:
+    """The pairs of one decay group, shadow device and dtype, online device and dtype."""
+
+    decay_group: int
+    key: tuple
+    first: tuple[Tensor, Tensor]  # a (dst, src) pair, to see the group's dtype change
+    lerp: Transfer = field(default_factory=Transfer)
+    copy: Transfer = field(default_factory=Transfer)
+    pointers: _Pointers = field(default_factory=_Pointers)
+
+    def stale(self) -> bool:
+        """Whether the group's tensors changed dtype or device, or a span's storage moved."""
+        dst, src = self.first
+        if (dst.device, dst.dtype, src.device, src.dtype) != self.key:
+            return True
+        return bool(self.pointers.tensors) and self.pointers.moved()
+
+
+def _spans(flat: Transfer, pointers: _Pointers, dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """Fill ``flat`` with spans of ``dsts`` and ``srcs`` (same dtype and device)."""
+    for run in runs_both(dsts, srcs):
+        flat.dst.append(span([dsts[i] for i in run]))
+        flat.src.append(span([srcs[i] for i in run]))
+        pointers.add(run, dsts, every=False)
+        pointers.add(run, srcs)
+
+
+def _staged_spans(
+    flat: Transfer, pointers: _Pointers, dsts: list[Tensor], srcs: list[Tensor], pin: bool
+) -> None:
+    """Fill ``flat`` through a staging buffer laid out like ``dsts``: online runs are copied
+    into it (``stage_*``), then each shadow run is updated from its slice. The buffer is
+    reused on every update, so nothing is allocated on the hot path."""
+    # Laid out as emakit lays out the shadow (aligned, zero padding), so runs of both
+    # sides map onto it.
+    offsets = aligned_offsets([t.numel() for t in dsts])
+    total = offsets[-1] + dsts[-1].numel()
+    staging = torch.zeros(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
+
+    def view(run: list[int], like: Sequence[Tensor]) -> Tensor:
+        n = offsets[run[-1]] + like[run[-1]].numel() - offsets[run[0]]
+        v = staging.narrow(0, offsets[run[0]], n)
+        return v.view(like[run[0]].shape) if len(run) == 1 else v
+
+    for run in split_runs(srcs, offsets):
+        flat.stage_src.append(span([srcs[i] for i in run]))
+        flat.stage_dst.append(view(run, srcs))
+        pointers.add(run, srcs)
+    for run in split_runs(dsts, offsets):
+        flat.dst.append(span([dsts[i] for i in run]))
+        flat.src.append(view(run, dsts))
+        pointers.add(run, dsts, every=False)
+
+
+def _flatten(g: Group, staged: bool) -> None:
+    """Replace ``g``'s per-tensor lists by spans (the ``"flat"`` form)."""
+    dst, src = g.first
+    direct = not staged and dst.dtype == src.dtype and dst.device == src.device
+    # Pinned when the values arrive from an accelerator, so the copy can be non-blocking.
+    pin = staged and dst.device.type == "cpu" and src.device.type != "cpu"
+    for name in ("lerp", "copy"):
+        tensors: Transfer = getattr(g, name)
+        flat = Transfer()
+        if tensors.dst and direct:
+            _spans(flat, g.pointers, tensors.dst, tensors.src)
+        elif tensors.dst:
+            _staged_spans(flat, g.pointers, tensors.dst, tensors.src, pin)
+        setattr(g, name, flat)
+    g.pointers.seal()
+
+
+def build_groups(
+    pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool, staged: bool = False
+) -> list[Group]:
+    """The groups of ``pairs`` for one direction (online -> shadow, or back): per tensor,
+    or as spans when ``flat`` (always through staging buffers when ``staged``)."""
+    groups: dict[tuple, Group] = {}
+    for p in pairs:
+        dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
+        dst, src = local_tensor(dst), local_tensor(src)  # DTensor: this rank's shard
+        key = (dst.device, dst.dtype, src.device, src.dtype)
+        g = groups.get((p.group if p.average else 0, *key))
+        if g is None:
+            g = groups[(p.group if p.average else 0, *key)] = Group(
+                p.group if p.average else 0, key, (dst, src)
+            )
+        transfer = g.lerp if p.average else g.copy
+        transfer.dst.append(dst)
+        transfer.src.append(src)
+        transfer.convert = key[:2] != key[2:]
+    out = list(groups.values())
+    if flat or staged:
+        for g in out:
+            _flatten(g, staged)
+    return out
+
+
+def stage(groups: Sequence[Group], *, non_blocking: bool = False, lerp: bool = True) -> None:
+    """Copy the online tensors into the groups' staging buffers (where they have any); only
+    the copied (never averaged) pairs' with ``lerp=False``."""
+    for g in groups:
+        for t in (g.lerp, g.copy) if lerp else (g.copy,):
+            if t.stage_dst:
+                torch._foreach_copy_(t.stage_dst, t.stage_src, non_blocking=non_blocking)
+
+
+# -- the paths -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Path:
+    """One implementation: three functions over the same groups (see the module docstring).
+
+    Attributes:
+        lerp: ``lerp(groups, weights)``: average the averaged pairs with
+            ``weights[group.decay_group]``, copy the others.
+        copy: ``copy(groups)``: copy every pair.
+        copy_unaveraged: ``copy_unaveraged(groups)``: copy the never-averaged pairs only.
+    """
+
+    name: str
+    lerp: Callable[[Sequence[Group], Sequence[float]], None]
+    copy: Callable[[Sequence[Group]], None]
+    copy_unaveraged: Callable[[Sequence[Group]], None]
+
+
+def _loop_copy_unaveraged(groups: Sequence[Group]) -> None:
+    for g in groups:
+        for d, s in zip(g.copy.dst, g.copy.src, strict=True):
+            d.copy_(s)
+
+
+def _loop_lerp(groups: Sequence[Group], weights: Sequence[float]) -> None:
+    for g in groups:
+        for d, s in zip(g.copy.dst, g.copy.src, strict=True):
+            d.copy_(s)
+        single_tensor_lerp(g.lerp.dst, g.lerp.src, weights[g.decay_group])
+
+
+def _loop_copy(groups: Sequence[Group]) -> None:
+    for g in groups:
+        for t in (g.lerp, g.copy):
+            for d, s in zip(t.dst, t.src, strict=True):
+                d.copy_(s)
+
+
+def _foreach_copy_unaveraged(groups: Sequence[Group]) -> None:
+    for g in groups:
+        if g.copy.dst:
+            torch._foreach_copy_(g.copy.dst, g.copy.src)
+
+
+def _foreach_lerp(groups: Sequence[Group], weights: Sequence[float]) -> None:
+    for g in groups:
+        copy, lerp = g.copy, g.lerp
+        if copy.dst:
+            torch._foreach_copy_(copy.dst, copy.src)
+        if not lerp.dst:
+            continue
+        if lerp.convert:
+            multi_tensor_lerp(lerp.dst, lerp.src, weights[g.decay_group])
+        else:
+            torch._foreach_lerp_(lerp.dst, lerp.src, weights[g.decay_group])
+
+
+def _foreach_copy(groups: Sequence[Group]) -> None:
+    for g in groups:
+        for t in (g.lerp, g.copy):
+            if t.dst:
+                torch._foreach_copy_(t.dst, t.src)
+
+
+#: The reference path: one kernel per tensor.
+LOOP = Path("loop", _loop_lerp, _loop_copy, _loop_copy_unaveraged)
+#: One multi-tensor kernel per group (of tensors, or of spans for ``"flat"``).
+FOREACH = Path("foreach", _foreach_lerp, _foreach_copy, _foreach_copy_unaveraged)

@@ -1,0 +1,376 @@
+"""``BEMA``: the bias-corrected EMA of Block et al. 2025 ("EMA Without the Lag",
+arXiv:2508.00180), with the numbers of TRL's ``BEMACallback``.
+
+An EMA lags the weights it averages; BEMA adds back a multiple of how far the weights
+moved since a reference point, which removes the lag's bias at early times:
+
+.. math:: \\text{ema}_t = (1 - \\beta_t)\\,\\text{ema}_{t-1} + \\beta_t\\,\\theta_t,\\qquad
+   \\hat\\theta_t = \\text{ema}_t + \\alpha_t\\,(\\theta_t - \\theta_0)
+
+with ``beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier)`` and
+``alpha_t = (lag + multiplier t)^-bias_power`` (see [`BEMARule`][emakit.decay.BEMARule]).
+It is an EMA kind like the others: the decay rule is pure, the update a fused piece of
+work on the same runners (inline, background thread, offloaded to the CPU), the state one
+versioned codec next to ema-pytorch's keys, and ``swap()``, ``ema(x)`` and the exports
+read the evaluated weights ``theta_hat``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._core.state import StateCodec, integer, real
+from ._dist.dtensor import is_dtensor, local_tensor
+from ._engine.bema import BEMAWork, state_order
+from ._engine.flat import rehome_
+from ._engine.plan import Plan
+from ._engine.runners import Runner
+from .decay import Action, BEMARule, bema_rule
+from .ema import EMA
+from .errors import EMAStateError
+
+__all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
+
+#: Version of what :meth:`BEMA.state_dict` adds to EMA's: the ``bema_ema.*`` and
+#: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
+BEMA_STATE_VERSION = 1
+_SETTINGS = (
+    "update_freq",
+    "ema_power",
+    "bias_power",
+    "lag",
+    "update_after",
+    "multiplier",
+    "min_ema_multiplier",
+)
+_CODEC = StateCodec(
+    BEMA_STATE_VERSION,
+    [
+        integer("update_freq", meta=True),
+        real("ema_power", meta=True),
+        real("bias_power", meta=True),
+        real("lag", meta=True),
+        integer("update_after", meta=True),
+        real("multiplier", meta=True),
+        real("min_ema_multiplier", meta=True),
+    ],
+    version_name="bema_version",
+)
+_EMA_KEY, _THETA0_KEY = "bema_ema.", "bema_theta0."
+
+
+class BEMA(EMA):
+    """A bias-corrected EMA (BEMA, arXiv:2508.00180) in TRL's parameterization.
+
+    Call :meth:`update` after every optimizer step, as for an [`EMA`][emakit.EMA]. ``t``
+    is the number of :meth:`update` calls, which is TRL's ``state.global_step``. At
+    construction (TRL: ``on_train_begin``) ``theta0``, the EMA and the evaluated weights
+    are the model's weights. Then, at call ``t``:
+
+    * ``t < update_after``: nothing;
+    * ``t == update_after``: ``theta0``, the EMA and the evaluated weights become
+      ``theta_t`` (TRL keeps its evaluated copy from ``on_train_begin`` until the first
+      averaging update instead; the paper's BEMA at ``tau`` is ``theta_tau``, as here);
+    * ``(t - update_after) % update_freq == 0``: ``ema.lerp_(theta_t, beta_t)``, then the
+      evaluated weights ``ema + alpha_t * (theta_t - theta0)``; between updates they hold.
+
+    The paper (Algorithm 1) counts ``t`` from the burn-in, ``beta_t = (rho + gamma (t -
+    tau))^-kappa``; TRL, and so this class, count it from the start of training, which
+    differs when ``update_after > 0``.
+
+    **Memory**: three copies of the averaged tensors, on ``device``: ``theta0`` and the
+    EMA (BEMA's state), and the evaluated weights (the EMA model itself: what
+    :meth:`swap`, ``ema(x)`` and the exports read, computed at each update from that
+    step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
+    EMA lives on another device or dtype than the model.
+
+    Args:
+        model: the online (training) module.
+        update_freq: calls between BEMA updates (``phi``). Default 400.
+        ema_power: the EMA weight's exponent (``kappa``); 0 disables the EMA. Default 0.5.
+        bias_power: the bias weight's exponent (``eta``); 0 keeps ``alpha_t = 1``.
+            Default 0.2.
+        lag: the offset ``rho`` of both schedules. Default 10.
+        update_after: the burn-in ``tau``, in calls. Default 0.
+        multiplier: the time scale ``gamma``, > 0. Default 1.0.
+        min_ema_multiplier: the floor of ``beta_t``, in [0, 1]. Default 0.0.
+        ema_model: keyword-only; a module (or factory) to hold the evaluated weights; the
+            model's weights are copied into it. Default None: a copy of ``model``.
+        device: keyword-only; keep the BEMA tensors on this device, e.g. ``"cpu"`` (TRL's
+            default) for a GPU model. Default None: the model's device.
+        async_update: keyword-only; run the arithmetic on a background thread (see
+            [`EMA`][emakit.EMA]). Default None: True when ``device`` is given.
+        ema_dtype: keyword-only; keep floating BEMA tensors in at least this dtype.
+            Default None.
+        param_or_buffer_names_no_ema, ignore_names, ignore_startswith_names,
+            allow_different_devices, forward_method_names, include_online_model:
+            keyword-only, as for [`EMA`][emakit.EMA].
+
+    Example:
+        >>> net = torch.nn.Linear(4, 4)
+        >>> bema = BEMA(net, update_freq=2)
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> for _ in range(4):
+        ...     net(torch.randn(8, 4)).pow(2).mean().backward()
+        ...     opt.step(); opt.zero_grad(); bema.update()
+        >>> round(bema.get_current_decay(), 4)  # 1 - (10 + 4) ** -0.5
+        0.7327
+        >>> y = bema(torch.randn(2, 4))  # on the BEMA weights
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: float = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        *,
+        ema_model: nn.Module | Any | None = None,
+        device: torch.device | str | None = None,
+        async_update: bool | None = None,
+        ema_dtype: torch.dtype | None = None,
+        param_or_buffer_names_no_ema: Iterable[str] = (),
+        ignore_names: Iterable[str] = (),
+        ignore_startswith_names: Iterable[str] = (),
+        allow_different_devices: bool = False,
+        forward_method_names: Sequence[str] = (),
+        include_online_model: bool = False,
+    ) -> None:
+        rule = bema_rule(
+            update_freq=update_freq,
+            ema_power=ema_power,
+            bias_power=bias_power,
+            lag=lag,
+            update_after=update_after,
+            multiplier=multiplier,
+            min_ema_multiplier=min_ema_multiplier,
+        )
+        super().__init__(
+            model,
+            ema_model=ema_model,
+            update_after_step=0,
+            update_every=1,
+            param_or_buffer_names_no_ema=param_or_buffer_names_no_ema,
+            ignore_names=ignore_names,
+            ignore_startswith_names=ignore_startswith_names,
+            include_online_model=include_online_model,
+            allow_different_devices=allow_different_devices,
+            forward_method_names=forward_method_names,
+            ema_dtype=ema_dtype,
+            device=device,
+            async_update=async_update,
+        )
+        self.tracker.rule = rule
+        self._ema: dict[str, Tensor] = {}
+        self._theta0: dict[str, Tensor] = {}
+        self._lay_out_state()
+        self._runner = BEMARunner(self.tracker.runner, self._ema, self._theta0)
+        self.tracker.runner = self._runner
+        self.copy_params_from_model_to_ema()  # theta0 = ema = output = the model now
+        self.tracker.set_counters(initted=True)
+
+    @property
+    def rule(self) -> BEMARule:
+        """The BEMA rule (its settings: ``rule.update_freq``, ``rule.lag`` ...)."""
+        return self.tracker.rule  # type: ignore[return-value]
+
+    def _lay_out_state(self) -> None:
+        """Allocate the EMA and ``theta0`` tensors, laid out like the evaluated weights."""
+        pairs = self.tracker.plan().pairs
+        order = state_order(pairs)
+        shadows = [local_tensor(p.shadow) for p in order]
+        for store in (self._ema, self._theta0):
+            tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
+            rehome_(tensors, sources=shadows)
+            by_name = {p.name: t for p, t in zip(order, tensors, strict=True)}
+            store.clear()  # in the model's order (the same on every rank), not memory order
+            store.update((p.name, by_name[p.name]) for p in pairs if p.name in by_name)
+
+    def copy_params_from_model_to_ema(self) -> None:
+        """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
+        evaluated weights all become a copy of the model (the counters are kept)."""
+        tracker = self.tracker
+        tracker.runner.wait()
+        self._runner.work_for(tracker.plan()).run(Action("copy", call=tracker.step))
+
+    def get_current_decay(self) -> float:
+        """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
+        last = self.tracker.last
+        return self.rule.decay(last) if last > 0 else 0.0
+
+    def current_decays(self) -> dict[str, float]:
+        """``{"default": get_current_decay()}`` (a BEMA has one group)."""
+        return {"default": self.get_current_decay()}
+
+    @property
+    def bias_weight(self) -> float:
+        """``alpha_t`` of the most recent BEMA update (0 before the first)."""
+        last = self.tracker.last
+        return self.rule.alpha(last) if last > 0 else 0.0
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        out = super()._apply(fn, recurse)
+        with torch.no_grad():
+            for store in (getattr(self, "_ema", {}), getattr(self, "_theta0", {})):
+                for name, t in store.items():
+                    store[name] = fn(t)
+        return out
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _CODEC.encode({k: getattr(self.rule, k) for k in _SETTINGS}, destination, prefix)
+        shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
+        for key, store in ((_EMA_KEY, self._ema), (_THETA0_KEY, self._theta0)):
+            for name, t in store.items():
+                value = _like_shadow(t, shadows[name])
+                destination[prefix + key + name] = value if keep_vars else value.detach()
+
+    def owns_state_key(self, key: str) -> bool:
+        return (
+            key.startswith((_EMA_KEY, _THETA0_KEY))
+            or key in _CODEC.keys
+            or super().owns_state_key(key)
+        )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
+        for name, value in saved.items():
+            mine = getattr(self.rule, name)
+            if value != mine:
+                raise EMAStateError(
+                    f"state_dict is of a BEMA with {name}={value!r}, but this BEMA has "
+                    f"{name}={mine!r}; build the BEMA with the settings it was saved with"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        with torch.no_grad():
+            for key, store in ((_EMA_KEY, self._ema), (_THETA0_KEY, self._theta0)):
+                for name, t in store.items():
+                    value = state_dict.get(prefix + key + name)
+                    if value is None:
+                        missing_keys.append(prefix + key + name)
+                    else:
+                        t.copy_(local_tensor(value))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The BEMA state: [`EMA.state_dict`][emakit.EMA.state_dict]'s keys (``ema_model.*``
+        holds the evaluated weights), plus the EMA and ``theta0`` of every averaged tensor,
+        and the settings in the module's metadata (``bema_version`` 1), for
+        ``BEMA(nn.Linear(2, 2))``::
+
+            {
+                "initted": tensor(True),
+                "step": tensor(800),
+                "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
+                "ema_model.bias": tensor(...),
+                "bema_ema.weight": tensor(...),      # the plain EMA
+                "bema_ema.bias": tensor(...),
+                "bema_theta0.weight": tensor(...),   # the weights at update_after
+                "bema_theta0.bias": tensor(...),
+            }
+
+        A resumed BEMA continues bit for bit. Loading refuses a state saved with other
+        settings (when the metadata is there).
+        """
+        return super().state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return repr(self.rule)
+
+
+class BEMARunner:
+    """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
+    handed a ``BEMAWork`` (:mod:`emakit._engine.bema`) for each plan it is given, so the
+    tracker's one update path (``Tracker.update()``) drives BEMA too.
+
+    Args:
+        inner: the runner the EMA's keywords asked for.
+        ema, theta0: BEMA's state tensors by name (see :class:`BEMA`).
+    """
+
+    def __init__(self, inner: Runner, ema: dict[str, Tensor], theta0: dict[str, Tensor]) -> None:
+        self.inner = inner
+        self.ema = ema
+        self.theta0 = theta0
+        self._work: tuple[Plan, BEMAWork] | None = None
+
+    @property
+    def staged(self) -> bool:  # type: ignore[override]
+        """Whether the inner runner stages (BEMA's work lays out its own staging)."""
+        return self.inner.staged
+
+    @property
+    def pending(self) -> bool:
+        """Whether an update was submitted and not yet waited for."""
+        return self.inner.pending
+
+    def work_for(self, plan: Plan) -> BEMAWork:
+        """The BEMA work over ``plan``'s pairs (built again when the plan is new)."""
+        if self._work is None or self._work[0] is not plan:
+            averaged = {p.name: p for p in plan.pairs if p.average}
+            gone = sorted(self.ema.keys() - averaged.keys())
+            if gone:  # the model changed: the state cannot follow
+                raise EMAStateError(
+                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
+                    f"gone); build a new BEMA for the new model"
+                )
+            with torch.no_grad():
+                for name, p in averaged.items():
+                    if name not in self.ema:  # a frozen weight trained again: from its value
+                        self.ema[name] = local_tensor(p.shadow).clone()
+                        self.theta0[name] = local_tensor(p.shadow).clone()
+            self._work = (plan, BEMAWork(plan.pairs, self.ema, self.theta0))
+        return self._work[1]
+
+    def submit(self, work: Any, action: Action) -> None:
+        """Carry out ``action`` with BEMA's update on the inner runner."""
+        self.inner.submit(self.work_for(work) if isinstance(work, Plan) else work, action)
+
+    def wait(self) -> None:
+        """Wait for the pending update."""
+        self.inner.wait()
+
+    def close(self) -> None:
+        """Wait, then release the inner runner's threads or streams."""
+        self.inner.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.inner.wait()
+        return {**self.__dict__, "_work": None}
+
+
+def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
+    """``local`` as the shadow is: a DTensor with the shadow's mesh and placements when the
+    shadow is one (FSDP2), so distributed checkpoints shard it alike; else itself."""
+    if not is_dtensor(shadow):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        shadow.device_mesh,  # type: ignore[attr-defined]
+        shadow.placements,  # type: ignore[attr-defined]
+        shape=shadow.shape,
+        stride=shadow.stride(),
+        run_check=False,
+    )

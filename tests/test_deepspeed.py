@@ -1,0 +1,315 @@
+"""``EMA(engine)`` under DeepSpeed ZeRO-3 and ZeRO-2, with the real deepspeed on 2 CPU ranks.
+
+One launch runs every check (a DeepSpeed engine takes seconds to build on the CPU): the
+EMA of ZeRO-3 partitions against a full-weight reference EMA fed the gathered weights
+(bit for bit), ``EMA(engine.module)``, MultiEMA and KarrasEMA, the keywords users pass,
+``swap()`` evaluation, ``ema(x)``, the streamed full export, resume through
+``client_state``, refusals (another world size, a step mismatch at save), the non-finite
+guard's agreement, and ZeRO-2 (an ordinary EMA, identical on every rank).
+
+DeepSpeed builds a small shared-memory op the first time a process group starts (minutes
+of compiling on a busy machine, cached after). A session fixture builds it once, in one
+process, under a deadline; if that fails the ranks run without it (DeepSpeed then uses
+torch.distributed for everything, which the EMA does not notice).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from _launch import DIST_MARKS, run_ranks
+from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA
+from emakit.distributed import load_full_ema_weights, save_full_ema_weights
+
+pytestmark = [
+    *DIST_MARKS,
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+    ),
+]
+
+WORLD = 2
+STEPS = 4
+WARMUP_S = 900  # building the shm op: minutes on two busy cores, once per machine
+JOB_TIMEOUT_S = 300
+KW: dict[str, Any] = dict(beta=0.9, update_after_step=1, update_every=1)
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def config(stage: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 10  # the biases persist, the weights not
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="session")
+def shm_op() -> bool:
+    """Whether DeepSpeed's shm op is built (built here once if not)."""
+    code = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, timeout=WARMUP_S
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
+
+
+# -- the job -------------------------------------------------------------------------------
+
+
+def gathered(engine: Any) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.data.clone() for n, p in engine.module.named_parameters()}
+
+
+def full_ema(ema: EMA) -> dict[str, torch.Tensor]:
+    model = ema.ema_model
+    return {n: model.full(n, None).clone() for n in model.layout()}
+
+
+def _state(ema: EMA) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in ema.ema_model.state_dict().items()}
+
+
+def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
+    engine, *_ = deepspeed.initialize(model=make_net(), config=config(3))
+    side = make_net()
+    variants: dict[str, Any] = {
+        "ema": lambda m: EMA(m, **KW, skip_nonfinite=True),
+        "module": lambda m: EMA(m.module if hasattr(m, "module") else m, **KW),
+        "keywords": lambda m: EMA(
+            m,
+            beta=0.9,
+            update_after_step=0,
+            update_every=2,
+            ema_dtype=torch.float64,
+            device="cpu",
+            decay_groups={"0.*": 0.5},
+        ),
+        "multi": lambda m: MultiEMA(m, betas=(0.5, 0.9), update_after_step=0, update_every=1),
+        "karras": lambda m: KarrasEMA(m, sigma_rel=0.2, update_every=1),
+    }
+    emas = {k: make(engine) for k, make in variants.items()}
+    refs = {k: make(side) for k, make in variants.items()}
+    for x, y in batches():
+        xr, yr = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+        engine.backward(nn.functional.mse_loss(engine(xr), yr))
+        engine.step()
+        side.load_state_dict(gathered(engine))
+        for k in emas:
+            emas[k].update()
+            refs[k].update()
+    r: dict[str, Any] = {}
+    ema, ref = emas["ema"], refs["ema"]
+    r["exact"] = {k: full_ema(emas[k] if k != "multi" else emas[k].emas[1]) for k in emas}
+    r["ref"] = {k: _state(refs[k].emas[1] if k == "multi" else refs[k]) for k in refs}
+    r["local_numel"] = sum(p.numel() for p in ema.ema_model.parameters())
+    r["total_numel"] = sum(p.numel() for p in side.parameters())
+    # Evaluation: swap() (engine's own gather), ema(x); the online weights come back.
+    x = batches()[0][0]
+    online = gathered(engine)
+    with torch.no_grad():
+        r["online_out"] = engine(x)
+        with ema.swap():
+            r["swap_out"] = engine(x)
+        r["call_out"] = ema(x)
+    r["ref_out"] = ref(x)
+    r["restored"] = all(torch.equal(v, online[n]) for n, v in gathered(engine).items())
+    # The streamed full export, loadable into the model class.
+    path = out / "ema.safetensors"
+    save_full_ema_weights(ema, path)
+    r["file"] = safetensors.torch.load_file(path) if rank == 0 else None
+    # Resume through DeepSpeed's own checkpoint into a fresh engine and EMA.
+    engine.save_checkpoint(str(out / "ckpt"), client_state={"ema": ema.state_dict()})
+    engine2, *_ = deepspeed.initialize(model=make_net(), config=config(3))
+    ema2 = EMA(engine2, **KW, skip_nonfinite=True)
+    _, client = engine2.load_checkpoint(str(out / "ckpt"))
+    ema2.load_state_dict(client["ema"])
+    mine, theirs = ema.state_dict(), ema2.state_dict()
+    r["resumed"] = mine.keys() == theirs.keys() and all(
+        torch.equal(mine[k], theirs[k]) for k in mine
+    )
+    # Another world size: refused, naming the way that works; the full file loads.
+    other = dict(mine, **{"ema_model.zero3_world_size": torch.tensor(4)})
+    try:
+        ema2.load_state_dict(other)
+    except EMAStateError as e:
+        r["world_refusal"] = str(e)
+    ema3 = EMA(engine2, **KW)
+    load_full_ema_weights(ema3, path)
+    r["from_file"] = all(
+        torch.equal(a, b)
+        for a, b in zip(ema3.ema_model.parameters(), ema.ema_model.parameters(), strict=True)
+    ) and int(ema3.step) == int(ema.step)
+    # A step mismatch across ranks is refused at save, on every rank.
+    if rank == 1:
+        ema.step = int(ema.step) + 1
+    try:
+        ema.state_dict()
+    except EMAStateError as e:
+        r["step_refusal"] = str(e)
+    ema.step = STEPS
+    # The non-finite guard: rank 0's partition poisoned, every rank skips.
+    before = [p.clone() for p in ema.ema_model.parameters()]
+    part = engine.module[0].weight.ds_tensor
+    saved = part.clone()
+    if rank == 0:
+        part[0] = float("nan")
+    ema.update()
+    part.copy_(saved)
+    r["skipped"] = ema.num_skipped_nonfinite
+    r["unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(before, ema.ema_model.parameters(), strict=True)
+    )
+    return r
+
+
+def zero2_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
+    engine, *_ = deepspeed.initialize(model=make_net(), config=config(2))
+    side = make_net()
+    ema, ref = EMA(engine, **KW), EMA(side, **KW)
+    for x, y in batches():
+        xr, yr = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+        engine.backward(nn.functional.mse_loss(engine(xr), yr))
+        engine.step()
+        side.load_state_dict(engine.module.state_dict())
+        ema.update()
+        ref.update()
+    x = batches()[0][0]
+    with torch.no_grad(), ema.swap():
+        swap_out = engine(x)
+    path = out / "ema2.safetensors"
+    save_full_ema_weights(ema, path)
+    engine.save_checkpoint(str(out / "ckpt2"), client_state={"ema": ema.state_dict()})
+    engine2, *_ = deepspeed.initialize(model=make_net(), config=config(2))
+    ema2 = EMA(engine2, **KW)
+    _, client = engine2.load_checkpoint(str(out / "ckpt2"))
+    ema2.load_state_dict(client["ema"])
+    return {
+        "ema": {n: t.clone() for n, t in ema.ema_model.state_dict().items()},
+        "ref": {n: t.clone() for n, t in ref.ema_model.state_dict().items()},
+        "swap_out": swap_out,
+        "ref_out": ref(x),
+        "file": safetensors.torch.load_file(path) if rank == 0 else None,
+        "resumed": {n: t.clone() for n, t in ema2.ema_model.state_dict().items()},
+    }
+
+
+def worker(rank: int, out: Path, shm: bool) -> dict[str, Any]:
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(WORLD))
+    import deepspeed
+
+    if not shm:  # the op could not be built here: DeepSpeed then uses torch.distributed
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    return {
+        "zero3": zero3_checks(rank, out, deepspeed),
+        "zero2": zero2_checks(rank, out, deepspeed),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, shm_op: bool) -> list[dict[str, Any]]:
+    import deepspeed  # noqa: F401  (once here, not per rank: importing takes seconds)
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    return run_ranks(
+        lambda rank, o: worker(rank, o, shm_op), out, world=WORLD, timeout_s=JOB_TIMEOUT_S
+    )
+
+
+# -- ZeRO-3 --------------------------------------------------------------------------------
+
+
+def test_zero3_ema_is_the_reference_ema_of_the_gathered_weights(results: list) -> None:
+    for r in results:
+        z = r["zero3"]
+        for kind, ref in z["ref"].items():
+            got = z["exact"][kind]
+            assert got.keys() == ref.keys(), kind
+            for n, v in ref.items():
+                assert torch.equal(got[n], v), (kind, n)
+        assert z["exact"]["keywords"]["0.weight"].dtype == torch.float64
+        assert z["local_numel"] <= z["total_numel"] // WORLD + 2  # its partitions only
+
+
+def test_zero3_swap_and_call_evaluate_the_ema_and_restore_the_model(results: list) -> None:
+    for r in results:
+        z = r["zero3"]
+        assert torch.equal(z["swap_out"], z["ref_out"])
+        assert torch.equal(z["call_out"], z["ref_out"])
+        assert not torch.equal(z["online_out"], z["ref_out"])  # the EMA is not the model
+        assert z["restored"]
+
+
+def test_zero3_full_export_loads_into_the_model_class(results: list) -> None:
+    z = results[0]["zero3"]
+    net = make_net()
+    net.load_state_dict(z["file"])
+    for n, v in z["ref"]["ema"].items():
+        assert torch.equal(net.state_dict()[n], v), n
+
+
+def test_zero3_resume_through_client_state(results: list) -> None:
+    for r in results:
+        z = r["zero3"]
+        assert z["resumed"]
+        assert z["from_file"]
+        assert "partitions of 2 ranks" in z["world_refusal"]
+        assert "load_full_ema_weights" in z["world_refusal"]
+
+
+def test_zero3_refusals_and_nonfinite_agreement(results: list) -> None:
+    for r in results:
+        z = r["zero3"]
+        assert "step" in z["step_refusal"] and "rank" in z["step_refusal"]
+        assert z["skipped"] == 1 and z["unchanged"]
+
+
+# -- ZeRO-2 --------------------------------------------------------------------------------
+
+
+def test_zero2_ema_is_identical_on_every_rank_and_resumes(results: list) -> None:
+    first = results[0]["zero2"]
+    for r in results:
+        z = r["zero2"]
+        for n, v in z["ref"].items():
+            assert torch.equal(z["ema"][n], v), n
+            assert torch.equal(z["ema"][n], first["ema"][n]), n
+            assert torch.equal(z["resumed"][n], v), n
+        assert torch.equal(z["swap_out"], z["ref_out"])
+    net = make_net()
+    net.load_state_dict(first["file"])
+    for n, v in first["ref"].items():
+        assert torch.equal(net.state_dict()[n], v), n

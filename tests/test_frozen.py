@@ -1,0 +1,227 @@
+"""Frozen weights cost nothing: shared with the online model, not copied or averaged,
+bit-identical to the real ema-pytorch through frozen/unfreeze sequences, copy-on-write for
+every write into the EMA."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from emakit import EMA, KarrasEMA, MultiEMA, load_ema_weights, save_ema_weights
+
+ema_pytorch = pytest.importorskip("ema_pytorch")
+
+KW = {"beta": 0.9, "update_after_step": 2, "update_every": 1}
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    net[0].requires_grad_(False)
+    net[2].weight.requires_grad_(False)
+    return net
+
+
+def shared(ema: EMA, net: nn.Module) -> list[str]:
+    online = dict(net.named_parameters())
+    return [n for n, p in ema.ema_model.named_parameters() if p.data_ptr() == online[n].data_ptr()]
+
+
+def batch(i: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+
+
+def step(net: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    net(batch(i)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_same_as_reference(ema: EMA, ref: object, where: object) -> None:
+    a, b = ema.state_dict(), ref.state_dict()  # type: ignore[attr-defined]
+    for k in b:
+        if k.startswith("ema_model."):
+            assert torch.equal(a[k], b[k]), (where, k)
+
+
+def test_frozen_parameters_are_shared_not_copied():
+    net = make_net()
+    ema = EMA(net, **KW)
+    assert shared(ema, net) == ["0.weight", "0.bias", "2.weight"]
+    plan_names = {p.name for p in ema.tracker.plan().pairs}
+    assert plan_names == {"2.bias", "4.weight", "4.bias"}  # nothing else is updated
+    copied = EMA(net, share_frozen=False, **KW)
+    assert shared(copied, net) == []
+    assert set(ema.state_dict()) == set(copied.state_dict())  # ema-pytorch's keys, frozen too
+
+
+def _unfreeze_in_optimizer(net: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    net[0].requires_grad_(True)
+    return opt
+
+
+def _unfreeze_new_group(net: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    net[2].weight.requires_grad_(True)
+    opt.add_param_group({"params": [net[2].weight], "lr": 0.05})
+    return opt
+
+
+def _unfreeze_new_optimizer(net: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    net.requires_grad_(True)
+    return torch.optim.Adam(net.parameters(), lr=0.01)
+
+
+UNFREEZE: dict[str, Callable] = {
+    "in-optimizer": _unfreeze_in_optimizer,
+    "new-param-group": _unfreeze_new_group,
+    "new-optimizer": _unfreeze_new_optimizer,
+}
+
+
+@pytest.mark.parametrize("share_frozen", [True, False])
+@pytest.mark.parametrize("how", list(UNFREEZE))
+def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool):
+    net = make_net()
+    ref_net = copy.deepcopy(net)
+    ema = EMA(net, share_frozen=share_frozen, **KW)
+    ref = ema_pytorch.EMA(ref_net, include_online_model=False, **KW)
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        everything = list(model.parameters())
+        return torch.optim.SGD(everything if how == "in-optimizer" else trainable, lr=0.1)
+
+    opt, ref_opt = optimizer(net), optimizer(ref_net)
+    for i in range(10):
+        if i == 5:
+            opt = UNFREEZE[how](net, opt)
+            ref_opt = UNFREEZE[how](ref_net, ref_opt)
+        step(net, opt, i)
+        step(ref_net, ref_opt, i)
+        ema.update()
+        ref.update()
+        assert_same_as_reference(ema, ref, i)
+    assert len(shared(ema, net)) < 3  # the unfrozen weights got their own storage
+
+
+def test_a_frozen_value_changed_in_place_is_seen_at_once_unless_copied():
+    net = make_net()
+    ema, copied = EMA(net, **KW), EMA(net, share_frozen=False, **KW)
+    ref = ema_pytorch.EMA(net, include_online_model=False, **KW)
+    for e in (ema, copied, ref):
+        for _ in range(4):
+            e.update()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # new base weights loaded into the frozen layer
+    for e in (ema, copied, ref):
+        e.update()
+    assert torch.equal(ema.ema_model[0].weight, net[0].weight)  # shared: at once
+    assert torch.equal(copied.ema_model[0].weight, ref.ema_model[0].weight)  # lags alike
+    assert not torch.equal(copied.ema_model[0].weight, net[0].weight)
+
+
+def _state_with_other_frozen_values(ema: EMA) -> dict:
+    state = {k: v.clone() for k, v in ema.state_dict().items()}
+    state["ema_model.0.weight"] += 0.5
+    return state
+
+
+def test_load_state_dict_copies_on_write():
+    net = make_net()
+    before = net[0].weight.detach().clone()
+    ema = EMA(net, **KW)
+    ref = ema_pytorch.EMA(copy.deepcopy(net), include_online_model=False, **KW)
+    state = _state_with_other_frozen_values(ema)
+    ema.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert torch.equal(net[0].weight, before)  # the online model is untouched
+    assert torch.equal(ema.ema_model[0].weight, before + 0.5)
+    assert "0.weight" not in shared(ema, net) and "0.bias" in shared(ema, net)
+    for _ in range(3):  # from now on it is averaged back toward the model, as ema-pytorch does
+        ema.update()
+        ref.update()
+        assert_same_as_reference(ema, ref, "after load")
+
+
+def test_load_ema_weights_copies_on_write(tmp_path: Path):
+    net = make_net()
+    before = net[0].weight.detach().clone()
+    other = make_net()
+    with torch.no_grad():
+        other[0].weight.mul_(2)
+    path = save_ema_weights(EMA(other, **KW), tmp_path / "w.safetensors")
+    ema = EMA(net, **KW)
+    load_ema_weights(ema, path)
+    assert torch.equal(net[0].weight, before)
+    assert torch.equal(ema.ema_model[0].weight, 2 * before)
+
+
+def test_loading_equal_values_keeps_sharing():
+    net = make_net()
+    ema = EMA(net, **KW)
+    buffer = io.BytesIO()
+    torch.save(ema.state_dict(), buffer)
+    buffer.seek(0)
+    ema.load_state_dict(torch.load(buffer, weights_only=True))
+    assert len(shared(ema, net)) == 3
+
+
+def test_swap_forward_and_copies_leave_the_model_alone():
+    net = make_net()
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
+    ema = EMA(net, **KW)
+    reference = EMA(net, share_frozen=False, **KW)
+    for i in range(6):
+        step(net, opt, i)
+        ema.update()
+        reference.update()
+    raw = {k: v.clone() for k, v in net.state_dict().items()}
+    x = batch(99)
+    expected = reference(x)
+    assert torch.equal(ema(x), expected)
+    for in_place in (False, True):
+        with ema.swap(in_place=in_place):
+            assert torch.equal(net(x), expected)
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, raw[k]), (in_place, k)
+    ema.copy_params_from_ema_to_model()
+    ema.copy_params_from_model_to_ema()
+    assert len(shared(ema, net)) == 3
+
+
+def test_moving_the_ema_never_moves_the_model():
+    net = make_net()
+    ema = EMA(net, coerce_dtype=True, **KW)
+    ema.double()  # the EMA's own copy of its shared weights: copy-on-write
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert shared(ema, net) == []
+    assert all(p.dtype == torch.float64 for p in ema.ema_model.parameters())
+    ema.update()
+
+
+def test_every_kind_shares():
+    net = make_net()
+    multi = MultiEMA(net, betas=(0.9, 0.99), update_after_step=0, update_every=1)
+    karras = KarrasEMA(net, sigma_rel=0.1, update_every=1)
+    assert all(len(shared(e, net)) == 3 for e in multi)
+    assert len(shared(karras, net)) == 3
+    copied = [
+        EMA(net, beta=b, share_frozen=False, update_after_step=0, update_every=1)
+        for b in (0.9, 0.99)
+    ]
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
+    for i in range(5):
+        step(net, opt, i)
+        multi.update()
+        for e in copied:
+            e.update()
+    for e, c in zip(multi, copied, strict=True):
+        a, b = e.state_dict(), c.state_dict()
+        for k in b:
+            assert torch.equal(a[k], b[k]), k
