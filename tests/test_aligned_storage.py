@@ -82,9 +82,9 @@ def test_an_aligned_flat_model_still_updates_in_one_span_padding_zero():
                 q.add_(1.0)
         ema.update()
         ref.update()
-    (group,) = ema.tracker.plan()._to_shadow.groups
-    assert len(group.flat_lerp.dst) == len(group.flat_lerp.src) == 1  # one lerp for all
-    (span,) = group.flat_lerp.dst
+    (group,) = ema.tracker.plan().groups
+    assert len(group.lerp.dst) == len(group.lerp.src) == 1  # one lerp for all
+    (span,) = group.lerp.dst
     covered = torch.zeros(span.numel(), dtype=torch.bool)
     base = span.storage_offset()
     for t in ema.ema_model.parameters():
