@@ -312,12 +312,9 @@ class BEMARunner:
         self.inner = inner
         self.ema = ema
         self.theta0 = theta0
+        #: Whether the inner runner stages (BEMA's work lays out its own staging).
+        self.staged = inner.staged
         self._work: tuple[Plan, BEMAWork] | None = None
-
-    @property
-    def staged(self) -> bool:  # type: ignore[override]
-        """Whether the inner runner stages (BEMA's work lays out its own staging)."""
-        return self.inner.staged
 
     @property
     def pending(self) -> bool:
