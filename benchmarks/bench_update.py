@@ -30,6 +30,11 @@ with torch single-threaded it is what the calls cost even while other processes 
 for the cores); the tables show the median (and the wall minimum) per call and the ratios
 to the floor by each measure.
 
+Also timed with the contenders: the default path with ``skip_nonfinite=True`` (and, with
+``--before``, the older emakit's). Then the host time of one averaging ``update()`` with
+the kernels stubbed out, against the number of modules (``N x Linear(4, 4)``, N = 20 to
+2,000; see :func:`bench_host`).
+
 Also measured: the cost of a *skipped* call (``update_every=10``, a call that does
 nothing; with ``--before`` for the older emakit too), and peak memory (process RSS
 high-water mark, ``VmHWM`` in ``/proc/self/status``, reset through
@@ -81,6 +86,9 @@ EMAKIT_DEFAULT = "emakit default (use_foreach=None)"
 EMAKIT_FLAT = "emakit default, after flatten_parameters"
 BEFORE_DEFAULT = "emakit before: default (use_foreach=None)"
 BEFORE_FLAT = "emakit before: default, after flatten_parameters"
+EMAKIT_NONFINITE = "emakit default, skip_nonfinite=True"
+BEFORE_NONFINITE = "emakit before: default, skip_nonfinite=True"
+HOST_MODULES = (20, 200, 1000, 2000)
 EMAPT_FOREACH = "ema-pytorch 0.8.3 use_foreach=True"
 CLOCKS = ("median_us", "min_us", "cpu_median_us")
 # The redesign's targets: (a) default / bare foreach, (b) skipped call in µs,
@@ -133,6 +141,11 @@ def c_emakit(use_foreach: bool | None) -> Callable[[nn.Module], Callable[[], Non
     return make
 
 
+def c_emakit_nonfinite(model: nn.Module) -> Callable[[], None]:
+    ema = EMA(model, beta=BETA, update_after_step=0, update_every=1, skip_nonfinite=True)
+    return ema.update
+
+
 def c_emakit_flat(model: nn.Module) -> Callable[[], None]:
     flat_model = copy.deepcopy(model)
     flatten_parameters(flat_model)
@@ -140,14 +153,18 @@ def c_emakit_flat(model: nn.Module) -> Callable[[], None]:
     return ema.update
 
 
-def c_before(pkg: ModuleType, *, flat: bool) -> Callable[[nn.Module], Callable[[], None]]:
-    """The older emakit's default path (``--before``), optionally after its own flattening."""
+def c_before(
+    pkg: ModuleType, *, flat: bool, skip_nonfinite: bool = False
+) -> Callable[[nn.Module], Callable[[], None]]:
+    """The older emakit's default path (``--before``), optionally after its own flattening
+    or with ``skip_nonfinite=True``."""
 
     def make(model: nn.Module) -> Callable[[], None]:
         if flat:
             model = copy.deepcopy(model)
             pkg.flatten_parameters(model)
-        ema = pkg.EMA(model, beta=BETA, update_after_step=0, update_every=1)
+        kw = {"skip_nonfinite": True} if skip_nonfinite else {}
+        ema = pkg.EMA(model, beta=BETA, update_after_step=0, update_every=1, **kw)
         return ema.update
 
     return make
@@ -219,6 +236,7 @@ CONTENDERS: dict[str, Callable[[nn.Module], Callable[[], None]]] = {
     "emakit use_foreach=True": c_emakit(True),
     EMAKIT_DEFAULT: c_emakit(None),
     EMAKIT_FLAT: c_emakit_flat,
+    EMAKIT_NONFINITE: c_emakit_nonfinite,
     "ema-pytorch 0.8.3 loop": c_ema_pytorch(False),
     EMAPT_FOREACH: c_ema_pytorch(True),
     "timm ModelEmaV3": c_timm,
@@ -239,6 +257,8 @@ def contenders(before: ModuleType | None) -> dict[str, Callable[[nn.Module], Cal
         if name == EMAKIT_FLAT:
             out[BEFORE_DEFAULT] = c_before(before, flat=False)
             out[BEFORE_FLAT] = c_before(before, flat=True)
+        if name == EMAKIT_NONFINITE:
+            out[BEFORE_NONFINITE] = c_before(before, flat=False, skip_nonfinite=True)
     return out
 
 
@@ -376,6 +396,7 @@ def bench_update(args: argparse.Namespace, before: ModuleType | None) -> list[di
             res["after_over_before"] = {
                 "default": _ratio(stats, EMAKIT_DEFAULT, BEFORE_DEFAULT),
                 "flat": _ratio(stats, EMAKIT_FLAT, BEFORE_FLAT),
+                "skip_nonfinite": _ratio(stats, EMAKIT_NONFINITE, BEFORE_NONFINITE),
             }
         results.append(res)
         del fns, timings, model
@@ -435,6 +456,38 @@ def bench_skipped(args: argparse.Namespace, before: ModuleType | None) -> list[d
             timings[name].add(*_batch_seconds(ema.update, every - 1), every - 1)
         noop.add(*_batch_seconds(nothing, every - 1), every - 1)
     return [{"contender": t.name, **t.summary()} for t in (*timings.values(), noop)]
+
+
+# -- host time per update, kernels stubbed --------------------------------------------------
+
+
+def bench_host(args: argparse.Namespace, before: ModuleType | None) -> list[dict[str, Any]]:
+    """The host (Python) time of one averaging ``update()`` against the number of modules.
+
+    Models: ``N x Linear(4, 4)`` for N in :data:`HOST_MODULES`, the default path. The
+    kernels (``torch._foreach_lerp_``/``_foreach_copy_``) are replaced by no-ops while
+    this runs, so what is timed is everything around them: on a GPU, the whole cost of
+    the update for a many-tensor model. CPU time per call, emakit and (``--before``) the
+    older emakit interleaved; the model does not change between calls.
+    """
+    saved = torch._foreach_lerp_, torch._foreach_copy_
+    rows = []
+    try:
+        torch._foreach_lerp_ = torch._foreach_copy_ = lambda *a, **k: None
+        for n in HOST_MODULES:
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+            fns = {"emakit": c_emakit(None)(model)}
+            if before is not None:
+                fns["emakit before"] = c_before(before, flat=False)(model)
+            timings = time_side_by_side(
+                fns, repeats=args.repeats, sample_s=args.sample_ms / 1e3, warmup=args.warmup
+            )
+            for name, t in timings.items():
+                rows.append({"modules": n, "contender": name, **t.summary()})
+    finally:
+        torch._foreach_lerp_, torch._foreach_copy_ = saved
+    return rows
 
 
 # -- memory (each contender in a fresh subprocess) -----------------------------------------
@@ -732,6 +785,7 @@ def _print_report(report: dict[str, Any]) -> None:
                     res["after_over_before"]["flat"],
                     "emakit after flatten_parameters: after / before",
                 ),
+                (res["after_over_before"]["skip_nonfinite"], "skip_nonfinite: after / before"),
             ]
         for r, label in ratios:
             console.print(
@@ -748,6 +802,14 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{r['median_us']:.2f}",
             f"{r['min_us']:.2f}",
             f"{r['cpu_median_us']:.2f}",
+        )
+    console.print(table)
+    table = Table(title="host time of one update(), kernels stubbed, N x Linear(4, 4)")
+    for col in ("modules", "contender", "wall median µs", "CPU median µs"):
+        table.add_column(col)
+    for r in report["host"]:
+        table.add_row(
+            str(r["modules"]), r["contender"], f"{r['median_us']:.1f}", f"{r['cpu_median_us']:.1f}"
         )
     console.print(table)
     if report.get("memory"):
@@ -828,6 +890,7 @@ def main(argv: list[str] | None = None) -> None:
         "sample_ms": args.sample_ms,
         "update": bench_update(args, before),
         "skipped": bench_skipped(args, before),
+        "host": bench_host(args, before),
         "memory": [] if args.no_memory else bench_memory(args),
     }
     report["loadavg_at_end"] = os.getloadavg()

@@ -46,6 +46,11 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "synthesize",
         "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
     ),
+    "sweep": (
+        "emakit.posthoc.sweep_cli",
+        "sweep_cmd",
+        "Choose the EMA length: synthesize many lengths from a snapshot FOLDER and score each.",
+    ),
 }
 
 

@@ -47,13 +47,8 @@ from . import _validate as check
 from ._core.sharding import copy_module
 from ._dist.collectives import AGREE_TIMEOUT_S
 from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
-from ._dist.dtensor import (
-    dist_ready,
-    fsdp_modules,
-    is_dtensor,
-    is_rank_zero,
-    local_tensor,
-)
+from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
+from ._dist.ranks import dist_ready, is_rank_zero
 from ._files.reading import writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA
@@ -218,7 +213,7 @@ def save_sharded_ema(
             URL); created if missing.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement
             step before it raises (a call that only some ranks make fails this way instead
-            of hanging until the process group times out). Default 300.
+            of hanging until the process group times out). Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.save`` (``storage_writer``,
             ``planner``, ``process_group``, ``no_dist``...); a ``storage_writer`` is
             pointed at the new version folder.
@@ -305,7 +300,7 @@ def load_sharded_ema(
         ema: the EMA to load into (built like the saved one: same model and names).
         checkpoint_id: the checkpoint folder.
         timeout_s: keyword-only; seconds a rank waits for the others at the first check
-            before it raises. Default 300.
+            before it raises. Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.load``.
 
     Raises:
@@ -358,10 +353,12 @@ def save_full_ema_weights(
 
     For an FSDP2 EMA, and for an EMA of a DeepSpeed ZeRO-3 model (gathered from the
     ranks' partitions), the file is streamed: tensor by tensor, each rank casts its shard to
-    ``dtype``, the shards are all-gathered, rank 0 appends the tensor to the file and drops
-    it. Rank 0's extra memory is about twice the largest tensor in the export dtype (the
-    gathered tensor and its CPU copy), whatever the model's size; every other rank holds
-    one gathered tensor at a time. Otherwise (DDP, one process) every rank already holds
+    ``dtype``, the shards are gathered to rank 0 (for FSDP2's and HSDP's rows a gather, not
+    an all-gather: the other ranks receive nothing), rank 0 appends the tensor to the file
+    and drops it. Rank 0's extra memory is about twice the largest tensor in the export
+    dtype (the gathered tensor and its CPU copy), whatever the model's size; every other
+    rank holds its padded shard of one tensor at a time (a ZeRO-3 gather: one gathered
+    tensor). Otherwise (DDP, one process) every rank already holds
     the full EMA and rank 0 writes it with :func:`~emakit.checkpoint.save_ema_weights`.
     Either way the file has ``save_ema_weights``'s layout and header (the model's own class
     name), is written atomically, and loads straight into the model class::
@@ -374,7 +371,7 @@ def save_full_ema_weights(
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``),
             before they are gathered. Default None keeps the shadow dtype.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 300.
+            Default 30.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`, on every rank.
@@ -438,7 +435,7 @@ def load_full_ema_weights(
         ema: an EMA of a ZeRO-3 model (``EMA(engine)``).
         path: the safetensors file, readable by every rank.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 300.
+            Default 30.
 
     Returns:
         The file's header metadata.

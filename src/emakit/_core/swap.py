@@ -20,8 +20,10 @@
 One semantics in every mode: **inside the block the model's tensors are the EMA's**.
 Whatever writes them there (an ``optimizer.step()``, a train-mode forward updating
 BatchNorm statistics, ``load_state_dict``) writes the EMA: by reference directly, by cast
-and by copy through a write-back on exit of every tensor whose version counter moved
-(untouched tensors are not written back, so a cast never rounds the shadow). To evaluate
+and by copy through a write-back on exit of every tensor whose values now differ from the
+shadow they came from (compared element by element, one host read per device: version
+counters would miss writes such as BatchNorm's running statistics). Untouched tensors are
+not written back, so a cast never rounds the shadow. To evaluate
 without touching the EMA, evaluate in eval mode without grad, as ``ema(x)`` does.
 
 The original weights come back on exit, also when the block raises. Updating the EMA
@@ -115,9 +117,10 @@ class Swap:
     def _restore(self) -> None:
         self._zero.release()
         with torch.no_grad():
-            # Tensors written inside the block (not all writes bump a version counter:
-            # BatchNorm's running statistics do not) go back into the EMA; untouched ones
-            # are left alone, so a cast never rounds the shadow. One host read for all.
+            # Tensors whose values changed inside the block (compared with the shadow they
+            # came from; not all writes bump a version counter: BatchNorm's running
+            # statistics do not) go back into the EMA; untouched ones are left alone, so a
+            # cast never rounds the shadow. One host read per device.
             held = [(o.data, s) for o, _, s in self._pointed if s is not None]
             held += [(local, s) for local, _, s in self._copied]
             for value, shadow in _written(held):

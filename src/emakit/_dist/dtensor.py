@@ -20,12 +20,10 @@ from ..errors import EMATypeError
 __all__ = [
     "FSDP2_MIN_TORCH",
     "check_fsdp2_torch",
-    "dist_ready",
     "dtensor_type",
     "fsdp_module_type",
     "fsdp_modules",
     "is_dtensor",
-    "is_rank_zero",
     "local_tensor",
     "reshard",
     "shard_identity",
@@ -164,17 +162,3 @@ def reshard(modules: list[nn.Module]) -> None:
     """
     for m in modules:
         m.reshard()  # type: ignore[operator]
-
-
-def dist_ready() -> bool:
-    """Whether a default ``torch.distributed`` process group exists."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def is_rank_zero() -> bool:
-    """True on rank 0 of the default process group, and in a non-distributed process.
-
-    Guard single-writer outputs with it (snapshots, logs). Collective exports such as
-    :func:`~emakit.distributed.save_full_ema_weights` must be called on every rank.
-    """
-    return not dist_ready() or torch.distributed.get_rank() == 0

@@ -36,7 +36,8 @@ from torch import Tensor
 
 from .._dist.collectives import collective_device
 from .._dist.deepspeed import is_partition
-from .._dist.dtensor import dist_ready, is_dtensor
+from .._dist.dtensor import is_dtensor
+from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
 from .kernels import converted
 from .pairs import TensorPair

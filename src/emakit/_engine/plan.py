@@ -40,8 +40,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "TensorPair", "build_plan"]
 
-#: ``torch._C._set_grad_enabled``: what ``torch.no_grad`` calls, without its object per call.
-_set_grad_enabled = torch._C._set_grad_enabled
+#: The updates of the shadow run in inference mode, the C-level context manager where torch
+#: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below
+#: autograd: no grad, and none of autograd's per-tensor bookkeeping, which for an online
+#: Parameter (``requires_grad=True``) includes a forward-grad lookup behind a mutex, about
+#: a tenth of a 1,200-tensor update on the CPU. Version counters are still bumped for the
+#: shadow (a normal tensor), so autograd still sees it written. Scratch made inside (the
+#: guard's buffers, casts) are inference tensors, used only inside.
+_inference_mode = (
+    torch._C._InferenceMode
+    if hasattr(torch._C._InferenceMode, "__enter__")
+    else torch.inference_mode  # pragma: no cover - older torch: a plain guard object
+)
 
 _MOVES = frozenset(("lerp", "init", "copy"))
 
@@ -138,27 +148,22 @@ class Plan:
         true the result is bit for bit the unguarded one."""
         if action.kind not in _MOVES:
             return
-        # The hot path: switching grad mode directly costs a tenth of the no_grad decorator.
-        grad = torch.is_grad_enabled()
-        _set_grad_enabled(False)
-        try:
+        with _inference_mode(True):
             if self._staging:
                 stage(self.groups)
             self._move(action)
-        finally:
-            _set_grad_enabled(grad)
 
-    @torch.no_grad()
     def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
         """Snapshot the online tensors into the staging buffers (staged plans only; the
         snapshot is scratch, so ``guard`` changes nothing here)."""
-        stage(self.groups, non_blocking=non_blocking)
+        with _inference_mode(True):
+            stage(self.groups, non_blocking=non_blocking)
 
-    @torch.no_grad()
     def finish(self, action: Action) -> None:
         """Carry out ``action`` from the staged snapshot (see :meth:`stage`)."""
         if action.kind in _MOVES:
-            self._move(action)
+            with _inference_mode(True):
+                self._move(action)
 
     def _move(self, action: Action) -> None:
         """The path (or the guarded path) on the staged groups."""
@@ -176,32 +181,32 @@ class Plan:
         else:
             self.path.copy(self.groups)
 
-    @torch.no_grad()
     def lerp_shadow(self, weights: Sequence[float]) -> None:
         """``shadow.lerp_(online, weights[group])`` for averaged pairs; copy the others."""
-        if self._staging:
-            stage(self.groups)
-        self.path.lerp(self.groups, weights)
+        with _inference_mode(True):
+            if self._staging:
+                stage(self.groups)
+            self.path.lerp(self.groups, weights)
 
-    @torch.no_grad()
     def copy_unaveraged(self, guard: Tensor | None = None) -> None:
         """Copy only the pairs that are never averaged (integer buffers, no-EMA names);
         with a ``guard`` only where it holds (see :meth:`run`)."""
-        if self._staging:
-            stage(self.groups, lerp=False)
-        if guard is None:
-            self.path.copy_unaveraged(self.groups)
-            return
-        if self._guarded is None:
-            self._guarded = GuardedPath(self.groups)
-        self._guarded.copy_unaveraged(guard)
+        with _inference_mode(True):
+            if self._staging:
+                stage(self.groups, lerp=False)
+            if guard is None:
+                self.path.copy_unaveraged(self.groups)
+                return
+            if self._guarded is None:
+                self._guarded = GuardedPath(self.groups)
+            self._guarded.copy_unaveraged(guard)
 
-    @torch.no_grad()
     def copy_to_shadow(self) -> None:
         """Copy every tracked online tensor into its shadow."""
-        if self._staging:
-            stage(self.groups)
-        self.path.copy(self.groups)
+        with _inference_mode(True):
+            if self._staging:
+                stage(self.groups)
+            self.path.copy(self.groups)
 
     def _to_online(self) -> list[Group]:
         if self._online_groups is None:

@@ -248,9 +248,10 @@ def synthesize(
                 plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
                 for v in values
             ]
-        inputs = [s.path for s in list_snapshots(folder, legacy=legacy)]
+        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.shards or [s.path]]
         inputs += [f.path for f in list_legacy_files(folder)]
-        _check_outputs(paths, inputs + [s.path for p in plans for s in p.snapshots], force)
+        used = [f for p in plans for s in p.snapshots for f in s.shards or [s.path]]
+        _check_outputs(paths, inputs + used, force)
         if note and any(s.is_legacy for p in plans for s in p.snapshots):
             click.echo(note, err=True)
         for w in caught:
