@@ -86,9 +86,10 @@ _REFUSED_STRATEGIES = {
     "FSDPStrategy": "it flattens the parameters (FSDP1), so each rank would average a "
     "fragment under names that do not match the module; use ModelParallelStrategy with "
     "fully_shard in configure_model (FSDP2), or strategy='ddp'",
-    "DeepSpeedStrategy": "DeepSpeed partitions the parameters behind its engine; use "
-    "ModelParallelStrategy with fully_shard in configure_model (FSDP2), or strategy='ddp' "
-    "(for ZeRO-3 outside Lightning see docs/distributed.md)",
+    "DeepSpeedStrategy": "Lightning runs DeepSpeed on CUDA GPUs only, where emakit's "
+    "callback is not tested with it; use ModelParallelStrategy with fully_shard in "
+    "configure_model (FSDP2), or strategy='ddp', or DeepSpeed outside Lightning: "
+    "ema = emakit.EMA(engine) in the training loop (ZeRO-1, 2 and 3, docs/distributed.md)",
 }
 
 
