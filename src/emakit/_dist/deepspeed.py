@@ -47,7 +47,6 @@ __all__ = [
     "partition",
     "partition_tensors",
     "slot_of",
-    "trainable",
     "unwrap_engine",
     "zero3_params",
 ]
@@ -78,13 +77,6 @@ def is_zero3_param(t: object) -> bool:
 def is_partition(t: object) -> bool:
     """Whether ``t`` is the tracked view of a partition (see `partition()`)."""
     return slot_of(t) is not None
-
-
-def trainable(t: Tensor) -> bool:
-    """``t.requires_grad``, read on the parameter for a partition view (a partition never
-    requires grad itself; its parameter may)."""
-    slot = slot_of(t)
-    return (slot.param if slot is not None else t).requires_grad
 
 
 def zero3_params(model: object) -> list[Tensor]:
