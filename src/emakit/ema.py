@@ -25,7 +25,7 @@ from ._core.state import StateCodec, check_loadable, flag, integer
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
-from ._dist.deepspeed import ZeroPartitions
+from ._dist.deepspeed import ZeroPartitions, zero3_params
 from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .compat import EMAPytorchSurface
@@ -162,7 +162,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         }
         self._source: ModuleSource | TreeSource
         self._online = [model]  # a list hides it from the module tree and state_dict
-        if self.include_online_model and not tree:  # (a pytree's online tree is never saved)
+        if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
             self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
         self.register_load_state_dict_post_hook(online.keep_online_model)
