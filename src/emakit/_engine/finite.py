@@ -432,6 +432,7 @@ class FiniteGuard:
         self._sources: list[Tensor] = []
         self._agreement: Agreement | None = None
 
+    @torch.no_grad()
     def flag(self, plan: _Guardable, call: int) -> Tensor | None:
         """Whether every floating online tensor of ``plan`` is free of NaN and Inf, on every
         rank that holds a shard of them: a 0-dim bool tensor that stays on the device, or
