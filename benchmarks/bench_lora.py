@@ -30,17 +30,27 @@ from emakit import BEMA, EMA
 from emakit._core.frozen import _before_step
 
 
-def lora_model(layers: int) -> Any:
-    import peft
+def gpt2(layers: int) -> Any:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=2048, n_positions=1024, n_embd=768, n_layer=layers, n_head=12
+        vocab_size=2048,
+        n_positions=1024,
+        n_embd=768,
+        n_layer=layers,
+        n_head=12,
+        bos_token_id=0,
+        eos_token_id=0,
     )
-    base = transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lora_model(layers: int) -> Any:
+    import peft
+
     lora = peft.LoraConfig(r=8, target_modules=["c_attn"], lora_dropout=0.0)
-    return peft.get_peft_model(base, lora)
+    return peft.get_peft_model(gpt2(layers), lora)
 
 
 def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -110,15 +120,20 @@ def main() -> None:
         ref.update,
         "",
     )
-    rows["TRL BEMACallback, this model"] = (None, None, trl_on(model, trl))
-    full = lora_model(args.layers).get_base_model().requires_grad_(True)
+    rows["TRL BEMACallback, the PEFT model"] = (None, None, trl_on(model, trl))
+    rows["TRL BEMACallback, its LoRA-injected base"] = (
+        None,
+        None,
+        trl_on(model.get_base_model(), trl),
+    )
+    full = gpt2(args.layers)
     cb = trl.BEMACallback(update_freq=1)
     cb.on_train_begin(None, None, None, model=full)
     trl_tensors = [*cb.running_model.parameters(), *cb.theta0_params, *cb.ema_params]
     rows["TRL BEMACallback, base fully trainable"] = (
         extra_bytes(full, trl_tensors),
-        lambda: cb._update_bema_weights(10),
-        "the model it supports",
+        torch.no_grad()(lambda: cb._update_bema_weights(10)),
+        "all 45M weights trainable: what it supports",
     )
     shadows = [p.detach().clone() for p in trainable]
     rows["floor: _foreach_lerp_ over the adapters"] = (
@@ -153,7 +168,8 @@ def trl_on(model: Any, trl: Any) -> str:
     try:
         cb = trl.BEMACallback(update_freq=1)
         cb.on_train_begin(None, None, None, model=model)
-        cb._update_bema_weights(10)
+        with torch.no_grad():
+            cb._update_bema_weights(10)
     except Exception as e:
         return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:70]}"
     return "runs"

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ema_acc = float(t.callback_metrics["val_acc"])
         ckpt = Path(tmp) / "last.ckpt"
         t.save_checkpoint(ckpt)  # the EMA is saved under checkpoint["emakit_ema"]
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=True)  # tensors and containers only
     # the raw weights, evaluated without the callback
     x, y = val.dataset.tensors
     with torch.no_grad():

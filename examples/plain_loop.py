@@ -52,7 +52,7 @@ def train(steps: int, resume_from: Path | None = None, stop_at: int | None = Non
     gen = torch.Generator().manual_seed(1)
     start = 0
     if resume_from is not None:
-        ckpt = torch.load(resume_from, weights_only=False)
+        ckpt = torch.load(resume_from, weights_only=True)  # tensors and containers only
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         ema.load_state_dict(ckpt["ema"])

@@ -3,10 +3,10 @@
 Trains a small denoiser (it predicts the noise added to 2-D points at a random noise
 level, the training objective of diffusion models) with a high learning rate, tracks a
 ``PostHocEMA`` with two profiles (sigma_rel 0.05 and 0.28) that writes snapshots, and
-after training synthesizes the EMA at a sweep of lengths, scores each on held-out data
-(denoising loss at fixed noise levels) and plots the validation loss against the EMA
-length, the way the EMA length of a diffusion model is chosen (Karras et al. 2024,
-arXiv:2312.02696, Fig. 1 / §3).
+after training calls ``PostHocEMA.sweep``: it synthesizes the EMA at a range of lengths
+in one pass over the snapshots, scores each on held-out data (denoising loss at fixed
+noise levels) and plots the validation loss against the EMA length, the way the EMA
+length of a diffusion model is chosen (Karras et al. 2024, arXiv:2312.02696, Fig. 1 / §3).
 
     python examples/posthoc_sweep.py --steps 1500 --plot sweep.png
 """
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from emakit import PostHocEMA
+from emakit.posthoc import sweep_lengths
 
 TRACKED = (0.05, 0.28)
 
@@ -87,38 +88,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         eps = torch.randn(4096, 2, generator=gv)
         with torch.no_grad():
             online = denoising_loss(net.eval(), x0, sigma, eps).item()
-            lo, hi = TRACKED
-            lengths = [lo + (hi - lo) * i / (args.points - 1) for i in range(args.points)]
-            sweep = {}
-            for sigma_rel in lengths:
-                synth = posthoc.synthesize_ema_model(sigma_rel=sigma_rel)
-                sweep[sigma_rel] = denoising_loss(synth.ema_model.eval(), x0, sigma, eps).item()
-    best = min(sweep, key=sweep.__getitem__)
+        # The sweep: every length synthesized in one pass over the snapshots, each scored.
+        result = posthoc.sweep(
+            lambda ema_model: denoising_loss(ema_model, x0, sigma, eps).item(),
+            sigma_rels=sweep_lengths(f"{TRACKED[0]}:{TRACKED[1]}:{args.points}"),
+        )
     print(f"online weights: validation loss {online:.4f}")
-    for sigma_rel, value in sweep.items():
-        mark = "  <- best" if sigma_rel == best else ""
-        print(f"sigma_rel {sigma_rel:.3f}: validation loss {value:.4f}{mark}")
+    print(result.table())
     if args.plot is not None:
-        plot(sweep, online, args.plot)
+        result.plot(args.plot, ylabel="validation denoising loss")
         print(f"wrote {args.plot}")
-    return {"online": online, "sweep": sweep, "best": best}
-
-
-def plot(sweep: dict[float, float], online: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4), layout="constrained")
-    ax = fig.subplots()
-    ax.plot(list(sweep), list(sweep.values()), "o-", label="post-hoc EMA (synthesized)")
-    ax.axhline(online, color="gray", linestyle="--", label="online weights")
-    for tracked in TRACKED:
-        ax.axvline(tracked, color="tab:green", alpha=0.3)
-    ax.set(xlabel="EMA length sigma_rel", ylabel="validation denoising loss")
-    ax.legend()
-    fig.savefig(path, dpi=100)
+    return {"online": online, "sweep": dict(result), "best": result.best[0]}
 
 
 if __name__ == "__main__":

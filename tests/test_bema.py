@@ -214,3 +214,25 @@ def test_picklable_and_deepcopyable():
     clone.update()
     assert int(clone.step) == 2
     assert int(bema.step) == 1
+
+
+def test_frozen_weights_are_shared_or_held_and_thaw():
+    model = net()
+    model[0].requires_grad_(False)
+    shared = BEMA(model, update_freq=1)
+    assert shared.ema_model[0].weight.data_ptr() == model[0].weight.data_ptr()
+    held = BEMA(model, update_freq=1, ema_dtype=torch.float64)  # a wider copy: not shareable
+    for bema in (shared, held):
+        assert not any(k.startswith(("bema_ema.0.", "bema_theta0.0.")) for k in bema.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(1, 4):
+        if t == 3:
+            model[0].requires_grad_(True)  # trained again from here on
+        train_step(model, opt, t)
+        shared.update()
+        held.update()
+    for bema in (shared, held):
+        state = bema.state_dict()
+        assert "bema_ema.0.weight" in state and "bema_theta0.0.weight" in state
+        # theta0 of the thawed weight is its frozen value, the output moved with training
+        assert not torch.equal(state["ema_model.0.weight"], state["bema_theta0.0.weight"])

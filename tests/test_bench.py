@@ -80,3 +80,19 @@ def test_cli_reports_median_spread_and_threads():
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(EMAValueError, match=name):
         bench_update("mlp", **kwargs)
+
+
+def test_progress_is_reported_after_every_round():
+    calls: list[tuple[int, int]] = []
+    result = bench_update("mlp", repeats=3, sample_ms=1, progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+    assert len(result.rows) == 5
+
+
+def test_cli_draws_a_progress_bar_unless_asked_not_to():
+    shown = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "2"])
+    assert shown.exit_code == 0, shown.output
+    assert "timing 5 paths on mlp" in shown.output and "2/2" in shown.output
+    quiet = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "2", "--no-progress"])
+    assert quiet.exit_code == 0, quiet.output
+    assert "timing 5 paths" not in quiet.output

@@ -362,7 +362,8 @@ def test_export_from_rank_zero_only_raises_instead_of_hanging(tmp_path: Path) ->
         assert "rank 0 in save_full_ema_weights; rank 1 in save_sharded_ema" in r["mixed"]
         assert "rank 0 in load_sharded_ema; rank 1 in save_full_ema_weights" in r["mixed_load"]
     assert r0["alone"].startswith("EMARuntimeError"), r0["alone"]
-    assert "save_full_ema_weights is a collective: every rank must call it" in r0["alone"]
+    assert "save_full_ema_weights is a collective: call on every rank" in r0["alone"]
+    assert "rank 1 did not arrive" in r0["alone"], r0["alone"]
     assert "if is_rank_zero():" in r0["alone"] and "timeout_s=2 s" in r0["alone"]
     assert 2 <= r0["waited_s"] < 10
     assert r0["files"] == [] and r1["files"] == []
@@ -425,33 +426,57 @@ def export_worker(rank: int, out: Path) -> dict:
     gathers: list[tuple[torch.dtype, int]] = []
     alive = [0]
     last: list[Any] = [None]
-    real_full, real_rows = export.full_tensor, export._gather_rows
+    real_full, real_rows = export.tensor_for_writer, export._gather_rows
 
     def full_spy(t: torch.Tensor, dtype: Any) -> torch.Tensor:
         if last[0] is not None and last[0]() is not None:
             alive[0] += 1
         result = real_full(t, dtype)
-        if result is not t:  # gathered (a plain buffer is written as it is)
+        if result is not None and result is not t:  # gathered (a buffer is written as it is)
             last[0] = weakref.ref(result)
         return result
 
-    def rows_spy(local: torch.Tensor, *args: Any) -> torch.Tensor:
+    def rows_spy(local: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         gathers.append((local.dtype, local.numel()))  # what goes over the wire
-        return real_rows(local, *args)
+        return real_rows(local, *args, **kwargs)
 
-    export.full_tensor, export._gather_rows = full_spy, rows_spy
+    # Count the bytes each rank receives in the collectives of the export.
+    received = {"data": 0, "control": 0}
+    real_gather, real_all_gather = torch.distributed.gather, torch.distributed.all_gather
+    real_bcast = torch.distributed.broadcast_object_list
+
+    def gather_spy(tensor: torch.Tensor, gather_list: Any = None, *args: Any, **kw: Any) -> Any:
+        if gather_list is not None:  # the destination receives every other rank's shard
+            received["data"] += tensor.nbytes * (len(gather_list) - 1)
+        return real_gather(tensor, gather_list, *args, **kw)
+
+    def all_gather_spy(tensors: list, tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        received["control"] += tensor.nbytes * (len(tensors) - 1)
+        return real_all_gather(tensors, tensor, *args, **kw)
+
+    def bcast_spy(objects: list, *args: Any, **kw: Any) -> Any:
+        received["control"] += len(repr(objects))  # a few bytes of pickled outcome
+        return real_bcast(objects, *args, **kw)
+
+    torch.distributed.gather, torch.distributed.all_gather = gather_spy, all_gather_spy
+    torch.distributed.broadcast_object_list = bcast_spy
+    export.tensor_for_writer, export._gather_rows = full_spy, rows_spy
     try:
         f32 = save_full_ema_weights(ema, out / "ema.safetensors")
         gathers_f32 = list(gathers)
         gathers.clear()
         bf16 = save_full_ema_weights(ema, out / "ema-bf16.safetensors", dtype=torch.bfloat16)
     finally:
-        export.full_tensor, export._gather_rows = real_full, real_rows
+        export.tensor_for_writer, export._gather_rows = real_full, real_rows
+        torch.distributed.gather, torch.distributed.all_gather = real_gather, real_all_gather
+        torch.distributed.broadcast_object_list = real_bcast
     res: dict[str, Any] = {
         "paths": (str(f32), str(bf16)),
         "gathers_f32": gathers_f32,
         "gathers_bf16": list(gathers),
         "alive": alive[0],
+        "received": dict(received),
+        "shard_bytes": sum(local_tensor(t).nbytes for t in ema.ema_model.state_dict().values()),
         "full": gathered(ema.ema_model),
         "step": int(ema.step),
         "empty_shards": sum(local_tensor(p).numel() == 0 for p in ema.ema_model.parameters()),
@@ -475,9 +500,9 @@ def export_worker(rank: int, out: Path) -> dict:
     rows_path = [0]
     real_rows = export._gather_rows
 
-    def counted_rows(*args: Any) -> torch.Tensor:
+    def counted_rows(*args: Any, **kwargs: Any) -> torch.Tensor:
         rows_path[0] += 1
-        return real_rows(*args)
+        return real_rows(*args, **kwargs)
 
     export._gather_rows = counted_rows
     placed = {
@@ -496,6 +521,14 @@ def export_worker(rank: int, out: Path) -> dict:
         for name, (m, p) in placed.items()
     }
     res["rows_path"] = rows_path[0]
+    # to the writer only: FSDP's and HSDP's rows are gathered to rank 0 (None elsewhere)
+    res["to_writer"] = {
+        name: (lambda got: None if got is None else bool(torch.equal(got, source)))(
+            export.tensor_for_writer(distribute_tensor(source, m, p), None)
+        )
+        for name, (m, p) in placed.items()
+    }
+    res["rows_path_writer"] = rows_path[0] - res["rows_path"]
     export._gather_rows = real_rows
 
     # rank 0's disk fills up in the middle: every rank raises, no rank hangs, the previous
@@ -535,6 +568,16 @@ def test_full_export_streams_one_tensor_at_a_time(export_results: list[dict]) ->
     assert [r["empty_shards"] for r in export_results] == [0, 1, 1, 7]
 
 
+def test_full_export_sends_the_tensors_to_the_writer_only(export_results: list[dict]) -> None:
+    # gathered to rank 0, not all-gathered: the other ranks receive no tensor data at all,
+    # only the agreement rows (6 int64 per rank) and rank 0's outcome (two exports)
+    r0 = export_results[0]
+    assert r0["received"]["data"] > 0
+    for r in export_results[1:]:
+        assert r["received"]["data"] == 0, r["received"]
+        assert r["received"]["control"] <= 2 * (3 * 6 * 8 + 64), r["received"]
+
+
 def test_full_export_is_save_ema_weights_byte_for_byte(export_results: list[dict]) -> None:
     r0 = export_results[0]
     f32, bf16 = (Path(p) for p in r0["paths"])
@@ -554,6 +597,17 @@ def test_full_export_gathers_every_placement(export_results: list[dict]) -> None
     for r in export_results:
         assert r["placements"] == dict.fromkeys(("rows", "columns", "replicated", "hsdp"), True)
         assert r["rows_path"] == 1  # only FSDP's rows over a 1-D mesh take the one-buffer path
+    # gathered to rank 0 alone: rows (FSDP) and HSDP's rows; the rest all-gathered
+    assert export_results[0]["to_writer"] == dict.fromkeys(placed_names(), True)
+    for r in export_results[1:]:
+        want = {"rows": None, "columns": True, "replicated": True, "hsdp": None}
+        assert r["to_writer"] == want, r["to_writer"]
+    # HSDP: rank 1 sends its rows to rank 0 (same replica); ranks 2-3 (the other) take no part
+    assert [r["rows_path_writer"] for r in export_results] == [2, 2, 1, 1]
+
+
+def placed_names() -> tuple[str, ...]:
+    return ("rows", "columns", "replicated", "hsdp")
 
 
 def test_full_export_failure_on_rank_zero_raises_everywhere(export_results: list[dict]) -> None:

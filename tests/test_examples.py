@@ -77,3 +77,13 @@ def test_posthoc_sweep_finds_a_better_length_than_the_online_weights():
     assert len(sweep) == 3
     assert min(sweep.values()) < result["online"]
     assert sweep[result["best"]] == min(sweep.values())
+
+
+def test_examples_load_checkpoints_safely():
+    """The examples follow the Security section: torch files are loaded with
+    ``weights_only=True`` (no pickled code runs), never ``weights_only=False``."""
+    for path in sorted(EXAMPLES.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert "weights_only=False" not in text, path.name
+        for call in text.split("torch.load(")[1:]:
+            assert "weights_only=True" in call.split(")")[0], f"{path.name}: torch.load({call[:60]}"

@@ -451,3 +451,79 @@ def test_model_parallel_strategy_fsdp2_two_cpu_processes(tmp_path: Path):
     assert meta[CHECKPOINT_KEY]["version"] == 2 and int(meta[CHECKPOINT_KEY]["ema"]["step"]) == 12
     full = torch.load(tmp_path / "file.ckpt", weights_only=True)[CHECKPOINT_KEY]
     assert full["version"] == 1 and full["ema"]["ema_model.head.weight"].shape == (1, 8)
+
+
+def _closed_form_decay(step: int, beta: float, after: int = 0, power: float = 2 / 3) -> float:
+    """ema-pytorch's decay at update call ``step`` (inv_gamma 1, update_every 1)."""
+    epoch = max(step - after - 1, 0)
+    return 0.0 if epoch <= 0 else min(beta, max(0.0, 1 - (1 + epoch) ** -power))
+
+
+def test_csv_logger_gets_decay_step_skips_and_both_validations(tmp_path):
+    """Through Lightning's own logger: the decay and step after every optimizer step
+    (against the closed form), the skip count per epoch, and validation on the EMA and on
+    the raw weights under distinct names, each equal to a recomputation."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = EMACallback(also_validate_online=True, skip_nonfinite=True, **EMA_KW)
+    module = Regressor()
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = make_trainer([cb], logger=logger, log_every_n_steps=1, max_epochs=2)
+    trainer.fit(module, train_loader(), val_loader())
+    with open(Path(logger.log_dir) / "metrics.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+
+    steps = [r for r in rows if r.get("ema/decay")]
+    assert [int(float(r["ema/step"])) for r in steps] == list(range(1, 13))  # 6 batches x 2
+    for r in steps:
+        expected = _closed_form_decay(int(float(r["ema/step"])), beta=0.9)
+        assert float(r["ema/decay"]) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    skips = [
+        float(r["ema/num_skipped_nonfinite"]) for r in rows if r.get("ema/num_skipped_nonfinite")
+    ]
+    assert skips == [0.0, 0.0]  # one per training epoch
+
+    val = [r for r in rows if r.get("val_loss")]
+    assert len(val) == 2 and all(r.get("val_loss_online") for r in val)
+    last = val[-1]
+    module.eval()
+    with torch.no_grad():
+        raw = F.mse_loss(module(X[:32]), Y[:32])
+    ema = F.mse_loss(cb.ema(X[:32]), Y[:32])
+    assert float(last["val_loss"]) == pytest.approx(float(ema), rel=1e-6)
+    assert float(last["val_loss_online"]) == pytest.approx(float(raw), rel=1e-6)
+    assert abs(float(raw) - float(ema)) > 1e-3  # two different models, two names
+
+
+def test_log_stats_false_logs_nothing_and_keywords_are_typed():
+    """``log_stats=False`` leaves the logged metrics alone; the EMA keywords the callbacks
+    take are typed as ``EMA``'s own (one TypedDict, checked against the signature)."""
+    import inspect
+    import typing
+
+    from emakit import EMA
+    from emakit.integrations.lightning import EMAKeywords
+
+    cb = EMACallback(log_stats=False, **EMA_KW)
+    trainer = make_trainer([cb], limit_val_batches=0, max_epochs=1)
+    trainer.fit(Regressor(), train_loader())
+    assert not any(k.startswith("ema/") for k in trainer.logged_metrics)
+
+    from emakit import BEMA
+
+    keyword_hints = typing.get_type_hints(EMAKeywords)
+    wanted: list[str] = []
+    for kind in (EMA, BEMA):
+        hints = typing.get_type_hints(kind.__init__)
+        names = [
+            p for p in inspect.signature(kind.__init__).parameters if p not in ("self", "model")
+        ]
+        assert set(names) <= set(keyword_hints), (kind, sorted(set(names) - set(keyword_hints)))
+        same = [n for n in names if n != "ema_model" and keyword_hints[n] != hints[n]]
+        assert not same, (kind, same)
+        wanted += [n for n in names if n not in wanted]
+    assert sorted(keyword_hints) == sorted(wanted)  # nothing a kind does not take
+    with pytest.raises(EMAError, match="log_stats"):
+        EMACallback(log_stats="yes")

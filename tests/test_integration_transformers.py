@@ -248,3 +248,82 @@ def test_bad_keywords_are_refused():
         EMATrainerCallback(betta=0.9)
     with pytest.raises(EMAError, match="eval_with_ema"):
         EMATrainerCallback(eval_with_ema=1)
+
+
+def test_log_history_gets_the_ema_decay_step_and_skips(tmp_path: Path):
+    """Each entry the Trainer logs (``logging_steps=2``) carries the EMA's decay (against
+    ema-pytorch's closed form at that step), its step and the skip count; with
+    ``log_stats=False`` none do."""
+    cb = EMATrainerCallback(skip_nonfinite=True, **EMA_KW)
+    trainer = make_trainer(
+        tmp_path / "run", [cb], logging_strategy="steps", logging_steps=2, save_strategy="no"
+    )
+    trainer.train()
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in entries] == [2, 4, 6]
+    for e in entries:
+        step = int(e["ema/step"])
+        assert step == e["step"]  # one update per optimizer step
+        t = max(step - 1 - 1, 0)  # ema-pytorch's get_current_decay: update_after_step=1
+        expected = 0.0 if t <= 0 else min(0.8, 1 - (1 + t) ** (-2 / 3))
+        assert e["ema/decay"] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert e["ema/num_skipped_nonfinite"] == 0.0
+
+    quiet = EMATrainerCallback(log_stats=False, **EMA_KW)
+    trainer = make_trainer(
+        tmp_path / "quiet", [quiet], logging_strategy="steps", logging_steps=2, save_strategy="no"
+    )
+    trainer.train()
+    assert not any(k.startswith("ema/") for e in trainer.state.log_history for k in e)
+
+
+def test_swap_then_save_pretrained_keeps_tied_weights(tmp_path: Path):
+    """``with ema.swap(): model.save_pretrained(d)`` writes the EMA weights, and a model
+    with tied input and output embeddings reloads with them still tied."""
+    from emakit import EMA
+
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ema = EMA(model, beta=0.5, update_after_step=0, update_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 8))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+    with ema.swap():
+        model.save_pretrained(tmp_path / "ema-model")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ema-model")
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    expected = ema.ema_model.state_dict()
+    assert_same(weights(reloaded), {k: v.detach().clone() for k, v in expected.items()})
+    assert not torch.equal(reloaded.transformer.wte.weight, model.transformer.wte.weight)
+    # what EMATrainerCallback writes into checkpoint-N: the tied tensor once, as the
+    # model's own model.safetensors stores it (the issue saw 29 keys against 28)
+    from safetensors import safe_open
+
+    from emakit import load_ema_weights, save_ema_weights
+
+    with safe_open(tmp_path / "ema-model" / "model.safetensors", "pt") as f:
+        model_keys = set(f.keys())
+    path = save_ema_weights(ema, tmp_path / EMA_WEIGHTS_NAME, tied_once=True)
+    assert set(load_file(path)) == model_keys
+    assert (
+        len(load_file(save_ema_weights(ema, tmp_path / "all.safetensors"))) == len(model_keys) + 1
+    )
+    fresh = EMA(transformers.GPT2LMHeadModel(config), update_after_step=0, update_every=1)
+    load_ema_weights(fresh, path)  # the tied name is filled in from its twin
+    assert_same(weights(fresh.ema_model), {k: v.detach().clone() for k, v in expected.items()})
+    assert int(fresh.step) == 3

@@ -39,6 +39,7 @@ from emakit.posthoc import (
     sigma_rel_to_gamma,
     synthesize_state_dict,
 )
+from emakit.posthoc import reading as reading_module
 from emakit.posthoc import snapshots as snapshots_module
 from emakit.posthoc import synthesis as synthesis_module
 
@@ -686,7 +687,7 @@ def test_synthesis_uses_only_snapshots_at_or_before_the_step(
 
 def test_synthesis_streams_one_snapshot_at_a_time(runs: dict, monkeypatch: pytest.MonkeyPatch):
     _, folder = runs[10]
-    real = synthesis_module.SafetensorsFile
+    real = reading_module.SafetensorsFile
     state = {"open": 0, "max": 0, "files": 0}
 
     class Counting:
@@ -703,7 +704,7 @@ def test_synthesis_streams_one_snapshot_at_a_time(runs: dict, monkeypatch: pytes
             state["open"] -= 1
             return self._inner.__exit__(*exc)
 
-    monkeypatch.setattr(synthesis_module, "SafetensorsFile", Counting)
+    monkeypatch.setattr(reading_module, "SafetensorsFile", Counting)
     plan = plan_synthesis(folder, sigma_rel=0.15)
     state.update(files=0, max=0)
     plan.run()

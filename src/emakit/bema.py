@@ -326,9 +326,9 @@ class BEMARunner:
 
     def work_for(self, plan: Plan) -> BEMAWork:
         """The BEMA work over ``plan``'s pairs (built again when the plan is new)."""
-        if self._work is None or self._work[0] is not plan:
-            averaged = {p.name: p for p in plan.pairs if p.average}
-            gone = sorted(self.ema.keys() - averaged.keys())
+        if self._work is None or self._work[0] is not plan or self._work[1].thawed():
+            averaged = {p.name: p for p in state_order(plan.pairs)}
+            gone = sorted(self.ema.keys() - {p.name for p in plan.pairs})
             if gone:  # the model changed: the state cannot follow
                 raise EMAStateError(
                     f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "

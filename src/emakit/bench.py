@@ -159,9 +159,14 @@ def _quartiles(samples: list[float]) -> tuple[float, float, float]:
 
 
 def _time_side_by_side(
-    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, sample_s: float
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    repeats: int,
+    sample_s: float,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """Per-call (wall, thread CPU) seconds per round, contenders interleaved round-robin."""
+    """Per-call (wall, thread CPU) seconds per round, contenders interleaved round-robin;
+    ``progress(done, repeats)`` after each round."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -187,6 +192,8 @@ def _time_side_by_side(
             wall, cpu = batch_seconds(fn, batches[name])
             samples[name][0].append(wall)
             samples[name][1].append(cpu)
+        if progress is not None:
+            progress(r + 1, repeats)  # between rounds: never inside a timed batch
     return samples
 
 
@@ -241,6 +248,7 @@ def bench_update(
     *,
     threads: int | None = 1,
     sample_ms: float = 10.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
     """Seconds per averaging update of each path, side by side, with the ratio to the floor.
 
@@ -252,6 +260,9 @@ def bench_update(
             torch's setting. Default 1: steady numbers on a shared machine.
         sample_ms: length of one batch of back-to-back calls, in milliseconds (at least
             one call). Default 10.
+        progress: called as ``progress(done, repeats)`` after each round (between timed
+            batches, so it never lands inside one); ``emakit bench`` draws its bar with it.
+            Default None.
 
     Returns:
         A :class:`BenchResult`: the floor and the four paths (median, quartiles, ratio to
@@ -298,7 +309,7 @@ def bench_update(
             ema.update()  # the first call copies; every timed call averages
             fns[label] = ema.update
         with torch.no_grad():
-            samples = _time_side_by_side(fns, dev, repeats, sample_ms / 1e3)
+            samples = _time_side_by_side(fns, dev, repeats, sample_ms / 1e3, progress)
     finally:
         torch.set_num_threads(old_threads)
     floor = statistics.median(samples[FLOOR][0])

@@ -137,6 +137,7 @@ def save_ema_weights(
     *,
     dtype: torch.dtype | None = None,
     metadata: Mapping[str, str] | None = None,
+    tied_once: bool = False,
 ) -> Path:
     """Write the EMA weights to ``path`` as safetensors, atomically.
 
@@ -145,6 +146,12 @@ def save_ema_weights(
     into the model class::
 
         model.load_state_dict(safetensors.torch.load_file(path))
+
+    With ``tied_once=True`` a tied tensor (input and output embeddings) is stored once, under
+    its first name, as ``save_pretrained`` and ``safetensors.torch.save_model`` store it:
+    the file then has the keys of the model's own ``model.safetensors``. It loads with
+    [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] (which fills the tied names
+    in), ``safetensors.torch.load_model(model, path)`` or ``from_pretrained``.
 
     The header metadata records ``format`` (``"emakit.ema_weights"``), ``format_version``,
     ``emakit_version``, ``step``, ``initted``, the current ``decay`` and the decay settings
@@ -158,6 +165,7 @@ def save_ema_weights(
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
             for deployment). Default None keeps the shadow dtype.
         metadata: extra ``str -> str`` header entries; they may not reuse emakit's keys.
+        tied_once: keyword-only; store each tied tensor once. Default False.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -178,6 +186,9 @@ def save_ema_weights(
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
     tensors = _shadow_tensors(ema)
+    if check.boolean("tied_once", tied_once) and ema.kind == "module":
+        aliases = {n for names in _tied_names(ema) for n in names[1:]}
+        tensors = {k: v for k, v in tensors.items() if k not in aliases}
     header = weights_header(ema, tensors, dtype)
     if metadata is not None:
         if not isinstance(metadata, Mapping) or not all(
@@ -352,6 +363,16 @@ def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     model still has it under each name.
     """
     out = dict(weights)
+    for names in _tied_names(ema):
+        present = [n for n in names if n in out]
+        if present:
+            for n in names:
+                out.setdefault(n, out[present[0]])
+    return out
+
+
+def _tied_names(ema: EMA) -> list[list[str]]:
+    """The EMA model's tensor names, grouped by tensor: a group of two or more is tied."""
     groups: dict[int, list[str]] = {}
     model = ema.ema_model
     named = (
@@ -360,12 +381,7 @@ def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     )
     for name, t in named:
         groups.setdefault(id(t), []).append(name)
-    for names in groups.values():
-        present = [n for n in names if n in out]
-        if present:
-            for n in names:
-                out.setdefault(n, out[present[0]])
-    return out
+    return list(groups.values())
 
 
 def _shapes(

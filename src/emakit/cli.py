@@ -46,6 +46,11 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "synthesize",
         "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
     ),
+    "sweep": (
+        "emakit.posthoc.sweep_cli",
+        "sweep_cmd",
+        "Choose the EMA length: synthesize many lengths from a snapshot FOLDER and score each.",
+    ),
 }
 
 
@@ -223,7 +228,12 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
     help="torch CPU threads during the timing. 1 gives steady numbers on a shared machine; "
     "more can be faster on an idle one.",
 )
-def bench(model: str, device: str, repeats: int, threads: int) -> None:
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    help="Show a progress bar (on stderr) while the rounds run.",
+)
+def bench(model: str, device: str, repeats: int, threads: int, progress: bool) -> None:
     """Time one averaging update() of each engine path on a standard model.
 
     The floor is one lerp_ over a flat tensor with as many elements: the cost of streaming
@@ -236,9 +246,12 @@ def bench(model: str, device: str, repeats: int, threads: int) -> None:
 
     from .bench import MODELS, bench_update
     from .errors import EMAError
+    from .posthoc._cli import progress_bar
 
     try:
-        result = bench_update(model, device, repeats, threads=threads)
+        with progress_bar(progress, unit="rounds") as start:
+            advance = start(f"timing 5 paths on {model}", repeats)
+            result = bench_update(model, device, repeats, threads=threads, progress=advance)
     except EMAError as e:
         raise click.ClickException(str(e)) from e
     load = "" if result.load_average is None else f", load average {result.load_average:.2f}"

@@ -23,6 +23,17 @@
   unpickles code (see :mod:`emakit._files.dcp`). :func:`save_full_ema_weights` streams the
   full EMA into one safetensors file that loads straight into the model class, one
   tensor gathered and written at a time (:mod:`emakit._files.export`).
+* **DeepSpeed** (``EMA(engine)`` or ``EMA(engine.module)``): under ZeRO-1 and 2 the
+  parameters are whole on every rank, so the EMA is as under DDP. Under ZeRO-3 each rank
+  keeps the EMA of its own partitions (``param.ds_tensor``, `emakit._dist.deepspeed`):
+  ``update()`` runs no collective (``skip_nonfinite``: one all-reduce of three numbers);
+  ``swap()`` and ``ema(x)`` copy the EMA partitions into ``ds_tensor`` and let DeepSpeed's
+  own gather do the rest (collectives: every rank); ``ema.state_dict()`` is this rank's
+  part, saved through ``engine.save_checkpoint(dir, client_state={"ema": ...})`` (every
+  rank at the same step, checked);
+  [`save_full_ema_weights`][emakit.distributed.save_full_ema_weights] streams the full
+  EMA and [`load_full_ema_weights`][emakit.distributed.load_full_ema_weights] reads it
+  back into any world size.
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
   agreement step (:mod:`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
@@ -74,12 +85,11 @@ def swap_in_place(ema: EMA) -> Iterator[None]:
     """Like ``ema.swap()``, but the EMA values are copied into the model's tensors in place.
 
     ``swap()`` re-points ``.data``, which frameworks that read their own storage do not
-    see (it already copies for FSDP2 shards). Use this for them, e.g. for an EMA of
-    DeepSpeed ZeRO-3 partitions (``EMA({n: p.ds_tensor for n, p in
-    engine.module.named_parameters()})``), whose ``GatheredParameters`` then gathers the
-    EMA weights. The model's values are stashed (one copy of each tracked tensor, a shard
-    where sharded) and copied back on exit, also when the block raises; ``update()``
-    inside the block is an error, as in ``swap()``. Same as ``ema.swap(in_place=True)``.
+    see (it already copies for FSDP2 shards and DeepSpeed ZeRO-3 partitions). Use this for
+    them: whatever reads the model's storage then reads the EMA weights. The model's
+    values are stashed (one copy of each tracked tensor, a shard where sharded) and copied
+    back on exit, also when the block raises; ``update()`` inside the block is an error,
+    as in ``swap()``. Same as ``ema.swap(in_place=True)``.
 
     Args:
         ema: an :class:`~emakit.EMA` (of a module or a pytree).
@@ -213,7 +223,7 @@ def save_sharded_ema(
             URL); created if missing.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement
             step before it raises (a call that only some ranks make fails this way instead
-            of hanging until the process group times out). Default 300.
+            of hanging until the process group times out). Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.save`` (``storage_writer``,
             ``planner``, ``process_group``, ``no_dist``...); a ``storage_writer`` is
             pointed at the new version folder.
@@ -300,7 +310,7 @@ def load_sharded_ema(
         ema: the EMA to load into (built like the saved one: same model and names).
         checkpoint_id: the checkpoint folder.
         timeout_s: keyword-only; seconds a rank waits for the others at the first check
-            before it raises. Default 300.
+            before it raises. Default 30.
         **kwargs: passed to ``torch.distributed.checkpoint.load``.
 
     Raises:
@@ -353,10 +363,12 @@ def save_full_ema_weights(
 
     For an FSDP2 EMA, and for an EMA of a DeepSpeed ZeRO-3 model (gathered from the
     ranks' partitions), the file is streamed: tensor by tensor, each rank casts its shard to
-    ``dtype``, the shards are all-gathered, rank 0 appends the tensor to the file and drops
-    it. Rank 0's extra memory is about twice the largest tensor in the export dtype (the
-    gathered tensor and its CPU copy), whatever the model's size; every other rank holds
-    one gathered tensor at a time. Otherwise (DDP, one process) every rank already holds
+    ``dtype``, the shards are gathered to rank 0 (for FSDP2's and HSDP's rows a gather, not
+    an all-gather: the other ranks receive nothing), rank 0 appends the tensor to the file
+    and drops it. Rank 0's extra memory is about twice the largest tensor in the export
+    dtype (the gathered tensor and its CPU copy), whatever the model's size; every other
+    rank holds its padded shard of one tensor at a time (a ZeRO-3 gather: one gathered
+    tensor). Otherwise (DDP, one process) every rank already holds
     the full EMA and rank 0 writes it with :func:`~emakit.checkpoint.save_ema_weights`.
     Either way the file has ``save_ema_weights``'s layout and header (the model's own class
     name), is written atomically, and loads straight into the model class::
@@ -369,7 +381,7 @@ def save_full_ema_weights(
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``),
             before they are gathered. Default None keeps the shadow dtype.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 300.
+            Default 30.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`, on every rank.
@@ -419,8 +431,10 @@ def save_full_ema_weights(
 def load_full_ema_weights(
     ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
 ) -> dict[str, str]:
-    """Load a full EMA file (:func:`save_full_ema_weights`) into an EMA of a DeepSpeed
-    ZeRO-3 model (a collective: call on every rank), on any number of ranks.
+    """Load a full EMA file
+    ([`save_full_ema_weights`][emakit.distributed.save_full_ema_weights]) into a
+    partitioned EMA (of a DeepSpeed ZeRO-3 model, or ``partition=True``; a collective:
+    call on every rank), on any number of ranks.
 
     Each rank reads the file, one tensor at a time, and keeps its own partition of each
     (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);
@@ -430,16 +444,16 @@ def load_full_ema_weights(
     :func:`~emakit.checkpoint.load_ema_weights`.
 
     Args:
-        ema: an EMA of a ZeRO-3 model (``EMA(engine)``).
+        ema: a partitioned EMA (``EMA(engine)`` of a ZeRO-3 engine, or ``partition=True``).
         path: the safetensors file, readable by every rank.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 300.
+            Default 30.
 
     Returns:
         The file's header metadata.
 
     Raises:
-        EMATypeError: ``ema`` is not an EMA of a ZeRO-3 model.
+        EMATypeError: ``ema`` is not a partitioned EMA.
         EMAStateError: the file does not fit the model (names, shapes), or is damaged.
         EMARuntimeError: some ranks did not call it within ``timeout_s``.
     """
@@ -450,14 +464,15 @@ def load_full_ema_weights(
     model = ema.ema_model
     if not isinstance(model, ZeroPartitions):
         raise EMATypeError(
-            "load_full_ema_weights loads into an EMA of a DeepSpeed ZeRO-3 model; load a "
-            "full file into any other EMA with emakit.checkpoint.load_ema_weights(ema, path)"
+            "load_full_ema_weights loads into a partitioned EMA (DeepSpeed ZeRO-3, or "
+            "partition=True); load a full file into any other EMA with "
+            "emakit.checkpoint.load_ema_weights(ema, path)"
         )
     src = as_path("path", path)
     timeout_s = _timeout(timeout_s)
     if dist_ready():
         _check_ranks(ema, "load_full_ema_weights", None, timeout_s, counts=False)
-    weights: dict[str, torch.Tensor] = {WORLD_KEY: torch.tensor(model.world_size)}
+    weights: dict[str, torch.Tensor] = {WORLD_KEY: model.layout_tensor()}
     with SafetensorsFile(src, "EMA weights file") as f:
         metadata = dict(f.metadata)
         for name in f.keys():  # noqa: SIM118 (a file, not a dict)

@@ -125,6 +125,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         async_update: bool | None = None,
         stream: bool = False,
         share_frozen: bool = True,
+        partition: bool = False,
     ) -> None:
         super().__init__()
         opts = EMAOptions.parse(locals())
@@ -436,9 +437,8 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMARuntimeError(
                 "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
             )
-        if isinstance(ema_model, ZeroPartitions):  # ZeRO-3: the model on the EMA partitions
-            with self.swap():
-                return eval_call(self.model, self.model, args, kwargs)
+        if isinstance(ema_model, ZeroPartitions):  # the model on the EMA partitions
+            return self.swap().run(eval_call, self.model, self.model, args, kwargs)
         cast = io_cast(
             self.model, ema_model, dtype=self.ema_dtype is not None, device=self.device is not None
         )

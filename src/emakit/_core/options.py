@@ -109,6 +109,14 @@ KEYWORDS_DOC = """
             the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
             all-reduce of three numbers per update so every rank skips alike (update()
             becomes a collective: call it on every rank). Default False.
+        partition: keyword-only; for a model replicated over the ranks of a
+            ``torch.distributed`` job (DDP, DeepSpeed ZeRO-1 and 2): each rank keeps the
+            EMA of one slice of every parameter (ZeRO-3's split: the flattened parameter cut
+            into ``world`` chunks of ``ceil(numel / world)``), 1/world of the EMA's memory,
+            updated with no communication. ``swap()``, ``ema(x)``, the state check and the
+            full export gather the slices on demand (collectives: every rank); the state is
+            per rank, as under ZeRO-3. Buffers stay whole. A ZeRO-3 model is partitioned
+            anyway. Default False (every rank keeps the whole EMA).
 
 """
 
@@ -125,6 +133,7 @@ _MODULE_ONLY = {
     "move_ema_to_online_device": False,
     "lazy_init_ema": False,
     "stream": False,
+    "partition": False,
 }
 
 
@@ -241,6 +250,7 @@ class EMAOptions:
                 "move_ema_to_online_device", kw["move_ema_to_online_device"]
             ),
             "lazy_init_ema": check.boolean("lazy_init_ema", kw["lazy_init_ema"]),
+            "partition": check.boolean("partition", kw["partition"]),
             "forward_method_names": _forward_names(kw["forward_method_names"]),
         }
         if v["stream"] and (device is not None or async_update):

@@ -32,7 +32,9 @@ while swapped is an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +65,7 @@ class Swap:
         # (online local tensor, its stashed values, shadow local tensor)
         self._copied: list[tuple[Tensor, Tensor, Tensor]] = []
         self._roots: list[nn.Module] = []
-        self._zero = PartitionSwap(zero3_params(model))  # DeepSpeed ZeRO-3 (else empty)
+        self._zero = PartitionSwap([], [])  # partitions: DeepSpeed ZeRO-3, partition=True
         self.active = False
 
     def enter(self) -> Swap:
@@ -76,7 +78,8 @@ class Swap:
         reshard(self._roots)  # the sharded parameters registered, not gathered ones
         pairs = tracker.plan().pairs
         copies = False
-        in_place = self.in_place or bool(self._zero.params)
+        self._zero = PartitionSwap(zero3_params(self.model), pairs)
+        in_place = self.in_place or self._zero.active
         try:
             self._zero.release()
             with torch.no_grad():
@@ -95,6 +98,7 @@ class Swap:
                     else:
                         online.data = shadow.data.to(online.device, online.dtype)
                         self._pointed.append((online, data, shadow))
+            self._zero.spread()
             if copies:
                 reshard(self._roots)
             else:
@@ -132,7 +136,13 @@ class Swap:
         self._pointed, self._copied = [], []
         reshard(self._roots)
         self._roots = []
+        self._zero.spread()
         self._zero.restore()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` inside the swap (entered and left around the call)."""
+        with self:
+            return fn(*args)
 
     def __enter__(self) -> Swap:
         return self.enter()

@@ -1,15 +1,18 @@
 """Rank agreement before emakit's collective saves, loads and exports.
 
-Imported by :mod:`emakit.distributed` only. :func:`agree` is one all-gather of a few
-int64 numbers per call, on every rank of the process group:
+Imported by :mod:`emakit.distributed` and :mod:`emakit.posthoc.writing` only.
+:func:`agree` is a bounded barrier and one all-gather of a few int64 numbers per call, on
+every rank of the process group:
 
 ``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo]``
 
-* **Every rank called the same operation.** The all-gather's wait is bounded
-  (``timeout_s``): a rank whose peers never arrive, because the call sits inside
-  ``if is_rank_zero():`` or another rank-dependent branch, raises an
-  :class:`~emakit.EMARuntimeError` saying so after ``timeout_s`` seconds instead of
-  hanging until the process group's own timeout (30 minutes by default). After such a
+* **Every rank called the same operation.** The ranks first meet in a bounded barrier
+  (``timeout_s``, 30 s by default; gloo's ``monitored_barrier``, which names the ranks
+  that did not arrive, or one bounded all-reduce on other backends): a rank whose peers
+  never arrive, because the call sits inside ``if is_rank_zero():`` or another
+  rank-dependent branch, raises an :class:`~emakit.EMARuntimeError` saying "call on
+  every rank" and naming the missing ranks, instead of hanging until the process group's
+  own timeout (30 minutes by default). After such a
   timeout the process group is unusable (its pending collective was abandoned): the
   program is wrong, and the message says how to fix it. Ranks that meet in different
   emakit operations raise on every rank, naming who called what.
@@ -24,6 +27,7 @@ int64 numbers per call, on every rank of the process group:
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import torch
@@ -32,8 +36,13 @@ from ..errors import EMARuntimeError, EMAStateError
 
 __all__ = ["AGREE_TIMEOUT_S", "OPERATIONS", "Agreed", "agree", "collective_device"]
 
-#: Default seconds a rank waits for the others at an agreement step.
-AGREE_TIMEOUT_S = 300.0
+#: Default seconds a rank waits for the others at an agreement step. The ranks meet there
+#: right after a training step, whose own collectives (gradient reduce-scatter, all-reduce)
+#: already lined them up, so they normally arrive within a fraction of a second; a call
+#: that only some ranks make fails after this long instead of minutes. Raise it (the
+#: functions' ``timeout_s``) when ranks do uneven work right before the call (an
+#: evaluation on rank 0 only).
+AGREE_TIMEOUT_S = 30.0
 
 #: The operations that agree, by code (the code travels in the all-gather).
 OPERATIONS = {
@@ -43,6 +52,7 @@ OPERATIONS = {
     4: "load_sharded_ema (after loading)",
     5: "state_dict of a ZeRO-3 EMA",
     6: "load_full_ema_weights",
+    7: "PostHocEMA.checkpoint",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's
@@ -83,6 +93,38 @@ class Agreed:
         """The first rank's ``extra`` (64 bits)."""
         row = self.rows[0]
         return (row[4] << 32) | row[5]
+
+
+def _missing_ranks(group: Any, timeout_s: float) -> list[int] | None:
+    """The ranks that did not arrive, where torch can tell: a gloo group's
+    ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others). None
+    when everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
+    dist = torch.distributed
+    if "gloo" not in str(dist.get_backend(group)).lower():
+        return [] if not _gathered(group, timeout_s) else None
+    try:
+        dist.monitored_barrier(
+            group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+        )
+    except RuntimeError as e:
+        text = " ".join(str(e).split())
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", text)
+        if found:
+            return [int(r) for r in found.group(1).replace(",", " ").split()]
+        return [0] if dist.get_rank(group) != 0 else []
+    return None
+
+
+def _gathered(group: Any, timeout_s: float) -> bool:
+    """One bounded all-reduce of a single number: whether every rank came."""
+    device = collective_device(group)
+    one = torch.ones(1, dtype=torch.int64, device=device)
+    try:
+        work = torch.distributed.all_reduce(one, group=group, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _by_value(ranks: list[int], values: list[Any]) -> dict[Any, list[int]]:
@@ -131,16 +173,27 @@ def agree(
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     me = dist.get_rank()
+    missing = _missing_ranks(group, timeout_s)
+    if missing is not None:
+        who = (
+            f"{_ranks([_global_rank(group, r) for r in missing])} did not arrive"
+            if missing
+            else f"not all {world} ranks arrived"
+        )
+        raise EMARuntimeError(
+            f"{operation} is a collective: call on every rank. On rank {me}, {who} within "
+            f"timeout_s={timeout_s:g} s. Is the call inside `if is_rank_zero():` or another "
+            f"branch that only some ranks take? This process group cannot be used any more "
+            f"(its collective was abandoned)"
+        )
     try:
         work = dist.all_gather(rows, mine, group=group, async_op=True)
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise EMARuntimeError(
-            f"{operation} is a collective: every rank must call it, but rank {me} did not "
-            f"hear from all {world} ranks within timeout_s={timeout_s:g} s "
-            f"({' '.join(str(e).split())[:200]}). Is the call inside `if is_rank_zero():` or "
-            f"another branch that only some ranks take? Call {operation} on every rank. "
-            f"This process group cannot be used any more (its collective was abandoned)"
+            f"{operation} is a collective: call on every rank; rank {me} did not hear from "
+            f"all {world} ranks within timeout_s={timeout_s:g} s "
+            f"({' '.join(str(e).split())[:200]}). This process group cannot be used any more"
         ) from e
     table = [[int(v) for v in t.tolist()] for t in rows]
     ranks = [_global_rank(group, i) for i in range(world)]

@@ -40,18 +40,25 @@ from .spans import adjacent, span
 if TYPE_CHECKING:
     from ..decay import Action
 
-__all__ = ["BEMAWork", "state_order"]
+__all__ = ["BEMAWork", "held", "state_order"]
+
+
+def held(p: TensorPair) -> bool:
+    """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a
+    frozen weight the EMA could not share, e.g. offloaded: TRL's ``running_model`` holds
+    those too): no ``theta0``, no EMA, no work until it is trained again."""
+    return p.average and not p.buffer and not p.online.requires_grad
 
 
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
-    """The averaged pairs in the memory order of their shadows, the order in which the EMA
-    and ``theta0`` tensors are laid out (so they form the same spans)."""
+    """The averaged pairs BEMA works on, in the memory order of their shadows, the order
+    in which the EMA and ``theta0`` tensors are laid out (so they form the same spans)."""
 
     def order(p: TensorPair) -> tuple[str, str, int, int]:
         s = local_tensor(p.shadow)
         return (str(s.device), str(s.dtype), s.untyped_storage().data_ptr(), s.storage_offset())
 
-    return sorted((p for p in pairs if p.average), key=order)
+    return sorted((p for p in pairs if p.average and not held(p)), key=order)
 
 
 def _runs(lists: Sequence[Sequence[Tensor]]) -> list[list[int]]:
@@ -146,6 +153,11 @@ class BEMAWork:
         copied = [p for p in self.pairs if not p.average]
         self.copy_dst = [local_tensor(p.shadow) for p in copied]
         self.copy_src = [local_tensor(p.online) for p in copied]
+        self.held = [p.online for p in self.pairs if held(p)]
+
+    def thawed(self) -> bool:
+        """Whether a held frozen weight is trainable again (the work must be rebuilt)."""
+        return any(t.requires_grad for t in self.held)
 
     @property
     def on_accelerator(self) -> bool:

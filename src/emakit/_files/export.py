@@ -9,15 +9,18 @@ holding more than one full tensor:
    (:func:`~emakit._files.safetensors_file.safetensors_layout`), and rank 0 writes it first;
 2. for each tensor, in the file's order, every rank casts its shard to the export dtype
    (``to_local()``, then ``.to(dtype)``: the cast happens *before* the gather, so a bf16
-   export moves and holds bf16) and the shards are all-gathered into one buffer
-   (:func:`full_tensor`); rank 0 appends the bytes, and the full tensor is dropped before
-   the next one;
+   export moves and holds bf16) and the shards are gathered into one buffer on rank 0
+   (:func:`tensor_for_writer`: a ``gather``, not an all-gather, so no other rank receives
+   anything beyond its own shard, and at 1,000 ranks the traffic is rank 0's alone); rank 0
+   appends the bytes, and the full tensor is dropped before the next one;
 3. rank 0 writes into a temporary file that replaces ``path`` atomically when complete.
 
 Rank 0's extra memory is therefore the largest tensor in the export dtype, gathered (plus
 a padded copy of its own shard), plus its CPU copy on the way to the file (none when it
-already is on the CPU): at most about twice the largest tensor, whatever the model's size. Every other rank holds one gathered tensor at
-a time. A failure to write on rank 0 (disk full...) does not leave the other ranks waiting
+already is on the CPU): at most about twice the largest tensor, whatever the model's
+size. Every other rank holds its padded shard of one tensor at a time (placements other
+than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
+on each rank of the mesh). A failure to write on rank 0 (disk full...) does not leave the other ranks waiting
 in a gather: rank 0 goes on gathering without writing, and :func:`share_outcome` then
 raises on every rank.
 """
@@ -41,7 +44,7 @@ from .atomic import atomic_path
 from .reading import write_errors
 from .safetensors_file import safetensors_layout, write_tensor
 
-__all__ = ["full_tensor", "share_outcome", "write_sharded"]
+__all__ = ["full_tensor", "share_outcome", "tensor_for_writer", "write_sharded"]
 
 
 def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -59,6 +62,43 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     d = cast(Any, t)
+    local = _cast_local(d, dtype)
+    mesh = d.device_mesh
+    shape = tuple(d.shape)
+    if _rows_sharded(mesh, d.placements, shape):
+        return cast(Tensor, _gather_rows(local, shape, mesh))
+    return DTensor.from_local(
+        local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+    ).full_tensor()
+
+
+def tensor_for_writer(t: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` in full on rank 0 (the writer), None on the ranks that sent it their shards:
+    a collective for a DTensor, floating values cast to ``dtype`` before they move; a
+    plain tensor is returned as it is on every rank.
+
+    FSDP2's rows (``Shard(0)`` over a 1-D mesh), and HSDP's (``Shard(0)`` along one mesh
+    dimension, replicated along the others), are *gathered* to rank 0 (``dist.gather``
+    into one buffer of ``world * ceil(rows / world)`` rows): rank 0 receives the tensor,
+    every other rank receives nothing, and the ranks of the other HSDP replicas take no
+    part. Any other placement (tensor parallelism...) goes through
+    ``DTensor.full_tensor()``, an all-gather, and every rank of its mesh receives it.
+    """
+    if not is_dtensor(t):
+        return t
+    d = cast(Any, t)
+    mesh, shape = d.device_mesh, tuple(d.shape)
+    along = _rows_dim(mesh, d.placements, shape)
+    if along is None:
+        return full_tensor(t, dtype)
+    local = _cast_local(d, dtype)
+    coordinate = mesh.get_coordinate() or []
+    if any(c != 0 for i, c in enumerate(coordinate) if i != along):
+        return None  # another replica: rank 0's replica sends everything
+    return _gather_rows(local, shape, mesh, along=along, to_writer=True)
+
+
+def _cast_local(d: Any, dtype: torch.dtype | None) -> Tensor:
     local = d.to_local()
     if dtype is not None and local.is_floating_point():
         local = local.to(dtype)
@@ -68,12 +108,25 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
         if mesh.device_type == "cuda":
             target = torch.device("cuda", torch.cuda.current_device())
         local = local.to(target)
-    shape = tuple(d.shape)
-    if _rows_sharded(mesh, d.placements, shape):
-        return _gather_rows(local, shape, mesh)
-    return DTensor.from_local(
-        local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
-    ).full_tensor()
+    return local
+
+
+def _rows_dim(mesh: Any, placements: Any, shape: tuple[int, ...]) -> int | None:
+    """The mesh dimension a tensor's rows are split along, when every other mesh dimension
+    replicates it, rank 0 sits at coordinate 0 of those, and the ranks along it are in
+    order (the same answer on every rank); else None."""
+    if not shape or len(placements) != mesh.ndim:
+        return None
+    rows = [i for i, p in enumerate(placements) if p.is_shard(0)]
+    if len(rows) != 1 or not all(
+        p.is_replicate() for i, p in enumerate(placements) if i != rows[0]
+    ):
+        return None
+    ranks = mesh.mesh
+    line = ranks[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
+    if 0 not in line or line != sorted(line):
+        return None
+    return rows[0]
 
 
 def _rows_sharded(mesh: Any, placements: Any, shape: tuple[int, ...]) -> bool:
@@ -85,17 +138,34 @@ def _rows_sharded(mesh: Any, placements: Any, shape: tuple[int, ...]) -> bool:
     return bool(placements[0].is_shard(0)) and ranks == sorted(ranks)
 
 
-def _gather_rows(local: Tensor, shape: tuple[int, ...], mesh: Any) -> Tensor:
+def _gather_rows(
+    local: Tensor,
+    shape: tuple[int, ...],
+    mesh: Any,
+    *,
+    along: int = 0,
+    to_writer: bool = False,
+) -> Tensor | None:
+    """The rows of every rank along mesh dimension ``along`` in one buffer: on every rank
+    (an all-gather), or with ``to_writer`` on rank 0 alone (a gather; None elsewhere)."""
     dist = torch.distributed
-    world = mesh.size()
+    world = mesh.size(along)
     rows = -(-shape[0] // world)
     if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
         padded = local.new_zeros((rows, *shape[1:]))
         padded[: local.shape[0]].copy_(local)
         local = padded
+    group = mesh.get_group(along)
+    if not to_writer:
+        out = local.new_empty((world * rows, *shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local.contiguous(), group=group)
+        return out[: shape[0]]
+    if dist.get_rank() != 0:
+        dist.gather(local.contiguous(), None, dst=0, group=group)
+        return None
     out = local.new_empty((world * rows, *shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local.contiguous(), group=mesh.get_group())
+    dist.gather(local.contiguous(), list(out.chunk(world)), dst=0, group=group)
     return out[: shape[0]]
 
 
@@ -112,7 +182,7 @@ def write_sharded(
     dtype: torch.dtype | None,
     *,
     tensors: Mapping[str, Tensor] | None = None,
-    gather: Callable[[str, torch.dtype | None], Tensor] | None = None,
+    gather: Callable[[str, torch.dtype | None], Tensor | None] | None = None,
     model_name: str | None = None,
 ) -> BaseException | None:
     """Write the full EMA of a sharded (DTensor) EMA model to ``dest`` (call on every rank).
@@ -123,8 +193,8 @@ def write_sharded(
         dtype: the export dtype of floating tensors (None: the shadow's).
         tensors: the tensors by name, for the header (only names, dtypes and full shapes
             are read). Default: the EMA model's state dict.
-        gather: ``(name, dtype) -> full tensor`` on every rank. Default: :func:`full_tensor`
-            of ``tensors[name]``.
+        gather: ``(name, dtype) -> full tensor`` on rank 0 (None or the tensor elsewhere),
+            called on every rank. Default: :func:`tensor_for_writer` of ``tensors[name]``.
         model_name: the class name in the header. Default: the EMA model's class.
 
     Returns:
@@ -136,7 +206,7 @@ def write_sharded(
     tensors = model.state_dict() if tensors is None else tensors
     header = weights_header(ema, tensors, dtype)
     header["model_class"] = model_name or model_class(model)
-    full_of = gather or (lambda name, dt: full_tensor(tensors[name], dt))
+    full_of = gather or (lambda name, dt: tensor_for_writer(tensors[name], dt))
     head, order = safetensors_layout(tensors, header, dtype)
     writer = is_rank_zero()
     failure: BaseException | None = None
@@ -153,7 +223,7 @@ def write_sharded(
                     failure, f = e, None
             for name in order:
                 full = full_of(name, dtype)  # every rank, in the same order
-                if f is not None:
+                if f is not None and full is not None:
                     try:
                         write_tensor(f, full, dtype)
                     except OSError as e:  # keep gathering: the other ranks are in the loop

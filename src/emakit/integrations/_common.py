@@ -3,16 +3,137 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypedDict
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
+from .._dist.deepspeed import zero3_params
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
 
-__all__ = ["check_ema_class", "check_ema_kwargs", "distribute_like", "gather_full", "sharded_keys"]
+__all__ = [
+    "LIGHTNING_CHECKPOINT_KEY",
+    "TRAINER_WEIGHTS_NAME",
+    "ZERO3_ALTERNATIVE",
+    "EMAKeywords",
+    "check_ema_class",
+    "check_ema_kwargs",
+    "distribute_like",
+    "ema_metrics",
+    "gather_full",
+    "refuse_zero3",
+    "sharded_keys",
+]
+
+#: Where ``EMACallback`` puts the EMA in a Lightning checkpoint (``emakit inspect`` reads it).
+LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
+#: The EMA file ``EMATrainerCallback`` writes into every ``checkpoint-N`` folder.
+TRAINER_WEIGHTS_NAME = "ema.safetensors"
+
+
+#: What to do instead of an integration under DeepSpeed ZeRO-3.
+ZERO3_ALTERNATIVE = (
+    "keep the EMA in the training loop instead: ema = emakit.EMA(engine) and ema.update() "
+    "on every rank, engine.save_checkpoint(dir, client_state={'ema': ema.state_dict()}), "
+    "emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, DeepSpeed); "
+    "ZeRO-1 and 2 work here as they are"
+)
+
+
+def refuse_zero3(model: object, owner: str) -> None:
+    """Refuse a DeepSpeed ZeRO-3 model in an integration that saves from one process.
+
+    Raises:
+        EMATypeError: ``model`` has ZeRO-3 parameters (the message says the alternative).
+    """
+    if zero3_params(model):
+        raise EMATypeError(
+            f"{owner} does not support DeepSpeed ZeRO-3: it writes the EMA from one process, "
+            f"and under ZeRO-3 each process holds only its partitions of it; "
+            f"{ZERO3_ALTERNATIVE}"
+        )
+
+
+class EMAKeywords(TypedDict, total=False):
+    """The keywords the callbacks pass on to [`EMA`][emakit.EMA] (or, with
+    ``ema_class=BEMA``, to [`BEMA`][emakit.BEMA]), typed for IDEs and type checkers
+    (``**ema_kwargs: Unpack[EMAKeywords]``, PEP 692). Each means what it means there, with
+    its default; which ones a kind takes is checked when the callback is built, and
+    ``tests/test_integration_lightning.py`` checks this list against both signatures."""
+
+    ema_model: nn.Module | Callable[[], Any] | Any | None
+    beta: float
+    update_after_step: int
+    update_every: int
+    inv_gamma: float
+    power: float
+    min_value: float
+    param_or_buffer_names_no_ema: Iterable[str]
+    ignore_names: Iterable[str]
+    ignore_startswith_names: Iterable[str]
+    include_online_model: bool
+    allow_different_devices: bool
+    use_foreach: bool | None
+    update_model_with_ema_every: int | None
+    update_model_with_ema_beta: float
+    forward_method_names: Sequence[str]
+    move_ema_to_online_device: bool
+    coerce_dtype: bool
+    lazy_init_ema: bool
+    ema_dtype: torch.dtype | None
+    schedule: Callable[[int], float] | None
+    decay_groups: Mapping[str, float | Callable[[int], float]] | None
+    skip_nonfinite: bool
+    partition: bool
+    device: torch.device | str | None
+    async_update: bool | None
+    stream: bool
+    share_frozen: bool
+    # ema_class=BEMA: BEMA's own keywords (the others above apply to it as well)
+    update_freq: int
+    ema_power: float
+    bias_power: float
+    lag: float
+    update_after: int
+    multiplier: float
+    min_ema_multiplier: float
+
+
+#: The prefix of every value the callbacks log.
+METRIC_PREFIX = "ema/"
+
+
+def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
+    """What the framework callbacks log about an EMA, read without waiting for the device.
+
+    * ``ema/decay``: the decay of the most recent update
+      ([`get_current_decay()`][emakit.EMA.get_current_decay]; 0 during the warm-up copies);
+    * ``ema/step``: the number of ``update()`` calls;
+    * ``ema/bias_weight``: for a BEMA, ``alpha_t`` of its most recent update;
+    * ``ema/num_skipped_nonfinite``: with ``skips=True`` and ``skip_nonfinite=True``, the
+      updates skipped for NaN/Inf weights. Reading it waits for the pending update (one
+      small read from the device), so the callbacks read it only when they log anyway.
+
+    Args:
+        ema: the EMA.
+        skips: include the skip count. Default False.
+
+    Returns:
+        ``{name: value}``, plain floats.
+    """
+    values = {
+        METRIC_PREFIX + "decay": float(ema.get_current_decay()),
+        METRIC_PREFIX + "step": float(ema.tracker.step),
+    }
+    bias = getattr(ema, "bias_weight", None)
+    if bias is not None:
+        values[METRIC_PREFIX + "bias_weight"] = float(bias() if callable(bias) else bias)
+    if skips and ema.skip_nonfinite:
+        values[METRIC_PREFIX + "num_skipped_nonfinite"] = float(ema.num_skipped_nonfinite)
+    return values
 
 
 def check_ema_class(owner: str, ema_class: object) -> type[EMA]:

@@ -16,15 +16,29 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .. import _validate as check
 from .._core.swap import Swap
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
-from ._common import check_ema_class, check_ema_kwargs, distribute_like, gather_full, sharded_keys
+from ._common import (
+    LIGHTNING_CHECKPOINT_KEY,
+    EMAKeywords,
+    check_ema_class,
+    check_ema_kwargs,
+    distribute_like,
+    ema_metrics,
+    gather_full,
+    sharded_keys,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     import lightning.pytorch as pl
@@ -43,13 +57,19 @@ __all__ = [
     "CHECKPOINT_KEY",
     "CHECKPOINT_VERSION",
     "ONLINE_STATE_DICT_KEY",
+    "ONLINE_SUFFIX",
     "SHARDED_CHECKPOINT_VERSION",
     "SHARDED_STATE_PREFIX",
     "EMACallback",
+    "EMAKeywords",
 ]
 
+#: Appended to the name of every metric the raw weights' validation logs
+#: (``also_validate_online=True``): ``val_loss`` is the EMA's, ``val_loss_online`` the raw's.
+ONLINE_SUFFIX = "_online"
+
 #: Top-level checkpoint key holding the EMA (see :meth:`EMACallback.on_save_checkpoint`).
-CHECKPOINT_KEY = "emakit_ema"
+CHECKPOINT_KEY = LIGHTNING_CHECKPOINT_KEY
 #: Version of the layout stored under :data:`CHECKPOINT_KEY`.
 CHECKPOINT_VERSION = 1
 #: Version of the layout for an FSDP2 EMA in a distributed (DCP) checkpoint.
@@ -66,9 +86,10 @@ _REFUSED_STRATEGIES = {
     "FSDPStrategy": "it flattens the parameters (FSDP1), so each rank would average a "
     "fragment under names that do not match the module; use ModelParallelStrategy with "
     "fully_shard in configure_model (FSDP2), or strategy='ddp'",
-    "DeepSpeedStrategy": "DeepSpeed partitions the parameters behind its engine; use "
-    "ModelParallelStrategy with fully_shard in configure_model (FSDP2), or strategy='ddp' "
-    "(for ZeRO-3 outside Lightning see docs/distributed.md)",
+    "DeepSpeedStrategy": "Lightning runs DeepSpeed on CUDA GPUs only, where emakit's "
+    "callback is not tested with it; use ModelParallelStrategy with fully_shard in "
+    "configure_model (FSDP2), or strategy='ddp', or DeepSpeed outside Lightning: "
+    "ema = emakit.EMA(engine) in the training loop (ZeRO-1, 2 and 3, docs/distributed.md)",
 }
 
 
@@ -114,17 +135,33 @@ class EMACallback(pl.Callback):
     EMA is gathered into the single file (layout version 1). ``FSDPStrategy`` (FSDP1) and
     ``DeepSpeedStrategy`` are refused at ``setup``. Use one ``EMACallback`` per ``Trainer``.
 
+    * **Logging** (``log_stats``), through the module's own ``self.log``, so every Lightning
+      logger (CSV, TensorBoard, W&B) gets them: ``ema/decay`` and ``ema/step`` after
+      every optimizer step (plain Python numbers, no device read), ``ema/bias_weight`` for
+      a BEMA, and with ``skip_nonfinite=True`` ``ema/num_skipped_nonfinite`` once per
+      training epoch (reading the count waits for the device once). With
+      ``also_validate_online=True`` every validation batch also runs on the raw weights,
+      whose metrics are logged under the same names plus ``"_online"`` (``val_loss`` is the
+      EMA's, ``val_loss_online`` the raw model's), so both curves sit side by side; it
+      doubles the validation time.
+
     Args:
         validate_with_ema: run validation on the EMA weights. Default True.
         test_with_ema: run test on the EMA weights. Default True.
         save_ema_weights_as_state_dict: write the EMA weights as the checkpoint's
             ``state_dict`` (inference export). Default False.
+        log_stats: keyword-only; log the decay, step and skip count (see above).
+            Default True.
+        also_validate_online: keyword-only; with ``validate_with_ema``, validate the raw
+            weights too, their metrics suffixed ``"_online"``. Default False.
         ema_class: keyword-only; the EMA kind to keep, e.g. [`BEMA`][emakit.BEMA] (then
             ``ema_kwargs`` are its keywords: ``update_freq``, ``lag`` ...). Default
             [`EMA`][emakit.EMA].
-        **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_after_step``,
-            ``update_every``, ``ema_dtype``, ...), checked now. Its defaults apply
-            (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
+        **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_after_step``,
+            ``update_every``, ``ema_dtype``, ...) or for ``ema_class``; typed as
+            [`EMAKeywords`][emakit.integrations.lightning.EMAKeywords], so IDEs complete
+            them; checked now. Its defaults apply (``update_every=10``,
+            ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
         EMATypeError: a keyword is not one of :class:`~emakit.EMA`'s, or a flag is not a bool.
@@ -141,10 +178,14 @@ class EMACallback(pl.Callback):
         test_with_ema: bool = True,
         save_ema_weights_as_state_dict: bool = False,
         *,
+        log_stats: bool = True,
+        also_validate_online: bool = False,
         ema_class: type[EMA] = EMA,
-        **ema_kwargs: Any,
+        **ema_kwargs: Unpack[EMAKeywords],
     ) -> None:
         super().__init__()
+        self.log_stats = check.boolean("log_stats", log_stats)
+        self.also_validate_online = check.boolean("also_validate_online", also_validate_online)
         self.ema_class = check_ema_class("EMACallback", ema_class)
         self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
         self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
@@ -217,6 +258,15 @@ class EMACallback(pl.Callback):
             if ema is None:  # pragma: no cover - on_fit_start always runs first
                 ema = self._ensure_ema(pl_module)
             ema.update()
+            if self.log_stats:
+                pl_module.log_dict(ema_metrics(ema), on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the skip count (``log_stats`` with ``skip_nonfinite=True``)."""
+        ema = self.ema
+        if self.log_stats and ema is not None and ema.skip_nonfinite:
+            count = ema_metrics(ema, skips=True)["ema/num_skipped_nonfinite"]
+            pl_module.log("ema/num_skipped_nonfinite", count, on_step=False, on_epoch=True)
 
     # -- evaluation ---------------------------------------------------------------------
 
@@ -254,6 +304,31 @@ class EMACallback(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put the raw weights back."""
         self._leave_swap()
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """With ``also_validate_online``: run the batch again on the raw weights, logging
+        each metric under its name plus ``"_online"``."""
+        if not self.also_validate_online or self._swap is None:
+            return
+        args = (
+            (batch, batch_idx)
+            if trainer.num_val_batches is None or len(trainer.num_val_batches) <= 1
+            else (batch, batch_idx, dataloader_idx)
+        )
+        self._leave_swap()
+        try:
+            with _renamed_logs(pl_module, ONLINE_SUFFIX), torch.no_grad():
+                pl_module.validation_step(*args)
+        finally:
+            self._enter_swap(pl_module)
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Swap the EMA weights into the module (``test_with_ema``)."""
@@ -405,3 +480,19 @@ class EMACallback(pl.Callback):
                 f"the checkpoint's EMA does not fit this module and EMACallback keywords "
                 f"({self.ema_kwargs}): {e}"
             ) from e
+
+
+@contextlib.contextmanager
+def _renamed_logs(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
+    """Inside the block, ``pl_module.log(name, ...)`` (and ``log_dict``, which calls it)
+    logs under ``name + suffix``."""
+    log = pl_module.log
+
+    def renamed(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log(name + suffix, value, *args, **kwargs)
+
+    pl_module.log = renamed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log  # the class's method again

@@ -20,7 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,7 +34,10 @@ from ..checkpoint import load_ema_weights, save_ema_weights
 from ..decay import bema_rule
 from ..ema import EMA, unwrap_model
 from ..errors import EMATypeError
-from ._common import check_ema_kwargs
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics, refuse_zero3
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -48,7 +51,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 __all__ = ["BEMA_STATE_NAME", "EMA_WEIGHTS_NAME", "BEMACallback", "EMATrainerCallback"]
 
 #: File name of the EMA weights in every ``checkpoint-N`` folder (and in ``output_dir``).
-EMA_WEIGHTS_NAME = "ema.safetensors"
+EMA_WEIGHTS_NAME = TRAINER_WEIGHTS_NAME
 
 #: File name of the BEMA state (``BEMA.state_dict()``) in every ``checkpoint-N`` folder.
 BEMA_STATE_NAME = "bema_state.pt"
@@ -72,8 +75,9 @@ class EMATrainerCallback(TrainerCallback):
       ``train()`` returns, ``trainer.evaluate()`` uses the raw weights again; wrap it in
       ``with callback.ema.swap():`` for the EMA's.
     * **Checkpoints:** every ``checkpoint-N`` folder gets ``ema.safetensors`` (the EMA
-      weights under the model's own names, step and settings in the header, written
-      atomically by :func:`emakit.checkpoint.save_ema_weights`). ``train(
+      weights under the model's own names, a tied tensor once as in the model's own
+      ``model.safetensors``, step and settings in the header, written atomically by
+      :func:`emakit.checkpoint.save_ema_weights`). ``train(
       resume_from_checkpoint=...)`` restores it, so a resumed run ends with the same EMA.
       The Trainer does not tell callbacks which checkpoint it resumed from; the callback
       takes the folder ``train()`` resolved (a path, or the last checkpoint for ``True``),
@@ -86,15 +90,29 @@ class EMATrainerCallback(TrainerCallback):
       ``args.output_dir`` (``save_pretrained`` for a ``PreTrainedModel``, else
       ``model.safetensors``).
 
+    * **Logging** (``log_stats``): each time the Trainer logs (every ``logging_steps``),
+      ``ema/decay``, ``ema/step``, ``ema/bias_weight`` for a BEMA and, with
+      ``skip_nonfinite=True``, ``ema/num_skipped_nonfinite`` are added to that log entry:
+      to ``state.log_history`` and to the logs the callbacks after this one receive. The
+      reporting callbacks ``report_to`` creates (TensorBoard, W&B) come before the ones
+      you pass, so for them put this one first:
+      ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(callback))``.
+
     Every process keeps an identical EMA under DDP; the process that saves checkpoints
-    (``args.should_save``) writes the files. FSDP and DeepSpeed ZeRO-3 shard the weights
-    and are not supported.
+    (``args.should_save``) writes the files; DeepSpeed ZeRO-1 and 2 keep whole weights on
+    every process and work the same way. FSDP and DeepSpeed ZeRO-3 shard the weights and
+    are refused (ZeRO-3 at ``on_train_begin``, naming the alternative: ``EMA(engine)`` in
+    your own loop, see docs/distributed.md).
 
     Args:
         eval_with_ema: evaluate on the EMA weights during training. Default True.
         save_final_as_model: make the EMA weights the final model (see above). Default False.
-        **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
-            ``update_after_step``, ``ema_dtype``, ...), checked now. Its defaults apply
+        log_stats: keyword-only; add the EMA's decay, step and skip count to the Trainer's
+            logs (see above). Default True.
+        **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_every``,
+            ``update_after_step``, ``ema_dtype``, ...; typed as
+            [`EMAKeywords`][emakit.integrations.lightning.EMAKeywords], so IDEs complete
+            them), checked now. Its defaults apply
             (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
@@ -107,9 +125,15 @@ class EMATrainerCallback(TrainerCallback):
     """
 
     def __init__(
-        self, eval_with_ema: bool = True, save_final_as_model: bool = False, **ema_kwargs: Any
+        self,
+        eval_with_ema: bool = True,
+        save_final_as_model: bool = False,
+        *,
+        log_stats: bool = True,
+        **ema_kwargs: Unpack[EMAKeywords],
     ) -> None:
         self.eval_with_ema = check.boolean("eval_with_ema", eval_with_ema)
+        self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
         self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
         #: The :class:`~emakit.EMA`, created at ``on_train_begin`` (None before).
@@ -134,6 +158,7 @@ class EMATrainerCallback(TrainerCallback):
             raise EMATypeError(
                 f"EMATrainerCallback needs the Trainer's model, got {type(model).__name__}"
             )
+        refuse_zero3(model, "EMATrainerCallback")
         self._leave_swap()
         self.ema = EMA(model, **self.ema_kwargs)
         self.restored_from = None
@@ -196,6 +221,23 @@ class EMATrainerCallback(TrainerCallback):
         if self.ema is not None:
             self.ema.update()
 
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Add the EMA's values to the entry the Trainer is logging (``log_stats``)."""
+        if not self.log_stats or self.ema is None or logs is None:
+            return
+        values = ema_metrics(self.ema, skips=True)
+        logs.update(values)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(values)  # the Trainer stored a copy of `logs` before this call
+
     # -- evaluation ---------------------------------------------------------------------
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -248,7 +290,7 @@ class EMATrainerCallback(TrainerCallback):
                 stacklevel=2,
             )
             return
-        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME)
+        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME, tied_once=True)  # as the model's
 
     def on_train_end(
         self,

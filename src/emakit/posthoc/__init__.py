@@ -4,7 +4,10 @@ and synthesis of any EMA length after training.
 * :class:`KarrasEMA`: one power-function EMA whose decay honours ``update_every``.
 * :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
   :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
-* :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone.
+* :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone
+  (one process's snapshots, or every rank's of a sharded model, reassembled).
+* :meth:`PostHocEMA.sweep` / :func:`sweep`: synthesize many lengths in one pass over the
+  snapshots, score each with your function, plot, pick the best.
 * :func:`list_snapshots` / :func:`read_snapshot_info`: what a snapshot folder holds (the
   headers only); :func:`find_snapshot_folder`: a folder or its one snapshot subfolder.
 * :class:`LegacyProfiles`: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
@@ -42,6 +45,7 @@ from .snapshots import (
     list_snapshots,
     read_snapshot_info,
 )
+from .sweeping import SweepResult, sweep, sweep_lengths
 from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
 from .where import find_snapshot_folder
 
@@ -57,6 +61,7 @@ __all__ = [
     "PostHocEMA",
     "PostHocWarning",
     "SnapshotInfo",
+    "SweepResult",
     "SynthesisPlan",
     "WeightSolution",
     "find_snapshot_folder",
@@ -71,5 +76,7 @@ __all__ = [
     "read_snapshot_info",
     "sigma_rel_to_gamma",
     "solve_weights",
+    "sweep",
+    "sweep_lengths",
     "synthesize_state_dict",
 ]

@@ -1,9 +1,11 @@
 """Pieces shared by ``emakit synthesize`` and ``emakit inspect``: number lists, the
-ema-pytorch options, the snapshot folder, the ``--run`` option and one-line errors."""
+ema-pytorch options, the snapshot folder, the ``--run`` option, one-line errors, and the
+progress bar (``emakit bench`` uses it too)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "fmt",
     "legacy_options",
     "legacy_profiles",
+    "progress_bar",
     "run_option",
     "snapshot_folder",
 ]
@@ -158,3 +161,56 @@ def legacy_profiles(
         copied=copied,
         exact_dtypes=exact,
     ), note
+
+
+@contextmanager
+def progress_bar(
+    enabled: bool, unit: str = "snapshots"
+) -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
+    """Yield ``start(label, total) -> advance(done, total)``: a bar on stderr counting
+    ``unit``, rich if installed (imported here, when a bar is shown), else click's."""
+    if not enabled:
+        yield lambda label, total: lambda done, total_: None
+        return
+    try:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError:  # rich is an optional extra: fall back to click's bar
+        with ExitStack() as stack:
+
+            def start_click(label: str, total: int) -> Callable[[int, int], None]:
+                stream = click.get_text_stream("stderr")  # type: ignore[operator]
+                bar: Any = stack.enter_context(
+                    click.progressbar(length=total, label=label, file=stream)
+                )
+
+                def advance(done: int, total_: int) -> None:
+                    bar.update(done - bar.pos)
+
+                return advance
+
+            yield start_click
+        return
+    from rich.console import Console
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),  # stdout stays for the results
+        transient=False,
+    )
+    with progress:
+
+        def start_rich(label: str, total: int) -> Callable[[int, int], None]:
+            task = progress.add_task(label, total=total)
+            return lambda done, total_: progress.update(task, completed=done)
+
+        yield start_rich

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import click
 import torch
@@ -44,6 +42,7 @@ from ._cli import (
     fmt,
     legacy_options,
     legacy_profiles,
+    progress_bar,
     run_option,
     snapshot_folder,
 )
@@ -123,56 +122,6 @@ def _check_outputs(paths: Sequence[Path], inputs: Sequence[Path], force: bool) -
             raise click.ClickException(
                 f"--out {path} already exists; pass --force to replace it, or choose another name"
             )
-
-
-@contextmanager
-def _progress_bar(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
-    """Yield ``start(label, total) -> advance(done, total)``; rich if installed, else click."""
-    if not enabled:
-        yield lambda label, total: lambda done, total_: None
-        return
-    try:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-    except ImportError:  # rich is an optional extra: fall back to click's bar
-        with ExitStack() as stack:
-
-            def start_click(label: str, total: int) -> Callable[[int, int], None]:
-                stream = click.get_text_stream("stderr")  # type: ignore[operator]
-                bar: Any = stack.enter_context(
-                    click.progressbar(length=total, label=label, file=stream)
-                )
-
-                def advance(done: int, total_: int) -> None:
-                    bar.update(done - bar.pos)
-
-                return advance
-
-            yield start_click
-        return
-    from rich.console import Console
-
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("snapshots"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),  # stdout stays for the results
-        transient=False,
-    )
-    with progress:
-
-        def start_rich(label: str, total: int) -> Callable[[int, int], None]:
-            task = progress.add_task(label, total=total)
-            return lambda done, total_: progress.update(task, completed=done)
-
-        yield start_rich
 
 
 def _refuse_legacy(folder: Path, files: list[LegacyFile]) -> None:
@@ -299,14 +248,15 @@ def synthesize(
                 plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
                 for v in values
             ]
-        inputs = [s.path for s in list_snapshots(folder, legacy=legacy)]
+        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.shards or [s.path]]
         inputs += [f.path for f in list_legacy_files(folder)]
-        _check_outputs(paths, inputs + [s.path for p in plans for s in p.snapshots], force)
+        used = [f for p in plans for s in p.snapshots for f in s.shards or [s.path]]
+        _check_outputs(paths, inputs + used, force)
         if note and any(s.is_legacy for p in plans for s in p.snapshots):
             click.echo(note, err=True)
         for w in caught:
             click.echo(f"Warning: {w.message}", err=True)
-        with _progress_bar(progress) as start:
+        with progress_bar(progress) as start:
             for plan, path in zip(plans, paths, strict=True):
                 label = f"sigma_rel={fmt(plan.sigma_rel)} step={plan.step}"
                 state = plan.run(dtype=_DTYPES[dtype], progress=start(label, len(plan.snapshots)))

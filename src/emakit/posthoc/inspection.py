@@ -30,7 +30,14 @@ from ._cli import (
     run_option,
     snapshot_folder,
 )
+from .framework_files import (
+    describe_ema_state,
+    ema_state_in,
+    framework_folder,
+    not_a_checkpoint,
+)
 from .runs import LOCK_NAME, describe_runs, pick_run, runs_in
+from .shards import parse_layout
 from .snapshots import (
     LEGACY_NAME,
     SNAPSHOT_FORMAT,
@@ -93,6 +100,12 @@ _CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
 
 
 def _snapshot_summary(info: SnapshotInfo) -> list[tuple[str, str, list[int]]]:
+    if info.shards:  # a sharded snapshot: the global shapes from the layout of rank 0's file
+        with SafetensorsFile(info.path) as f:
+            layout = parse_layout(info.path, f.metadata, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
+            codes = {n: f.code(n) for n in f.keys()}  # noqa: SIM118
+        code = next(iter(codes.values()), "?")
+        return [(n, codes.get(n, code), list(shape)) for n, (shape, _) in layout.items()]
     if not info.is_legacy:
         return _safetensors_summary(info.path)[1]
     return [
@@ -120,7 +133,7 @@ def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None
     listed = list_snapshots(folder, legacy=legacy)
     snaps = pick_run(listed, run, folder)
     theirs = list_legacy_files(folder)
-    known = {s.path for s in listed} | {f.path for f in theirs}
+    known = {p for s in listed for p in (s.shards or (s.path,))} | {f.path for f in theirs}
     others = [p for p in folder.iterdir() if p.is_file() and p not in known and p.name != LOCK_NAME]
     if not snaps and not theirs:
         raise click.ClickException(
@@ -198,11 +211,23 @@ def _inspect_safetensors(path: Path) -> None:
     for key in sorted(k for k in meta if k not in {"format", "copied"}):
         click.echo(f"  {key}: {meta[key]}")
     click.echo(_describe_tensors(tensors))
+    for name, code, shape in tensors[:12]:
+        click.echo(f"  {name}  {code}  {shape}")
+    if len(tensors) > 12:
+        click.echo(f"  ... and {len(tensors) - 12} more")
 
 
 def _inspect_torch(path: Path) -> None:
+    refusal = not_a_checkpoint(path)  # summary.json, a text file: say what it is
+    if refusal is not None:
+        raise refusal
     obj = torch_load(path, "checkpoint file")  # weights_only=True; never advises otherwise
     click.echo(f"torch checkpoint {path} ({_size(path.stat().st_size)})")
+    found = ema_state_in(obj)
+    if found is not None:  # an EMA state, alone or inside a framework's checkpoint
+        click.echo(f"{found[0]}:")
+        click.echo("\n".join(describe_ema_state(found[1])))
+        return
     m = LEGACY_NAME.match(path.name)
     if m:
         click.echo(
@@ -244,15 +269,19 @@ def inspect_cmd(
     For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and
     size, and ema-pytorch's <index>.<step>.pt files (listed, or with --legacy-sigma-rels
     read as those profiles); a folder holding several runs needs --run. For a file: its
-    header (.safetensors) or its EMA state (.pt, read with weights_only=True). Anything
-    but a folder or a regular file (a FIFO, a device) is refused.
+    header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
+    EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
+    save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,
+    a device) is refused.
     """
     try:
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
             raise click.ClickException(f"{path} does not exist") from None
-        if stat.S_ISDIR(mode):
+        if stat.S_ISDIR(mode) and framework_folder(path) is not None:
+            _inspect_framework_folder(path)
+        elif stat.S_ISDIR(mode):
             path = snapshot_folder(path)
             legacy, _ = legacy_profiles(path, legacy_sigma_rels, legacy_gammas, legacy_update_every)
             _inspect_folder(path, legacy, run)
@@ -265,5 +294,18 @@ def inspect_cmd(
             _inspect_safetensors(path)
         else:
             _inspect_torch(path)
+    except BrokenPipeError:
+        raise  # `emakit inspect DIR | head`: click exits quietly, as Unix tools do
     except (EMAError, OSError) as e:
         raise fail(e) from e
+
+
+def _inspect_framework_folder(folder: Path) -> None:
+    what, files = framework_folder(folder)  # type: ignore[misc]
+    click.echo(f"{what} {folder}")
+    for path in files:
+        click.echo("")
+        if path.suffix == ".safetensors":
+            _inspect_safetensors(path)
+        else:
+            _inspect_torch(path)

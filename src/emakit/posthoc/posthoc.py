@@ -25,34 +25,19 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
+from .._dist.collectives import AGREE_TIMEOUT_S
 from .._files.reading import writable_path
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
-from .runs import (
-    FolderLock,
-    check_run_id,
-    first_write_warnings,
-    new_run_id,
-    run_to_continue,
-    runs_in,
-)
-from .snapshots import (
-    RUN_PATTERN,
-    LegacyProfiles,
-    SnapshotInfo,
-    is_writer,
-    list_snapshots,
-    snapshot_filename,
-    snapshot_header,
-    snapshot_tensors,
-    write_snapshots,
-)
-from .synthesis import plan_synthesis
+from .runs import check_run_id, new_run_id, run_to_continue
+from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
+from .synthesizing import SynthesisMethods
+from .writing import SnapshotWriter
 
 __all__ = [
     "POSTHOC_STATE_VERSION",
@@ -85,7 +70,7 @@ _KARRAS_KWARGS = frozenset(
 )
 
 
-class PostHocEMA(nn.Module):
+class PostHocEMA(nn.Module, SynthesisMethods):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
     Karras et al. 2024 (arXiv:2312.02696, §3): track a few :class:`KarrasEMA` profiles
@@ -206,8 +191,7 @@ class PostHocEMA(nn.Module):
         self.checkpoint_folder = Path(checkpoint_folder)
         self.checkpoint_dtype = checkpoint_dtype
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
-        self._folder_checked = False
-        self._folder_lock: FolderLock | None = None
+        self._writer = SnapshotWriter()
         self._loaded_run: str | None = None
         if is_writer():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
@@ -309,34 +293,14 @@ class PostHocEMA(nn.Module):
 
     # -- snapshots ------------------------------------------------------------------------
 
-    def _snapshot_tensors(self, ema: KarrasEMA) -> tuple[dict[str, Tensor], set[str]]:
-        if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
-            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        out = snapshot_tensors(ema.ema_model.state_dict(), self.checkpoint_dtype)
-        return out, set(out) - ema.averaged_names()
-
-    def _check_folder(self, step: int) -> None:
-        self._folder_checked = True
-        for message in first_write_warnings(self.checkpoint_folder, self.run_id, step):
-            warnings.warn(message, PostHocWarning, stacklevel=3)
-
-    def _lock_folder(self) -> None:
-        lock = self._folder_lock
-        if lock is None or not lock.locked or lock.run != self.run_id:
-            self.release_folder()
-            self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
-            self._folder_lock = FolderLock(self.checkpoint_folder, self.run_id)
-
     def release_folder(self) -> None:
         """Release the lock on :attr:`checkpoint_folder` that this run holds while it
         writes snapshots (also released when the object is garbage-collected or the
         process ends); the next :meth:`checkpoint` takes it again."""
-        if self._folder_lock is not None:
-            self._folder_lock.release()
-            self._folder_lock = None
+        self._writer.release()
 
-    def checkpoint(self) -> list[Path]:
-        """Write one snapshot per profile for the current step (rank 0 only).
+    def checkpoint(self, *, timeout_s: float = AGREE_TIMEOUT_S) -> list[Path]:
+        """Write one snapshot per profile for the current step.
 
         A profile whose last averaging update was before the current step first averages
         in the current weights (exact for the power-function profile), so every snapshot's
@@ -345,12 +309,23 @@ class PostHocEMA(nn.Module):
         ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``, and record this run's
         id. The first write takes the folder's lock (see :mod:`emakit.posthoc.runs`).
 
+        A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
+        sharded model (FSDP2, HSDP, FSDP with tensor parallelism) is written by every rank:
+        each rank its own blocks of every tensor, into its own files (``...rank-00003-of-
+        00004.safetensors``, see :mod:`emakit.posthoc.shards`), so **call it on every
+        rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
+        (see :mod:`emakit.posthoc.writing`).
+
+        Args:
+            timeout_s: keyword-only; for a sharded model, seconds a rank waits for the
+                others to arrive. Default 30.
+
         Returns:
-            The files written (empty on ranks other than 0).
+            The files this rank wrote (empty on ranks other than 0 for a whole model).
 
         Raises:
             EMARuntimeError: called before the first :meth:`update`; another run is
-                writing to the folder.
+                writing to the folder; for a sharded model, some ranks did not call it.
             EMAWriteError: a file could not be written (disk full...): an ``OSError``
                 naming the files; none of the step's files was written.
         """
@@ -359,108 +334,16 @@ class PostHocEMA(nn.Module):
             raise EMARuntimeError(
                 "checkpoint() needs at least one update() first: there is no EMA to save yet"
             )
-        writer = is_writer()
-        if writer:
-            self._lock_folder()
-            if not self._folder_checked:
-                self._check_folder(step)
-        for ema in self.profiles:
-            ema.catch_up()
-        if not writer:
-            return []
-        profiles = self.profiles
-        folder = self.checkpoint_folder
-        paths = [folder / snapshot_filename(step, e.sigma_rel, e.gamma) for e in profiles]
-
-        def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
-            ema = profiles[index]
-            tensors, copied = self._snapshot_tensors(ema)
-            header = snapshot_header(
-                step=step,
-                t=ema.t,
-                gamma=ema.gamma,
-                sigma_rel=ema.sigma_rel,
-                profile=index,
-                update_every=int(ema.update_every or 1),
-                copied=copied,
-                run=self.run_id,
-            )
-            return tensors, header
-
-        return write_snapshots(paths, produce)
-
-    # -- synthesis ------------------------------------------------------------------------
-
-    def synthesize_ema_model(
-        self,
-        gamma: float | None = None,
-        sigma_rel: float | None = None,
-        step: int | None = None,
-    ) -> KarrasEMA:
-        """Reconstruct the power-function EMA with ``gamma`` (or ``sigma_rel``) at ``step``.
-
-        The arguments are in ema-pytorch's order: ``synthesize_ema_model(7.0)`` is
-        ``gamma=7.0``; pass ``sigma_rel=`` by keyword.
-
-        Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
-        before ``step`` only), then a streamed weighted sum of the snapshots (see
-        :class:`~emakit.posthoc.synthesis.SynthesisPlan`): emakit's and, read as this
-        PostHocEMA's profiles, ema-pytorch's (see :meth:`legacy_profiles`). Buffers come
-        from the latest snapshot at or before ``step``. The snapshots are this run's
-        (:attr:`run_id`) when the folder holds any, else the folder's only run's; a folder
-        of several other runs is refused (build with ``run_id=`` to pick one).
-
-        Args:
-            gamma: the target exponent, ``> 0``. Give this or ``sigma_rel``.
-            sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``.
-            step: the target step. Default None: the latest snapshot's step.
-
-        Returns:
-            A :class:`KarrasEMA` of the model with that profile, whose ``ema_model`` holds
-            the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
-            use ``synth.ema_model``.
-
-        Raises:
-            EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
-                first snapshot.
-            EMAStateError: the snapshots do not match the model, or changed since they
-                were listed; several runs and none of them this one; an ema-pytorch file
-                whose profile index is out of range or that ``torch.load(weights_only=True)``
-                refuses.
-
-        Warns:
-            PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
-                (its value is lost): the model's current value is kept, as ema-pytorch does.
-        """
-        own = self.run_id in runs_in(list_snapshots(self.checkpoint_folder))
-        plan = plan_synthesis(
+        paths = self._writer.write(
+            self.profiles,
             self.checkpoint_folder,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
             step=step,
-            legacy=self.legacy_profiles(),
-            run=self.run_id if own else None,
+            dtype=self.checkpoint_dtype,
+            run=self.run_id,
+            timeout_s=timeout_s,
         )
-        synth = KarrasEMA(
-            self.model,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            ema_model=self._new_ema_model(),
-            update_every=self.update_every,
-            **self._karras_kwargs,
-        )
-        target = synth.ema_model
-        if target is None:  # pragma: no cover - KarrasEMA builds its model eagerly
-            raise EMARuntimeError("the synthesized KarrasEMA has no ema_model")
-        state = plan.run(dtype=torch.float32, fill=target.state_dict())
-        try:
-            target.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise EMAStateError(
-                f"the snapshots in {str(self.checkpoint_folder)!r} do not match the model: {e}"
-            ) from e
-        synth.tracker.reset(plan.step)
-        return synth
+        self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
+        return paths
 
     # -- forward --------------------------------------------------------------------------
 
@@ -541,7 +424,7 @@ class PostHocEMA(nn.Module):
             if ema.t_from_step and every != "manual":  # no metadata: snapshots averaged too
                 t = ema.tracker
                 t.last, t.gap = profile_time(t.step, int(ema.update_every), every)
-        self._folder_checked = False
+        self._writer.checked = False
         run, self._loaded_run = self._loaded_run, None
         if run is None:
             run = self._folder_run()

@@ -44,6 +44,7 @@ with ``torch.load(weights_only=True)``. See :meth:`LegacyProfiles.t_of` for thei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -70,6 +71,14 @@ from .legacy import (
     list_legacy_files,
 )
 from .math import PostHocWarning
+from .shards import (
+    SHARD_FORMAT,
+    ShardEntry,
+    complete_sets,
+    parse_layout,
+    shard_fields,
+    shard_suffix,
+)
 
 __all__ = [
     "LEGACY_NAME",
@@ -129,6 +138,8 @@ class SnapshotInfo:
         identity: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file when its header
             was read; None when not known.
         header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
+        shards: for a snapshot of a sharded model, every rank's file in rank order
+            (``path`` is rank 0's; see :mod:`emakit.posthoc.shards`); empty otherwise.
     """
 
     path: Path
@@ -145,11 +156,17 @@ class SnapshotInfo:
     run: str = ""
     identity: tuple[int, int, int, int] | None = None
     header_digest: str = ""
+    shards: tuple[Path, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        """Size of the file in bytes."""
-        return self.path.stat().st_size
+        """Size of the file in bytes (of every rank's file, for a sharded snapshot)."""
+        return sum(p.stat().st_size for p in self.shards or (self.path,))
+
+    @property
+    def world(self) -> int:
+        """The number of ranks that wrote the snapshot (1 for a whole-model file)."""
+        return len(self.shards) or 1
 
     @property
     def is_legacy(self) -> bool:
@@ -170,13 +187,20 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def snapshot_filename(step: int, sigma_rel: float, gamma: float) -> str:
+def snapshot_filename(
+    step: int, sigma_rel: float, gamma: float, shard: tuple[int, int] | None = None
+) -> str:
     """The readable file name of a snapshot, e.g.
-    ``step-000010000_sigma_rel-0.05_gamma-16.9722.safetensors``.
+    ``step-000010000_sigma_rel-0.05_gamma-16.9722.safetensors``, and with
+    ``shard=(rank, world)`` one rank's file of a sharded snapshot, e.g.
+    ``step-000010000_sigma_rel-0.05_gamma-16.9722.rank-00003-of-00004.safetensors``.
 
     The zero-padded step makes a sorted listing chronological.
     """
-    return f"step-{step:09d}_sigma_rel-{_fmt(sigma_rel)}_gamma-{_fmt(gamma)}{SNAPSHOT_SUFFIX}"
+    name = f"step-{step:09d}_sigma_rel-{_fmt(sigma_rel)}_gamma-{_fmt(gamma)}"
+    if shard is not None:
+        name += shard_suffix(*shard)
+    return name + SNAPSHOT_SUFFIX
 
 
 def snapshot_header(
@@ -373,6 +397,18 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
     )
 
 
+def _shard_entry(
+    path: Path, meta: Mapping[str, str], f: SafetensorsFile
+) -> tuple[ShardEntry, SnapshotInfo]:
+    """One rank's file of a sharded snapshot: its set, rank and stored volumes."""
+    info = _parse(path, meta, f)
+    rank, world = shard_fields(path, meta)
+    layout = parse_layout(path, meta, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
+    volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
+    key = (info.step, info.t, info.gamma, info.sigma_rel, info.profile, info.run, info.copied)
+    return ShardEntry(key, rank, world, path, volumes), info
+
+
 def _looks_damaged(meta: Mapping[str, str]) -> bool:
     """A header that is almost a snapshot's: its format one or two characters off, or
     missing while the profile fields are there (a flipped bit in the key)."""
@@ -496,6 +532,7 @@ def list_snapshots(
     """
     root = existing_folder(folder)
     found: list[SnapshotInfo] = []
+    shards: list[tuple[ShardEntry, SnapshotInfo]] = []
     for path in sorted(root.iterdir()):
         name = path.name
         if name.startswith(".") or TEMP_PREFIX in name or not name.endswith(SNAPSHOT_SUFFIX):
@@ -511,6 +548,8 @@ def list_snapshots(
             meta = f.metadata
             if meta.get("format") == SNAPSHOT_FORMAT:
                 found.append(_parse(path, meta, f))  # a malformed field raises, never skips
+            elif meta.get("format") == SHARD_FORMAT:
+                shards.append(_shard_entry(path, meta, f))
             elif _looks_damaged(meta):
                 warnings.warn(
                     f"skipping {path}: its header is almost a snapshot's but its format is "
@@ -518,6 +557,10 @@ def list_snapshots(
                     PostHocWarning,
                     stacklevel=2,
                 )
+    by_path = {e.path: info for e, info in shards}
+    for group in complete_sets(e for e, _ in shards):
+        first = by_path[group[0].path]
+        found.append(dataclasses.replace(first, shards=tuple(e.path for e in group)))
     found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
     if legacy is not None:
         found.extend(_legacy_snapshots(root, found, legacy))

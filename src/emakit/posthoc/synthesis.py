@@ -27,30 +27,33 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .._files.reading import open_regular, refusal_reason
-from .._files.safetensors_file import SafetensorsFile
+from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError, EMATypeError, EMAValueError
+from .assemble import Target, weighted_sums
 from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, solve_weights
+from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
 from .runs import pick_run
+from .shards import Block, held_block
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
     "SnapshotReader",
     "SynthesisPlan",
+    "load_into",
     "load_legacy_tensors",
+    "model_regions",
     "open_snapshot",
+    "pick_snapshots",
     "plan_synthesis",
     "restore_exact",
+    "synthesize_into",
     "synthesize_state_dict",
 ]
 
@@ -66,141 +69,6 @@ def _check_step(step: object) -> int | None:
     if step < 1:
         raise EMAValueError(f"step must be >= 1 (a training step), got {step=}")
     return step
-
-
-# -- reading one snapshot -------------------------------------------------------------------
-
-
-def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """The EMA model's tensors in an ema-pytorch snapshot, as stored (names without the
-    ``ema_model.`` prefix; ``initted`` and ``step`` left out).
-
-    Loaded with ``torch.load(weights_only=True)``: a file holding anything but tensors
-    (e.g. a pickled object with code) is refused, never executed.
-
-    Raises:
-        EMAFileNotFoundError: the file does not exist.
-        EMAValueError: it is not a regular file (a FIFO...).
-        EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
-    """
-    with open_regular(path, "ema-pytorch snapshot") as f:
-        return _legacy_tensors(f, Path(path))
-
-
-def _legacy_tensors(f: Any, p: Path) -> dict[str, Tensor]:
-    try:
-        obj = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise EMAStateError(
-            f"{p} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
-            f"True) refused it ({refusal_reason(e)}). emakit reads .pt snapshots with "
-            f"weights_only=True and never runs pickled code; move the file out of the "
-            f"snapshot folder if it is not one of ema-pytorch's snapshots"
-        ) from e
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
-    ):
-        raise EMAStateError(
-            f"{p} holds a {type(obj).__name__} that is not an ema-pytorch KarrasEMA state dict "
-            f"(names -> tensors); move it out of the snapshot folder"
-        )
-    prefix = "ema_model."
-    stray = sorted(k for k in obj if not k.startswith(prefix) and k not in ("initted", "step"))
-    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)}
-    if stray or not out:
-        raise EMAStateError(
-            f"{p} is not an ema-pytorch KarrasEMA state dict: expected initted, step and "
-            f"ema_model.* keys, got {sorted(obj)[:10]}; move it out of the snapshot folder"
-        )
-    return out
-
-
-def restore_exact(info: SnapshotInfo, name: str, value: Tensor) -> Tensor | None:
-    """``value`` of ``name`` from ``info``'s file in its exact dtype (rounded), for
-    ema-pytorch files that stored integer and bool tensors as floats; unchanged otherwise.
-
-    Returns:
-        The tensor, or None when the float copy overflowed (inf/NaN: the value is lost).
-    """
-    dtype = dict(info.exact_dtypes).get(name)
-    if dtype is None or value.dtype == dtype:
-        return value
-    if value.is_floating_point():
-        if not bool(torch.isfinite(value).all()):
-            return None
-        value = value.round()
-    return value.to(dtype)
-
-
-class SnapshotReader(Protocol):
-    """The tensors of one open snapshot (:func:`open_snapshot`)."""
-
-    def keys(self) -> list[str]:
-        """The tensor names."""
-        ...
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape."""
-        ...
-
-    def dtype(self, name: str) -> torch.dtype:
-        """A tensor's stored dtype."""
-        ...
-
-    def get(self, name: str) -> Tensor:
-        """A tensor, as stored."""
-        ...
-
-
-class _TensorsReader:
-    def __init__(self, tensors: dict[str, Tensor]) -> None:
-        self._t = tensors
-
-    def keys(self) -> list[str]:
-        return list(self._t)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._t[name].shape)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._t[name].dtype
-
-    def get(self, name: str) -> Tensor:
-        return self._t[name]
-
-
-def _changed(info: SnapshotInfo, identity: tuple[int, int, int, int], digest: str) -> None:
-    if (info.identity is not None and identity != info.identity) or (
-        info.header_digest and digest != info.header_digest
-    ):
-        raise EMAStateError(
-            f"snapshot {info.path} changed after the synthesis was planned (it was replaced "
-            f"or rewritten: another process is writing to the folder?); plan the synthesis "
-            f"again once the folder is no longer written to"
-        )
-
-
-@contextmanager
-def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
-    """Open one snapshot for reading through one open file: an emakit file lazily
-    (its header, then one tensor at a time), an ema-pytorch file loaded whole
-    (``torch.load(weights_only=True)``).
-
-    Raises:
-        EMAStateError: the file changed since ``info`` was read (another file at the path,
-            or another header); an ema-pytorch file that cannot be loaded safely; a
-            damaged file.
-    """
-    if info.is_legacy:
-        with open_regular(info.path, "ema-pytorch snapshot") as fh:
-            st = os.fstat(fh.fileno())
-            _changed(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
-            tensors = _legacy_tensors(fh, info.path)
-        yield _TensorsReader(tensors)
-        return
-    with SafetensorsFile(info.path, "snapshot") as f:
-        _changed(info, f.identity, f.header_digest)
-        yield f
 
 
 # -- planning and running -------------------------------------------------------------------
@@ -237,8 +105,12 @@ class SynthesisPlan:
         dtype: torch.dtype | None = torch.float32,
         progress: Callable[[int, int], None] | None = None,
         fill: Mapping[str, Tensor] | None = None,
+        regions: Mapping[str, Block] | None = None,
+        rank: int | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
-        """Stream the snapshots into the reconstructed state dict.
+        """Stream the snapshots into the reconstructed state dict (see
+        :func:`~emakit.posthoc.assemble.weighted_sums`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 
@@ -252,6 +124,10 @@ class SynthesisPlan:
             fill: values for integer tensors an ema-pytorch file lost (its float16 copy
                 overflowed to inf), used with a :class:`PostHocWarning`. Default None:
                 such a tensor raises.
+            regions: name -> the block of each tensor to build (a rank's shard, see
+                :class:`~emakit.posthoc.shards.Block`). Default None: whole tensors.
+            rank: the caller's rank, whose files of a sharded snapshot are read first.
+            shapes: the model's global shapes of the tensors in ``regions``, checked.
 
         Returns:
             name -> tensor (on CPU), loadable with ``model.load_state_dict``. Integer and
@@ -262,50 +138,37 @@ class SynthesisPlan:
                 ema-pytorch file cannot be loaded with ``weights_only=True``; an integer
                 tensor was lost (see ``fill``).
         """
-        base = self.buffers_from
-        with open_snapshot(base) as f:
-            names = f.keys()
-            shapes = {n: f.shape(n) for n in names}
-            copied = {n: _exact(base, n, f.get(n), fill) for n in names if n in base.copied}
-        averaged = [n for n in names if n not in base.copied]
-        stored: dict[str, torch.dtype] = {}
-        acc: dict[str, Tensor] = {}
-        total = len(self.snapshots)
-        for i, (snap, w) in enumerate(zip(self.snapshots, self.weights, strict=True)):
-            with open_snapshot(snap) as f:
-                keys = set(f.keys())
-                if keys != set(names) or snap.copied != base.copied:
-                    missing, extra = sorted(set(names) - keys), sorted(keys - set(names))
-                    raise EMAStateError(
-                        f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
-                        f"missing {missing[:10]}, extra {extra[:10]}"
-                        + ("" if missing or extra else ", and a different set of copied names")
-                        + "; keep only snapshots of one model in the folder"
-                    )
-                for name in averaged:
-                    x = f.get(name)
-                    if tuple(x.shape) != shapes[name]:
-                        raise EMAStateError(
-                            f"tensor {name!r} has shape {tuple(x.shape)} in {snap.path} but "
-                            f"{shapes[name]} in {base.path}; keep only snapshots of one model"
-                        )
-                    stored.setdefault(name, x.dtype)
-                    if name not in acc:
-                        wide = torch.complex64 if x.is_complex() else torch.float32
-                        acc[name] = torch.zeros(x.shape, dtype=wide)
-                    acc[name].add_(x, alpha=w)  # fp16 -> fp32 inside the kernel, no temp
-                    del x
-            if progress is not None:
-                progress(i + 1, total)
-        out: dict[str, Tensor] = {}
-        for name in names:
-            if name in copied:
-                out[name] = copied[name]
-            else:
-                target = dtype if dtype is not None else stored[name]
-                t = acc.pop(name)
-                out[name] = t if (t.is_complex() or t.dtype == target) else t.to(target)
-        return out
+        return weighted_sums(
+            self.snapshots,
+            [Target(self.weights, self.buffers_from)],
+            regions=regions,
+            rank=rank,
+            shapes=shapes,
+            dtype=dtype,
+            fill=fill,
+            progress=progress,
+        )[0]
+
+
+def pick_snapshots(
+    folder: str | os.PathLike[str], legacy: LegacyProfiles | None, run: str | None
+) -> list[SnapshotInfo]:
+    """The snapshots of ``folder`` that a synthesis uses: those of the run picked
+    (:func:`~emakit.posthoc.runs.pick_run`), ema-pytorch's read with ``legacy``.
+
+    Raises:
+        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
+    """
+    snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
+    if legacy is None and (stray := list_legacy_files(folder)):
+        raise EMAStateError(
+            f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
+            f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
+            f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
+            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
+            f"move them out of the folder"
+        )
+    return snaps
 
 
 def plan_synthesis(
@@ -316,6 +179,7 @@ def plan_synthesis(
     step: int | None = None,
     legacy: LegacyProfiles | None = None,
     run: str | None = None,
+    snapshots: Sequence[SnapshotInfo] | None = None,
 ) -> SynthesisPlan:
     """Choose the snapshots and solve the weights for one target EMA (from the snapshot
     headers and names; only an ema-pytorch file chosen for the buffers is loaded, to
@@ -334,6 +198,9 @@ def plan_synthesis(
         run: the run whose snapshots to use (see :mod:`emakit.posthoc.runs`; ``""`` for
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
+        snapshots: the folder's snapshots, already listed and picked
+            (:func:`pick_snapshots`), to plan several targets from one listing. Default
+            None: list the folder.
 
     Returns:
         A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
@@ -352,15 +219,7 @@ def plan_synthesis(
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = _check_step(step)
-    snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
-    if legacy is None and (stray := list_legacy_files(folder)):
-        raise EMAStateError(
-            f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
-            f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
-            f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
-            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
-            f"move them out of the folder"
-        )
+    snaps = list(snapshots) if snapshots is not None else pick_snapshots(folder, legacy, run)
     if not snaps:
         raise EMAValueError(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
@@ -469,23 +328,67 @@ def _stored_roundoff(snap: SnapshotInfo) -> float:
     return 0.0
 
 
-def _exact(
-    snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
-) -> Tensor:
-    out = restore_exact(snap, name, value)
-    if out is not None:
-        return out
-    why = (
-        f"ema-pytorch stored the integer tensor {name!r} in float16 (its checkpoint_dtype) and "
-        f"it overflowed to inf in {snap.path}: its value is lost"
-    )
-    if fill is None or name not in fill:
-        raise EMAStateError(
-            f"{why}. Synthesize at a step whose latest snapshot is an emakit one, or with "
-            f"PostHocEMA.synthesize_ema_model, which keeps the model's current value"
-        )
-    warnings.warn(f"{why}; keeping the model's current value", PostHocWarning, stacklevel=4)
-    return fill[name].detach().to("cpu", copy=True)
+def synthesize_into(
+    model: nn.Module, plan: SynthesisPlan, *, where: str | os.PathLike[str] = "the folder"
+) -> None:
+    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
+
+    A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
+    model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism) gets, on each rank,
+    the block of every tensor that rank holds, cut out of whichever snapshot files overlap
+    it (the rank's own first): the snapshots may come from any number of ranks, or from one
+    process. No collective is run; memory is the rank's blocks in float32 plus one stored
+    tensor (or block) at a time.
+
+    Args:
+        model: the module to fill (the EMA model of a synthesized :class:`KarrasEMA`).
+        plan: the synthesis (:func:`plan_synthesis`).
+        where: the snapshot folder, for messages.
+
+    Raises:
+        EMAStateError: the snapshots do not match the model (names or shapes).
+    """
+    state = model.state_dict()
+    if not any(is_dtensor(v) for v in state.values()):
+        load_into(model, plan.run(dtype=torch.float32, fill=state), where=where)
+        return
+    regions, shapes, rank = model_regions(state)
+    load_into(model, plan.run(dtype=torch.float32, regions=regions, rank=rank, shapes=shapes))
+
+
+def model_regions(
+    state: Mapping[str, Tensor],
+) -> tuple[dict[str, Block] | None, dict[str, tuple[int, ...]] | None, int | None]:
+    """``(regions, global shapes, rank)`` to synthesize ``state``'s tensors with: the block
+    of every tensor this rank holds for a sharded state, ``(None, None, None)`` (whole
+    tensors) otherwise."""
+    if not any(is_dtensor(v) for v in state.values()):
+        return None, None, None
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    regions = {n: held_block(v) for n, v in state.items()}
+    return regions, {n: tuple(v.shape) for n, v in state.items()}, rank
+
+
+def load_into(
+    model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
+) -> None:
+    """Copy a synthesized state (whole tensors, or this rank's blocks, see
+    :func:`model_regions`) into ``model``'s tensors."""
+    state = model.state_dict()
+    if not any(is_dtensor(v) for v in state.values()):
+        try:
+            model.load_state_dict(out, strict=True)
+        except RuntimeError as e:
+            raise EMAStateError(
+                f"the snapshots in {str(where)!r} do not match the model: {e}"
+            ) from e
+        return
+    with torch.no_grad():
+        for name, value in state.items():
+            local = local_tensor(value)
+            if local.numel():
+                local.copy_(out[name].reshape(local.shape))
 
 
 def synthesize_state_dict(

@@ -1,0 +1,277 @@
+"""The streamed weighted sum of snapshots, for one or many targets, whole or by blocks.
+
+Karras et al. 2024 (arXiv:2312.02696, §3.2 and Algorithm 3): a synthesized EMA is
+``sum_i w_i * snapshot_i``, with the float64 weights of
+:func:`~emakit.posthoc.math.solve_weights`. :func:`weighted_sums` computes that sum for
+several weight vectors at once (a sweep: each snapshot is read once and its tensors added
+into every target), and for a *region* of every tensor: the whole tensor (one process), or
+the block a rank holds of a sharded model (synthesis on the ranks, on as many ranks as
+wrote the snapshots or on another number: the blocks are cut out of whichever rank files
+overlap them, as a ``torch.distributed.checkpoint`` load reshards).
+
+Memory is the outputs (one float32 accumulator per target and tensor, of the region's
+size) plus one stored tensor (or one rank's block of it) at a time: one file is open at a
+time, and a rank reads only the files that overlap its blocks, its own first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import EMAStateError
+from .math import PostHocWarning
+from .reading import restore_exact, snapshot_sources
+from .shards import Block, intersect
+from .snapshots import SnapshotInfo
+
+__all__ = ["Target", "weighted_sums"]
+
+#: Elements added per call when the stored dtype differs from the accumulator's: the cast
+#: float16 -> float32 goes through a temporary of this size, not of the whole tensor.
+ADD_CHUNK = 1 << 20
+
+
+def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
+    """``dst += alpha * src``, in row blocks of about :data:`ADD_CHUNK` elements when a
+    cast is needed (torch casts ``src`` into a temporary the size of what it adds)."""
+    if src.dtype == dst.dtype or src.dim() == 0 or src.numel() <= ADD_CHUNK:
+        dst.add_(src, alpha=alpha)
+        return
+    rows = max(1, ADD_CHUNK // max(1, src[0].numel()))
+    for i in range(0, src.shape[0], rows):
+        dst[i : i + rows].add_(src[i : i + rows], alpha=alpha)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One reconstruction in a pass over the snapshots.
+
+    Attributes:
+        weights: one float64 weight per snapshot of the pass, in its order.
+        buffers_from: the snapshot whose copied tensors (buffers, integer tensors) it takes.
+    """
+
+    weights: tuple[float, ...]
+    buffers_from: SnapshotInfo
+
+
+def _mismatch(snap: SnapshotInfo, base: SnapshotInfo, names: set[str], keys: set[str]) -> None:
+    if keys != names or snap.copied != base.copied:
+        missing, extra = sorted(names - keys), sorted(keys - names)
+        raise EMAStateError(
+            f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
+            f"missing {missing[:10]}, extra {extra[:10]}"
+            + ("" if missing or extra else ", and a different set of copied names")
+            + "; keep only snapshots of one model in the folder"
+        )
+
+
+def _exact(
+    snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
+) -> Tensor:
+    out = restore_exact(snap, name, value)
+    if out is not None:
+        return out
+    why = (
+        f"ema-pytorch stored the integer tensor {name!r} in float16 (its checkpoint_dtype) and "
+        f"it overflowed to inf in {snap.path}: its value is lost"
+    )
+    if fill is None or name not in fill:
+        raise EMAStateError(
+            f"{why}. Synthesize at a step whose latest snapshot is an emakit one, or with "
+            f"PostHocEMA.synthesize_ema_model, which keeps the model's current value"
+        )
+    warnings.warn(f"{why}; keeping the model's current value", PostHocWarning, stacklevel=5)
+    return fill[name].detach().to("cpu", copy=True)
+
+
+class _Pass:
+    """The state of one pass: the regions wanted and what has been read into them."""
+
+    def __init__(
+        self,
+        base: SnapshotInfo,
+        regions: Mapping[str, Block] | None,
+        rank: int | None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.base = base
+        self.model_shapes = shapes
+        self.rank = rank
+        self.wanted = None if regions is None else dict(regions)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.names: set[str] = set()
+        self.regions: dict[str, Block] = {}
+
+    def _first(self, layout: Mapping[str, tuple[tuple[int, ...], Block | None]]) -> None:
+        """Take the names and global shapes from the base's first file."""
+        self.shapes = {n: shape for n, (shape, _) in layout.items()}
+        self.names = set(self.shapes)
+        if self.wanted is None:
+            self.regions = {n: Block.whole(s) for n, s in self.shapes.items()}
+            return
+        if set(self.wanted) != self.names:
+            missing = sorted(self.names - set(self.wanted))
+            extra = sorted(set(self.wanted) - self.names)
+            raise EMAStateError(
+                f"the snapshots do not match the model: the model lacks {missing[:10]} and "
+                f"has {extra[:10]}, which the snapshots do not hold"
+            )
+        for name, shape in (self.model_shapes or {}).items():
+            if tuple(shape) != self.shapes[name]:
+                raise EMAStateError(
+                    f"the snapshots do not match the model: tensor {name!r} has shape "
+                    f"{self.shapes[name]} in {self.base.path} but {tuple(shape)} in the model"
+                )
+        self.regions = self.wanted
+
+    def visit(
+        self,
+        snap: SnapshotInfo,
+        names: set[str] | Callable[[set[str]], set[str]],
+        use: Callable[[str, Tensor, Block, Block], None],
+    ) -> None:
+        """Call ``use(name, stored tensor, its block, the part of the region it covers)``
+        for every stored block of ``names`` in ``snap`` that overlaps its region; files are
+        read until every region is covered. ``names`` may be a function of the model's
+        names, for the first visit (which learns them)."""
+        need: dict[str, int] | None = None
+        left = 0
+        wanted: set[str] = set()
+        for f, layout in snapshot_sources(snap, first=self.rank):
+            if need is None:
+                if not self.shapes:
+                    self._first(layout)
+                wanted = names(self.names) if callable(names) else names
+                _mismatch(snap, self.base, self.names, set(layout))
+                need = {n: self.regions[n].numel for n in wanted}
+                left = sum(need.values())
+            for name in wanted:
+                shape, block = layout[name]
+                if shape != self.shapes[name]:
+                    raise EMAStateError(
+                        f"tensor {name!r} has shape {shape} in {snap.path} but "
+                        f"{self.shapes[name]} in {self.base.path}; keep only snapshots of one "
+                        f"model"
+                    )
+                if block is None or need[name] == 0:
+                    continue
+                common = intersect(block, self.regions[name])
+                if common is None:
+                    continue
+                use(name, f.get(name), block, common)
+                need[name] -= common.numel
+                left -= common.numel
+            if left <= 0:
+                break
+
+
+def weighted_sums(
+    snapshots: Sequence[SnapshotInfo],
+    targets: Sequence[Target],
+    *,
+    regions: Mapping[str, Block] | None = None,
+    rank: int | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    fill: Mapping[str, Tensor] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Tensor]]:
+    """Stream ``snapshots`` once into one state dict per target.
+
+    .. math:: \\hat\\theta_k = \\sum_i w_{k,i}\\,\\hat\\theta_i
+
+    (arXiv:2312.02696, §3.2), accumulated in float32 (complex64 for complex tensors); the
+    tensors a snapshot records as copied come from each target's ``buffers_from``, exactly.
+
+    Args:
+        snapshots: the snapshots, in the order of every target's weights.
+        targets: the reconstructions (weights and buffer source each).
+        regions: name -> the block of each tensor to compute (a rank's shard). Default
+            None: every tensor whole.
+        rank: the caller's rank: for sharded snapshots its file is read first.
+        shapes: name -> the model's global shape of each tensor in ``regions``, checked
+            against the snapshots'. Default None: not checked.
+        dtype: dtype of the averaged tensors returned; None keeps the stored dtype.
+        fill: values for integer tensors an ema-pytorch file lost (see
+            :meth:`~emakit.posthoc.synthesis.SynthesisPlan.run`).
+        progress: called as ``progress(done, total)`` after each snapshot.
+
+    Returns:
+        One name -> tensor dict per target (CPU tensors of the regions' shapes).
+
+    Raises:
+        EMAStateError: the snapshots disagree on tensor names or shapes, a file is damaged
+            or changed since it was listed, or ``regions`` names other tensors than the
+            snapshots hold.
+    """
+    base = targets[0].buffers_from
+    run = _Pass(base, regions, rank, shapes)
+    copied = {str(base.path): _copied(run, base, fill)}  # the first read learns the layout
+    averaged = run.names - base.copied
+    accs: list[dict[str, Tensor]] = [{} for _ in targets]
+    stored: dict[str, torch.dtype] = {}
+
+    def add(index: int) -> Callable[[str, Tensor, Block, Block], None]:
+        def use(name: str, x: Tensor, block: Block, common: Block) -> None:
+            stored.setdefault(name, x.dtype)
+            part = x[block.slices(common)]
+            where = run.regions[name].slices(common)
+            for k, target in enumerate(targets):
+                acc = accs[k].get(name)
+                if acc is None:
+                    wide = torch.complex64 if x.is_complex() else torch.float32
+                    acc = accs[k][name] = torch.zeros(run.regions[name].size, dtype=wide)
+                _add(acc[where], part, target.weights[index])
+
+        return use
+
+    for i, snap in enumerate(snapshots):
+        run.visit(snap, averaged, add(i))
+        if progress is not None:
+            progress(i + 1, len(snapshots))
+    for target in targets:
+        source = target.buffers_from
+        if str(source.path) not in copied:
+            copied[str(source.path)] = _copied(run, source, fill)
+    outs = []
+    for k, target in enumerate(targets):
+        out: dict[str, Tensor] = {}
+        for name in run.shapes:
+            if name in base.copied:
+                out[name] = copied[str(target.buffers_from.path)][name]
+                continue
+            acc = accs[k].pop(name, None)
+            if acc is None:  # an empty region (or an empty tensor): nothing was read
+                acc = torch.zeros(run.regions[name].size, dtype=torch.float32)
+            want = dtype if dtype is not None else stored.get(name, acc.dtype)
+            out[name] = acc if (acc.is_complex() or acc.dtype == want) else acc.to(want)
+        outs.append(out)
+    return outs
+
+
+def _copied(
+    run: _Pass, source: SnapshotInfo, fill: Mapping[str, Tensor] | None
+) -> dict[str, Tensor]:
+    """The copied tensors' regions, exactly as ``source`` stores them."""
+    out: dict[str, Tensor] = {}
+
+    def use(name: str, x: Tensor, block: Block, common: Block) -> None:
+        if block == run.regions[name] and block == Block.whole(run.shapes[name]):
+            out[name] = _exact(source, name, x, fill)
+            return
+        x = _exact(source, name, x, fill)
+        if name not in out:
+            out[name] = torch.zeros(run.regions[name].size, dtype=x.dtype)
+        out[name][run.regions[name].slices(common)].copy_(x[block.slices(common)])
+
+    run.visit(source, lambda names: names & source.copied, use)
+    for name in source.copied & run.names:
+        if name not in out:  # an empty region: the model's dtype is not known from here
+            out[name] = torch.zeros(run.regions[name].size)
+    return out

@@ -1,0 +1,236 @@
+"""Writing one step's snapshots of a :class:`~emakit.PostHocEMA`: whole-model files from
+one writer, or every rank's shard files at once.
+
+* **A model held whole on every rank** (one process, DDP): rank 0 writes one file per
+  profile (:func:`~emakit.posthoc.snapshots.write_snapshots`: the step's set, all or none);
+  the other ranks write nothing and run no collective, as before.
+* **A sharded model** (FSDP2, HSDP, FSDP with tensor parallelism: DTensor weights): a
+  snapshot is a collective. Every rank first checks that every other rank is in the same
+  call at the same step (:func:`~emakit._dist.collectives.agree`, bounded by
+  ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
+  raises instead of hanging), then writes its own blocks of every tensor
+  (:func:`~emakit.posthoc.shards.local_block`: no collective, no gathered tensor, one
+  tensor's CPU copy at a time) into its own files, atomically (one set per rank), and the
+  ranks then exchange their outcomes: a rank that could not write (disk full) makes every
+  rank raise, naming it, and the others remove their files of that step. A rank killed
+  mid-write leaves an incomplete set, which listing skips with a warning
+  (:func:`~emakit.posthoc.shards.complete_sets`): the earlier sets stay usable.
+
+The folder's lock (:class:`~emakit.posthoc.runs.FolderLock`) is held by rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._dist.collectives import AGREE_TIMEOUT_S, agree
+from .._dist.dtensor import is_dtensor
+from ..errors import EMAError, EMARuntimeError, EMAWriteError
+from .karras import KarrasEMA
+from .math import PostHocWarning
+from .runs import FolderLock, first_write_warnings
+from .shards import SHARD_FORMAT, Block, layout_json, local_block
+from .snapshots import (
+    is_writer,
+    snapshot_filename,
+    snapshot_header,
+    snapshot_tensors,
+    write_snapshots,
+)
+
+__all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "is_sharded"]
+
+#: Seconds the ranks of a sharded snapshot wait for each other to finish writing (writing
+#: a shard can take a while on a slow file system); a rank that died mid-write makes the
+#: others raise after this long.
+OUTCOME_TIMEOUT_S = 600.0
+
+
+def is_sharded(ema: KarrasEMA) -> bool:
+    """Whether ``ema``'s weights are DTensors (FSDP2 and friends)."""
+    model = ema.ema_model
+    return model is not None and any(is_dtensor(v) for v in model.state_dict().values())
+
+
+def _tensors(
+    ema: KarrasEMA, dtype: torch.dtype | None, shard: bool
+) -> tuple[dict[str, Tensor], set[str], str | None]:
+    """``(tensors to store, copied names, shard_layout or None)`` of one profile."""
+    if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
+        raise EMARuntimeError("the EMA model does not exist yet: call update() first")
+    state = ema.ema_model.state_dict()
+    copied = set(state) - ema.averaged_names()
+    if not shard:
+        out = snapshot_tensors(state, dtype)
+        return out, set(out) - ema.averaged_names(), None
+    local: dict[str, Tensor] = {}
+    blocks: dict[str, Block] = {}
+    for name, value in state.items():
+        held = local_block(value)
+        if held is not None:
+            local[name], blocks[name] = held
+    shapes = {n: tuple(v.shape) for n, v in state.items()}
+    return snapshot_tensors(local, dtype), copied, layout_json(shapes, blocks)
+
+
+class SnapshotWriter:
+    """Writes the snapshots of a PostHocEMA's profiles; holds the folder's lock meanwhile.
+
+    Attributes:
+        checked: whether the folder was checked before this run's first write.
+        lock: the folder lock held (rank 0), or None.
+        run: the run id the last write used (for a sharded model, rank 0's, which every
+            rank adopts), or None before the first write.
+    """
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.lock: FolderLock | None = None
+        self.run: str | None = None
+
+    def release(self) -> None:
+        """Release the folder lock, if held."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _take_folder(self, folder: Path, run: str, step: int) -> None:
+        lock = self.lock
+        if lock is None or not lock.locked or lock.run != run:
+            self.release()
+            folder.mkdir(parents=True, exist_ok=True)
+            self.lock = FolderLock(folder, run)
+        if not self.checked:
+            self.checked = True
+            for message in first_write_warnings(folder, run, step):
+                warnings.warn(message, PostHocWarning, stacklevel=4)
+
+    def write(
+        self,
+        profiles: Sequence[KarrasEMA],
+        folder: Path,
+        *,
+        step: int,
+        dtype: torch.dtype | None,
+        run: str,
+        timeout_s: float = AGREE_TIMEOUT_S,
+    ) -> list[Path]:
+        """Write every profile's snapshot of ``step`` (see the module docstring).
+
+        Returns:
+            The files this rank wrote.
+        """
+        dist = torch.distributed
+        shard = is_sharded(profiles[0]) and dist.is_available() and dist.is_initialized()
+        if not shard:
+            writer = is_writer()
+            if writer:
+                self._take_folder(folder, run, step)
+            for ema in profiles:
+                ema.catch_up()
+            if not writer:
+                return []
+            return self._files(profiles, folder, step, dtype, run, None)
+        agree(
+            "PostHocEMA.checkpoint",
+            step=step,
+            skips=profiles[0].num_skipped_nonfinite,
+            timeout_s=timeout_s,
+        )
+        box = [run]  # rank 0's run id: ids drawn at random differ from rank to rank
+        dist.broadcast_object_list(box, src=0)
+        self.run = run = str(box[0])
+        for ema in profiles:  # every rank, before anything can fail: the EMAs stay alike
+            ema.catch_up()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        failure: BaseException | None = None
+        written: list[Path] = []
+        try:
+            if rank == 0:
+                self._take_folder(folder, run, step)
+            else:
+                folder.mkdir(parents=True, exist_ok=True)
+            written = self._files(profiles, folder, step, dtype, run, (rank, world))
+        except (OSError, EMAError) as e:
+            failure = e
+        _share(failure, written, folder, step)
+        return written
+
+    def _files(
+        self,
+        profiles: Sequence[KarrasEMA],
+        folder: Path,
+        step: int,
+        dtype: torch.dtype | None,
+        run: str,
+        shard: tuple[int, int] | None,
+    ) -> list[Path]:
+        paths = [folder / snapshot_filename(step, e.sigma_rel, e.gamma, shard) for e in profiles]
+
+        def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+            ema = profiles[index]
+            tensors, copied, layout = _tensors(ema, dtype, shard is not None)
+            header = snapshot_header(
+                step=step,
+                t=ema.t,
+                gamma=ema.gamma,
+                sigma_rel=ema.sigma_rel,
+                profile=index,
+                update_every=int(ema.update_every or 1),
+                copied=copied,
+                run=run,
+            )
+            if shard is not None and layout is not None:
+                header.update(
+                    format=SHARD_FORMAT,
+                    rank=str(shard[0]),
+                    world=str(shard[1]),
+                    shard_layout=layout,
+                )
+            return tensors, header
+
+        return write_snapshots(paths, produce)
+
+
+def _share(failure: BaseException | None, written: list[Path], folder: Path, step: int) -> None:
+    """Every rank learns whether every rank wrote its files; if one did not, every rank
+    raises (the others first remove their files of the step, which would be an incomplete
+    set)."""
+    dist = torch.distributed
+    world = dist.get_world_size()
+    mine = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+    flags = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        work = dist.all_gather(flags, mine, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=OUTCOME_TIMEOUT_S))
+    except RuntimeError as e:
+        raise EMARuntimeError(
+            f"PostHocEMA.checkpoint: rank {dist.get_rank()} wrote its snapshot files of step "
+            f"{step} but not every rank reported back within {OUTCOME_TIMEOUT_S:g} s (a rank "
+            f"died while writing?): the step's set in {str(folder)!r} may be incomplete, and "
+            f"is then skipped; the earlier snapshots are intact "
+            f"({' '.join(str(e).split())[:160]})"
+        ) from e
+    failed = [r for r, f in enumerate(flags) if int(f) != 0]
+    if not failed:
+        return
+    texts: list[Any] = [None] * world
+    dist.all_gather_object(
+        texts, None if failure is None else f"{type(failure).__name__}: {failure}"
+    )
+    if failure is not None:
+        raise failure
+    for path in written:
+        path.unlink(missing_ok=True)
+    why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+    raise EMAWriteError(
+        f"the snapshot of step {step} could not be written on every rank ({why}); no rank "
+        f"kept its files of that step, the earlier snapshots in {str(folder)!r} are intact"
+    )

@@ -1,0 +1,385 @@
+"""Post-hoc EMA of sharded models (issue 23): snapshots written by every rank, synthesis on
+the same ranks, in one process and on another number of ranks, all compared with a
+single-process ``PostHocEMA`` fed the full weights; a rank killed mid-snapshot.
+
+Two launches (``tests/_launch.py``): 4 gloo ranks (FSDP2 with empty shards, HSDP, FSDP with
+tensor parallelism, the rank-0-only misuse last), then 2 ranks (the 4-rank folder
+resharded, a full disk on one rank, a SIGKILL during a snapshot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import torch
+from torch import nn
+
+from _launch import DIST_MARKS, run_ranks
+from _models import seeded
+from emakit import PostHocEMA
+from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
+
+pytestmark = DIST_MARKS
+
+SIGMAS = (0.05, 0.28)
+TARGET = 0.15
+RUN = "shardrun"
+#: float32 snapshots: the sharded and the full-weight runs agree to float32 rounding.
+KW = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_dtype=torch.float32)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Wide(nn.Module):
+    """Rows 16, 3, 2 and 1: over 4 ranks rank 3 holds nothing of ``mid``, ranks 2-3
+    nothing of ``out``, ranks 1-3 nothing of ``gate``; ``count`` is a buffer (copied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 3)
+        self.out = nn.Linear(3, 2)
+        self.gate = nn.Parameter(torch.ones(1, 2))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x))))) * self.gate
+
+
+def shard_all(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` in full (a collective for DTensors)."""
+    out = {}
+    for name, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[name] = v.detach().clone()
+    return out
+
+
+def train(model: nn.Module, full_twin: nn.Module, ema: Any, ref: Any, steps: int, rank: int):
+    """SGD on each rank's own batch; after each step ``full_twin`` receives the full
+    weights and the reference PostHocEMA averages them."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        full_twin.load_state_dict(gathered(model))
+        ema.update()
+        ref.update()
+
+
+def fsdp_part(rank: int, out: Path, mesh: Any, res: dict) -> None:
+    model = shard_all(seeded(Wide, 0), mesh)
+    twin = seeded(Wide, 0)
+    ema = PostHocEMA(
+        model, checkpoint_every_num_steps=4, checkpoint_folder=out / "fsdp", run_id=RUN, **KW
+    )
+    ref = PostHocEMA(twin, checkpoint_every_num_steps=4, checkpoint_folder=out / "ref", **KW)
+    train(model, twin, ema, ref, 12, rank)
+    res["files"] = sorted(
+        p.name for p in (out / "fsdp").iterdir() if "rank-0000" + str(rank) in p.name
+    )
+    synth = ema.synthesize_ema_model(sigma_rel=TARGET)
+    res["on_ranks"] = gathered(synth.ema_model)
+    res["synth_step"] = int(synth.step)
+    res["profiles"] = [gathered(p.ema_model) for p in ema.profiles]  # KarrasEMA on FSDP2
+    res["local_bytes"] = sum(
+        p.stat().st_size for p in (out / "fsdp").iterdir() if f"rank-{rank:05d}" in p.name
+    )
+    if rank == 0:
+        res["reference"] = ref.synthesize_ema_model(sigma_rel=TARGET).ema_model.state_dict()
+        res["ref_profiles"] = [p.ema_model.state_dict() for p in ref.profiles]
+        torch.save(res["reference"], out / "reference.pt")
+
+
+def mesh_part(rank: int, out: Path, res: dict) -> None:
+    """HSDP (replicate x shard) and FSDP with tensor parallelism (a factory)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard_all(seeded(Wide, 1), hsdp)
+    twin = seeded(Wide, 1)
+    ema = PostHocEMA(model, checkpoint_every_num_steps=2, checkpoint_folder=out / "hsdp", **KW)
+    ref = PostHocEMA(twin, checkpoint_every_num_steps=2, checkpoint_folder=out / "hsdp-ref", **KW)
+    train(model, twin, ema, ref, 4, rank)
+    res["hsdp_on_ranks"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    if rank == 0:
+        res["hsdp_ref"] = ref.synthesize_ema_model(sigma_rel=TARGET).ema_model.state_dict()
+
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build() -> nn.Module:
+        net = seeded(lambda: nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 8)), 2)
+        parallelize_module(net, tp_mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(net, mesh=tp_mesh["dp"])
+        return net
+
+    model = build()
+    twin = seeded(lambda: nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 8)), 2)
+    ema = PostHocEMA(
+        model, ema_model=build, checkpoint_every_num_steps=2, checkpoint_folder=out / "tp", **KW
+    )
+    ref = PostHocEMA(twin, checkpoint_every_num_steps=2, checkpoint_folder=out / "tp-ref", **KW)
+    train(model, twin, ema, ref, 4, tp_mesh["dp"].get_local_rank())
+    res["tp_on_ranks"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    if rank == 0:
+        res["tp_ref"] = ref.synthesize_ema_model(sigma_rel=TARGET).ema_model.state_dict()
+
+
+def four_ranks(rank: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    res: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)  # few snapshots: a rough fit
+        fsdp_part(rank, out, init_device_mesh("cpu", (4,)), res)
+        mesh_part(rank, out, res)
+        # DDP: identical EMAs on every rank, rank 0 writes whole-model files, no collective
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = PostHocEMA(
+            DistributedDataParallel(seeded(Wide, 0)),
+            checkpoint_every_num_steps="manual",
+            checkpoint_folder=out / "ddp",
+            **KW,
+        )
+        ddp.update()
+        res["ddp_files"] = [p.name for p in ddp.checkpoint()]
+        # the misuse, last (it leaves the process group unusable): rank 0 alone
+        model = shard_all(seeded(Wide, 0), init_device_mesh("cpu", (4,)))
+        ema = PostHocEMA(
+            model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "alone", **KW
+        )
+        ema.update()
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            ema.checkpoint(timeout_s=2)
+            res["alone"] = ""
+        except Exception as e:
+            res["alone"] = f"{type(e).__name__}: {e}"
+        res["alone_s"] = time.monotonic() - start
+    else:
+        time.sleep(5)
+    return res
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("sharded4")
+    return out, run_ranks(four_ranks, out, world=4, timeout_s=150, barrier=False)
+
+
+def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        if want[name].is_floating_point():
+            torch.testing.assert_close(got[name].float(), want[name].float(), **TOL, msg=name)
+        else:
+            assert torch.equal(got[name], want[name]), name
+
+
+def test_every_rank_writes_its_own_shards(four: tuple[Path, list[dict]]) -> None:
+    out, results = four
+    for rank, r in enumerate(results):
+        assert len(r["files"]) == 6, r["files"]  # 3 steps x 2 profiles, this rank's
+        assert all(f.endswith(f"rank-{rank:05d}-of-00004.safetensors") for f in r["files"])
+    snaps = list_snapshots(out / "fsdp")
+    assert [(s.step, s.world) for s in snaps] == [(4, 4), (4, 4), (8, 4), (8, 4), (12, 4), (12, 4)]
+    # the shards partition the model: one model's bytes per set, not world copies
+    ref = list_snapshots(out / "ref")
+    assert abs(snaps[0].nbytes - ref[0].nbytes) < 4 * 4096  # headers only differ
+    assert results[3]["local_bytes"] < results[0]["local_bytes"]  # rank 3's shards are empty
+
+
+def test_ddp_snapshots_are_written_by_rank_zero_whole(four: tuple[Path, list[dict]]) -> None:
+    out, results = four
+    assert len(results[0]["ddp_files"]) == 2 and all(not r["ddp_files"] for r in results[1:])
+    assert [s.world for s in list_snapshots(out / "ddp")] == [1, 1]
+
+
+def test_karras_profiles_on_fsdp_equal_the_full_weight_ones(four: tuple[Path, list[dict]]) -> None:
+    _, results = four
+    for got, want in zip(results[0]["profiles"], results[0]["ref_profiles"], strict=True):
+        close(got, want)
+
+
+def test_synthesis_on_the_ranks_equals_the_full_weight_reference(four) -> None:
+    _, results = four
+    want = results[0]["reference"]
+    for r in results:
+        close(r["on_ranks"], want)
+        assert r["synth_step"] == 12
+
+
+def test_synthesis_in_one_process_reassembles_the_shards(four) -> None:
+    out, results = four
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        got = synthesize_state_dict(out / "fsdp", sigma_rel=TARGET)
+    close(got, results[0]["reference"])
+
+
+def test_hsdp_and_tensor_parallel_snapshots(four) -> None:
+    out, results = four
+    for r in results:
+        close(r["hsdp_on_ranks"], results[0]["hsdp_ref"])
+        close(r["tp_on_ranks"], results[0]["tp_ref"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        close(synthesize_state_dict(out / "hsdp", sigma_rel=TARGET), results[0]["hsdp_ref"])
+        close(synthesize_state_dict(out / "tp", sigma_rel=TARGET), results[0]["tp_ref"])
+    # HSDP: ranks 2 and 3 (replicate coordinate 1) store nothing; ranks 0 and 1 the shards
+    stored = {}
+    for path in sorted((out / "hsdp").glob("step-000000002_sigma_rel-0.05_*")):
+        with safetensors.safe_open(str(path), "pt") as f:
+            stored[path.name.split(".rank-")[1][:5]] = sorted(f.keys())
+    assert stored["00002"] == stored["00003"] == []
+    assert "count" in stored["00000"] and "count" not in stored["00001"]
+    assert "inp.weight" in stored["00000"] and "inp.weight" in stored["00001"]
+
+
+def test_a_snapshot_on_rank_zero_alone_fails_fast_naming_the_others(four) -> None:
+    out, results = four
+    alone = results[0]["alone"]
+    assert alone.startswith("EMARuntimeError"), alone
+    assert "call on every rank" in alone and "ranks 1, 2, 3 did not arrive" in alone, alone
+    assert results[0]["alone_s"] < 10
+    assert not (out / "alone").exists() or not any((out / "alone").glob("*.safetensors"))
+
+
+# -- 2 ranks: the 4-rank folder resharded, a full disk, a SIGKILL -------------------------------
+
+
+def two_ranks(rank: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from emakit.posthoc import snapshots, writing
+
+    res: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (2,))
+    warnings.simplefilter("ignore", PostHocWarning)
+    model = shard_all(seeded(Wide, 5), mesh)
+    ema = PostHocEMA(
+        model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "fsdp", run_id=RUN, **KW
+    )
+    res["resharded"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    # the sweep on the ranks (evaluate runs the sharded forward) vs one synthesis per length
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+
+    def score(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(m(x).pow(2).sum())
+
+    res["sweep"] = list(ema.sweep(score, sigma_rels=[0.1, 0.2], lengths_per_pass=1))
+    res["per_length"] = [
+        (s, score(ema.synthesize_ema_model(sigma_rel=s).ema_model.eval())) for s in (0.1, 0.2)
+    ]
+
+    kill = PostHocEMA(
+        model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "kill", **KW
+    )
+    kill.update()
+    kill.checkpoint()
+    first = sorted((out / "kill").glob("*.safetensors"))
+    res["first"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in first}
+    real = snapshots.write_safetensors
+    # rank 1's disk fills up: every rank raises, rank 0's files of the step are removed
+    kill.update()
+    if rank == 1:
+
+        def full(f: Any, tensors: Any, header: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        snapshots.write_safetensors = full
+    try:
+        kill.checkpoint()
+        res["full_disk"] = ""
+    except Exception as e:
+        res["full_disk"] = f"{type(e).__name__}: {e}"
+    snapshots.write_safetensors = real
+    res["after_full_disk"] = sorted(p.name for p in (out / "kill").glob("*.safetensors"))
+    # rank 1 is killed while writing its first file of the next step
+    kill.update()
+    writing.OUTCOME_TIMEOUT_S = 3.0
+    if rank == 1:
+
+        def killed(f: Any, tensors: Any, header: Any) -> None:
+            f.write(b"partial")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        snapshots.write_safetensors = killed
+    try:
+        kill.checkpoint()
+        res["killed"] = ""
+    except Exception as e:
+        res["killed"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def two(four: tuple[Path, list[dict]]) -> list[dict]:
+    out, _ = four
+    return run_ranks(two_ranks, out, world=2, timeout_s=90, barrier=False, may_die=(1,))
+
+
+def test_synthesis_on_two_ranks_reshards_the_four_rank_snapshots(four, two) -> None:
+    _, results = four
+    close(two[0]["resharded"], results[0]["reference"])
+
+
+def test_the_sweep_on_two_ranks_equals_one_synthesis_per_length(two) -> None:
+    r0 = two[0]
+    assert [s for s, _ in r0["sweep"]] == [0.1, 0.2]
+    for (_, got), (_, want) in zip(r0["sweep"], r0["per_length"], strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank(two) -> None:
+    r0 = two[0]
+    assert r0["full_disk"].startswith("EMAWriteError"), r0["full_disk"]
+    assert "rank 1" in r0["full_disk"] and "No space left" in r0["full_disk"]
+    assert all("step-000000002" not in n for n in r0["after_full_disk"])  # nothing kept
+
+
+def test_a_rank_killed_mid_snapshot_leaves_the_previous_set_usable(four, two) -> None:
+    out, _ = four
+    r0 = two[0]
+    assert two[1] is None  # rank 1 was killed
+    assert r0["killed"].startswith("EMARuntimeError") and "died" in r0["killed"], r0["killed"]
+    folder = out / "kill"
+    for name, digest in r0["first"].items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
+    with pytest.warns(PostHocWarning, match="rank files.*ranks \\[1\\] are missing"):
+        snaps = list_snapshots(folder)
+    assert {s.step for s in snaps} == {1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        state = synthesize_state_dict(folder, sigma_rel=TARGET)
+    assert set(state) == set(Wide().state_dict())
