@@ -106,9 +106,9 @@ class BEMA(EMA):
             [`EMA`][emakit.EMA]). Default None: True when ``device`` is given.
         ema_dtype: keyword-only; keep floating BEMA tensors in at least this dtype.
             Default None.
-        param_or_buffer_names_no_ema, ignore_names, ignore_startswith_names,
-            allow_different_devices, forward_method_names, include_online_model:
-            keyword-only, as for [`EMA`][emakit.EMA].
+        param_or_buffer_names_no_ema: keyword-only; as for [`EMA`][emakit.EMA], and so
+            are ``ignore_names``, ``ignore_startswith_names``, ``allow_different_devices``,
+            ``forward_method_names`` and ``include_online_model``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
