@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         result = posthoc.sweep(
             lambda ema_model: denoising_loss(ema_model, x0, sigma, eps).item(),
             sigma_rels=sweep_lengths(f"{TRACKED[0]}:{TRACKED[1]}:{args.points}"),
-            plot=args.plot,
         )
     print(f"online weights: validation loss {online:.4f}")
     print(result.table())
     if args.plot is not None:
+        result.plot(args.plot, ylabel="validation denoising loss")
         print(f"wrote {args.plot}")
     return {"online": online, "sweep": dict(result), "best": result.best[0]}
 

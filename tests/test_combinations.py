@@ -401,3 +401,25 @@ def test_members_match_lone_reference_emas(kind, runner, tmp_path):
             e.update()
         for i, (member, e) in enumerate(zip(members(obj), lone, strict=True)):
             assert_same(comparable(member), comparable(e), f"{kind}[{i}], call {call}")
+
+
+def test_partition_applies_to_modules_and_is_the_whole_ema_in_one_process() -> None:
+    with pytest.raises(EMAValueError, match="partition=True applies to an EMA of a module"):
+        EMA({"w": torch.ones(3)}, partition=True)
+    with pytest.raises(EMATypeError, match="ema_model= is not supported for a partitioned EMA"):
+        EMA(nn.Linear(3, 2), ema_model=nn.Linear(3, 2), partition=True)
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    kw: dict[str, Any] = dict(beta=0.9, update_after_step=0, update_every=1)
+    parted, ref = EMA(net, partition=True, **kw), EMA(net, **kw)
+    for _ in range(3):
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        parted.update()
+        ref.update()
+    # one process: each "partition" is the whole (flattened) tensor, equal to the plain EMA
+    model = parted.ema_model
+    for name, v in ref.ema_model.state_dict().items():
+        assert torch.equal(model.full(name, None), v), name
+    with torch.no_grad():
+        assert torch.equal(parted(torch.ones(1, 3)), ref(torch.ones(1, 3)))

@@ -2,7 +2,7 @@
 
 One launch runs every check (a DeepSpeed engine takes seconds to build on the CPU): the
 EMA of ZeRO-3 partitions against a full-weight reference EMA fed the gathered weights
-(bit for bit), ``EMA(engine.module)``, MultiEMA and KarrasEMA, the keywords users pass,
+(bit for bit), ``EMA(engine.module)``, MultiEMA, KarrasEMA and BEMA, the keywords users pass,
 ``swap()`` evaluation, ``ema(x)``, the streamed full export, resume through
 ``client_state``, refusals (another world size, a step mismatch at save), the non-finite
 guard's agreement, and ZeRO-2 (an ordinary EMA, identical on every rank).
@@ -28,11 +28,13 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA
+from emakit import BEMA, EMA, EMAStateError, EMATypeError, KarrasEMA, MultiEMA
 from emakit.distributed import load_full_ema_weights, save_full_ema_weights
+from emakit.integrations._common import refuse_zero3
 
 pytestmark = [
     *DIST_MARKS,
+    pytest.mark.timeout(1300),  # the first test waits for the warm-up and the job
     pytest.mark.skipif(
         importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
     ),
@@ -118,6 +120,7 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         ),
         "multi": lambda m: MultiEMA(m, betas=(0.5, 0.9), update_after_step=0, update_every=1),
         "karras": lambda m: KarrasEMA(m, sigma_rel=0.2, update_every=1),
+        "bema": lambda m: BEMA(m, update_freq=1, lag=1),
     }
     emas = {k: make(engine) for k, make in variants.items()}
     refs = {k: make(side) for k, make in variants.items()}
@@ -160,7 +163,7 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         torch.equal(mine[k], theirs[k]) for k in mine
     )
     # Another world size: refused, naming the way that works; the full file loads.
-    other = dict(mine, **{"ema_model.zero3_world_size": torch.tensor(4)})
+    other = dict(mine, **{"ema_model.partition_layout": torch.tensor([4, rank])})
     try:
         ema2.load_state_dict(other)
     except EMAStateError as e:
@@ -171,6 +174,11 @@ def zero3_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
         torch.equal(a, b)
         for a, b in zip(ema3.ema_model.parameters(), ema.ema_model.parameters(), strict=True)
     ) and int(ema3.step) == int(ema.step)
+    # Integrations that write the EMA from one process refuse ZeRO-3, naming the way.
+    try:
+        refuse_zero3(engine.module, "EMATrainerCallback")
+    except EMATypeError as e:
+        r["integration_refusal"] = str(e)
     # A step mismatch across ranks is refused at save, on every rank.
     if rank == 1:
         ema.step = int(ema.step) + 1
@@ -198,30 +206,56 @@ def zero2_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=make_net(), config=config(2))
     side = make_net()
     ema, ref = EMA(engine, **KW), EMA(side, **KW)
+    parted = EMA(engine, **KW, partition=True, skip_nonfinite=True)  # 1/world of the EMA
     for x, y in batches():
         xr, yr = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
         engine.backward(nn.functional.mse_loss(engine(xr), yr))
         engine.step()
         side.load_state_dict(engine.module.state_dict())
-        ema.update()
-        ref.update()
+        for e in (ema, ref, parted):
+            e.update()
     x = batches()[0][0]
-    with torch.no_grad(), ema.swap():
-        swap_out = engine(x)
+    online = {n: t.clone() for n, t in engine.module.state_dict().items()}
+    with torch.no_grad():
+        with ema.swap():
+            swap_out = engine(x)
+        with parted.swap():
+            parted_swap_out = engine(x)
+        parted_call_out = parted(x)
+    restored = all(torch.equal(v, online[n]) for n, v in engine.module.state_dict().items())
     path = out / "ema2.safetensors"
     save_full_ema_weights(ema, path)
-    engine.save_checkpoint(str(out / "ckpt2"), client_state={"ema": ema.state_dict()})
+    parted_path = out / "parted.safetensors"
+    save_full_ema_weights(parted, parted_path)
+    state = {"ema": ema.state_dict(), "parted": parted.state_dict()}
+    engine.save_checkpoint(str(out / "ckpt2"), client_state=state)
     engine2, *_ = deepspeed.initialize(model=make_net(), config=config(2))
-    ema2 = EMA(engine2, **KW)
+    ema2, parted2 = EMA(engine2, **KW), EMA(engine2, **KW, partition=True, skip_nonfinite=True)
     _, client = engine2.load_checkpoint(str(out / "ckpt2"))
     ema2.load_state_dict(client["ema"])
+    # ZeRO-2 checkpoints keep rank 0's client_state only: another rank's part is refused;
+    # the partitioned EMA resumes from the full file (any world size).
+    rank_refusal = ""
+    try:
+        parted2.load_state_dict(client["parted"])
+    except EMAStateError as e:
+        rank_refusal = str(e)
+    load_full_ema_weights(parted2, parted_path)
     return {
-        "ema": {n: t.clone() for n, t in ema.ema_model.state_dict().items()},
-        "ref": {n: t.clone() for n, t in ref.ema_model.state_dict().items()},
+        "ema": _state(ema),
+        "ref": _state(ref),
+        "parted": full_ema(parted),
+        "parted_numel": sum(p.numel() for p in parted.ema_model.parameters()),
+        "total_numel": sum(p.numel() for p in side.parameters()),
         "swap_out": swap_out,
+        "parted_outs": (parted_swap_out, parted_call_out),
+        "restored": restored,
         "ref_out": ref(x),
         "file": safetensors.torch.load_file(path) if rank == 0 else None,
-        "resumed": {n: t.clone() for n, t in ema2.ema_model.state_dict().items()},
+        "parted_file": safetensors.torch.load_file(parted_path) if rank == 0 else None,
+        "resumed": _state(ema2),
+        "parted_resumed": full_ema(parted2),
+        "rank_refusal": rank_refusal,
     }
 
 
@@ -294,6 +328,8 @@ def test_zero3_refusals_and_nonfinite_agreement(results: list) -> None:
     for r in results:
         z = r["zero3"]
         assert "step" in z["step_refusal"] and "rank" in z["step_refusal"]
+        assert "ZeRO-3" in z["integration_refusal"]
+        assert "emakit.EMA(engine)" in z["integration_refusal"]
         assert z["skipped"] == 1 and z["unchanged"]
 
 
@@ -311,5 +347,24 @@ def test_zero2_ema_is_identical_on_every_rank_and_resumes(results: list) -> None
         assert torch.equal(z["swap_out"], z["ref_out"])
     net = make_net()
     net.load_state_dict(first["file"])
+    for n, v in first["ref"].items():
+        assert torch.equal(net.state_dict()[n], v), n
+
+
+def test_zero2_partitioned_ema_keeps_a_slice_and_gathers_on_demand(results: list) -> None:
+    first = results[0]["zero2"]
+    for r in results:
+        z = r["zero2"]
+        assert z["parted_numel"] <= z["total_numel"] // WORLD + 4  # its slices only
+        for n, v in z["ref"].items():
+            assert torch.equal(z["parted"][n], v), n
+            assert torch.equal(z["parted_resumed"][n], v), n
+        for out in z["parted_outs"]:
+            assert torch.equal(out, z["ref_out"])
+        assert z["restored"]
+    assert results[0]["zero2"]["rank_refusal"] == ""  # rank 0's own state
+    assert "rank 0's EMA partitions, and this is rank 1" in results[1]["zero2"]["rank_refusal"]
+    net = make_net()
+    net.load_state_dict(first["parted_file"])
     for n, v in first["ref"].items():
         assert torch.equal(net.state_dict()[n], v), n

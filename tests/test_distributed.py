@@ -9,8 +9,6 @@ tests below check those results against references computed in this process.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -372,63 +370,3 @@ def test_helpers_without_distributed() -> None:
     t = torch.zeros(3)
     assert not is_dtensor(t) and local_tensor(t) is t
     assert is_rank_zero()
-
-
-# -- DeepSpeed ZeRO-3 (only where deepspeed is installed; it is not a dependency) ----------
-
-
-def zero3_worker(rank: int, out: Path) -> dict:
-    os.environ.update(
-        DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD)
-    )
-    import deepspeed
-
-    side = make_net()
-    side_ema = EMA(side, **EMA_KW)
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}},
-        "zero_allow_untested_optimizer": True,
-    }
-    net = make_net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
-    params = list(engine.module.parameters())
-    # The recipe: an EMA of each rank's ZeRO-3 partitions, updated shard-locally.
-    ema = EMA({n: p.ds_tensor for n, p in engine.module.named_parameters()}, **EMA_KW)
-    for x, y in batches():
-        engine.backward(
-            torch.nn.functional.mse_loss(engine(rank_batch(x, rank)), rank_batch(y, rank))
-        )
-        engine.step()
-        ema.update()
-        with deepspeed.zero.GatheredParameters(params):
-            side.load_state_dict({n: p.data for n, p in engine.module.named_parameters()})
-        side_ema.update()
-    with deepspeed.zero.GatheredParameters(params):
-        online = {n: p.data.clone() for n, p in engine.module.named_parameters()}
-    # Export: copy the EMA partitions in place, gather, restore (a .data swap is not seen).
-    with swap_in_place(ema), deepspeed.zero.GatheredParameters(params):
-        gathered = {n: p.data.clone() for n, p in engine.module.named_parameters()}
-    with deepspeed.zero.GatheredParameters(params):
-        restored = {n: p.data.clone() for n, p in engine.module.named_parameters()}
-    return {
-        "side_ema": cpu_state(side_ema.ema_model),
-        "gathered": gathered,
-        "online": online,
-        "restored": restored,
-        "local_numel": sum(t.numel() for t in ema.ema_pytree.values()),
-        "total_numel": sum(t.numel() for t in side.parameters()),
-    }
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
-)
-def test_deepspeed_zero3_partition_ema(tmp_path: Path) -> None:
-    for r in run_job(zero3_worker, tmp_path):
-        assert r["local_numel"] <= r["total_numel"] / 2 + 8  # its partition, padded
-        for n, v in r["side_ema"].items():
-            torch.testing.assert_close(r["gathered"][n], v, atol=1e-5, rtol=0, msg=n)
-            assert torch.equal(r["restored"][n], r["online"][n]), n
-        assert any((r["gathered"][n] - r["online"][n]).abs().max() > 1e-3 for n in r["online"])

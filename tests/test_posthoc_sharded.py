@@ -159,6 +159,17 @@ def four_ranks(rank: int, out: Path) -> dict:
         warnings.simplefilter("ignore", PostHocWarning)  # few snapshots: a rough fit
         fsdp_part(rank, out, init_device_mesh("cpu", (4,)), res)
         mesh_part(rank, out, res)
+        # DDP: identical EMAs on every rank, rank 0 writes whole-model files, no collective
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = PostHocEMA(
+            DistributedDataParallel(seeded(Wide, 0)),
+            checkpoint_every_num_steps="manual",
+            checkpoint_folder=out / "ddp",
+            **KW,
+        )
+        ddp.update()
+        res["ddp_files"] = [p.name for p in ddp.checkpoint()]
         # the misuse, last (it leaves the process group unusable): rank 0 alone
         model = shard_all(seeded(Wide, 0), init_device_mesh("cpu", (4,)))
         ema = PostHocEMA(
@@ -204,6 +215,12 @@ def test_every_rank_writes_its_own_shards(four: tuple[Path, list[dict]]) -> None
     ref = list_snapshots(out / "ref")
     assert abs(snaps[0].nbytes - ref[0].nbytes) < 4 * 4096  # headers only differ
     assert results[3]["local_bytes"] < results[0]["local_bytes"]  # rank 3's shards are empty
+
+
+def test_ddp_snapshots_are_written_by_rank_zero_whole(four: tuple[Path, list[dict]]) -> None:
+    out, results = four
+    assert len(results[0]["ddp_files"]) == 2 and all(not r["ddp_files"] for r in results[1:])
+    assert [s.world for s in list_snapshots(out / "ddp")] == [1, 1]
 
 
 def test_karras_profiles_on_fsdp_equal_the_full_weight_ones(four: tuple[Path, list[dict]]) -> None:
@@ -272,6 +289,17 @@ def two_ranks(rank: int, out: Path) -> dict:
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "fsdp", run_id=RUN, **KW
     )
     res["resharded"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    # the sweep on the ranks (evaluate runs the sharded forward) vs one synthesis per length
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+
+    def score(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(m(x).pow(2).sum())
+
+    res["sweep"] = list(ema.sweep(score, sigma_rels=[0.1, 0.2], lengths_per_pass=1))
+    res["per_length"] = [
+        (s, score(ema.synthesize_ema_model(sigma_rel=s).ema_model.eval())) for s in (0.1, 0.2)
+    ]
 
     kill = PostHocEMA(
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "kill", **KW
@@ -324,6 +352,13 @@ def two(four: tuple[Path, list[dict]]) -> list[dict]:
 def test_synthesis_on_two_ranks_reshards_the_four_rank_snapshots(four, two) -> None:
     _, results = four
     close(two[0]["resharded"], results[0]["reference"])
+
+
+def test_the_sweep_on_two_ranks_equals_one_synthesis_per_length(two) -> None:
+    r0 = two[0]
+    assert [s for s, _ in r0["sweep"]] == [0.1, 0.2]
+    for (_, got), (_, want) in zip(r0["sweep"], r0["per_length"], strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
 
 
 def test_a_full_disk_on_one_rank_fails_every_rank(two) -> None:

@@ -106,9 +106,12 @@ class BEMA(EMA):
             [`EMA`][emakit.EMA]). Default None: True when ``device`` is given.
         ema_dtype: keyword-only; keep floating BEMA tensors in at least this dtype.
             Default None.
-        param_or_buffer_names_no_ema: keyword-only; as for [`EMA`][emakit.EMA], and so
-            are ``ignore_names``, ``ignore_startswith_names``, ``allow_different_devices``,
-            ``forward_method_names`` and ``include_online_model``.
+        param_or_buffer_names_no_ema: keyword-only, as for [`EMA`][emakit.EMA].
+        ignore_names: keyword-only, as for [`EMA`][emakit.EMA].
+        ignore_startswith_names: keyword-only, as for [`EMA`][emakit.EMA].
+        allow_different_devices: keyword-only, as for [`EMA`][emakit.EMA].
+        forward_method_names: keyword-only, as for [`EMA`][emakit.EMA].
+        include_online_model: keyword-only, as for [`EMA`][emakit.EMA].
 
     Example:
         >>> net = torch.nn.Linear(4, 4)

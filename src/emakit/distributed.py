@@ -23,6 +23,17 @@
   unpickles code (see :mod:`emakit._files.dcp`). :func:`save_full_ema_weights` streams the
   full EMA into one safetensors file that loads straight into the model class, one
   tensor gathered and written at a time (:mod:`emakit._files.export`).
+* **DeepSpeed** (``EMA(engine)`` or ``EMA(engine.module)``): under ZeRO-1 and 2 the
+  parameters are whole on every rank, so the EMA is as under DDP. Under ZeRO-3 each rank
+  keeps the EMA of its own partitions (``param.ds_tensor``, `emakit._dist.deepspeed`):
+  ``update()`` runs no collective (``skip_nonfinite``: one all-reduce of three numbers);
+  ``swap()`` and ``ema(x)`` copy the EMA partitions into ``ds_tensor`` and let DeepSpeed's
+  own gather do the rest (collectives: every rank); ``ema.state_dict()`` is this rank's
+  part, saved through ``engine.save_checkpoint(dir, client_state={"ema": ...})`` (every
+  rank at the same step, checked);
+  [`save_full_ema_weights`][emakit.distributed.save_full_ema_weights] streams the full
+  EMA and [`load_full_ema_weights`][emakit.distributed.load_full_ema_weights] reads it
+  back into any world size.
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
   agreement step (:mod:`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
@@ -35,7 +46,9 @@ created a DTensor or an FSDP module pays one dictionary lookup per check.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +62,7 @@ from ._dist.collectives import AGREE_TIMEOUT_S
 from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
 from ._dist.ranks import dist_ready, is_rank_zero
-from ._files.reading import writable_path
+from ._files.reading import writable_folder, writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA
 from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
@@ -74,12 +87,11 @@ def swap_in_place(ema: EMA) -> Iterator[None]:
     """Like ``ema.swap()``, but the EMA values are copied into the model's tensors in place.
 
     ``swap()`` re-points ``.data``, which frameworks that read their own storage do not
-    see (it already copies for FSDP2 shards). Use this for them, e.g. for an EMA of
-    DeepSpeed ZeRO-3 partitions (``EMA({n: p.ds_tensor for n, p in
-    engine.module.named_parameters()})``), whose ``GatheredParameters`` then gathers the
-    EMA weights. The model's values are stashed (one copy of each tracked tensor, a shard
-    where sharded) and copied back on exit, also when the block raises; ``update()``
-    inside the block is an error, as in ``swap()``. Same as ``ema.swap(in_place=True)``.
+    see (it already copies for FSDP2 shards and DeepSpeed ZeRO-3 partitions). Use this for
+    them: whatever reads the model's storage then reads the EMA weights. The model's
+    values are stashed (one copy of each tracked tensor, a shard where sharded) and copied
+    back on exit, also when the block raises; ``update()`` inside the block is an error,
+    as in ``swap()``. Same as ``ema.swap(in_place=True)``.
 
     Args:
         ema: an :class:`~emakit.EMA` (of a module or a pytree).
@@ -118,7 +130,7 @@ def _checkpoint_folder(checkpoint_id: object) -> Path:
             f"emakit switches sharded checkpoints over atomically with a pointer file, which "
             f"needs a (shared) file system: save to a local or mounted folder and copy it"
         )
-    return writable_path("checkpoint_id", checkpoint_id)
+    return writable_folder("checkpoint_id", checkpoint_id)
 
 
 def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
@@ -178,6 +190,20 @@ def _failures(e: BaseException) -> str:
     return "; ".join(lines) or str(e)
 
 
+def _disk_full(e: BaseException, folder: Path) -> str:
+    """``"; the disk is full (ENOSPC ...)"`` when a rank's failure is a full disk: an
+    ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of saying it)."""
+    failures = getattr(e, "failures", None) or {}
+    for exc, _ in failures.values():
+        chain: BaseException | None = exc
+        while chain is not None:
+            full = isinstance(chain, OSError) and chain.errno == errno.ENOSPC
+            if full or "unexpected pos" in str(chain):
+                return f"; the disk is full (ENOSPC: no space left on device) under {folder}"
+            chain = chain.__cause__ or chain.__context__
+    return ""
+
+
 def save_sharded_ema(
     ema: EMA,
     checkpoint_id: str | os.PathLike[str],
@@ -185,7 +211,10 @@ def save_sharded_ema(
     timeout_s: float = AGREE_TIMEOUT_S,
     **kwargs: Any,
 ) -> None:
-    """Save ``ema.state_dict()`` with ``torch.distributed.checkpoint`` (call on every rank).
+    """Save the EMA's state with ``torch.distributed.checkpoint`` (call on every rank).
+
+    The state is ``ema.state_dict(include_online_model=False)``: the online model is
+    saved by the training checkpoint, never twice.
 
     Each rank writes the shards it holds (DTensors), plain tensors are written once, and
     the ``.metadata`` records the global layout, so the checkpoint loads into any world
@@ -245,11 +274,16 @@ def save_sharded_ema(
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
-        dcp.save(ema.state_dict(), checkpoint_id=folder / version, **kwargs)
+        # The model's own checkpoint holds the online model: only the EMA is written.
+        state = ema.state_dict(include_online_model=False)
+        dcp.save(state, checkpoint_id=folder / version, **kwargs)
     except dcp.CheckpointException as e:
+        if coordinator:  # every rank is done with it: DCP gathered their outcomes
+            shutil.rmtree(folder / version, ignore_errors=True)
         raise EMARuntimeError(
-            f"saving the sharded checkpoint {folder} failed ({_failures(e)}); the previous "
-            f"checkpoint there is still the current one"
+            f"saving the sharded checkpoint {folder} failed ({_failures(e)})"
+            f"{_disk_full(e, folder)}; the partial version folder {version} was removed and "
+            f"the previous checkpoint there is still the current one"
         ) from e
     # DCP returns on the coordinator once every rank's data and the .metadata are written.
     if coordinator:
@@ -322,7 +356,7 @@ def load_sharded_ema(
     name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
     target = Path(name)
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
-    state = ema.state_dict()
+    state = ema.state_dict(include_online_model=False)
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:
@@ -421,8 +455,10 @@ def save_full_ema_weights(
 def load_full_ema_weights(
     ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
 ) -> dict[str, str]:
-    """Load a full EMA file (:func:`save_full_ema_weights`) into an EMA of a DeepSpeed
-    ZeRO-3 model (a collective: call on every rank), on any number of ranks.
+    """Load a full EMA file
+    ([`save_full_ema_weights`][emakit.distributed.save_full_ema_weights]) into a
+    partitioned EMA (of a DeepSpeed ZeRO-3 model, or ``partition=True``; a collective:
+    call on every rank), on any number of ranks.
 
     Each rank reads the file, one tensor at a time, and keeps its own partition of each
     (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);
@@ -432,7 +468,7 @@ def load_full_ema_weights(
     :func:`~emakit.checkpoint.load_ema_weights`.
 
     Args:
-        ema: an EMA of a ZeRO-3 model (``EMA(engine)``).
+        ema: a partitioned EMA (``EMA(engine)`` of a ZeRO-3 engine, or ``partition=True``).
         path: the safetensors file, readable by every rank.
         timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
             Default 30.
@@ -441,7 +477,7 @@ def load_full_ema_weights(
         The file's header metadata.
 
     Raises:
-        EMATypeError: ``ema`` is not an EMA of a ZeRO-3 model.
+        EMATypeError: ``ema`` is not a partitioned EMA.
         EMAStateError: the file does not fit the model (names, shapes), or is damaged.
         EMARuntimeError: some ranks did not call it within ``timeout_s``.
     """
@@ -452,14 +488,15 @@ def load_full_ema_weights(
     model = ema.ema_model
     if not isinstance(model, ZeroPartitions):
         raise EMATypeError(
-            "load_full_ema_weights loads into an EMA of a DeepSpeed ZeRO-3 model; load a "
-            "full file into any other EMA with emakit.checkpoint.load_ema_weights(ema, path)"
+            "load_full_ema_weights loads into a partitioned EMA (DeepSpeed ZeRO-3, or "
+            "partition=True); load a full file into any other EMA with "
+            "emakit.checkpoint.load_ema_weights(ema, path)"
         )
     src = as_path("path", path)
     timeout_s = _timeout(timeout_s)
     if dist_ready():
         _check_ranks(ema, "load_full_ema_weights", None, timeout_s, counts=False)
-    weights: dict[str, torch.Tensor] = {WORLD_KEY: torch.tensor(model.world_size)}
+    weights: dict[str, torch.Tensor] = {WORLD_KEY: model.layout_tensor()}
     with SafetensorsFile(src, "EMA weights file") as f:
         metadata = dict(f.metadata)
         for name in f.keys():  # noqa: SIM118 (a file, not a dict)

@@ -32,8 +32,8 @@ KEYWORDS_DOC = """
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
             wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
             tracked leaf by leaf, as :class:`~emakit.EMAPytree` does: ``ema_model`` is
-            then the EMA pytree, and module-only keywords (names, ``decay_groups``,
-            ``include_online_model``, ``update_model_with_ema_every``,
+            then the EMA pytree, the online pytree is never saved, and module-only
+            keywords (names, ``decay_groups``, ``update_model_with_ema_every``,
             ``forward_method_names``, ``move_ema_to_online_device``, ``lazy_init_ema``,
             ``stream``) are refused.
         ema_model: a module to hold the EMA weights, or a zero-argument factory returning
@@ -52,7 +52,10 @@ KEYWORDS_DOC = """
         ignore_names: names never touched by any path. Default ().
         ignore_startswith_names: name prefixes never touched by any path. Default ().
         include_online_model: also save the online model in :meth:`state_dict` (keys
-            ``online_model.*``). Default False (ema-pytorch defaults to True).
+            ``online_model.*``), as ema-pytorch does, so checkpoints load both ways.
+            Default True. ``False`` gives smaller checkpoints; states with or without
+            ``online_model.*`` load either way. emakit's own checkpoints (integrations,
+            sharded saves, exports, snapshots) never hold the online model.
         allow_different_devices: allow EMA tensors on another device than the model's
             (e.g. a CPU shadow of a GPU model). Default False.
         use_foreach: ``False`` the reference per-tensor loop, ``True`` one foreach call
@@ -109,6 +112,14 @@ KEYWORDS_DOC = """
             the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
             all-reduce of three numbers per update so every rank skips alike (update()
             becomes a collective: call it on every rank). Default False.
+        partition: keyword-only; for a model replicated over the ranks of a
+            ``torch.distributed`` job (DDP, DeepSpeed ZeRO-1 and 2): each rank keeps the
+            EMA of one slice of every parameter (ZeRO-3's split: the flattened parameter cut
+            into ``world`` chunks of ``ceil(numel / world)``), 1/world of the EMA's memory,
+            updated with no communication. ``swap()``, ``ema(x)``, the state check and the
+            full export gather the slices on demand (collectives: every rank); the state is
+            per rank, as under ZeRO-3. Buffers stay whole. A ZeRO-3 model is partitioned
+            anyway. Default False (every rank keeps the whole EMA).
 
 """
 
@@ -119,12 +130,12 @@ _MODULE_ONLY = {
     "param_or_buffer_names_no_ema": frozenset(),
     "ignore_names": frozenset(),
     "ignore_startswith_names": frozenset(),
-    "include_online_model": False,
     "update_model_with_ema_every": None,
     "forward_method_names": (),
     "move_ema_to_online_device": False,
     "lazy_init_ema": False,
     "stream": False,
+    "partition": False,
 }
 
 
@@ -241,6 +252,7 @@ class EMAOptions:
                 "move_ema_to_online_device", kw["move_ema_to_online_device"]
             ),
             "lazy_init_ema": check.boolean("lazy_init_ema", kw["lazy_init_ema"]),
+            "partition": check.boolean("partition", kw["partition"]),
             "forward_method_names": _forward_names(kw["forward_method_names"]),
         }
         if v["stream"] and (device is not None or async_update):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
 from .._engine.pairs import TensorPair, Tracked, pair_tensors
-from ..errors import EMATypeError
+from ..errors import EMATypeError, EMAValueError
 from .frozen import FrozenShare, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
@@ -74,6 +74,7 @@ class ModuleSource(_Source):
         no_ema: names copied instead of averaged.
         group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
         move_to_online: move the EMA to the model's device when they differ.
+        partition: keep only this rank's slice of each parameter (``EMA(partition=True)``).
         ema_dtype, cast, other_devices, device: see :class:`~emakit.EMA`.
     """
 
@@ -89,9 +90,11 @@ class ModuleSource(_Source):
         move_to_online: bool = False,
         share_frozen: bool = False,
         on_unshare: Callable[[], None] = lambda: None,
+        partition: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.partition = partition
         self.ignore_names = ignore_names
         self.ignore_prefixes = ignore_prefixes
         self.no_ema = no_ema
@@ -118,6 +121,7 @@ class ModuleSource(_Source):
             move_to_online=values["move_ema_to_online_device"],
             share_frozen=values["share_frozen"],
             on_unshare=on_unshare,
+            partition=values.get("partition", False),
             **kwargs,
         )
 
@@ -146,17 +150,21 @@ class ModuleSource(_Source):
         fresh = ema_model is None
         for m in (model, ema_model):
             if m is not None:
+                _refuse_lazy(m, "model" if m is model else "ema_model")
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
-        zero3 = bool(zero3_params(model))  # DeepSpeed ZeRO-3: the EMA of the partitions
-        if zero3 and not fresh:
+        parted = self.partition or bool(zero3_params(model))  # the EMA of partitions
+        if parted and not fresh:
             raise EMATypeError(
-                "ema_model= is not supported for a DeepSpeed ZeRO-3 model: the EMA keeps this "
-                "rank's partitions, built from the model; leave ema_model=None"
+                "ema_model= is not supported for a partitioned EMA (DeepSpeed ZeRO-3, or "
+                "partition=True): it keeps this rank's partitions, built from the model; "
+                "leave ema_model=None"
             )
         if ema_model is None:
             tracked = self.tracked
-            if zero3:
-                ema_model = build_partitions(model, dtype_for=self.shadow_dtype, tracked=tracked)
+            if parted:
+                ema_model = build_partitions(
+                    model, dtype_for=self.shadow_dtype, tracked=tracked, replicated=self.partition
+                )
             else:
                 ema_model = copy_model(
                     model,
@@ -186,7 +194,7 @@ class ModuleSource(_Source):
     ) -> list[TensorPair]:
         """The pairs of ``model`` and ``ema_model``, by name, validated."""
         online, oslots, buffers = module_tensors(model, self.ignored)
-        online, oslots = partition_tensors(online, oslots)  # ZeRO-3: ds_tensor
+        online, oslots = partition_tensors(online, oslots, replicated=self.partition)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
         no_ema = self.no_ema
         return pair_tensors(
@@ -285,3 +293,19 @@ class TreeSource(_Source):
                     )
                 else:
                     t.copy_(value)
+
+
+def _refuse_lazy(module: nn.Module, arg: str) -> None:
+    """A lazy module (``nn.LazyLinear`` ...) before its first forward has no shapes yet."""
+    lazy = [
+        n
+        for n, t in (*module.named_parameters(), *module.named_buffers())
+        if nn.parameter.is_lazy(t)
+    ]
+    if lazy:
+        raise EMAValueError(
+            f"{arg} has uninitialized lazy tensors ({lazy[:5]}: nn.LazyLinear and the like "
+            f"get their shapes at the first forward); run one forward pass with a real "
+            f"batch before building the EMA, or build it with lazy_init_ema=True (the copy "
+            f"is made at the first update(), after training has run a forward)"
+        )

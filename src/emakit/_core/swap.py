@@ -32,7 +32,9 @@ while swapped is an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +45,11 @@ from ..errors import EMARuntimeError
 from .tracker import Tracker
 
 __all__ = ["Swap"]
+
+#: Swaps entered and not yet exited, in the order entered. Two EMAs of one model may swap
+#: nested (``s1.enter(); s2.enter()``), but must exit in reverse: the second one saved the
+#: first one's tensors as "the model's own".
+_ACTIVE: list[Swap] = []
 
 
 class Swap:
@@ -63,7 +70,7 @@ class Swap:
         # (online local tensor, its stashed values, shadow local tensor)
         self._copied: list[tuple[Tensor, Tensor, Tensor]] = []
         self._roots: list[nn.Module] = []
-        self._zero = PartitionSwap(zero3_params(model))  # DeepSpeed ZeRO-3 (else empty)
+        self._zero = PartitionSwap([], [])  # partitions: DeepSpeed ZeRO-3, partition=True
         self.active = False
 
     def enter(self) -> Swap:
@@ -76,7 +83,8 @@ class Swap:
         reshard(self._roots)  # the sharded parameters registered, not gathered ones
         pairs = tracker.plan().pairs
         copies = False
-        in_place = self.in_place or bool(self._zero.params)
+        self._zero = PartitionSwap(zero3_params(self.model), pairs)
+        in_place = self.in_place or self._zero.active
         try:
             self._zero.release()
             with torch.no_grad():
@@ -95,6 +103,7 @@ class Swap:
                     else:
                         online.data = shadow.data.to(online.device, online.dtype)
                         self._pointed.append((online, data, shadow))
+            self._zero.spread()
             if copies:
                 reshard(self._roots)
             else:
@@ -103,16 +112,35 @@ class Swap:
             self._restore()
             raise
         tracker.swapped = self.active = True
+        _ACTIVE.append(self)
         return self
 
     def exit(self) -> None:
-        """Put the online weights back (a no-op when not entered)."""
+        """Put the online weights back (a no-op when not entered).
+
+        Raises:
+            EMARuntimeError: a swap of the same tensors entered after this one is still
+                active (exit that one first); nothing is changed.
+        """
         if not self.active:
             return
+        mine = self._online_ids()
+        later = _ACTIVE[_ACTIVE.index(self) + 1 :]
+        if any(other._online_ids() & mine for other in later):
+            raise EMARuntimeError(
+                "swaps of one model must exit in the reverse order they were entered: "
+                "another EMA's swap() entered after this one is still active, and it holds "
+                "this EMA's weights as the model's; exit it first (nested with-blocks do "
+                "this). Nothing was changed"
+            )
         try:
             self._restore()
         finally:
             self.tracker.swapped = self.active = False
+            _ACTIVE.remove(self)
+
+    def _online_ids(self) -> set[int]:
+        return {id(o) for o, _, _ in self._pointed} | {id(o) for o, _, _ in self._copied}
 
     def _restore(self) -> None:
         self._zero.release()
@@ -132,7 +160,13 @@ class Swap:
         self._pointed, self._copied = [], []
         reshard(self._roots)
         self._roots = []
+        self._zero.spread()
         self._zero.restore()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` inside the swap (entered and left around the call)."""
+        with self:
+            return fn(*args)
 
     def __enter__(self) -> Swap:
         return self.enter()

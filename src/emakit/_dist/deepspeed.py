@@ -1,19 +1,19 @@
 """DeepSpeed engines and ZeRO-3 partitions, without importing deepspeed (a leaf module).
 
-``EMA(engine)`` tracks ``engine.module`` (:func:`unwrap_engine`). Under ZeRO-1 and 2 the
+``EMA(engine)`` tracks ``engine.module`` (`unwrap_engine()`). Under ZeRO-1 and 2 the
 module's parameters are whole on every rank, so the EMA is an ordinary one, identical on
 every rank. Under ZeRO-3 a parameter's ``.data`` is an empty placeholder and
 ``param.ds_tensor`` holds this rank's partition: a 1-D slice of the flattened parameter,
 padded so that every rank's partition has the same length. Then
 
-* the EMA tracks the partitions (:func:`partition_tensors`): each rank averages its own,
-  with no collective; its EMA copy is a :class:`ZeroPartitions`, a module tree of the
+* the EMA tracks the partitions (`partition_tensors()`): each rank averages its own,
+  with no collective; its EMA copy is a `ZeroPartitions`, a module tree of the
   model's names holding the partitions (its ``state_dict`` is this rank's part);
-* :class:`PartitionSwap` lets DeepSpeed's own gather do the evaluation: gathered
+* `PartitionSwap` lets DeepSpeed's own gather do the evaluation: gathered
   parameters are released, the EMA partitions are copied into ``ds_tensor`` (by the
   caller), and the next forward gathers them; on exit the same dance puts the online
   partitions back, bit for bit;
-* :func:`gather_partition` assembles one full tensor from every rank's partitions (the
+* `gather_partition()` assembles one full tensor from every rank's partitions (the
   streamed full export).
 
 DeepSpeed's classes are looked up in ``sys.modules`` under their import paths; nothing
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,13 +46,14 @@ __all__ = [
     "is_partition",
     "partition",
     "partition_tensors",
+    "slot_of",
     "unwrap_engine",
     "zero3_params",
 ]
 
-#: The key :class:`ZeroPartitions` adds to its state: the world size its partitions
-#: were cut for.
-WORLD_KEY = "zero3_world_size"
+#: The key `ZeroPartitions` adds to its state: ``[world size, rank]`` its
+#: partitions were cut for.
+WORLD_KEY = "partition_layout"
 
 
 def engine_type() -> type | None:
@@ -64,7 +65,7 @@ def unwrap_engine(model: Any) -> Any:
     """``engine.module`` for a DeepSpeed engine (the module that holds the weights)."""
     cls = engine_type()
     if cls is not None and isinstance(model, cls):
-        return model.module
+        return getattr(model, "module")  # noqa: B009 (isinstance narrowed it to object)
     return model
 
 
@@ -74,9 +75,8 @@ def is_zero3_param(t: object) -> bool:
 
 
 def is_partition(t: object) -> bool:
-    """Whether ``t`` is the tracked view of a ZeRO-3 partition (see :func:`partition`)."""
-    ref = _VIEWS.get(id(t))
-    return ref is not None and ref() is t
+    """Whether ``t`` is the tracked view of a partition (see `partition()`)."""
+    return slot_of(t) is not None
 
 
 def zero3_params(model: object) -> list[Tensor]:
@@ -87,97 +87,153 @@ def zero3_params(model: object) -> list[Tensor]:
 
 
 def partition_tensors(
-    tensors: dict[str, Tensor], slots: dict[str, Any]
+    tensors: dict[str, Tensor], slots: dict[str, Any], *, replicated: bool = False
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """``tensors`` with every ZeRO-3 parameter replaced by its partition (:func:`partition`).
+    """``tensors`` with every ZeRO-3 parameter replaced by its partition, and with
+    ``replicated`` every other parameter too by this rank's slice (`partition()`).
 
-    A partition's slot is a :class:`PartitionSlot`, so the plan sees DeepSpeed replace or
-    move a partition and pairs again.
+    A partition's slot is its `PartitionSlot`, so the plan sees DeepSpeed replace or
+    move a partition (or ``.data`` re-pointed) and pairs again.
     """
-    if "deepspeed" not in sys.modules or not any(map(is_zero3_param, tensors.values())):
+    if not replicated and (
+        "deepspeed" not in sys.modules or not any(map(is_zero3_param, tensors.values()))
+    ):
         return tensors, slots
     out, out_slots = dict(tensors), dict(slots)
     for name, t in tensors.items():
-        if is_zero3_param(t):
+        if is_zero3_param(t) or (replicated and _sliceable(t)):
             slot = partition(t)
             out[name] = slot.view
             out_slots[name] = (slot, name, slots[name][2] if name in slots else 0)
     return out, out_slots
 
 
+def _sliceable(t: Tensor) -> bool:
+    """A parameter ``partition=True`` slices: contiguous (its slices are views), not a
+    ZeRO-3 one. Buffers stay whole."""
+    return isinstance(t, nn.Parameter) and t.is_contiguous() and not is_zero3_param(t)
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    dist = torch.distributed
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 class PartitionSlot:
-    """A ZeRO-3 parameter's partition as the EMA tracks it: the first ``valid`` elements of
-    ``ds_tensor`` (DeepSpeed pads the last ranks' partitions; the padding is never
-    averaged, checked for NaN or exported).
+    """A parameter's partition as the EMA tracks it.
+
+    Under ZeRO-3 the first ``valid`` elements of ``ds_tensor`` (DeepSpeed pads the last
+    ranks' partitions; the padding is never averaged, checked for NaN or exported). For a
+    replicated parameter (``EMA(partition=True)``), the same split of its own flattened
+    data: chunk ``rank`` of ``ceil(numel / world)`` elements.
 
     It stands in the plan's identity guards for the registry a plain tensor is watched in
-    (:mod:`emakit._engine.guards`): ``get()`` returns the view while ``ds_tensor`` is the
-    same object at the same address, else None (the plan pairs again).
+    (`emakit._engine.guards`): ``get()`` returns the view while the sliced tensor is
+    the same object at the same address, else None (the plan pairs again).
+
+    Attributes:
+        param: the parameter.
+        size: the padded partition length (every rank's).
+        view: this rank's elements, a view.
     """
 
-    __slots__ = ("__weakref__", "param", "part", "ptr", "view")
+    __slots__ = ("__weakref__", "param", "part", "ptr", "size", "view")
 
     def __init__(self, param: Tensor) -> None:
-        part = param.ds_tensor  # type: ignore[attr-defined]
-        group = getattr(param, "ds_process_group", None)
-        rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
-        size = part.numel()
-        valid = max(0, min(size, param.ds_numel - rank * size))  # type: ignore[attr-defined]
+        zero3 = is_zero3_param(param)
+        group = getattr(param, "ds_process_group", None) if zero3 else None
+        rank, world = _rank_world(group)
+        numel = param.ds_numel if zero3 else param.numel()  # type: ignore[attr-defined]
+        part = param.ds_tensor if zero3 else param  # type: ignore[attr-defined]
+        self.size = part.numel() if zero3 else -(-numel // world)
+        start = min(rank * self.size, numel)
+        valid = max(0, min(self.size, numel - start))
+        flat = part.detach().view(-1)
         self.param, self.part, self.ptr = param, part, part.data_ptr()
-        self.view = part.narrow(0, 0, valid)
+        self.view = flat.narrow(0, 0 if zero3 else start, valid)
+
+    def _sliced(self) -> Tensor:
+        p = self.param
+        return p.ds_tensor if is_zero3_param(p) else p  # type: ignore[attr-defined]
 
     def get(self, key: str, default: object = None) -> object:
         """The view while the partition has not moved, else ``default``."""
-        part = self.param.ds_tensor  # type: ignore[attr-defined]
+        part = self._sliced()
         if part is self.part and part.data_ptr() == self.ptr:
             return self.view
         return default
 
 
-#: The current PartitionSlot of each ZeRO-3 parameter (the same view object for every
-#: pairing, so an unchanged model keeps its plan).
-#: Keyed by id: weak containers compare tensors with ``==``, which is elementwise.
+#: The current PartitionSlot of each partitioned parameter (the same view object for every
+#: pairing, so an unchanged model keeps its plan). Keyed by id: weak containers compare
+#: tensors with ``==``, which is elementwise.
 _SLOTS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
-_VIEWS: dict[int, weakref.ref[Tensor]] = {}
+_VIEWS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
+
+
+def _forget(table: dict[int, Any], key: int) -> Callable[[object], None]:
+    """A weakref callback that drops ``table[key]`` (the table bound now: at interpreter
+    exit the module's globals may already be None)."""
+
+    def drop(_: object) -> None:
+        table.pop(key, None)
+
+    return drop
 
 
 def partition(param: Tensor) -> PartitionSlot:
-    """The :class:`PartitionSlot` of a ZeRO-3 parameter (made again if it moved)."""
+    """The `PartitionSlot` of a parameter (made again if it moved)."""
     entry = _SLOTS.get(id(param))
     if entry is not None and entry[0]() is param and entry[1].get("") is not None:
         return entry[1]
     slot = PartitionSlot(param)
     key, view = id(param), id(slot.view)
-    _SLOTS[key] = (weakref.ref(param, lambda _: _SLOTS.pop(key, None)), slot)
-    _VIEWS[view] = weakref.ref(slot.view, lambda _: _VIEWS.pop(view, None))
+    _SLOTS[key] = (weakref.ref(param, _forget(_SLOTS, key)), slot)
+    _VIEWS[view] = (weakref.ref(slot.view, _forget(_VIEWS, view)), slot)
     return slot
 
 
+def slot_of(t: object) -> PartitionSlot | None:
+    """The `PartitionSlot` whose view ``t`` is, or None."""
+    entry = _VIEWS.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
 class ZeroPartitions(nn.Module):
-    """The EMA copy of a ZeRO-3 model on one rank: the model's names, this rank's partitions.
+    """The EMA copy of a ZeRO-3 model (or with ``partition=True``) on one rank: the model's
+    names, this rank's partitions.
 
     Submodules are plain ``nn.Module`` containers (it has no forward: ``ema(x)`` and
-    ``ema.swap()`` run the online model on the EMA partitions). Each ZeRO-3 parameter is a
-    1-D parameter of its partition's length; buffers and parameters DeepSpeed does not
-    partition have their own shapes. Its state adds ``zero3_world_size``, so that a state
-    saved on another number of ranks is refused by name.
+    ``ema.swap()`` run the online model on the EMA partitions). Each partitioned parameter
+    is a 1-D parameter of its partition's length; buffers and parameters that are not
+    partitioned have their own shapes. Its state adds ``partition_layout``
+    (``[world size, rank]``), so that a state saved on another number of ranks, or another
+    rank's state, is refused by name.
 
     Attributes:
         model_class: the online model's class name (for the export's header).
         shapes: ``name -> (full shape, numel, process group, padded partition size)`` of
             each partition.
         world_size: the number of ranks the partitions were cut for.
+        rank: the rank whose partitions these are.
     """
 
-    def __init__(self, model_class: str, world_size: int) -> None:
+    def __init__(self, model_class: str, world_size: int, rank: int) -> None:
         super().__init__()
         self.model_class = model_class
         self.shapes: dict[str, tuple[torch.Size, int, Any, int]] = {}
         self.world_size = world_size
+        self.rank = rank
+
+    def layout_tensor(self) -> Tensor:
+        """``[world size, rank]``, as the state holds it."""
+        return torch.tensor([self.world_size, self.rank])
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + WORLD_KEY] = torch.tensor(self.world_size)
+        destination[prefix + WORLD_KEY] = self.layout_tensor()
 
     def _load_from_state_dict(
         self,
@@ -200,7 +256,7 @@ class ZeroPartitions(nn.Module):
 
     def agree(self, tracker: Any) -> None:
         """Every rank's EMA at the same step and skip count before a state is taken (one
-        bounded all-gather, :func:`~emakit._dist.collectives.agree`): the ranks' states
+        bounded all-gather, `agree()`): the ranks' states
         are the parts of one, as DeepSpeed's ``save_checkpoint`` saves them together.
 
         Raises:
@@ -213,27 +269,37 @@ class ZeroPartitions(nn.Module):
             agree("state_dict of a ZeRO-3 EMA", step=step, skips=skips)
 
     def refuse_other_world(self, state_dict: Mapping[str, Any], prefix: str) -> None:
-        """Raise unless ``state_dict`` holds partitions cut for this world size.
+        """Raise unless ``state_dict`` holds this rank's partitions for this world size.
 
         Raises:
-            EMAStateError: saved on another number of ranks, or not by a ZeRO-3 EMA; the
-                message says what to use instead.
+            EMAStateError: saved on another number of ranks, by another rank, or not by a
+                partitioned EMA; the message says what to use instead.
         """
         saved = state_dict.get(prefix + WORLD_KEY)
-        if saved is not None and int(saved) == self.world_size:
+        layout = saved.tolist() if isinstance(saved, Tensor) and saved.numel() == 2 else None
+        if layout == [self.world_size, self.rank]:
             return
+        full = (
+            "export the full EMA on the old job with emakit.distributed."
+            "save_full_ema_weights(ema, path) and start this EMA from that file with "
+            "emakit.distributed.load_full_ema_weights(ema, path) (any world size)"
+        )
+        if layout is not None and layout[0] == self.world_size:
+            raise EMAStateError(
+                f"the state holds rank {layout[1]}'s EMA partitions, and this is rank "
+                f"{self.rank}: load each rank's own state (DeepSpeed's save_checkpoint keeps "
+                f"every rank's client_state under ZeRO-3 only; under ZeRO-1/2 save each "
+                f"rank's with torch.save), or {full}"
+            )
         what = (
-            f"ZeRO-3 partitions of {int(saved)} ranks"
-            if saved is not None
-            else "no ZeRO-3 partitions (it was not saved by an EMA of a ZeRO-3 model)"
+            f"partitions of {layout[0]} ranks"
+            if layout is not None
+            else "no partitions (it was not saved by a partitioned EMA)"
         )
         raise EMAStateError(
-            f"this EMA holds ZeRO-3 partitions of {self.world_size} ranks, and the state "
-            f"holds {what}: a per-rank EMA state loads only on the same number of ranks; "
-            f"to change the world size, export the full EMA on the old job with "
-            f"emakit.distributed.save_full_ema_weights(ema, path) and start the new "
-            f"job's EMA from that file with emakit.distributed.load_full_ema_weights(ema, "
-            f"path)"
+            f"this EMA holds partitions of {self.world_size} ranks (DeepSpeed ZeRO-3 or "
+            f"partition=True), and the state holds {what}: a per-rank EMA state loads "
+            f"only on the same number of ranks; to change the world size, {full}"
         )
 
     def layout(self) -> dict[str, Tensor]:
@@ -271,11 +337,13 @@ def build_partitions(
     *,
     tracked: Callable[[str], bool],
     dtype_for: Callable[[Tensor], torch.dtype | None],
+    replicated: bool = False,
 ) -> ZeroPartitions:
-    """The :class:`ZeroPartitions` of a ZeRO-3 ``model``, with empty placeholders for the
-    tracked tensors (laid out from the partitions by the caller) and clones of the rest."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    root = ZeroPartitions(type(model).__name__, world)
+    """The `ZeroPartitions` of a ZeRO-3 ``model`` (with ``replicated``, of any model,
+    every parameter sliced), with empty placeholders for the tracked tensors (laid out from
+    the partitions by the caller)."""
+    rank, world = _rank_world(None)
+    root = ZeroPartitions(type(model).__name__, world, rank)
     copies: dict[str, nn.Module] = {"": root}
     for name, module in model.named_modules():
         if name:
@@ -287,14 +355,16 @@ def build_partitions(
             full = f"{name}.{key}" if name else key
             if p is None or not tracked(full):
                 continue
-            value = partition(p).view if is_zero3_param(p) else p
+            parted = is_zero3_param(p) or (replicated and _sliceable(p))
+            value = partition(p).view if parted else p
             dtype = dtype_for(value) or value.dtype
             placeholder = torch.empty(0, dtype=dtype, device=value.device)
             copy.register_parameter(key, nn.Parameter(placeholder, requires_grad=False))
-            if is_zero3_param(p):
+            if parted:
                 group = getattr(p, "ds_process_group", None)
-                size = p.ds_tensor.numel()  # type: ignore[attr-defined]
-                root.shapes[full] = (p.ds_shape, p.ds_numel, group, size)  # type: ignore[attr-defined]
+                shape = getattr(p, "ds_shape", p.shape)
+                numel = getattr(p, "ds_numel", p.numel())
+                root.shapes[full] = (shape, numel, group, partition(p).size)
         for key, b in module._buffers.items():
             full = f"{name}.{key}" if name else key
             if b is not None and tracked(full):
@@ -317,32 +387,47 @@ def gather_partition(
     local = part.detach()
     if dtype is not None and local.is_floating_point():
         local = local.to(dtype)
+    if not dist.is_initialized():  # one process: the partition is the whole tensor
+        return local.reshape(-1)[:numel].view(shape)
     if local.numel() != size:
         local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
     out = local.new_empty(dist.get_world_size(group) * size)
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=group)
     return out[:numel].view(shape)
 
 
 class PartitionSwap:
-    """Gathered ZeRO-3 parameters released around writes into their partitions.
+    """What a swap does around its in-place copies into partitions.
 
-    DeepSpeed gathers a parameter from the partitions before the forward of the module
-    that uses it, and frees it after, except *persistent* parameters (small ones, kept
-    gathered for the whole run). :meth:`release` frees every gathered parameter (no
-    collective), so the next forward gathers the partitions as they are then;
-    :meth:`restore` gathers the persistent ones again (one collective: every rank).
+    * ZeRO-3: DeepSpeed gathers a parameter from the partitions before the forward of the
+      module that uses it, and frees it after, except *persistent* parameters (small ones,
+      kept gathered for the whole run). `release()` frees every gathered parameter (no
+      collective), so the next forward gathers the partitions as they are then;
+      `restore()` gathers the persistent ones again (one collective).
+    * ``partition=True`` (replicated parameters): each rank copies only its slice, so
+      `spread()` all-gathers every sliced parameter from the ranks' slices (one
+      collective per parameter), on entry (the EMA everywhere) and on exit (the online
+      weights back, bit for bit).
 
     Args:
         params: the model's ZeRO-3 parameters.
+        pairs: the EMA's pairs (their partition views name the sliced parameters).
     """
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], pairs: Sequence[Any]) -> None:
         self.params = params
+        slots = (slot_of(p.online) for p in pairs)
+        self.sliced = [s for s in slots if s is not None and not is_zero3_param(s.param)]
         self.gathered: list[Tensor] = []
 
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to do (copies must then be in place)."""
+        return bool(self.params or self.sliced)
+
     def release(self) -> None:
-        """Free the gathered parameters (remembering them the first time)."""
+        """Free the gathered ZeRO-3 parameters (remembering them the first time)."""
         available = [p for p in self.params if _available(p)]
         if not self.gathered:
             self.gathered = available
@@ -350,10 +435,17 @@ class PartitionSwap:
             p.partition(has_been_updated=False)  # type: ignore[attr-defined]
 
     def restore(self) -> None:
-        """Gather again the parameters that were gathered before :meth:`release`."""
+        """Gather again the parameters that were gathered before `release()`."""
         gathered, self.gathered = self.gathered, []
         if gathered:
             gathered[0].all_gather(param_list=gathered)  # type: ignore[attr-defined]
+
+    def spread(self) -> None:
+        """Every sliced parameter whole again from the ranks' slices (a collective)."""
+        with torch.no_grad():
+            for s in self.sliced:
+                p = s.param.detach().view(-1)
+                p.copy_(gather_partition(s.view, p.shape, p.numel(), None, s.size, None))
 
 
 def _available(p: Tensor) -> bool:

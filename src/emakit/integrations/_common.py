@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import zero3_params
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMATypeError
@@ -16,12 +17,14 @@ from ..errors import EMATypeError
 __all__ = [
     "LIGHTNING_CHECKPOINT_KEY",
     "TRAINER_WEIGHTS_NAME",
+    "ZERO3_ALTERNATIVE",
     "EMAKeywords",
     "check_ema_class",
     "check_ema_kwargs",
     "distribute_like",
     "ema_metrics",
     "gather_full",
+    "refuse_zero3",
     "sharded_keys",
 ]
 
@@ -29,6 +32,29 @@ __all__ = [
 LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
 #: The EMA file ``EMATrainerCallback`` writes into every ``checkpoint-N`` folder.
 TRAINER_WEIGHTS_NAME = "ema.safetensors"
+
+
+#: What to do instead of an integration under DeepSpeed ZeRO-3.
+ZERO3_ALTERNATIVE = (
+    "keep the EMA in the training loop instead: ema = emakit.EMA(engine) and ema.update() "
+    "on every rank, engine.save_checkpoint(dir, client_state={'ema': ema.state_dict()}), "
+    "emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, DeepSpeed); "
+    "ZeRO-1 and 2 work here as they are"
+)
+
+
+def refuse_zero3(model: object, owner: str) -> None:
+    """Refuse a DeepSpeed ZeRO-3 model in an integration that saves from one process.
+
+    Raises:
+        EMATypeError: ``model`` has ZeRO-3 parameters (the message says the alternative).
+    """
+    if zero3_params(model):
+        raise EMATypeError(
+            f"{owner} does not support DeepSpeed ZeRO-3: it writes the EMA from one process, "
+            f"and under ZeRO-3 each process holds only its partitions of it; "
+            f"{ZERO3_ALTERNATIVE}"
+        )
 
 
 class EMAKeywords(TypedDict, total=False):
@@ -61,6 +87,7 @@ class EMAKeywords(TypedDict, total=False):
     schedule: Callable[[int], float] | None
     decay_groups: Mapping[str, float | Callable[[int], float]] | None
     skip_nonfinite: bool
+    partition: bool
     device: torch.device | str | None
     async_update: bool | None
     stream: bool

@@ -25,7 +25,7 @@ from torch import nn
 from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import check_ema_class, check_ema_kwargs
+from ._common import check_ema_class, check_ema_kwargs, refuse_zero3
 
 try:
     from accelerate import Accelerator
@@ -112,7 +112,8 @@ def prepare_ema(
        the ``accelerator.accumulate(model)`` block.
 
     Every process keeps its own EMA (identical under DDP, as the weights are). Sharded
-    setups (FSDP, DeepSpeed ZeRO-3) are not supported: each process holds only a shard.
+    setups (FSDP, DeepSpeed ZeRO-3) are not supported: each process holds only a shard
+    (ZeRO-3 is refused, naming the alternative: ``EMA(engine)`` in your own loop).
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
@@ -120,8 +121,9 @@ def prepare_ema(
         ema_class: keyword-only; [`EMA`][emakit.EMA] (default) or [`BEMA`][emakit.BEMA]
             (then ``ema_kwargs`` are BEMA's: ``update_freq``, ``lag`` ...).
         **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
-            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply; the counts are
-            in optimizer steps.
+            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply, except
+            ``include_online_model``, False here (``save_state`` saves the model once);
+            the counts are in optimizer steps.
 
     Returns:
         The registered :class:`AcceleratedEMA`.
@@ -149,6 +151,9 @@ def prepare_ema(
     # The default keep_fp32_wrapper=True matters: unwrapping without it would strip the
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
+    refuse_zero3(unwrapped, "prepare_ema")
+    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
+    ema_kwargs.setdefault("include_online_model", False)
     ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -34,7 +34,7 @@ from ..checkpoint import load_ema_weights, save_ema_weights
 from ..decay import bema_rule
 from ..ema import EMA, unwrap_model
 from ..errors import EMATypeError
-from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics, refuse_zero3
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -99,8 +99,10 @@ class EMATrainerCallback(TrainerCallback):
       ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(callback))``.
 
     Every process keeps an identical EMA under DDP; the process that saves checkpoints
-    (``args.should_save``) writes the files. FSDP and DeepSpeed ZeRO-3 shard the weights
-    and are not supported.
+    (``args.should_save``) writes the files; DeepSpeed ZeRO-1 and 2 keep whole weights on
+    every process and work the same way. FSDP and DeepSpeed ZeRO-3 shard the weights and
+    are refused (ZeRO-3 at ``on_train_begin``, naming the alternative: ``EMA(engine)`` in
+    your own loop, see docs/distributed.md).
 
     Args:
         eval_with_ema: evaluate on the EMA weights during training. Default True.
@@ -156,8 +158,10 @@ class EMATrainerCallback(TrainerCallback):
             raise EMATypeError(
                 f"EMATrainerCallback needs the Trainer's model, got {type(model).__name__}"
             )
+        refuse_zero3(model, "EMATrainerCallback")
         self._leave_swap()
-        self.ema = EMA(model, **self.ema_kwargs)
+        # The Trainer saves the model; ema.safetensors holds only the EMA weights.
+        self.ema = EMA(model, **{"include_online_model": False, **self.ema_kwargs})
         self.restored_from = None
         if state.global_step > 0:
             path = self._resume_file(args, state)

@@ -37,6 +37,7 @@ from .framework_files import (
     not_a_checkpoint,
 )
 from .runs import LOCK_NAME, describe_runs, pick_run, runs_in
+from .shards import parse_layout
 from .snapshots import (
     LEGACY_NAME,
     SNAPSHOT_FORMAT,
@@ -99,6 +100,12 @@ _CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
 
 
 def _snapshot_summary(info: SnapshotInfo) -> list[tuple[str, str, list[int]]]:
+    if info.shards:  # a sharded snapshot: the global shapes from the layout of rank 0's file
+        with SafetensorsFile(info.path) as f:
+            layout = parse_layout(info.path, f.metadata, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
+            codes = {n: f.code(n) for n in f.keys()}  # noqa: SIM118
+        code = next(iter(codes.values()), "?")
+        return [(n, codes.get(n, code), list(shape)) for n, (shape, _) in layout.items()]
     if not info.is_legacy:
         return _safetensors_summary(info.path)[1]
     return [
@@ -126,7 +133,7 @@ def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None
     listed = list_snapshots(folder, legacy=legacy)
     snaps = pick_run(listed, run, folder)
     theirs = list_legacy_files(folder)
-    known = {s.path for s in listed} | {f.path for f in theirs}
+    known = {p for s in listed for p in (s.shards or (s.path,))} | {f.path for f in theirs}
     others = [p for p in folder.iterdir() if p.is_file() and p not in known and p.name != LOCK_NAME]
     if not snaps and not theirs:
         raise click.ClickException(
