@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from emakit import EMA
+from emakit import EMA, save_checkpoint
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     full = train(args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt.pt"
-        torch.save(train(args.steps, stop_at=args.steps // 2), path)
+        # crash-safe torch.save: a kill mid-write leaves the previous file, never a torn one
+        save_checkpoint(train(args.steps, stop_at=args.steps // 2), path)
         resumed = train(args.steps, resume_from=path)
     same = all(torch.equal(full["ema_state"][k], v) for k, v in resumed["ema_state"].items())
     print(f"held-out accuracy: online {full['online']:.3f}, EMA {full['ema']:.3f}")

@@ -504,15 +504,17 @@ def test_forward_runs_ema_model_in_eval_mode_without_grad_and_restores_modes():
         assert torch.equal(y1, ref(x))
 
 
-def test_online_model_is_left_out_of_state_dict_by_default():
+def test_online_model_is_in_state_dict_by_default_as_in_ema_pytorch():
     net = make_net()
-    default = emakit.EMA(net, beta=0.9)
-    keys = default.state_dict().keys()
+    small = emakit.EMA(net, beta=0.9, include_online_model=False)
+    keys = small.state_dict().keys()
     assert not any(k.startswith("online_model.") for k in keys)
     assert "ema_model.fc.weight" in keys and "step" in keys and "initted" in keys
     assert "version" not in keys  # the layout version lives in the metadata
 
-    included = emakit.EMA(net, beta=0.9, include_online_model=True)
+    included = emakit.EMA(net, beta=0.9)
+    assert included.include_online_model is True
+    assert set(included.state_dict()) == set(ema_pytorch.EMA(net).state_dict())
     state = included.state_dict()
     assert torch.equal(state["online_model.fc.weight"], net.fc.weight)
     assert {k for k in state if k.startswith("online_model.")} == {
@@ -619,3 +621,22 @@ def test_update_model_with_ema_beta_zero_copies_the_ema_into_the_model():
     assert ours.get_current_decay() > 0
     for n, t in floating(net).items():
         assert torch.equal(t, floating(ours.ema_model)[n]), n
+
+
+def test_karras_update_every_1_is_one_step_behind_ema_pytorch_as_the_readme_says():
+    """README table row: emakit's call c + 1 uses ema-pytorch's decay of call c."""
+    import ema_pytorch
+
+    net = make_net()
+    ours = emakit.KarrasEMA(net, sigma_rel=0.1, update_every=1)
+    theirs = ema_pytorch.KarrasEMA(copy.deepcopy(net), sigma_rel=0.1, update_every=1)
+    assert ours.gamma == pytest.approx(theirs.gamma, rel=1e-12)
+    ours_decays, theirs_decays = [], []
+    for _ in range(8):
+        ours.update()
+        theirs.update()
+        ours_decays.append(ours.get_current_decay())
+        theirs_decays.append(theirs.beta)  # the decay its update() just used
+    assert ours_decays[0] == 0.0  # the first call copies
+    assert ours_decays[1:] == pytest.approx(theirs_decays[:-1], rel=1e-12)
+    assert ours_decays[1:] != pytest.approx(theirs_decays[1:], rel=1e-6)

@@ -340,10 +340,11 @@ def test_state_dict_layout():
     assert sd._metadata[""]["version"] == emakit.STATE_VERSION
     assert "version" not in sd
     assert int(sd["step"]) == 0 and not bool(sd["initted"])
-    assert not any(k.startswith("online_model.") for k in sd)
+    assert "online_model.0.weight" in sd  # ema-pytorch's default: the model too
     assert "ema_model.1.num_batches_tracked" in sd
-    with_online = EMA(net, include_online_model=True).state_dict()
-    assert "online_model.0.weight" in with_online
+    small = EMA(net, include_online_model=False).state_dict()
+    assert not any(k.startswith("online_model.") for k in small)
+    assert set(ema.state_dict(include_online_model=False)) == set(small)
 
 
 def test_load_keeps_shadow_dtype_and_values():
@@ -442,12 +443,21 @@ def test_pickle_deepcopy_and_torch_save_whole():
 
 def test_to_rebuilds_plan():
     net = make_net()
-    ema = EMA(net, beta=0.5, update_after_step=0, update_every=1)
+    ema = EMA(net, beta=0.5, update_after_step=0, update_every=1, include_online_model=False)
     train_steps(net, ema, 2)
     ema.to(torch.float64)
     assert ema.ema_model[0].weight.dtype == torch.float64
     with pytest.raises(EMAStateError, match="coerce_dtype"):
         ema.update()
+
+
+def test_to_moves_the_registered_online_model_as_ema_pytorch():
+    net = make_net()
+    ema = EMA(net, beta=0.5, update_after_step=0, update_every=1)  # include_online_model
+    train_steps(net, ema, 2)
+    ema.to(torch.float64)
+    assert net[0].weight.dtype == ema.ema_model[0].weight.dtype == torch.float64
+    ema.update()  # one dtype again: the plan is rebuilt and runs
 
 
 # -- pytree -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit._core.tracker import Tracker
 from emakit._engine import IMPLS, Plan, ema_copy_, ema_lerp_
+from emakit._engine.spans import aligned_offsets
 from emakit.schedules import inverse_gamma_float32
 
 PATHS = [False, True, None]
@@ -438,9 +439,14 @@ def test_flatten_parameters_keeps_identity_values_and_layout():
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert {f.dtype for f in flats} == {torch.float32, torch.int64}
     f32 = next(f for f in flats if f.dtype == torch.float32)
-    assert f32.numel() == sum(
-        t.numel() for t in named_tensors(model).values() if t.is_floating_point()
-    )
+    floats = [t for t in named_tensors(model).values() if t.is_floating_point()]
+    # each tensor starts on a 64-element boundary; the padding between them is zero
+    assert f32.numel() == aligned_offsets([t.numel() for t in floats])[-1] + floats[-1].numel()
+    assert all(t.data_ptr() % 64 == 0 for t in floats)
+    covered = torch.zeros(f32.numel(), dtype=torch.bool)
+    for t in floats:
+        covered[t.storage_offset() : t.storage_offset() + t.numel()] = True
+    assert not f32[~covered].any()
     lo, hi = f32.data_ptr(), f32.data_ptr() + f32.numel() * f32.element_size()
     for n, t in named_tensors(model).items():
         if t.is_floating_point():
@@ -825,3 +831,54 @@ def test_the_guarded_path_leaves_every_bit_when_the_flag_is_false(impl, staged):
     plan.run(action)
     for p, b in zip(pairs, before, strict=True):
         assert torch.equal(p.shadow, b), p.name
+
+
+def test_a_shadow_on_another_device_needs_allow_different_devices():
+    """The device check pairs every tensor by device (a meta ``ema_model`` is on another
+    device than a CPU model, which no other test here has)."""
+    net = nn.Linear(3, 2)
+    meta = nn.Linear(3, 2, device="meta")
+    with pytest.raises(emakit.EMAStateError, match=r"'weight' is on meta.*allow_different_devices"):
+        EMA(net, ema_model=meta)
+    ema = EMA(net, ema_model=nn.Linear(3, 2, device="meta"), allow_different_devices=True)
+    assert ema.ema_model.weight.device.type == "meta"
+
+
+def test_thread_runner_submit_waits_for_the_pending_finish():
+    """Deterministic: the first finish blocks on an event that only the second submit's
+    wait() sets; a submit that no longer waits stages while the first is still running."""
+    import threading
+    from types import SimpleNamespace
+
+    from emakit._engine.runners import ThreadRunner
+
+    release, finished, staged_after = threading.Event(), [], []
+
+    class Work:
+        on_accelerator = False
+
+        def stage(self, non_blocking: bool, guard: object) -> None:
+            staged_after.append(len(finished))
+
+        def finish(self, action: object) -> None:
+            release.wait(timeout=60)
+            finished.append(action)
+
+    runner = ThreadRunner()
+    real_wait, waits = runner.wait, []
+
+    def wait() -> None:
+        waits.append(1)
+        if len(waits) == 2:  # the second submit: now let the first finish
+            release.set()
+        real_wait()
+
+    runner.wait = wait  # type: ignore[method-assign]
+    try:
+        action = SimpleNamespace(guard=None)
+        runner.submit(Work(), action)
+        runner.submit(Work(), action)
+    finally:
+        release.set()
+        runner.close()
+    assert staged_after == [0, 1]  # the second snapshot only after the first finish

@@ -450,3 +450,26 @@ def test_fsdp_with_tensor_parallelism_through_a_factory(mesh_results: list[dict]
             got, want = r[f"tp/{step}"]  # TP reduces in another order: not bit-exact
             torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5, msg=f"step {step}")
         assert (r[f"tp/{EVAL_STEPS[0]}"][0] - r[f"tp/{EVAL_STEPS[1]}"][0]).abs().max() > 1e-3
+
+
+def _flatten_after_shard_worker(rank: int, out: Path) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from emakit import EMAError, flatten_parameters
+
+    net = tower()
+    fully_shard(net, mesh=init_device_mesh("cpu", (2,)))
+    try:
+        flatten_parameters(net)
+    except EMAError as e:
+        return f"EMAError: {e}"
+    except Exception as e:  # the raw torch error this replaces
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_flatten_parameters_after_fully_shard_says_to_flatten_first(tmp_path: Path) -> None:
+    for message in run_ranks(_flatten_after_shard_worker, tmp_path, world=2):
+        assert message.startswith("EMAError: flatten_parameters got a sharded model"), message
+        assert "before sharding" in message

@@ -73,7 +73,7 @@ def test_updates_only_on_optimizer_steps(accelerator: Any):
     # Reference: a plain EMA of a twin model, updated by hand only after real steps.
     twin = make_model()
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
-    ref = EMA(twin, **EMA_KW)
+    ref = EMA(twin, **EMA_KW, include_online_model=False)  # as prepare_ema's
     data = batches(4 * ACCUM)
     for i, (x, y) in enumerate(data):
         (F.mse_loss(twin(x), y) / ACCUM).backward()
@@ -97,6 +97,11 @@ def test_save_state_load_state_round_trip(accelerator: Any, tmp_path: Path):
     train(accelerator, model, opt, ema, head)
     accelerator.save_state(tmp_path / "state")
     saved = {k: v.clone() for k, v in ema.state_dict().items()}
+    # save_state writes the model itself: the EMA's file holds only the EMA.
+    index = accelerator._custom_objects.index(ema)
+    written = tmp_path / "state" / f"custom_checkpoint_{index}.pkl"
+    keys = set(torch.load(written, weights_only=True))
+    assert keys == set(saved) and not any(k.startswith("online_model.") for k in keys)
     train(accelerator, model, opt, ema, tail)
     finished = {k: v.clone() for k, v in ema.state_dict().items()}
     assert int(finished["step"]) == 8

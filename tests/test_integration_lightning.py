@@ -174,6 +174,8 @@ def test_checkpoint_holds_the_ema_and_the_raw_weights(tmp_path: Path):
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert ckpt[CHECKPOINT_KEY]["version"] == 1
     assert_same(ckpt[CHECKPOINT_KEY]["ema"], cb.ema.state_dict())
+    # the checkpoint holds the module once: the EMA's state leaves it out
+    assert not any(k.startswith("online_model.") for k in ckpt[CHECKPOINT_KEY]["ema"])
     assert_same(ckpt["state_dict"], raw_state(module))  # not the swapped-in EMA weights
     assert ONLINE_STATE_DICT_KEY not in ckpt
 

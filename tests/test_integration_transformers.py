@@ -134,6 +134,7 @@ def test_checkpoint_folders_hold_the_ema_and_resume_is_exact(tmp_path: Path):
     trainer = make_trainer(tmp_path / "run", [cb])
     trainer.train()
     assert int(cb.ema.step) == 6  # one update per optimizer step (2 micro-batches each)
+    assert cb.ema.include_online_model is False  # the Trainer saves the model itself
     for step in (3, 6):
         assert (tmp_path / "run" / f"checkpoint-{step}" / EMA_WEIGHTS_NAME).is_file()
     final = ema_weights(cb)

@@ -167,5 +167,7 @@ def test_the_guard_selects_a_whole_shadow_with_one_where():
     floats = [g for g in guarded if g.batches and g.batches[0].key[1] == torch.float32]
     averaged = sum(t.numel() for t in ema.ema_model.state_dict().values() if t.is_floating_point())
     assert len(floats) == 1 and len(floats[0].batches) == 1
-    assert floats[0].batches[0].numel == averaged
-    assert floats[0].batches[0].flat is not None  # one where() for the whole shadow
+    batch = floats[0].batches[0]
+    assert sum(d.numel() for d in batch.dsts) == averaged
+    assert batch.flat is not None  # one where() for the whole shadow
+    assert batch.numel == batch.flat.numel() > averaged  # the alignment padding too

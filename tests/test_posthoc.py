@@ -135,11 +135,48 @@ def test_sigma_rel_to_gamma_matches_the_definition():
         assert gamma_to_sigma_rel(g) == pytest.approx(s, rel=1e-12)
 
 
-@pytest.mark.parametrize(
-    "bad", [0.0, -0.1, float("nan"), float("inf"), 0.3, 1 / math.sqrt(12), 1.0]
-)
+def test_sigma_rel_up_to_the_widest_profile_takes_ema_pytorchs_root():
+    """ema-pytorch's README example, PostHocEMA(net, sigma_rels=(0.05, 0.3)): gamma = -1/3,
+    the largest real root of the cubic, as ema-pytorch computes it with np.roots."""
+    from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma as theirs
+
+    from emakit.posthoc import GAMMA_MIN, SIGMA_REL_MAX, gamma_to_sigma_rel
+
+    assert abs(SIGMA_REL_MAX - 0.3002831060) < 1e-10
+    assert sigma_rel_to_gamma(0.3) == pytest.approx(-1 / 3, abs=1e-12)
+    for s in (0.05, 0.28, 1 / math.sqrt(12), 0.29, 0.3, 0.3002, 0.30028, SIGMA_REL_MAX):
+        g = sigma_rel_to_gamma(s)
+        assert g >= GAMMA_MIN
+        assert g == pytest.approx(theirs(s), rel=1e-9, abs=1e-12), s
+        assert gamma_to_sigma_rel(g) == pytest.approx(s, rel=1e-12)
+    assert KarrasEMA(linear(), sigma_rel=0.3).gamma == pytest.approx(-1 / 3, abs=1e-12)
+
+
+def test_posthoc_with_sigma_rel_0_3_synthesizes_finite_weights(theta, tmp_path):
+    net = linear()
+    ema = PostHocEMA(
+        net,
+        sigma_rels=(0.05, 0.3),
+        checkpoint_every_num_steps=EVERY,
+        checkpoint_folder=tmp_path,
+        checkpoint_dtype=torch.float32,
+    )
+    drive(ema, theta, net, steps=1000)
+    tracked = ema.ema_models[1].ema_model.weight
+    synth = ema.synthesize_ema_model(sigma_rel=0.3)
+    assert torch.isfinite(synth.ema_model.weight).all()
+    assert torch.allclose(synth.ema_model.weight, tracked, rtol=0, atol=1e-5)
+    wide = ema.synthesize_ema_model(sigma_rel=0.29).ema_model.weight  # gamma < 0 too
+    truth = power_ema(theta, sigma_rel_to_gamma(0.29), 1000)
+    err = rel_err(wide, truth)
+    assert torch.isfinite(wide).all() and err < 0.5 * rel_err(theta[999], truth)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), 0.3003, 0.31, 1.0])
 def test_bad_sigma_rel_is_rejected_naming_the_range(bad: float):
-    with pytest.raises(EMAValueError, match=r"sigma_rel must be a finite number in \(0, 0\.2886"):
+    with pytest.raises(
+        EMAValueError, match=r"sigma_rel must be a finite number in \(0, 0\.300283\]"
+    ):
         sigma_rel_to_gamma(bad)
     with pytest.raises(EMAValueError, match="sigma_rel"):
         KarrasEMA(linear(), sigma_rel=bad)
@@ -153,7 +190,7 @@ def test_sigma_rel_of_wrong_type_is_rejected(bad: object):
         sigma_rel_to_gamma(bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [-0.4, -1.0, float("nan"), float("inf")])
 def test_bad_gamma_is_rejected(bad: float):
     with pytest.raises(EMAValueError, match="gamma"):
         KarrasEMA(linear(), gamma=bad)

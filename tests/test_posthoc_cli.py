@@ -100,7 +100,7 @@ def test_several_sigma_rels_give_several_clearly_named_files(trained, tmp_path: 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--sigma-rel", "0.5"], "sigma_rel must be a finite number in (0, 0.288675)"),
+        (["--sigma-rel", "0.5"], "sigma_rel must be a finite number in (0, 0.300283]"),
         (["--sigma-rel", "nan"], "sigma_rel must be a finite number in"),
         (["--sigma-rel", "0.1", "--step", "5"], "step=5 is before the first snapshot (step 20)"),
         (["--sigma-rel", "abc"], "expected comma-separated numbers"),

@@ -167,3 +167,96 @@ def test_failed_posthoc_load_leaves_every_profile_as_it_was(tmp_path):
         posthoc.load_state_dict(state)
     for p, b in zip(posthoc.profiles, befores, strict=True):
         assert_unchanged(p, b)
+
+
+# -- round 3: swaps of two EMAs, a swap failing halfway, a load failing inside torch -------
+
+
+def test_swaps_of_two_emas_exited_out_of_order_are_refused_and_recoverable():
+    net, ema1, _ = trained()
+    ema2 = EMA(net, beta=0.5, update_after_step=0, update_every=1)
+    ema2.update()
+    own = {n: (p.data_ptr(), p.detach().clone()) for n, p in net.named_parameters()}
+    shadows = {t.data_ptr() for e in (ema1, ema2) for t in e.ema_model.parameters()}
+    s1, s2 = ema1.swap(), ema2.swap()
+    s1.enter()
+    s2.enter()
+    with pytest.raises(emakit.EMAError, match="reverse order"):
+        s1.exit()
+    s2.exit()  # in order: both come back
+    s1.exit()
+    for n, p in net.named_parameters():
+        assert p.data_ptr() == own[n][0] and p.data_ptr() not in shadows, n
+        assert torch.equal(p, own[n][1]), n
+    with ema1.swap(), ema2.swap():  # nested blocks still work
+        pass
+    assert all(p.data_ptr() == own[n][0] for n, p in net.named_parameters())
+    ema1.update()
+    ema2.update()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["by-reference", "by-copy"])
+def test_a_swap_failing_halfway_restores_every_tensor(monkeypatch, in_place):
+    import emakit._core.swap as swap_module
+
+    net, ema, _ = trained()
+    own = {n: (p.data_ptr(), p.detach().clone()) for n, p in net.named_parameters()}
+    # by reference: is_dtensor(online) once per tensor; by copy: local_tensor thrice
+    name, nth = ("local_tensor", 7) if in_place else ("is_dtensor", 3)
+    real, calls = getattr(swap_module, name), []
+
+    def third_raises(t):
+        calls.append(t)
+        if len(calls) == nth:
+            raise RuntimeError("planted failure at the third tensor")
+        return real(t)
+
+    monkeypatch.setattr(swap_module, name, third_raises)
+    with pytest.raises(RuntimeError, match="planted"):
+        ema.swap(in_place=in_place).enter()
+    monkeypatch.undo()
+    assert len(calls) == nth
+    for n, p in net.named_parameters():
+        assert p.data_ptr() == own[n][0], n  # its own storage, not the EMA's
+        assert torch.equal(p, own[n][1]), n
+    assert not ema.tracker.swapped
+    ema.update()  # not stuck "inside swap()"
+
+
+def counters(ema: EMA) -> tuple:
+    t = ema.tracker
+    return t.step, t.initted, t.num_skipped_nonfinite
+
+
+class _Boom(torch.nn.Module):
+    def _load_from_state_dict(self, *args, **kwargs):
+        raise RuntimeError("planted failure inside torch's copy")
+
+
+def test_a_load_failing_inside_torch_restores_the_counters():
+    _, ema, _ = trained(skip_nonfinite=True)
+    ema.tracker.num_skipped_nonfinite = 2
+    _, other, _ = trained(skip_nonfinite=True)
+    for _ in range(3):
+        other.update()
+    state = other.state_dict()
+    ema.ema_model.add_module("boom", _Boom())  # fails after the counters were decoded
+    before = counters(ema)
+    with pytest.raises(EMAStateError, match="counters were restored"):
+        ema.load_state_dict(state, strict=False)
+    assert counters(ema) == before == (4, True, 2)  # the other EMA's are 7, True, 0
+
+
+def test_a_multi_ema_load_failing_inside_torch_restores_every_members_counters():
+    net = bn_mlp(4, 8, 3, seed=0)
+    multi = MultiEMA(net, betas=(0.5, 0.9), update_after_step=0, update_every=1)
+    for _ in range(3):
+        multi.update()
+    state = multi.state_dict()
+    fresh = MultiEMA(net, betas=(0.5, 0.9), update_after_step=0, update_every=1)
+    fresh.update()
+    fresh[1].ema_model.add_module("boom", _Boom())
+    before = [counters(e) for e in fresh]
+    with pytest.raises(EMAStateError, match="counters were restored"):
+        fresh.load_state_dict(state, strict=False)
+    assert [counters(e) for e in fresh] == before == [(1, True, 0)] * 2

@@ -116,3 +116,13 @@ def test_a_non_utf8_output_name_is_refused(folder: Path, tmp_path: Path) -> None
     result = run(folder, out)
     assert result.exit_code == 2 and "UTF-8" in result.output, result.output
     assert not out.exists()
+
+
+def test_a_dangling_symlink_as_out_needs_force(folder: Path, tmp_path: Path) -> None:
+    """``os.path.exists`` is False for a dangling link; the check must see the link."""
+    elsewhere = tmp_path / "elsewhere" / "target.safetensors"
+    out = tmp_path / "ema.safetensors"
+    out.symlink_to(elsewhere)
+    result = run(folder, out)
+    assert result.exit_code == 1 and "--force" in result.output, result.output
+    assert out.is_symlink() and not elsewhere.exists()  # nothing written through the link

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from . import schedules
     from .averaging import interpolate, update_bn
     from .bema import BEMA
-    from .checkpoint import load_ema_weights, save_ema_weights
+    from .checkpoint import load_ema_weights, save_checkpoint, save_ema_weights
     from .ema import EMA, STATE_VERSION, unwrap_model
     from .engine import ema_copy_, ema_lerp_, flatten_parameters
     from .errors import (
@@ -66,6 +66,7 @@ _EXPORTS = {
     "interpolate": "averaging",
     "update_bn": "averaging",
     "load_ema_weights": "checkpoint",
+    "save_checkpoint": "checkpoint",
     "save_ema_weights": "checkpoint",
     "load_foreign_state": "foreign",
     "schedules": "",
@@ -99,6 +100,7 @@ __all__ = [
     "interpolate",
     "load_ema_weights",
     "load_foreign_state",
+    "save_checkpoint",
     "save_ema_weights",
     "schedules",
     "unwrap_model",

@@ -52,12 +52,22 @@ def real(
     return v
 
 
-def integer(name: str, value: object, *, low: int) -> int:
-    """``value`` as an int >= ``low`` (booleans are refused)."""
+#: The largest count an EMA keeps: its counters (``step`` ...) are int64 tensors.
+INT64_MAX = 2**63 - 1
+
+
+def integer(name: str, value: object, *, low: int, high: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[low, high]`` (booleans are refused); ``high`` defaults to
+    :data:`INT64_MAX`, the range of the int64 counters every count ends up in."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise EMATypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
     if value < low:
         raise EMAValueError(f"{name} must be >= {low}, got {name}={value!r}")
+    if value > high:
+        raise EMAValueError(
+            f"{name} must be <= {high}, got {name}={value!r}"
+            + ("; emakit's counters are int64" if high == INT64_MAX else "")
+        )
     return value
 
 

@@ -20,6 +20,7 @@ save sees exactly one of them.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "atomic_path",
     "atomic_write",
     "load_ema_weights",
+    "save_checkpoint",
     "save_ema_weights",
 ]
 
@@ -95,6 +97,25 @@ def _shadow_tensors(ema: EMA) -> dict[str, Tensor]:
             "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
         )
     return ema.ema_model.state_dict()
+
+
+def _check_fits(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> None:
+    """Refuse a cast to ``dtype`` that would turn finite EMA values into ``inf``."""
+    if dtype is None:
+        return
+    limit = torch.finfo(dtype).max
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0 or torch.finfo(t.dtype).max <= limit:
+            continue
+        with torch.no_grad():
+            big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
+        if big > limit:
+            raise EMAValueError(
+                f"dtype={dtype} cannot hold the EMA tensor {name!r}: its largest magnitude is "
+                f"{big:.6g}, above {str(dtype).replace('torch.', '')}'s maximum {limit:g}, so "
+                f"it would be written as inf; export in a wider dtype (torch.bfloat16 keeps "
+                f"float32's range) or leave dtype=None"
+            )
 
 
 def weights_header(
@@ -163,7 +184,9 @@ def save_ema_weights(
             paths) to export.
         path: the destination file; its folder is created if missing.
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
-            for deployment). Default None keeps the shadow dtype.
+            for deployment). Default None keeps the shadow dtype. A cast that would turn a
+            finite value into ``inf`` (above 65504 in float16) raises ``EMAValueError``
+            naming the tensor and its largest magnitude; nothing is written.
         metadata: extra ``str -> str`` header entries; they may not reuse emakit's keys.
         tied_once: keyword-only; store each tied tensor once. Default False.
 
@@ -186,6 +209,7 @@ def save_ema_weights(
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
     tensors = _shadow_tensors(ema)
+    _check_fits(tensors, dtype)
     if check.boolean("tied_once", tied_once) and ema.kind == "module":
         aliases = {n for names in _tied_names(ema) for n in names[1:]}
         tensors = {k: v for k, v in tensors.items() if k not in aliases}
@@ -201,6 +225,44 @@ def save_ema_weights(
         header.update(metadata)
     with write_errors([dest], "EMA weights file"):
         atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
+    return dest
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)``, crash-safe: a training checkpoint that holds the EMA.
+
+    The object is written to a temporary file next to ``path``, fsynced, then renamed over
+    ``path`` (and the folder fsynced): a crash, ``SIGKILL`` or full disk at any moment
+    leaves either the previous file or the complete new one, never a torn file that
+    ``torch.load`` cannot read. It is the same atomic write emakit uses for its own files
+    (:func:`~emakit._files.atomic.atomic_write`).
+
+    Args:
+        obj: what ``torch.save`` takes, e.g. ``{"model": net.state_dict(),
+            "opt": opt.state_dict(), "ema": ema.state_dict()}``.
+        path: the checkpoint file; its folder is created if missing.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        EMAValueError: ``path`` is not a valid UTF-8 name.
+        EMAWriteError: the file could not be written (disk full, read-only folder); an
+            ``OSError`` with the original ``errno``. The previous file is left as it was.
+
+    Example:
+        >>> import tempfile
+        >>> net = torch.nn.Linear(2, 2)
+        >>> ema = EMA(net)
+        >>> path = save_checkpoint(
+        ...     {"model": net.state_dict(), "ema": ema.state_dict()}, f"{tempfile.mkdtemp()}/c.pt"
+        ... )
+        >>> ema.load_state_dict(torch.load(path)["ema"])
+        <All keys matched successfully>
+    """
+    dest = writable_path("path", path)
+    with write_errors([dest], "checkpoint"):
+        atomic_write(dest, lambda f: torch.save(obj, f))
     return dest
 
 
@@ -269,7 +331,8 @@ def load_ema_weights(
         ema: the :class:`~emakit.EMA` or :class:`~emakit.EMAPytree` to load into.
         path: the safetensors file.
         strict: with True (default) a missing or extra tensor name is an error listing
-            them; with False, tensors absent from the file keep their values.
+            them; with False, tensors absent from the file keep their values, and a
+            ``UserWarning`` names the extra and the missing ones.
         restore_step: take ``step`` and ``initted`` from the header when the file was
             written by emakit (default True). Otherwise, and for files without them, the
             EMA keeps its step and counts as initialized, so the next ``update()`` does not
@@ -336,6 +399,15 @@ def load_weights(
         raise EMAStateError(
             f"{source}{what} does not match the EMA model by name: missing {_few(missing)}, "
             f"unexpected {_few(extra)}; it was saved from another model (or pass strict=False)"
+        )
+    if extra or missing:  # strict=False: say what was left out, never silently
+        warnings.warn(
+            f"{source}{what} loaded with strict=False: {len(extra)} name(s) of the checkpoint "
+            f"match no tensor of the EMA model and were not loaded {_few(extra)}; "
+            f"{len(missing)} tensor(s) of the EMA model are not in it and keep their values "
+            f"{_few(missing)}",
+            UserWarning,
+            stacklevel=3,
         )
     bad = [
         f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(cur.shape)} in the model"

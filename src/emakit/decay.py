@@ -127,7 +127,16 @@ class ScheduleDecay:
         t = call - self.update_after_step - 1
         if t <= 0:
             return 0.0
-        decay = float(self.schedule(t))
+        value = self.schedule(t)
+        try:  # a real number (a 0-dim tensor too); a string or a bool is a bug in the schedule
+            if isinstance(value, (str, bytes, bool)):
+                raise TypeError(type(value).__name__)
+            decay = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise EMATypeError(
+                f"the decay schedule {self.schedule!r} returned {value!r} "
+                f"({type(value).__name__}) at t={t}; a schedule returns a float in [0, 1]"
+            ) from None
         if not 0.0 <= decay <= 1.0:  # also catches NaN
             raise EMAValueError(
                 f"the decay schedule {self.schedule!r} returned {decay!r} at t={t}; "

@@ -46,7 +46,9 @@ created a DTensor or an FSDP module pays one dictionary lookup per check.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,7 +62,7 @@ from ._dist.collectives import AGREE_TIMEOUT_S
 from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
 from ._dist.ranks import dist_ready, is_rank_zero
-from ._files.reading import writable_path
+from ._files.reading import writable_folder, writable_path
 from .checkpoint import save_ema_weights
 from .ema import EMA
 from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
@@ -128,7 +130,7 @@ def _checkpoint_folder(checkpoint_id: object) -> Path:
             f"emakit switches sharded checkpoints over atomically with a pointer file, which "
             f"needs a (shared) file system: save to a local or mounted folder and copy it"
         )
-    return writable_path("checkpoint_id", checkpoint_id)
+    return writable_folder("checkpoint_id", checkpoint_id)
 
 
 def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
@@ -188,6 +190,20 @@ def _failures(e: BaseException) -> str:
     return "; ".join(lines) or str(e)
 
 
+def _disk_full(e: BaseException, folder: Path) -> str:
+    """``"; the disk is full (ENOSPC ...)"`` when a rank's failure is a full disk: an
+    ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of saying it)."""
+    failures = getattr(e, "failures", None) or {}
+    for exc, _ in failures.values():
+        chain: BaseException | None = exc
+        while chain is not None:
+            full = isinstance(chain, OSError) and chain.errno == errno.ENOSPC
+            if full or "unexpected pos" in str(chain):
+                return f"; the disk is full (ENOSPC: no space left on device) under {folder}"
+            chain = chain.__cause__ or chain.__context__
+    return ""
+
+
 def save_sharded_ema(
     ema: EMA,
     checkpoint_id: str | os.PathLike[str],
@@ -195,7 +211,10 @@ def save_sharded_ema(
     timeout_s: float = AGREE_TIMEOUT_S,
     **kwargs: Any,
 ) -> None:
-    """Save ``ema.state_dict()`` with ``torch.distributed.checkpoint`` (call on every rank).
+    """Save the EMA's state with ``torch.distributed.checkpoint`` (call on every rank).
+
+    The state is ``ema.state_dict(include_online_model=False)``: the online model is
+    saved by the training checkpoint, never twice.
 
     Each rank writes the shards it holds (DTensors), plain tensors are written once, and
     the ``.metadata`` records the global layout, so the checkpoint loads into any world
@@ -255,11 +274,16 @@ def save_sharded_ema(
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
-        dcp.save(ema.state_dict(), checkpoint_id=folder / version, **kwargs)
+        # The model's own checkpoint holds the online model: only the EMA is written.
+        state = ema.state_dict(include_online_model=False)
+        dcp.save(state, checkpoint_id=folder / version, **kwargs)
     except dcp.CheckpointException as e:
+        if coordinator:  # every rank is done with it: DCP gathered their outcomes
+            shutil.rmtree(folder / version, ignore_errors=True)
         raise EMARuntimeError(
-            f"saving the sharded checkpoint {folder} failed ({_failures(e)}); the previous "
-            f"checkpoint there is still the current one"
+            f"saving the sharded checkpoint {folder} failed ({_failures(e)})"
+            f"{_disk_full(e, folder)}; the partial version folder {version} was removed and "
+            f"the previous checkpoint there is still the current one"
         ) from e
     # DCP returns on the coordinator once every rank's data and the .metadata are written.
     if coordinator:
@@ -332,7 +356,7 @@ def load_sharded_ema(
     name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
     target = Path(name)
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
-    state = ema.state_dict()
+    state = ema.state_dict(include_online_model=False)
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:

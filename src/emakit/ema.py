@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._core import online
 from ._core.forward import ForwardMethod, eval_call, io_cast
 from ._core.options import KEYWORDS_DOC, EMAOptions, make_runner
 from ._core.shadow import unwrap_model
@@ -107,7 +108,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         param_or_buffer_names_no_ema: Iterable[str] = (),
         ignore_names: Iterable[str] = (),
         ignore_startswith_names: Iterable[str] = (),
-        include_online_model: bool = False,
+        include_online_model: bool = True,
         allow_different_devices: bool = False,
         use_foreach: bool | None = None,
         update_model_with_ema_every: int | None = None,
@@ -161,9 +162,10 @@ class EMA(EMAPytorchSurface, nn.Module):
         }
         self._source: ModuleSource | TreeSource
         self._online = [model]  # a list hides it from the module tree and state_dict
-        if include_online_model:
+        if self.include_online_model and not tree:  # (a pytree's online tree is never saved)
             self.online_model = model  # registered: saved under online_model.*
         self._modules["ema_model"] = None
+        self.register_load_state_dict_post_hook(online.keep_online_model)
         if self._tree is not None:
             self._source = TreeSource(**common)
             self._tree[1] = self._source.build(online_tree, shadow_tree)
@@ -194,8 +196,7 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     @property
     def online_model(self) -> nn.Module | Any:
-        """The online model (ema-pytorch's name); in the state dict only with
-        ``include_online_model=True``."""
+        """The online model (ema-pytorch's name); saved with ``include_online_model``."""
         return self.model
 
     @online_model.setter
@@ -490,6 +491,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         error_msgs: list[str],
     ) -> None:
         self._tracker.runner.wait()
+        online.note_left_out(self, state_dict, prefix)  # see online.keep_online_model
         if (
             self._modules.get("ema_model") is None
             and self._tree is None
@@ -514,29 +516,30 @@ class EMA(EMAPytorchSurface, nn.Module):
         ``online_model.*``)."""
         if key in _CODEC.keys or (self._tree is not None and key.startswith("ema.")):
             return True
-        # ema-pytorch saves the online model by default; without include_online_model
-        # those keys are accepted and left alone.
+        # without include_online_model, ema-pytorch's online_model.* are accepted and ignored
         return not self.include_online_model and key.startswith("online_model.")
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The EMA state, versioned. The online model is left out unless
-        ``include_online_model=True``.
-
-        Layout (version 1), for ``EMA(nn.Linear(2, 2))``::
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, include_online_model: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The EMA state, with ema-pytorch's keys; for ``EMA(nn.Linear(2, 2))``::
 
             {
-                "version": tensor(1),           # layout version
                 "step": tensor(1234),           # update() calls so far
                 "initted": tensor(True),        # whether the first update() happened
+                "online_model.weight": tensor(...),  # with include_online_model (default)
                 "ema_model.weight": tensor(...),  # the EMA weights, in the shadow dtype
-                "ema_model.bias": tensor(...),
             }
 
-        An EMA of a pytree stores its leaves as ``"ema.<path>"``. With
-        ``skip_nonfinite=True`` the skip count is kept under ``num_skipped_nonfinite``.
-        ema-pytorch 0.8.3 states (no ``version``, maybe ``online_model.*``) load too.
+        (and ``.bias``). The version (2) and the ``skip_nonfinite`` count are in the metadata
+        (``state._metadata[""]``); a pytree's leaves are ``"ema.<path>"``.
+
+        Args:
+            include_online_model: keyword-only; False leaves ``online_model.*`` out (as
+                emakit's own checkpoints do). Default True.
         """
-        return super().state_dict(*args, **kwargs)
+        with online.left_out(self, not check.boolean("include_online_model", include_online_model)):
+            return super().state_dict(*args, **kwargs)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -561,10 +564,9 @@ class EMA(EMAPytorchSurface, nn.Module):
             self.init_ema()  # lazy_init_ema: the state brings the weights
         if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
             zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
-        # Refuse first, load after: a failed load leaves the EMA exactly as it was.
-        check_loadable(
-            self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
-        )
+        # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
+        mine = self.state_dict(keep_vars=True, include_online_model=online.has_online(state_dict))
+        check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
         saved = self._tracker.snapshot()
         try:
             result = super().load_state_dict(state_dict, strict=strict)

@@ -13,7 +13,7 @@ from ._engine.fused import FusedPlan
 from ._engine.plan import Plan
 from .decay import SKIP, Action
 from .ema import EMA
-from .errors import EMARuntimeError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]
 
@@ -33,7 +33,8 @@ class MultiEMA(nn.Module):
         schedules: alternatively one schedule (``t -> decay``) per EMA; overrides ``betas``.
         **ema_kwargs: any :class:`~emakit.EMA` keyword shared by all (``update_every``,
             ``update_after_step``, ``ema_dtype``, ...). ``update_model_with_ema_every``
-            and ``decay_groups`` are not supported here.
+            and ``decay_groups`` are not supported here; ``include_online_model``
+            defaults to False (the state holds the EMAs, not N copies of the model).
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -77,6 +78,8 @@ class MultiEMA(nn.Module):
                 "MultiEMA needs at least one EMA: give a non-empty betas= or schedules="
             )
         ema_kwargs.pop("ema_model", None)
+        # N EMAs of one model: the model is saved once, by whoever owns it.
+        ema_kwargs.setdefault("include_online_model", False)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
         # One runner for the set: a fused update is one piece of work, and every EMA's
         # readers (state_dict, swap, forward) wait for it.
@@ -176,9 +179,11 @@ class MultiEMA(nn.Module):
         saved = [e.tracker.snapshot() for e in self]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
-        except Exception:
-            for e, counters in zip(self, saved, strict=True):
-                e.tracker.restore(counters)
+        except Exception as e:
+            for member, counters in zip(self, saved, strict=True):
+                member.tracker.restore(counters)
+            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
             raise
         for e in self:
             e.tracker.invalidate()

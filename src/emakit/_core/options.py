@@ -32,8 +32,8 @@ KEYWORDS_DOC = """
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
             wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
             tracked leaf by leaf, as :class:`~emakit.EMAPytree` does: ``ema_model`` is
-            then the EMA pytree, and module-only keywords (names, ``decay_groups``,
-            ``include_online_model``, ``update_model_with_ema_every``,
+            then the EMA pytree, the online pytree is never saved, and module-only
+            keywords (names, ``decay_groups``, ``update_model_with_ema_every``,
             ``forward_method_names``, ``move_ema_to_online_device``, ``lazy_init_ema``,
             ``stream``) are refused.
         ema_model: a module to hold the EMA weights, or a zero-argument factory returning
@@ -52,7 +52,10 @@ KEYWORDS_DOC = """
         ignore_names: names never touched by any path. Default ().
         ignore_startswith_names: name prefixes never touched by any path. Default ().
         include_online_model: also save the online model in :meth:`state_dict` (keys
-            ``online_model.*``). Default False (ema-pytorch defaults to True).
+            ``online_model.*``), as ema-pytorch does, so checkpoints load both ways.
+            Default True. ``False`` gives smaller checkpoints; states with or without
+            ``online_model.*`` load either way. emakit's own checkpoints (integrations,
+            sharded saves, exports, snapshots) never hold the online model.
         allow_different_devices: allow EMA tensors on another device than the model's
             (e.g. a CPU shadow of a GPU model). Default False.
         use_foreach: ``False`` the reference per-tensor loop, ``True`` one foreach call
@@ -127,7 +130,6 @@ _MODULE_ONLY = {
     "param_or_buffer_names_no_ema": frozenset(),
     "ignore_names": frozenset(),
     "ignore_startswith_names": frozenset(),
-    "include_online_model": False,
     "update_model_with_ema_every": None,
     "forward_method_names": (),
     "move_ema_to_online_device": False,

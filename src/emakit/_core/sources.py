@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
 from .._engine.pairs import TensorPair, Tracked, pair_tensors
-from ..errors import EMATypeError
+from ..errors import EMATypeError, EMAValueError
 from .frozen import FrozenShare, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
@@ -150,6 +150,7 @@ class ModuleSource(_Source):
         fresh = ema_model is None
         for m in (model, ema_model):
             if m is not None:
+                _refuse_lazy(m, "model" if m is model else "ema_model")
                 check_fsdp2_torch((*m.parameters(), *m.buffers()), m.modules())
         parted = self.partition or bool(zero3_params(model))  # the EMA of partitions
         if parted and not fresh:
@@ -292,3 +293,19 @@ class TreeSource(_Source):
                     )
                 else:
                     t.copy_(value)
+
+
+def _refuse_lazy(module: nn.Module, arg: str) -> None:
+    """A lazy module (``nn.LazyLinear`` ...) before its first forward has no shapes yet."""
+    lazy = [
+        n
+        for n, t in (*module.named_parameters(), *module.named_buffers())
+        if nn.parameter.is_lazy(t)
+    ]
+    if lazy:
+        raise EMAValueError(
+            f"{arg} has uninitialized lazy tensors ({lazy[:5]}: nn.LazyLinear and the like "
+            f"get their shapes at the first forward); run one forward pass with a real "
+            f"batch before building the EMA, or build it with lazy_init_ema=True (the copy "
+            f"is made at the first update(), after training has run a forward)"
+        )

@@ -46,6 +46,11 @@ from .tracker import Tracker
 
 __all__ = ["Swap"]
 
+#: Swaps entered and not yet exited, in the order entered. Two EMAs of one model may swap
+#: nested (``s1.enter(); s2.enter()``), but must exit in reverse: the second one saved the
+#: first one's tensors as "the model's own".
+_ACTIVE: list[Swap] = []
+
 
 class Swap:
     """The EMA weights in the online model between :meth:`enter` and :meth:`exit`.
@@ -107,16 +112,35 @@ class Swap:
             self._restore()
             raise
         tracker.swapped = self.active = True
+        _ACTIVE.append(self)
         return self
 
     def exit(self) -> None:
-        """Put the online weights back (a no-op when not entered)."""
+        """Put the online weights back (a no-op when not entered).
+
+        Raises:
+            EMARuntimeError: a swap of the same tensors entered after this one is still
+                active (exit that one first); nothing is changed.
+        """
         if not self.active:
             return
+        mine = self._online_ids()
+        later = _ACTIVE[_ACTIVE.index(self) + 1 :]
+        if any(other._online_ids() & mine for other in later):
+            raise EMARuntimeError(
+                "swaps of one model must exit in the reverse order they were entered: "
+                "another EMA's swap() entered after this one is still active, and it holds "
+                "this EMA's weights as the model's; exit it first (nested with-blocks do "
+                "this). Nothing was changed"
+            )
         try:
             self._restore()
         finally:
             self.tracker.swapped = self.active = False
+            _ACTIVE.remove(self)
+
+    def _online_ids(self) -> set[int]:
+        return {id(o) for o, _, _ in self._pointed} | {id(o) for o, _, _ in self._copied}
 
     def _restore(self) -> None:
         self._zero.release()

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
 from .pairs import TensorPair
@@ -47,7 +47,8 @@ def held(p: TensorPair) -> bool:
     """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a
     frozen weight the EMA could not share, e.g. offloaded: TRL's ``running_model`` holds
     those too): no ``theta0``, no EMA, no work until it is trained again."""
-    return p.average and not p.buffer and not p.online.requires_grad
+    online = p.online
+    return p.average and isinstance(online, nn.Parameter) and not online.requires_grad
 
 
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
@@ -56,7 +57,8 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
 
     def order(p: TensorPair) -> tuple[str, str, int, int]:
         s = local_tensor(p.shadow)
-        return (str(s.device), str(s.dtype), s.untyped_storage().data_ptr(), s.storage_offset())
+        ptr, offset = s.untyped_storage().data_ptr(), int(s.storage_offset())
+        return (str(s.device), str(s.dtype), ptr, offset)
 
     return sorted((p for p in pairs if p.average and not held(p)), key=order)
 
@@ -65,7 +67,10 @@ def _runs(lists: Sequence[Sequence[Tensor]]) -> list[list[int]]:
     """Maximal runs of indices whose tensors are memory-adjacent in every list at once."""
     runs: list[list[int]] = []
     for i in range(len(lists[0])):
-        if runs and all(adjacent(ts[runs[-1][-1]], ts[i]) for ts in lists):
+        j = runs[-1][-1] if runs else -1
+        gaps = {ts[i].storage_offset() - ts[j].storage_offset() for ts in lists}
+        # adjacent in every list, and spaced alike (alignment padding), so spans line up
+        if runs and len(gaps) == 1 and all(adjacent(ts[j], ts[i]) for ts in lists):
             runs[-1].append(i)
         else:
             runs.append([i])
@@ -91,18 +96,22 @@ class _Group:
             return
         pin = ref.device.type == "cpu" and onlines[0].device.type != "cpu"
         pin = pin and torch.cuda.is_available()
-        staging = torch.empty(sum(t.numel() for t in outs), dtype=ref.dtype, device=ref.device)
+        # laid out as the out spans are, alignment padding (zeros) included
+        size = sum(o.numel() for o in self.out)
+        staging = torch.zeros(size, dtype=ref.dtype, device=ref.device)
         if pin:
             staging = staging.pin_memory()
-        self.src, offset = [], 0
+        self.src, base = [], 0
         for r, out_span in zip(runs, self.out, strict=True):
-            self.src.append(torch.as_strided(staging, out_span.shape, out_span.stride(), offset))
+            self.src.append(torch.as_strided(staging, out_span.shape, out_span.stride(), base))
+            start = outs[r[0]].storage_offset()
             for i in r:
                 out = outs[i]  # the same shape and strides as the shadow tensor
-                view = torch.as_strided(staging, out.shape, out.stride(), offset)
+                at = base + out.storage_offset() - start
+                view = torch.as_strided(staging, out.shape, out.stride(), at)
                 self.gather_dst.append(view)
                 self.gather_src.append(onlines[i])
-                offset += out.numel()
+            base += out_span.numel()
 
     def gather(self, non_blocking: bool) -> None:
         if self.gather_dst:

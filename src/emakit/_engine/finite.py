@@ -42,7 +42,7 @@ from ..decay import SKIP, Action
 from .kernels import converted
 from .pairs import TensorPair
 from .paths import Group, Transfer
-from .spans import span, split_runs
+from .spans import aligned_offsets, span, split_runs
 
 __all__ = [
     "GUARD_CHUNK",
@@ -198,20 +198,26 @@ class _Batch:
         self.srcs = [s for _, s in pairs]
         first = self.dsts[0]
         self.key = (first.device, first.dtype)
-        self.numel = sum(d.numel() for d in self.dsts)
         self.convert = any((s.device, s.dtype) != self.key for s in self.srcs)
-        # one where() over the destinations when they are one run in memory
+        # one where() over the destinations when they are one run in memory; the scratch
+        # then mirrors their layout, alignment padding included
         contiguous = first.is_contiguous() and len(split_runs(self.dsts)) == 1
         self.flat = span(self.dsts).view(-1) if contiguous else None
+        base = first.storage_offset()
+        self.at = [
+            d.storage_offset() - base if contiguous else at
+            for d, at in zip(
+                self.dsts, aligned_offsets([d.numel() for d in self.dsts]), strict=True
+            )
+        ]
+        self.numel = self.at[-1] + self.dsts[-1].numel()
         self.new = first  # set by place(): the scratch as one 1-D view, and per tensor
         self.views: list[Tensor] = []
 
     def place(self, buf: Tensor) -> None:
         self.new = buf.narrow(0, 0, self.numel)
-        at = 0
-        for d in self.dsts:
+        for d, at in zip(self.dsts, self.at, strict=True):
             self.views.append(buf.narrow(0, at, d.numel()).view(d.shape))
-            at += d.numel()
 
     def select(self, ok: Tensor) -> None:
         """``dst = where(ok, scratch, dst)``: every bit of the scratch, or of the old dst."""
@@ -257,7 +263,8 @@ class Guarded:
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
         for b in self.batches:
             sizes[b.key] = max(sizes.get(b.key, 0), b.numel)
-        bufs = {k: torch.empty(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
+        # zeros: the padding between views is selected into the shadow's padding
+        bufs = {k: torch.zeros(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
         for b in self.batches:
             b.place(bufs[b.key])
 

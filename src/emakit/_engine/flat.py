@@ -2,8 +2,9 @@
 
 After re-homing, each tensor keeps its identity (a ``Parameter`` stays the same Python
 object, so optimizers that hold it keep working) but its ``.data`` is a view into a shared
-flat buffer. Neighbouring tensors are then adjacent in memory, and the engine updates a
-whole run of them with a single kernel.
+flat buffer. Neighbouring tensors are then adjacent in memory (each starting on a 64-byte
+boundary, :data:`~emakit._engine.spans.ALIGN` elements, the padding zero), and the engine
+updates a whole run of them with a single kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+from .._dist.dtensor import is_dtensor
+from .spans import aligned_offsets
 
 __all__ = ["dense_layout", "flatten_parameters", "rehome_"]
 
@@ -78,15 +82,14 @@ def rehome_(
     with torch.no_grad():
         for (dev, dtype), members in groups.items():
             pin = pin_memory and dev.type == "cpu"
-            flat = torch.empty(
-                sum(s.numel() for _, s in members), device=dev, dtype=dtype, pin_memory=pin
-            )
-            offset = 0
-            for t, src in members:
+            offsets = aligned_offsets([s.numel() for _, s in members])
+            total = offsets[-1] + members[-1][1].numel()
+            # zeros: the alignment padding is read by span kernels and must stay finite
+            flat = torch.zeros(total, device=dev, dtype=dtype, pin_memory=pin)
+            for (t, src), offset in zip(members, offsets, strict=True):
                 view = _view_like(flat, offset, src)
                 view.copy_(src)
                 t.data = view
-                offset += src.numel()
             flats.append(flat)
     return flats
 
@@ -99,7 +102,8 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
     (device, dtype) group with a single ``lerp_`` over one span (see the ``"flat"`` path),
     which is what makes models with many small tensors cheap to average.
 
-    Call it before building an EMA. Tensors are laid out in ``named_parameters()`` order,
+    Call it before building an EMA, and before sharding the model (``fully_shard``): a
+    sharded model raises an ``EMAValueError``. Tensors are laid out in ``named_parameters()`` order,
     then ``named_buffers()`` order; channels-last tensors stay channels-last.
 
     Args:
@@ -111,8 +115,8 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
-        >>> [flat.numel() for flat in flatten_parameters(net)]
-        [16]
+        >>> [flat.numel() for flat in flatten_parameters(net)]  # each tensor 64-aligned
+        [193]
     """
     if not isinstance(model, torch.nn.Module):
         from ..errors import EMATypeError
@@ -124,4 +128,14 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
     tensors: list[Tensor] = list(model.parameters())
     if buffers:
         tensors += list(model.buffers())
+    sharded = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_dtensor(t)]
+    if sharded:
+        from ..errors import EMAValueError
+
+        raise EMAValueError(
+            f"flatten_parameters got a sharded model (DTensor parameters, e.g. after "
+            f"fully_shard: {sharded[:3]}); a DTensor cannot be re-homed into a flat buffer. "
+            f"Call flatten_parameters(model) before sharding it (FSDP2 keeps its own flat "
+            f"shards)"
+        )
     return rehome_(tensors)

@@ -50,8 +50,11 @@ class _Group:
         self.dst: list[Tensor] = []
         self.direct = False
         self.guarded: dict[int, Guarded] = {}  # by EMA, built on first use (skip_nonfinite)
-        runs = split_runs(onlines)
         ref = self.spans[0]
+        # where each tensor sits in the shadows' (one) run, alignment padding included
+        base = shadows[0][0].storage_offset()
+        at = [t.storage_offset() - base for t in shadows[0]]
+        runs = split_runs(onlines, at)
         same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
         self.key = (onlines[0].dtype, onlines[0].device)
         self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
@@ -63,14 +66,13 @@ class _Group:
             self.direct = True
             return
         pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-        self.source = torch.empty(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
-        offset = 0
+        # zeros: the padding is averaged with the shadows' (zero) padding
+        self.source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
         for run in runs:
-            n = sum(onlines[i].numel() for i in run)
-            view = self.source.narrow(0, offset, n)
+            n = at[run[-1]] + onlines[run[-1]].numel() - at[run[0]]
+            view = self.source.narrow(0, at[run[0]], n)
             self.dst.append(view.view(onlines[run[0]].shape) if len(run) == 1 else view)
             self.src.append(span([onlines[i] for i in run]))
-            offset += n
 
     def stale(self) -> bool:
         first = self.onlines[0]
@@ -144,7 +146,8 @@ class FusedPlan:
             idx.sort(key=lambda i: shadow[0][i].storage_offset())
             onlines = [local_tensor(first[i].online) for i in idx]
             shadows = [[s[i] for i in idx] for s in shadow]
-            if any(len(split_runs(s)) != 1 for s in shadows):
+            spacing = [t.storage_offset() for t in shadows[0]]  # and all spaced alike
+            if any(len(split_runs(s, spacing)) != 1 for s in shadows):
                 return None
             groups.append(_Group(onlines, shadows, staged))
         return cls(plans, groups, frozen or [False] * len(plans))

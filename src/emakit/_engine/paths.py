@@ -31,7 +31,7 @@ from torch import Tensor
 from .._dist.dtensor import local_tensor
 from .kernels import multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
-from .spans import runs_both, span, split_runs
+from .spans import aligned_offsets, runs_both, span, split_runs
 
 __all__ = ["FOREACH", "LOOP", "Group", "Path", "Transfer", "build_groups", "stage"]
 
@@ -133,21 +133,22 @@ def _staged_spans(
     """Fill ``flat`` through a staging buffer laid out like ``dsts``: online runs are copied
     into it (``stage_*``), then each shadow run is updated from its slice. The buffer is
     reused on every update, so nothing is allocated on the hot path."""
-    offsets, total = [], 0
-    for t in dsts:
-        offsets.append(total)
-        total += t.numel()
-    staging = torch.empty(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
+    # Laid out as emakit lays out the shadow (aligned, zero padding), so runs of both
+    # sides map onto it.
+    offsets = aligned_offsets([t.numel() for t in dsts])
+    total = offsets[-1] + dsts[-1].numel()
+    staging = torch.zeros(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
 
     def view(run: list[int], like: Sequence[Tensor]) -> Tensor:
-        v = staging.narrow(0, offsets[run[0]], sum(like[i].numel() for i in run))
+        n = offsets[run[-1]] + like[run[-1]].numel() - offsets[run[0]]
+        v = staging.narrow(0, offsets[run[0]], n)
         return v.view(like[run[0]].shape) if len(run) == 1 else v
 
-    for run in split_runs(srcs):
+    for run in split_runs(srcs, offsets):
         flat.stage_src.append(span([srcs[i] for i in run]))
         flat.stage_dst.append(view(run, srcs))
         pointers.add(run, srcs)
-    for run in split_runs(dsts):
+    for run in split_runs(dsts, offsets):
         flat.dst.append(span([dsts[i] for i in run]))
         flat.src.append(view(run, dsts))
         pointers.add(run, dsts, every=False)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -59,8 +60,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import EMAStateError
+from ..errors import EMAFileNotFoundError, EMAStateError
 from .atomic import atomic_write_bytes, fsync_dir
+from .reading import open_regular
 
 __all__ = [
     "POINTER",
@@ -90,15 +92,15 @@ def read_pointer(folder: Path) -> str | None:
     """The current version named by ``folder``'s pointer file (None without one).
 
     Raises:
-        EMAStateError: the pointer file is malformed.
+        EMAStateError: the pointer file is malformed or cannot be read.
+        EMAValueError: the pointer is not a regular file (a FIFO, a device, a folder).
     """
     path = folder / POINTER
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    try:  # the one safe opener: a FIFO or device in its place is refused, not waited on
+        with open_regular(path, "sharded-checkpoint pointer file") as f:
+            raw = f.read()
+    except EMAFileNotFoundError:
         return None
-    except OSError as e:
-        raise EMAStateError(f"{path} cannot be read ({e.strerror or e})") from e
     try:
         pointer = json.loads(raw.decode("utf-8"))
         current = pointer["current"]
@@ -287,4 +289,22 @@ class SafeReader(FileSystemReader):
                 f"DCP would load with torch.load(weights_only=False); an EMA's state holds "
                 f"only tensors, so emakit refuses them"
             )
-        return super().read_data(plan, planner)
+        # file by file, so a damaged data file is named (DCP's own error is only the
+        # exception type: "rank 0: EOFError")
+        per_file: dict[str, list[Any]] = collections.defaultdict(list)
+        for item in plan.items:
+            per_file[self.storage_data[item.storage_index].relative_path].append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except EMAStateError:
+                raise
+            except Exception as e:
+                raise EMAStateError(
+                    f"data file {Path(self.path) / name} of the sharded checkpoint cannot be read "
+                    f"({type(e).__name__}: {' '.join(str(e).split())[:200] or 'no message'}); "
+                    f"it is truncated or damaged: restore it, or load an older checkpoint"
+                ) from e
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done

@@ -40,6 +40,7 @@ __all__ = [
     "open_regular",
     "refusal_reason",
     "torch_load",
+    "writable_folder",
     "writable_path",
     "write_errors",
 ]
@@ -163,6 +164,26 @@ def writable_path(name: str, value: object) -> Path:
             f"named in a header: choose a UTF-8 name"
         ) from None
     return Path(text)
+
+
+def writable_folder(name: str, value: object) -> Path:
+    """``value`` as a folder to write into (created later if missing), or an error naming
+    the argument: as :func:`writable_path`, and refusing a path that exists and is not a
+    folder (a regular file, a FIFO...).
+
+    Raises:
+        EMATypeError: ``value`` is not a str or ``os.PathLike``.
+        EMAValueError: the name is not valid UTF-8, or it names something that is not a
+            folder.
+    """
+    path = writable_path(name, value)
+    if os.path.lexists(path) and not path.is_dir():
+        raise EMAValueError(
+            f"{name} must be a folder, got {name}={str(path)!r}, which is "
+            f"{file_kind(os.lstat(path).st_mode)}; "
+            f"choose another path (or move that file away)"
+        )
+    return path
 
 
 @contextlib.contextmanager

@@ -54,9 +54,9 @@ class _SyncGated:
             super().update()  # type: ignore[misc]
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__()  # type: ignore[misc]
+        state: dict = super().__getstate__()  # type: ignore[misc,assignment]
         state["_gradient_state"] = None  # process-wide singleton: re-attached on load
-        return state  # type: ignore[no-any-return]
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # type: ignore[misc]
@@ -121,8 +121,9 @@ def prepare_ema(
         ema_class: keyword-only; [`EMA`][emakit.EMA] (default) or [`BEMA`][emakit.BEMA]
             (then ``ema_kwargs`` are BEMA's: ``update_freq``, ``lag`` ...).
         **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
-            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply; the counts are
-            in optimizer steps.
+            ``update_after_step``, ``ema_dtype``, ...). Its defaults apply, except
+            ``include_online_model``, False here (``save_state`` saves the model once);
+            the counts are in optimizer steps.
 
     Returns:
         The registered :class:`AcceleratedEMA`.
@@ -151,6 +152,8 @@ def prepare_ema(
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
     refuse_zero3(unwrapped, "prepare_ema")
+    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
+    ema_kwargs.setdefault("include_online_model", False)
     ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -121,7 +121,7 @@ class EMACallback(pl.Callback):
 
         checkpoint["emakit_ema"] = {
             "version": 1,
-            "ema": ema.state_dict(),  # see emakit.EMA.state_dict
+            "ema": ema.state_dict(include_online_model=False),  # see emakit.EMA.state_dict
         }
 
     Strategies: single device, DDP and DDP-spawn (every rank keeps an identical EMA; rank
@@ -228,7 +228,9 @@ class EMACallback(pl.Callback):
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
+            # The checkpoint holds the module already: the EMA's state leaves it out.
+            kwargs = {"include_online_model": False, **self.ema_kwargs}
+            ema = self.ema = self.ema_class(pl_module, **kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
             try:
@@ -370,7 +372,7 @@ class EMACallback(pl.Callback):
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             finally:
                 self._enter_swap(pl_module)
-        state = ema.state_dict()
+        state = ema.state_dict(include_online_model=False)
         sharded = sharded_keys(state)
         weights = checkpoint.get("state_dict", {})
         distributed = bool(sharded) and any(is_dtensor(v) for v in weights.values())
@@ -460,7 +462,7 @@ class EMACallback(pl.Callback):
             raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         self._pending = None
         ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
-        state = ema.state_dict()
+        state = ema.state_dict(include_online_model=False)
         prefix = str(entry.get("shards_in_state_dict", SHARDED_STATE_PREFIX))
         shards = {prefix + k: state[k] for k in sharded_keys(state)}
         try:

@@ -160,7 +160,8 @@ class EMATrainerCallback(TrainerCallback):
             )
         refuse_zero3(model, "EMATrainerCallback")
         self._leave_swap()
-        self.ema = EMA(model, **self.ema_kwargs)
+        # The Trainer saves the model; ema.safetensors holds only the EMA weights.
+        self.ema = EMA(model, **{"include_online_model": False, **self.ema_kwargs})
         self.restored_from = None
         if state.global_step > 0:
             path = self._resume_file(args, state)

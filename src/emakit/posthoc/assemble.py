@@ -2,7 +2,7 @@
 
 Karras et al. 2024 (arXiv:2312.02696, §3.2 and Algorithm 3): a synthesized EMA is
 ``sum_i w_i * snapshot_i``, with the float64 weights of
-:func:`~emakit.posthoc.math.solve_weights`. :func:`weighted_sums` computes that sum for
+[`solve_weights()`][emakit.posthoc.math.solve_weights]. `weighted_sums()` computes that sum for
 several weight vectors at once (a sweep: each snapshot is read once and its tensors added
 into every target), and for a *region* of every tensor: the whole tensor (one process), or
 the block a rank holds of a sharded model (synthesis on the ranks, on as many ranks as
@@ -37,7 +37,7 @@ ADD_CHUNK = 1 << 20
 
 
 def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
-    """``dst += alpha * src``, in row blocks of about :data:`ADD_CHUNK` elements when a
+    """``dst += alpha * src``, in row blocks of about `ADD_CHUNK` elements when a
     cast is needed (torch casts ``src`` into a temporary the size of what it adds)."""
     if src.dtype == dst.dtype or src.dim() == 0 or src.numel() <= ADD_CHUNK:
         dst.add_(src, alpha=alpha)
@@ -199,7 +199,7 @@ def weighted_sums(
             against the snapshots'. Default None: not checked.
         dtype: dtype of the averaged tensors returned; None keeps the stored dtype.
         fill: values for integer tensors an ema-pytorch file lost (see
-            :meth:`~emakit.posthoc.synthesis.SynthesisPlan.run`).
+            [`run()`][emakit.posthoc.synthesis.SynthesisPlan.run]).
         progress: called as ``progress(done, total)`` after each snapshot.
 
     Returns:
@@ -207,8 +207,9 @@ def weighted_sums(
 
     Raises:
         EMAStateError: the snapshots disagree on tensor names or shapes, a file is damaged
-            or changed since it was listed, or ``regions`` names other tensors than the
-            snapshots hold.
+            or changed since it was listed, ``regions`` names other tensors than the
+            snapshots hold, or a snapshot used holds inf or NaN in an averaged tensor (the
+            message names the snapshots).
     """
     base = targets[0].buffers_from
     run = _Pass(base, regions, rank, shapes)
@@ -217,10 +218,16 @@ def weighted_sums(
     accs: list[dict[str, Tensor]] = [{} for _ in targets]
     stored: dict[str, torch.dtype] = {}
 
+    nonfinite: dict[str, list[str]] = {}  # tensor -> snapshots holding inf/NaN for it
+
     def add(index: int) -> Callable[[str, Tensor, Block, Block], None]:
+        used = any(t.weights[index] != 0.0 for t in targets)
+
         def use(name: str, x: Tensor, block: Block, common: Block) -> None:
             stored.setdefault(name, x.dtype)
             part = x[block.slices(common)]
+            if used and not bool(torch.isfinite(part).all()):
+                nonfinite.setdefault(name, []).append(snapshots[index].path.name)
             where = run.regions[name].slices(common)
             for k, target in enumerate(targets):
                 acc = accs[k].get(name)
@@ -235,6 +242,8 @@ def weighted_sums(
         run.visit(snap, averaged, add(i))
         if progress is not None:
             progress(i + 1, len(snapshots))
+    if nonfinite:
+        _refuse_nonfinite(nonfinite, base)
     for target in targets:
         source = target.buffers_from
         if str(source.path) not in copied:
@@ -253,6 +262,17 @@ def weighted_sums(
             out[name] = acc if (acc.is_complex() or acc.dtype == want) else acc.to(want)
         outs.append(out)
     return outs
+
+
+def _refuse_nonfinite(nonfinite: Mapping[str, list[str]], base: SnapshotInfo) -> None:
+    name, files = next(iter(nonfinite.items()))
+    raise EMAStateError(
+        f"the reconstruction is not finite: {len(files)} snapshot(s) hold inf or NaN in "
+        f"{name!r} (and {len(nonfinite) - 1} other tensor(s)): {files[:5]} in "
+        f"{str(base.path.parent)!r}. float16 snapshots overflow above 65504: snapshot in "
+        f"float32 or bfloat16 (PostHocEMA(checkpoint_dtype=...)); or synthesize at a step "
+        f"before the first such snapshot"
+    )
 
 
 def _copied(

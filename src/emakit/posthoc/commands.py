@@ -162,7 +162,7 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
     "--sigma-rel",
     "sigma_rel",
     metavar="S[,S...]",
-    help=f"Relative EMA length(s) to reconstruct, comma-separated, each in (0, {SIGMA_REL_MAX:.4f}); "
+    help=f"Relative EMA length(s) to reconstruct, comma-separated, each in (0, {SIGMA_REL_MAX:.5f}]; "
     "e.g. 0.05,0.1,0.15.",
 )
 @click.option(

@@ -112,9 +112,11 @@ class KarrasEMA(EMA):
     Args:
         model: the online (training) module.
         sigma_rel: the relative EMA length (width of the profile over training time), in
-            ``(0, 1/sqrt(12))``; typical values 0.05 to 0.2. Give this or ``gamma``.
-        gamma: the profile exponent, ``> 0``; ``sigma_rel`` is derived from it by the
-            paper's formula. Give this or ``sigma_rel``.
+            ``(0, SIGMA_REL_MAX]`` (~0.30028); typical values 0.05 to 0.2. Above
+            ``1/sqrt(12)`` gamma is negative (ema-pytorch's root): the profile weighs early
+            iterates more than the latest. Give this or ``gamma``.
+        gamma: the profile exponent, ``>= GAMMA_MIN`` (~ -0.382); ``sigma_rel`` is derived
+            from it by the paper's formula. Give this or ``sigma_rel``.
         ema_model: a module to hold the EMA weights, or a zero-argument factory. Default
             None: a copy of ``model``.
         update_every: only every ``update_every``-th call averages. Default 100.
@@ -137,7 +139,7 @@ class KarrasEMA(EMA):
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
-            or ``>= 1/sqrt(12)`` (no ``gamma > 0``), ``gamma <= 0``.
+            or above ``SIGMA_REL_MAX`` (no gamma), ``gamma < GAMMA_MIN``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -178,6 +180,7 @@ class KarrasEMA(EMA):
             ema_model=ema_model,
             update_after_step=0,
             update_every=update_every,
+            include_online_model=False,  # as ema-pytorch's KarrasEMA
             param_or_buffer_names_no_ema=param_or_buffer_names_no_ema,
             ignore_names=ignore_names,
             ignore_startswith_names=ignore_startswith_names,

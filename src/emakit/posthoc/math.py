@@ -31,7 +31,9 @@ from ..errors import EMAValueError
 
 __all__ = [
     "COND_LIMIT",
+    "GAMMA_MIN",
     "SIGMA_REL_MAX",
+    "SIGMA_REL_UNIFORM",
     "PostHocWarning",
     "WeightSolution",
     "check_gamma",
@@ -45,9 +47,21 @@ __all__ = [
     "solve_weights",
 ]
 
-#: ``sigma_rel`` of ``gamma = 0`` (the uniform average), ``1 / sqrt(12)``: every
-#: ``gamma > 0`` has a smaller ``sigma_rel``, so valid values lie in ``(0, SIGMA_REL_MAX)``.
-SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
+#: Where ``sigma_rel(gamma)`` peaks: ``(sqrt(5) - 3) / 2 ~ -0.382`` (its derivative's root
+#: ``gamma^2 + 3 gamma + 1 = 0``). Above it ``sigma_rel`` falls as ``gamma`` grows, so each
+#: ``sigma_rel`` has one ``gamma >= GAMMA_MIN``: the largest real root of the paper's cubic,
+#: which ema-pytorch takes. Any two such gammas sum above -1, so the post-hoc inner
+#: products (integrals of ``tau^(gamma_i + gamma_j)``) stay finite.
+GAMMA_MIN = (math.sqrt(5.0) - 3.0) / 2.0
+
+#: The largest relative width a power-function profile has, ``sigma_rel(GAMMA_MIN)`` ~
+#: 0.30028; valid values lie in ``(0, SIGMA_REL_MAX]``. Values above ``1/sqrt(12)`` (the
+#: uniform average, ``gamma = 0``) have ``gamma < 0``: more weight on early iterates than
+#: on the latest ones.
+SIGMA_REL_MAX = math.sqrt((GAMMA_MIN + 1.0) / ((GAMMA_MIN + 2.0) ** 2 * (GAMMA_MIN + 3.0)))
+
+#: ``sigma_rel`` of ``gamma = 0`` (the uniform average over all training).
+SIGMA_REL_UNIFORM = 1.0 / math.sqrt(12.0)
 
 #: Condition number of the Gram matrix above which :func:`solve_weights` switches from an
 #: exact solve to least squares. float64 keeps about ``16 - log10(cond)`` digits of the
@@ -60,11 +74,12 @@ class PostHocWarning(UserWarning):
 
 
 def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
-    """``sigma_rel`` as a float in ``(0, SIGMA_REL_MAX)``; anything else raises.
+    """``sigma_rel`` as a float in ``(0, SIGMA_REL_MAX]``; anything else raises.
 
     Raises:
         EMATypeError: not a real number.
-        EMAValueError: NaN, infinite, ``<= 0``, or ``>= 1/sqrt(12)`` (no ``gamma > 0``).
+        EMAValueError: NaN, infinite, ``<= 0``, or above :data:`SIGMA_REL_MAX` (~0.30028,
+            the widest power-function profile: no gamma has a larger one).
     """
     return check.real(
         name,
@@ -72,20 +87,26 @@ def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
         low=0.0,
         high=SIGMA_REL_MAX,
         low_open=True,
-        high_open=True,
-        hint="the relative widths a power-function EMA with gamma > 0 can have; typical "
-        "values 0.05 to 0.2",
+        hint=f"{SIGMA_REL_MAX:.6f} is the largest relative width a power-function EMA has "
+        f"(at gamma={GAMMA_MIN:.4f}); typical values 0.05 to 0.2",
     )
 
 
 def check_gamma(gamma: object, name: str = "gamma") -> float:
-    """``gamma`` as a finite float ``> 0``; anything else raises.
+    """``gamma`` as a finite float ``>= GAMMA_MIN`` (~ -0.382); anything else raises.
 
     Raises:
         EMATypeError: not a real number.
-        EMAValueError: NaN, infinite or ``<= 0``.
+        EMAValueError: NaN, infinite or below :data:`GAMMA_MIN` (a profile that another,
+            larger gamma has the same width as; post-hoc sums of two could diverge).
     """
-    return check.real(name, gamma, low=0.0, low_open=True, hint="e.g. 6.94 for sigma_rel=0.1")
+    return check.real(
+        name,
+        gamma,
+        low=GAMMA_MIN,
+        hint=f"gamma={GAMMA_MIN:.4f} is the widest profile (sigma_rel={SIGMA_REL_MAX:.5f}); "
+        f"e.g. 6.94 for sigma_rel=0.1",
+    )
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
@@ -94,10 +115,10 @@ def gamma_to_sigma_rel(gamma: float) -> float:
     .. math:: \\sigma_{rel} = \\sqrt{\\frac{\\gamma + 1}{(\\gamma + 2)^2 (\\gamma + 3)}}
 
     Args:
-        gamma: the exponent, finite and ``> 0``.
+        gamma: the exponent, finite and ``>= GAMMA_MIN`` (~ -0.382).
 
     Returns:
-        ``sigma_rel`` in ``(0, 1/sqrt(12))``.
+        ``sigma_rel`` in ``(0, SIGMA_REL_MAX]``.
 
     Example:
         >>> round(gamma_to_sigma_rel(6.94), 4)
@@ -115,23 +136,30 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     .. math:: \\gamma^3 + 7\\gamma^2 + (16 - \\sigma_{rel}^{-2})\\,\\gamma
        + (12 - \\sigma_{rel}^{-2}) = 0 .
 
-    For ``0 < sigma_rel < 1/sqrt(12)`` it has exactly one positive root (one sign change
-    in its coefficients), and the cubic is convex there with ``f(0) < 0``, so Newton's
-    method started to the right of the root descends to it monotonically; it stops when
-    the iterate no longer decreases, i.e. at the float64 root.
+    Its largest real root is the ``gamma`` returned, as ema-pytorch's ``np.roots(...).max()``
+    (the same root; ema-pytorch's may differ in the last bits). For
+    ``0 < sigma_rel < 1/sqrt(12)`` that is the one positive root (one sign change in the
+    coefficients), and the cubic is convex there with ``f(0) < 0``, so Newton's method
+    started to the right of the root descends to it monotonically; it stops when the
+    iterate no longer decreases, i.e. at the float64 root. For
+    ``1/sqrt(12) <= sigma_rel <= SIGMA_REL_MAX`` the root is in ``[GAMMA_MIN, 0]``, where
+    ``f(GAMMA_MIN) <= 0 <= f(0)``; bisection finds it. Such profiles (``gamma < 0``) weigh
+    early iterates more than the latest ones.
 
     Args:
-        sigma_rel: the relative EMA length, in ``(0, 1/sqrt(12))``.
+        sigma_rel: the relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028).
 
     Returns:
-        ``gamma > 0``.
+        ``gamma >= GAMMA_MIN``; ``> 0`` for ``sigma_rel < 1/sqrt(12)``.
 
     Raises:
-        EMAValueError: ``sigma_rel`` NaN, ``<= 0`` or ``>= 1/sqrt(12)`` (no ``gamma > 0``).
+        EMAValueError: ``sigma_rel`` NaN, ``<= 0`` or above :data:`SIGMA_REL_MAX` (no gamma).
 
     Example:
         >>> round(sigma_rel_to_gamma(0.05), 2), round(sigma_rel_to_gamma(0.1), 2)
         (16.97, 6.94)
+        >>> round(sigma_rel_to_gamma(0.3), 6)  # ema-pytorch's README example
+        -0.333333
     """
     s = check_sigma_rel(sigma_rel) ** -2.0
     c1, c0 = 16.0 - s, 12.0 - s
@@ -142,6 +170,16 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     def df(g: float) -> float:
         return (3.0 * g + 14.0) * g + c1
 
+    if c0 >= 0.0:  # sigma_rel >= 1/sqrt(12): the root is in [GAMMA_MIN, 0]
+        lo, hi = GAMMA_MIN, 0.0
+        while True:
+            mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:
+                return hi if abs(f(hi)) <= abs(f(lo)) else lo
+            if f(mid) > 0.0:
+                hi = mid
+            else:
+                lo = mid
     # gamma ~ sqrt(s) - 3 for large s; start a little right of the root, where f > 0.
     g = math.sqrt(s) + 1.0
     if f(g) <= 0.0:
@@ -303,9 +341,9 @@ def solve_weights(
     Args:
         ts: snapshot times (optimizer steps), each in ``(0, t_r]``: only snapshots taken at
             or before the target can be used (a later one averages weights from after it).
-        gammas: snapshot exponents, one per time, each ``> 0``.
+        gammas: snapshot exponents, one per time, each ``>= GAMMA_MIN``.
         t_r: the target time, ``> 0``.
-        gamma_r: the target exponent, ``> 0``.
+        gamma_r: the target exponent, ``>= GAMMA_MIN``.
         cond_limit: condition number above which least squares is used. Default 1e12.
 
     Returns:

@@ -30,7 +30,7 @@ from torch import nn
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
 from .._dist.collectives import AGREE_TIMEOUT_S
-from .._files.reading import writable_path
+from .._files.reading import writable_folder
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
@@ -94,9 +94,11 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         ema_model: a module to copy for each profile (deep-copied per profile, never
             shared), or a zero-argument factory called per profile. Default None: copies
             of ``model``.
-        sigma_rels: relative EMA lengths to track, each in ``(0, 1/sqrt(12))``. Give this
+        sigma_rels: relative EMA lengths to track, each in ``(0, SIGMA_REL_MAX]``
+            (~0.30028; above ``1/sqrt(12)`` gamma < 0: more weight on early iterates,
+            as in ema-pytorch, which takes the same root). Give this
             or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
-        gammas: profile exponents to track, each ``> 0``.
+        gammas: profile exponents to track, each ``>= GAMMA_MIN`` (~ -0.382).
         checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
             ``"manual"`` to write only on :meth:`checkpoint`. Default 1000.
         checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
@@ -156,7 +158,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
                 f"checkpoint_every_num_steps must be an int >= 1 or 'manual', got "
                 f"checkpoint_every_num_steps={every!r}"
             )
-        checkpoint_folder = writable_path("checkpoint_folder", checkpoint_folder)
+        checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
         if checkpoint_dtype is not None and not (
             isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
         ):
@@ -312,9 +314,9 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
         sharded model (FSDP2, HSDP, FSDP with tensor parallelism) is written by every rank:
         each rank its own blocks of every tensor, into its own files (``...rank-00003-of-
-        00004.safetensors``, see :mod:`emakit.posthoc.shards`), so **call it on every
+        00004.safetensors``, see [`emakit.posthoc.shards`][emakit.posthoc.shards]), so **call it on every
         rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
-        (see :mod:`emakit.posthoc.writing`).
+        (see `emakit.posthoc.writing`).
 
         Args:
             timeout_s: keyword-only; for a sharded model, seconds a rank waits for the

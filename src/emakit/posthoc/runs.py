@@ -34,8 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from .._files.atomic import LOCKS_AVAILABLE, try_lock
-from ..errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
-from .snapshots import RUN_PATTERN, SnapshotInfo, list_legacy_files, list_snapshots
+from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .snapshots import (
+    RUN_PATTERN,
+    SNAPSHOT_SUFFIX,
+    SnapshotInfo,
+    list_legacy_files,
+    list_snapshots,
+    read_snapshot_info,
+)
 
 __all__ = [
     "LOCK_NAME",
@@ -44,6 +51,7 @@ __all__ = [
     "describe_runs",
     "first_write_warnings",
     "new_run_id",
+    "own_path",
     "pick_run",
     "run_to_continue",
     "runs_in",
@@ -134,10 +142,10 @@ def first_write_warnings(folder: Path, run: str, step: int) -> list[str]:
     if others:
         out.append(
             f"{str(folder)!r} already holds the snapshots of other run(s) "
-            f"({describe_runs(others)}); this run ({run!r}) writes its own next to them, "
-            f"replacing theirs where steps and profiles coincide, and synthesis from the "
-            f"folder must pick a run (run=..., emakit synthesize --run). Give each "
-            f"experiment its own checkpoint_folder"
+            f"({describe_runs(others)}); this run ({run!r}) writes its own next to them "
+            f"(named ..._run-{run}.safetensors where steps and profiles coincide: theirs are "
+            f"kept), and synthesis from the folder must pick a run (run=..., emakit "
+            f"synthesize --run). Give each experiment its own checkpoint_folder"
         )
     later = [s.step for s in snaps if s.run == run and s.step > step]
     theirs = [f for f in list_legacy_files(folder) if f.step > step]
@@ -296,3 +304,19 @@ class FolderLock:
         copy = FolderLock.__new__(FolderLock)
         copy.__setstate__(self.__getstate__())
         return copy
+
+
+def own_path(path: Path, run: str) -> Path:
+    """Where run ``run`` writes the snapshot named ``path``: ``path`` itself, unless a file
+    another run wrote (or an unreadable one) has that name; then ``path`` with
+    ``_run-<run>`` before the suffix, so two experiments in one folder never replace each
+    other's snapshots."""
+    if not os.path.lexists(path):
+        return path
+    try:
+        theirs = read_snapshot_info(path).run != run
+    except EMAError:
+        theirs = True  # unreadable: not ours to replace either
+    if not theirs:
+        return path
+    return path.with_name(f"{path.name[: -len(SNAPSHOT_SUFFIX)]}_run-{run}{SNAPSHOT_SUFFIX}")

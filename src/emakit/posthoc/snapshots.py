@@ -70,7 +70,7 @@ from .legacy import (
     existing_folder,
     list_legacy_files,
 )
-from .math import PostHocWarning
+from .math import GAMMA_MIN, PostHocWarning
 from .shards import (
     SHARD_FORMAT,
     ShardEntry,
@@ -139,7 +139,7 @@ class SnapshotInfo:
             was read; None when not known.
         header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
         shards: for a snapshot of a sharded model, every rank's file in rank order
-            (``path`` is rank 0's; see :mod:`emakit.posthoc.shards`); empty otherwise.
+            (``path`` is rank 0's; see [`emakit.posthoc.shards`][emakit.posthoc.shards]); empty otherwise.
     """
 
     path: Path
@@ -350,14 +350,16 @@ def _count(meta: Mapping[str, str], key: str, path: Path, low: int, default: int
         raise _malformed(path, key, None, "missing") from None
 
 
-def _real(meta: Mapping[str, str], key: str, path: Path) -> float:
+def _real(meta: Mapping[str, str], key: str, path: Path, low: float | None = None) -> float:
+    # low: the smallest value accepted; None: any value > 0
     value = meta.get(key)
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise _malformed(path, key, value, "not a number") from None
-    if not (math.isfinite(x) and x > 0):
-        raise _malformed(path, key, value, "must be finite and > 0")
+    if not (math.isfinite(x) and (x > 0 if low is None else x >= low)):
+        bound = "> 0" if low is None else f">= {low:.6f}"
+        raise _malformed(path, key, value, f"must be finite and {bound}")
     return x
 
 
@@ -373,7 +375,7 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
         raise _malformed(path, "copied", meta.get("copied"), "not JSON") from None
     if not isinstance(copied, list) or not all(isinstance(n, str) for n in copied):
         raise _malformed(path, "copied", meta.get("copied"), "not a JSON list of names")
-    gamma = _real(meta, "gamma", path)
+    gamma = _real(meta, "gamma", path, low=GAMMA_MIN)
     step = _count(meta, "step", path, 1, None)
     t = _count(meta, "t", path, 1, step)
     if t > step:

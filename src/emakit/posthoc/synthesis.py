@@ -37,7 +37,7 @@ from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .assemble import Target, weighted_sums
 from .karras import resolve_profile
-from .math import PostHocWarning, WeightSolution, solve_weights
+from .math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
 from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
 from .runs import pick_run
 from .shards import Block, held_block
@@ -110,7 +110,7 @@ class SynthesisPlan:
         shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
-        :func:`~emakit.posthoc.assemble.weighted_sums`).
+        `weighted_sums()` in `emakit.posthoc.assemble`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 
@@ -125,7 +125,7 @@ class SynthesisPlan:
                 overflowed to inf), used with a :class:`PostHocWarning`. Default None:
                 such a tensor raises.
             regions: name -> the block of each tensor to build (a rank's shard, see
-                :class:`~emakit.posthoc.shards.Block`). Default None: whole tensors.
+                [`Block`][emakit.posthoc.shards.Block]). Default None: whole tensors.
             rank: the caller's rank, whose files of a sharded snapshot are read first.
             shapes: the model's global shapes of the tensors in ``regions``, checked.
 
@@ -154,7 +154,7 @@ def pick_snapshots(
     folder: str | os.PathLike[str], legacy: LegacyProfiles | None, run: str | None
 ) -> list[SnapshotInfo]:
     """The snapshots of ``folder`` that a synthesis uses: those of the run picked
-    (:func:`~emakit.posthoc.runs.pick_run`), ema-pytorch's read with ``legacy``.
+    ([`pick_run()`][emakit.posthoc.runs.pick_run]), ema-pytorch's read with ``legacy``.
 
     Raises:
         EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
@@ -187,9 +187,10 @@ def plan_synthesis(
 
     Args:
         folder: the snapshot folder.
-        sigma_rel: the target relative EMA length, in ``(0, 1/sqrt(12))``. Give this or
+        sigma_rel: the target relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028;
+            above ``1/sqrt(12)`` gamma < 0: more weight on early iterates). Give this or
             ``gamma``.
-        gamma: the target exponent, ``> 0``.
+        gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382).
         step: the target step; only snapshots taken at or before it are used. Default
             None: the latest snapshot's step.
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
@@ -199,7 +200,7 @@ def plan_synthesis(
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
         snapshots: the folder's snapshots, already listed and picked
-            (:func:`pick_snapshots`), to plan several targets from one listing. Default
+            (`pick_snapshots()`), to plan several targets from one listing. Default
             None: list the folder.
 
     Returns:
@@ -247,7 +248,7 @@ def plan_synthesis(
     last = max(s.step for s in usable)
     buffers_from = min(
         (s for s in usable if s.step == last),
-        key=lambda s: (abs(math.log(s.gamma / gamma)), s.path.name),
+        key=lambda s: (_profile_distance(s.gamma, gamma), s.path.name),
     )
     if solution.residual > RESIDUAL_WARN:
         warnings.warn(
@@ -341,8 +342,8 @@ def synthesize_into(
     tensor (or block) at a time.
 
     Args:
-        model: the module to fill (the EMA model of a synthesized :class:`KarrasEMA`).
-        plan: the synthesis (:func:`plan_synthesis`).
+        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
+        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
         where: the snapshot folder, for messages.
 
     Raises:
@@ -374,7 +375,7 @@ def load_into(
     model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
 ) -> None:
     """Copy a synthesized state (whole tensors, or this rank's blocks, see
-    :func:`model_regions`) into ``model``'s tensors."""
+    `model_regions()`) into ``model``'s tensors."""
     state = model.state_dict()
     if not any(is_dtensor(v) for v in state.values()):
         try:
@@ -427,3 +428,11 @@ def synthesize_state_dict(
         folder, sigma_rel=sigma_rel, gamma=gamma, step=step, legacy=legacy, run=run
     )
     return plan.run(dtype=dtype, progress=progress)
+
+
+def _profile_distance(a: float, b: float) -> float:
+    # how far apart two profiles are: by gamma's ratio, or (a gamma <= 0, sigma_rel above
+    # 1/sqrt(12)) by sigma_rel's
+    if a > 0 and b > 0:
+        return abs(math.log(a / b))
+    return abs(math.log(gamma_to_sigma_rel(a) / gamma_to_sigma_rel(b)))

@@ -1,0 +1,124 @@
+"""``include_online_model`` defaults to True, as in ema-pytorch 0.8.3; emakit's own
+checkpoints (sharded saves, exports, snapshots, MultiEMA, the integrations) still leave
+the online model out and do not grow."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import ema_pytorch
+import pytest
+import torch
+import torch.distributed.checkpoint
+from torch import nn
+
+from _models import bn_mlp as _bn_mlp
+from emakit import EMA, MultiEMA, PostHocEMA
+from emakit.checkpoint import save_ema_weights
+from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+
+def bn_mlp(seed: int = 0) -> nn.Sequential:
+    return _bn_mlp(3, 4, 2, seed=seed)
+
+
+def trained(ema: EMA, net: nn.Module, steps: int = 4) -> EMA:
+    for i in range(steps):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.1 * (i + 1))
+        ema.update()
+    return ema
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_default_state_round_trips_strictly_with_ema_pytorch_defaults():
+    net = bn_mlp()
+    ours = trained(EMA(net, update_after_step=1, update_every=1), net)
+    assert ours.include_online_model is True
+    theirs = ema_pytorch.EMA(copy.deepcopy(net), update_after_step=1, update_every=1)
+    theirs.load_state_dict(ours.state_dict())  # strict: online_model.* present both ways
+    for (k, a), b in zip(
+        ours.ema_model.state_dict().items(), theirs.ema_model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), k
+    back = EMA(bn_mlp(seed=1), update_after_step=1, update_every=1)
+    back.load_state_dict(theirs.state_dict())
+    assert int(back.step) == 4
+
+
+def test_a_state_without_the_online_model_loads_strictly_and_keeps_the_model():
+    net = bn_mlp()
+    saved = trained(EMA(net, update_after_step=1, update_every=1), net)
+    small = saved.state_dict(include_online_model=False)
+    assert not any(k.startswith("online_model.") for k in small)
+    other = bn_mlp(seed=3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    ema = EMA(other, update_after_step=1, update_every=1)
+    ema.load_state_dict(small)  # strict
+    assert int(ema.step) == 4
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k]), k  # the online model is left as it was
+    theirs_small = ema_pytorch.EMA(copy.deepcopy(net), include_online_model=False).state_dict()
+    EMA(bn_mlp(seed=4)).load_state_dict(theirs_small)
+
+    class Parent(nn.Module):  # an EMA inside a parent module, loaded through the parent
+        def __init__(self) -> None:
+            super().__init__()
+            self.ema = EMA(bn_mlp(seed=5), update_after_step=1, update_every=1)
+
+    parent = Parent()
+    parent.load_state_dict({"ema." + k: v for k, v in small.items()})
+    assert int(parent.ema.step) == 4
+    with pytest.raises(RuntimeError, match=r"ema\.ema_model\.0\.weight"):  # others still missing
+        parent.load_state_dict({"ema." + k: v for k, v in small.items() if "0.weight" not in k})
+
+
+def test_include_online_model_false_is_the_smaller_checkpoint(tmp_path: Path):
+    net = bn_mlp()
+    default, small = EMA(net), EMA(net, include_online_model=False)
+    torch.save(default.state_dict(), tmp_path / "default.pt")
+    torch.save(small.state_dict(), tmp_path / "small.pt")
+    assert os.path.getsize(tmp_path / "small.pt") < os.path.getsize(tmp_path / "default.pt")
+    assert set(small.state_dict(include_online_model=True)) == set(small.state_dict())
+
+
+def test_sharded_saves_and_exports_do_not_grow(tmp_path: Path):
+    net = bn_mlp()
+    default = trained(EMA(net, update_after_step=1, update_every=1), net)
+    small = trained(
+        EMA(copy.deepcopy(net), update_after_step=1, update_every=1, include_online_model=False),
+        copy.deepcopy(net),
+    )
+    save_sharded_ema(default, tmp_path / "default")
+    save_sharded_ema(small, tmp_path / "small")
+    keys = {}
+    for name in ("default", "small"):
+        (meta,) = (tmp_path / name).rglob(".metadata")
+        reader = torch.distributed.checkpoint.FileSystemReader(meta.parent)
+        keys[name] = set(reader.read_metadata().state_dict_metadata)
+    assert keys["default"] == keys["small"] == set(small.state_dict())
+    # the same bytes, but for a few of the random version name's in the metadata
+    assert abs(folder_bytes(tmp_path / "default") - folder_bytes(tmp_path / "small")) < 16
+    load_sharded_ema(EMA(bn_mlp(seed=2)), tmp_path / "default")  # and loads back
+    save_ema_weights(default, tmp_path / "default.safetensors")
+    save_ema_weights(small, tmp_path / "small.safetensors")
+    size = os.path.getsize
+    assert size(tmp_path / "default.safetensors") == size(tmp_path / "small.safetensors")
+
+
+def test_multi_ema_and_posthoc_hold_no_online_model(tmp_path: Path):
+    net = bn_mlp()
+    multi = MultiEMA(net, betas=(0.9, 0.99))
+    assert not any("online_model." in k for k in multi.state_dict())
+    posthoc = PostHocEMA(net, sigma_rels=(0.05, 0.28), checkpoint_folder=tmp_path / "s")
+    theirs = ema_pytorch.PostHocEMA(
+        copy.deepcopy(net), sigma_rels=(0.05, 0.28), checkpoint_folder=str(tmp_path / "t")
+    )
+    assert set(posthoc.state_dict()) == set(theirs.state_dict())
+    assert not any("online_model." in k for k in posthoc.state_dict())
