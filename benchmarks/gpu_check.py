@@ -1,36 +1,64 @@
-"""GPU checks for emakit (needs CUDA; exits with a message without it).
+"""GPU checks for emakit: one short run measures everything that matters, the first time.
 
-1. No host sync: ``update()`` (warm-up copies, averaging, skipped calls) under
-   ``torch.cuda.set_sync_debug_mode("error")``, for every engine path, ``stream=True``,
-   ``device="cpu"`` (offload) and ``ema_dtype``.
-2. Kernel counts per averaging update of the foreach and flat paths (torch.profiler), on a
-   model with many small tensors, before and after ``flatten_parameters``.
-3. Training-step overhead on ResNet-50 in bf16 (torchvision), median step time, side by
-   side: no EMA, emakit on-GPU (default), emakit ``stream=True``, emakit offloaded to pinned
-   CPU memory (``device="cpu"``, background thread), ema-pytorch foreach.
-   Targets: offload within 5% of no EMA; on-GPU under 1% of the step.
-4. Issue 2's speed target on CUDA: one averaging update of the 1200-tiny-tensor model,
-   emakit default (and after ``flatten_parameters``) against ema-pytorch 0.8.3
-   ``use_foreach=True`` and the floor (one ``lerp_`` over a flat tensor); target: emakit's
-   default at least 10x faster than ema-pytorch.
-5. ``ema(x)`` on a bf16 model with an fp32 shadow, on the model's device and offloaded to
-   the CPU (``device="cpu"``): the model's inputs are accepted, the output comes back on
-   the model's device in bf16 and equals the shadow's fp32 computation cast (issue 16).
+Usage::
 
-Usage: python benchmarks/gpu_check.py [--steps N] [--batch B]
-       python benchmarks/gpu_check.py --cpu-dry-run    # no GPU: runs what can run on CPU
+    python benchmarks/gpu_check.py --out gpu_check_out        # on a CUDA machine, < 5 min
+    python benchmarks/gpu_check.py --cpu-dry-run --out DIR    # no GPU: every check's logic
 
-``--cpu-dry-run`` exercises the code of checks 3, 4 and 5 on the CPU with tiny sizes (checks
-1 and 2 need CUDA and are skipped), so that a short GPU session meets no surprise; its
-numbers mean nothing.
+Writes ``DIR/gpu_check.json`` (every number, every verdict) and ``DIR/gpu_check.md`` (one
+Markdown table, plus the rows for BENCHMARKS.md's "GPU" section, ready to paste). Each check
+runs on its own; one that fails is reported as failed and the others still run.
+
+1. **sync_debug**: ``update()`` (warm-up copies, averaging, skipped calls) under
+   ``torch.cuda.set_sync_debug_mode("error")`` for every path, ``ema_dtype``,
+   ``stream=True`` and ``device="cpu"``. Target: no error.
+2. **profiler_syncs**: a profiler trace of N updates per config, counting the calls
+   ``set_sync_debug_mode`` does not see: ``cudaStreamSynchronize``,
+   ``cudaEventSynchronize``, ``cudaDeviceSynchronize`` (and pinned allocations,
+   ``cudaHostAlloc``, which synchronize too). Target: 0 of each.
+3. **kernel_counts**: CUDA kernels of one averaging update against the expected count per
+   path: the flat path one launch per (device, dtype) group, foreach
+   ``ceil(tensors / 110)`` per group (torch's multi-tensor launch holds at most 110
+   tensors for two lists), the loop one per tensor.
+4. **cuda_graph**: ``update()`` captured in a CUDA graph and replayed K times against K
+   eager updates from the same start: bit-identical shadows, and the time per update of
+   each.
+5. **offload**: ``device="cpu"`` against an on-GPU EMA over the same N training steps:
+   updates applied (steps, and the shadows compared at the end), and in a trace the
+   device-to-host copies counted and the share of their time overlapped by compute kernels.
+6. **peers**: one averaging update of the 1200-tiny-tensor model, timed with CUDA events:
+   emakit default and flattened, ema-pytorch (``use_foreach=True``), timm ``ModelEmaV3``,
+   ``AveragedModel`` with ``get_ema_multi_avg_fn``, torch_ema, diffusers ``EMAModel``, and
+   the floor (one ``lerp_`` over a flat tensor). Issue 2's target: emakit 10x ema-pytorch.
+7. **bandwidth**: the update of a large model (6 x Linear(4096)) as bytes moved (read
+   shadow, read weights, write shadow) per second, against the device's peak HBM bandwidth.
+8. **step_overhead**: ResNet-50 in bf16, training step time with CUDA events: no EMA,
+   emakit on-GPU, ``stream=True``, ``device="cpu"``, ema-pytorch. Targets: on-GPU under 1%,
+   offload within 5% of no EMA.
+9. **forward_cast**: ``ema(x)`` on a bf16 model with an fp32 shadow, on the GPU and
+   offloaded: bf16 in, bf16 out on the model's device, equal to the shadow's computation.
+
+``--cpu-dry-run`` runs every check's logic on the CPU with tiny sizes, so a GPU session
+meets no surprise: the models are meta tensors, whose values cannot be read on the host at
+all, in place of the sync debug mode (1), the
+profiler is real but CPU-only and its counting is also fed a stub trace with known syncs
+(2), operator calls stand in for kernels (3), a stub graph replays the captured callable
+(4), and times come from ``perf_counter`` (5-8). Its numbers mean nothing.
+``tests/test_bench.py`` runs the dry run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,230 +66,649 @@ from torch import nn
 import emakit
 
 DEVICE = "cuda"
+DRY = False
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+PINNED_ALLOC = "cudaHostAlloc"
+FOREACH_MAX_TENSORS = 110  # torch's depth_to_max_tensors for two tensor lists
+KW = {"beta": 0.999, "update_after_step": 0, "update_every": 1}
+# peak HBM bandwidth (GB/s) by device name, where torch does not report the memory clock
+PEAK_GBPS = {
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "A100-SXM4-80GB": 2039,
+}
+PEAK_GBPS.update({"A100": 1555, "L40S": 864, "L4": 300, "A10": 600, "V100": 900, "T4": 320})
 
 
 def sync() -> None:
-    """Wait for the device (nothing to wait for on the CPU)."""
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
 
-def many_small(device: str) -> nn.Module:
+def many_small(n_blocks: int | None = None, device: str | None = None) -> nn.Module:
+    """``n_blocks`` x (Linear(64, 64) + LayerNorm(64)): 300 blocks are 1200 tensors (6 in
+    the dry run)."""
+    n_blocks = (6 if DRY else 300) if n_blocks is None else (min(n_blocks, 6) if DRY else n_blocks)
     torch.manual_seed(0)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(300)]
-    ).to(device)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(n_blocks)]
+    return nn.Sequential(*blocks).to(device or DEVICE)
 
 
-def check_no_sync() -> list[tuple[str, str]]:
-    rows = []
-    configs = {
-        "loop": dict(use_foreach=False),
-        "foreach": dict(use_foreach=True),
-        "flat (default)": dict(),
-        "ema_dtype=float32 (bf16 model)": dict(ema_dtype=torch.float32),
-        "stream=True": dict(stream=True),
-        "device='cpu' (offload)": dict(device="cpu"),
+def perturb(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+
+
+def time_per_call(fn: Callable[[], object], repeats: int, calls: int = 10) -> float:
+    """Median seconds per call over ``repeats`` batches of ``calls``; CUDA events on a GPU."""
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def configs() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {
+        "loop": {"use_foreach": False},
+        "foreach": {"use_foreach": True},
+        "flat (default)": {},
+        "ema_dtype=float32 (bf16 model)": {"ema_dtype": torch.float32},
+        "device='cpu' (offload)": {"device": "cpu"},
     }
-    for name, kw in configs.items():
-        model = many_small("cuda")
-        if "ema_dtype" in kw:
-            model = model.to(torch.bfloat16)
-        ema = emakit.EMA(model, beta=0.999, update_after_step=3, update_every=2, **kw)
-        ema.update()  # first call may allocate/pin; sync-free afterwards is what matters
-        torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        out["stream=True"] = {"stream": True}
+    return out
+
+
+def make_ema(
+    kw: dict[str, Any], device: str | None = None, **extra: Any
+) -> tuple[nn.Module, emakit.EMA]:
+    model = many_small(extra.pop("blocks", None), device)
+    if "ema_dtype" in kw:
+        model = model.to(torch.bfloat16)
+    settings = {"beta": 0.999, "update_after_step": 3, "update_every": 2, **extra}
+    return model, emakit.EMA(model, **settings, **kw)
+
+
+# -- 1 and 2: syncs -------------------------------------------------------------------------
+
+
+def check_sync_debug(n: int) -> list[dict[str, Any]]:
+    """On a GPU under ``set_sync_debug_mode("error")``; in the dry run on meta tensors,
+    whose values cannot be read on the host at all (``.item()``, ``bool()`` raise)."""
+    rows = []
+    for name, kw in configs().items():
+        if DRY and "device" in kw:
+            rows.append(
+                {
+                    "config": name,
+                    "ok": True,
+                    "verdict": "dry run: a meta model has nothing to offload",
+                }
+            )
+            continue
+        model, ema = make_ema(kw, device="meta" if DRY else None)
+        ema.update()  # the first call may allocate and pin: sync-free afterwards is the claim
+        sync()
+        verdict = "ok: no host sync"
         try:
-            torch.cuda.set_sync_debug_mode("error")
-            for _ in range(12):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(0.01)
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            for _ in range(n):
+                perturb(model)
                 ema.update()
-            verdict = "ok: no host sync"
         except RuntimeError as e:
-            verdict = f"SYNC: {str(e).splitlines()[0][:80]}"
+            verdict = f"SYNC: {str(e).splitlines()[0][:100]}"
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        rows.append((name, verdict))
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        sync()
+        rows.append(
+            {"config": name, "updates": n, "ok": verdict.startswith("ok"), "verdict": verdict}
+        )
     return rows
 
 
-def count_kernels() -> list[tuple[str, int]]:
+def count_sync_events(names: list[str]) -> dict[str, int]:
+    """How many of ``names`` (profiler event names) are sync calls or pinned allocations."""
+    counts = dict.fromkeys((*SYNC_CALLS, PINNED_ALLOC), 0)
+    for name in names:
+        for call in counts:
+            if name == call or name.startswith(call + "_"):  # e.g. cudaStreamSynchronize_v2
+                counts[call] += 1
+    return counts
+
+
+def profile_events(fn: Callable[[], None]) -> list[Any]:
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    return list(prof.events())
+
+
+def check_profiler_syncs(n: int) -> list[dict[str, Any]]:
     rows = []
-    for flatten in (False, True):
-        for name, kw in (("foreach", dict(use_foreach=True)), ("flat", dict(use_foreach=None))):
-            model = many_small("cuda")
-            if flatten:
-                emakit.flatten_parameters(model)
-            ema = emakit.EMA(model, update_after_step=0, update_every=1, **kw)
-            ema.update()
-            ema.update()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    if DRY:  # the counting itself, on a stub trace with known answers
+        stub = ["cudaLaunchKernel", "cudaStreamSynchronize", "cudaEventSynchronize_v2"]
+        stub += ["cudaDeviceSynchronize", "cudaHostAlloc", "cudaStreamSynchronize"]
+        counts = count_sync_events(stub)
+        expected = {SYNC_CALLS[0]: 2, SYNC_CALLS[1]: 1, SYNC_CALLS[2]: 1, PINNED_ALLOC: 1}
+        rows.append(
+            {"config": "stub trace (counting self-test)", **counts, "ok": counts == expected}
+        )
+    for name, kw in configs().items():
+        model, ema = make_ema(kw)
+        ema.update()
+        sync()
+
+        def run(model: nn.Module = model, ema: emakit.EMA = ema) -> None:
+            for _ in range(n):
+                perturb(model)
                 ema.update()
-                torch.cuda.synchronize()
-            n = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-            rows.append((f"{name}{' after flatten_parameters' if flatten else ''}", n))
+
+        events = profile_events(run)
+        counts = count_sync_events([e.name for e in events])
+        rows.append({"config": name, "updates": n, **counts, "ok": not any(counts.values())})
     return rows
 
 
-def step_overhead(steps: int, batch: int) -> dict[str, float]:
-    import torchvision
+# -- 3 and 4: kernels and CUDA graphs --------------------------------------------------------
 
-    size = 224 if DEVICE == "cuda" else 32
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return torchvision.models.resnet50().to(DEVICE).to(torch.bfloat16)
+def expected_launches(path: str, tensors_per_group: list[int]) -> int:
+    """Kernels per averaging update on a GPU (operator calls on the CPU: one foreach call
+    per group)."""
+    if path == "flat":
+        return len(tensors_per_group)
+    if path == "foreach":
+        if DEVICE != "cuda":
+            return len(tensors_per_group)
+        return sum(math.ceil(n / FOREACH_MAX_TENSORS) for n in tensors_per_group)
+    return sum(tensors_per_group)  # loop
 
-    x = torch.randn(batch, 3, size, size, device=DEVICE, dtype=torch.bfloat16)
-    y = torch.randint(0, 1000, (batch,), device=DEVICE)
-    setups = {}
-    names = ["no EMA", "emakit on-GPU", "emakit stream=True", "emakit device='cpu'"]
+
+def check_kernel_counts() -> list[dict[str, Any]]:
+    rows = []
+    for flatten in (False, True):
+        for path, kw in (
+            ("loop", {"use_foreach": False}),
+            ("foreach", {"use_foreach": True}),
+            ("flat", {}),
+        ):
+            model = many_small(40 if path == "loop" else None)
+            if flatten:
+                emakit.flatten_parameters(model)
+            ema = emakit.EMA(model, **KW, **kw)
+            ema.update()
+            ema.update()
+            sync()
+            events = profile_events(ema.update)
+            if DEVICE == "cuda":
+                kernels = [
+                    e for e in events if e.device_type.name == "CUDA" and "emcpy" not in e.name
+                ]
+                got = len(kernels)
+            else:  # operator calls stand in for launches (a CPU foreach calls lerp_ inside)
+                foreach = sum(e.name == "aten::_foreach_lerp_" for e in events)
+                got = foreach or sum(e.name == "aten::lerp_" for e in events)
+            tensors = sum(
+                1 for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()
+            )
+            # the default path is foreach over the model's tensors, one flat span per group
+            # once flatten_parameters has laid them out contiguously
+            flat = flatten and path == "flat"
+            want = expected_launches(
+                "flat" if flat else ("foreach" if path == "flat" else path), [tensors]
+            )
+            name = "default (use_foreach=None)" if path == "flat" else path
+            label = f"{name}{' after flatten_parameters' if flatten else ''}"
+            rows.append(
+                {
+                    "path": label,
+                    "tensors": tensors,
+                    "kernels": got,
+                    "expected": want,
+                    "ok": got == want,
+                }
+            )
+    return rows
+
+
+class StubGraph:
+    """The dry run's CUDA graph: capture records the callable, replay calls it."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], object] | None = None
+
+    def replay(self) -> None:
+        assert self.fn is not None
+        self.fn()
+
+
+def capture(fn: Callable[[], object]) -> Any:
     if DEVICE != "cuda":
-        names.remove("emakit stream=True")  # CUDA only
-    for name in [*names, "ema-pytorch foreach"]:
+        graph = StubGraph()
+        graph.fn = fn
+        return graph
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as torch's docs ask
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def check_cuda_graph(k: int) -> list[dict[str, Any]]:
+    rows = []
+    for path, kw in (("foreach", {"use_foreach": True}), ("flat (default)", {})):
+        schedule = emakit.schedules.constant(0.999)  # a graph replays one fixed decay
+        pair = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = many_small()
+            ema = emakit.EMA(model, schedule=schedule, update_after_step=0, update_every=1, **kw)
+            ema.update()
+            pair.append((model, ema))
+        (_, eager), (_, graphed) = pair
+        try:
+            graph = capture(graphed.update)  # warm-up calls happen in capture(): match them
+            for _ in range(3 if DEVICE == "cuda" else 0):
+                eager.update()
+            sync()
+            for _ in range(k):
+                eager.update()
+                graph.replay()
+            sync()
+            a, b = eager.ema_model.state_dict(), graphed.ema_model.state_dict()
+            same = all(torch.equal(a[n], b[n]) for n in a)
+            t_eager = time_per_call(eager.update, 5)
+            t_graph = time_per_call(graph.replay, 5)
+            verdict = "ok" if same else "DIFFERENT shadows"
+        except Exception as e:  # capture can refuse (a host sync, an allocation)
+            same, t_eager, t_graph = False, float("nan"), float("nan")
+            verdict = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        rows.append({"path": path, "replays": k, "bit_identical": same, "eager_us": t_eager * 1e6})
+        rows[-1].update({"graph_us": t_graph * 1e6, "ok": same, "verdict": verdict})
+    return rows
+
+
+# -- 5: offload -----------------------------------------------------------------------------
+
+
+def check_offload(steps: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = many_small(100)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    offloaded = emakit.EMA(model, **KW, device="cpu")
+    on_device = emakit.EMA(model, **KW)
+    x = torch.randn(256, 64, device=DEVICE)
+
+    def train() -> None:
+        for _ in range(steps):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            offloaded.update()
+            on_device.update()
+
+    events = profile_events(train)
+    a = offloaded.ema_model.state_dict()
+    b = on_device.ema_model.state_dict()
+    diff = max(float((a[n].to(b[n].device) - b[n]).abs().max()) for n in a)
+    if DEVICE == "cuda":
+        copies = [e for e in events if e.device_type.name == "CUDA" and "DtoH" in e.name]
+        kernels = [e for e in events if e.device_type.name == "CUDA" and "emcpy" not in e.name]
+        overlapped = sum(_overlap(c, kernels) for c in copies)
+        copy_time = sum(c.time_range.elapsed_us() for c in copies) or 1
+        share = overlapped / copy_time
+    else:
+        copies = [e for e in events if e.name == "aten::copy_"]
+        share = float("nan")
+    return [
+        {
+            "steps": steps,
+            "updates_offloaded": int(offloaded.step),
+            "updates_on_device": int(on_device.step),
+            "max_abs_diff": diff,
+            "device_to_host_copies": len(copies),
+            "copy_time_overlapped": share,
+            "ok": int(offloaded.step) == int(on_device.step) == steps + 0 and diff < 1e-6,
+        }
+    ]
+
+
+def _overlap(copy: Any, kernels: list[Any]) -> float:
+    a0, a1 = copy.time_range.start, copy.time_range.end
+    return sum(max(0, min(a1, k.time_range.end) - max(a0, k.time_range.start)) for k in kernels)
+
+
+# -- 6 and 7: peers and bandwidth ------------------------------------------------------------
+
+
+def peer_contenders(model: nn.Module) -> dict[str, Callable[[], object] | str]:
+    """name -> update callable, or the reason it is missing."""
+    out: dict[str, Callable[[], object] | str] = {}
+    out["emakit default"] = emakit.EMA(model, **KW).update
+    flat = many_small()
+    emakit.flatten_parameters(flat)
+    out["emakit after flatten_parameters"] = emakit.EMA(flat, **KW).update
+    try:
+        import ema_pytorch
+
+        out["ema-pytorch 0.8.3 use_foreach=True"] = ema_pytorch.EMA(
+            model, use_foreach=True, **KW
+        ).update
+    except ImportError:
+        out["ema-pytorch 0.8.3 use_foreach=True"] = "not installed (pip install ema-pytorch==0.8.3)"
+    try:
+        from timm.utils.model_ema import ModelEmaV3
+
+        timm_ema = ModelEmaV3(model, decay=0.999)
+        out["timm ModelEmaV3"] = lambda: timm_ema.update(model)
+    except ImportError:
+        out["timm ModelEmaV3"] = 'not installed (pip install -e ".[test-peers]")'
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    out["AveragedModel + get_ema_multi_avg_fn"] = lambda: averaged.update_parameters(model)
+    try:
+        from torch_ema import ExponentialMovingAverage
+
+        tema = ExponentialMovingAverage(model.parameters(), decay=0.999)
+        out["torch_ema ExponentialMovingAverage"] = tema.update
+    except ImportError:
+        out["torch_ema ExponentialMovingAverage"] = "not installed (pip install torch-ema)"
+    try:
+        from diffusers.training_utils import EMAModel
+
+        dema = EMAModel(model.parameters(), decay=0.999, foreach=True)
+        out["diffusers EMAModel (foreach)"] = lambda: dema.step(model.parameters())
+    except ImportError:
+        out["diffusers EMAModel (foreach)"] = "not installed (pip install diffusers)"
+    return out
+
+
+def check_peers(repeats: int) -> list[dict[str, Any]]:
+    model = many_small()
+    n = sum(p.numel() for p in model.parameters())
+    a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    floor = time_per_call(lambda: a.lerp_(b, 1e-3), repeats)
+    rows = [{"contender": "floor: one lerp_ over a flat tensor", "us": floor * 1e6, "x_floor": 1.0}]
+    times = {}
+    for name, fn in peer_contenders(model).items():
+        if isinstance(fn, str):
+            rows.append({"contender": name, "us": None, "x_floor": None, "skipped": fn})
+            continue
+        times[name] = time_per_call(fn, repeats)
+        rows.append({"contender": name, "us": times[name] * 1e6, "x_floor": times[name] / floor})
+    ref = times.get("ema-pytorch 0.8.3 use_foreach=True")
+    for row in rows:
+        if ref and row.get("us"):
+            row["ema_pytorch_over_this"] = ref / (row["us"] / 1e6)
+    mine = times["emakit default"]
+    target: dict[str, Any] = {"contender": "target: emakit default >= 10x ema-pytorch"}
+    target["ratio"] = ref / mine if ref else None
+    if not DRY:  # a dry run's times mean nothing: its targets are not judged
+        target["ok"] = bool(ref and ref / mine >= 10)
+    rows.append(target)
+    return rows
+
+
+def peak_bandwidth_gbps() -> tuple[float | None, str]:
+    if DEVICE != "cuda":
+        return None, "CPU dry run: no peak"
+    props = torch.cuda.get_device_properties(0)
+    clock, bus = getattr(props, "memory_clock_rate", None), getattr(props, "memory_bus_width", None)
+    if clock and bus:  # kHz and bits; double data rate
+        return 2 * clock * 1e3 * bus / 8 / 1e9, "from the device's memory clock and bus width"
+    for key, gbps in PEAK_GBPS.items():
+        if key in props.name:
+            return float(gbps), f"datasheet value for {key}"
+    return None, f"unknown for {props.name}"
+
+
+def check_bandwidth(repeats: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    width = 4096 if DEVICE == "cuda" else 64
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(6)]).to(DEVICE)
+    numel = sum(p.numel() for p in model.parameters())
+    peak, source = peak_bandwidth_gbps()
+    rows = []
+    for name, kw in (("emakit default", {}), ("emakit foreach", {"use_foreach": True})):
+        ema = emakit.EMA(model, **KW, **kw)
+        t = time_per_call(ema.update, repeats)
+        moved = 3 * numel * 4  # read the shadow and the weights, write the shadow (float32)
+        gbps = moved / t / 1e9
+        rows.append({"contender": name, "bytes": moved, "us": t * 1e6, "GB_per_s": gbps})
+        rows[-1].update(
+            {"peak_GB_per_s": peak, "of_peak": gbps / peak if peak else None, "peak_source": source}
+        )
+    return rows
+
+
+# -- 8 and 9: the training step, ema(x) --------------------------------------------------------
+
+
+def check_step_overhead(steps: int, batch: int, rounds: int) -> list[dict[str, Any]]:
+    try:
+        if DRY:
+            raise ImportError("the dry run times a small convnet: ResNet-50 on a CPU takes minutes")
+        import torchvision
+
+        def make() -> nn.Module:
+            torch.manual_seed(0)
+            return torchvision.models.resnet50().to(DEVICE).to(torch.bfloat16)
+
+        size, classes = (224 if DEVICE == "cuda" else 32), 1000
+    except ImportError:  # the dry run, or no torchvision: a small convnet stands in
+
+        def make() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10)).to(
+                DEVICE, torch.bfloat16
+            )
+
+        size, classes = 16, 10
+    x = torch.randn(batch, 3, size, size, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.randint(0, classes, (batch,), device=DEVICE)
+    names = ["no EMA", "emakit on-GPU", "emakit device='cpu'", "ema-pytorch foreach"]
+    if DEVICE == "cuda":
+        names.insert(2, "emakit stream=True")
+    setups = {}
+    for name in names:
         model = make()
+        model(x)  # materialize lazy layers
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if name == "no EMA":
             hook = None
         elif name == "ema-pytorch foreach":
-            from ema_pytorch import EMA
-
-            hook = EMA(model, beta=0.999, update_after_step=0, update_every=1, use_foreach=True)
+            try:
+                from ema_pytorch import EMA
+            except ImportError:
+                continue
+            hook = EMA(model, use_foreach=True, **KW)
         else:
-            kw = {
-                "emakit stream=True": dict(stream=True),
-                "emakit device='cpu'": dict(device="cpu"),
-            }.get(name, {})
-            hook = emakit.EMA(
-                model,
-                beta=0.999,
-                update_after_step=0,
-                update_every=1,
-                ema_dtype=torch.float32,
-                **kw,
-            )
+            extra = {
+                "emakit stream=True": {"stream": True},
+                "emakit device='cpu'": {"device": "cpu"},
+            }
+            hook = emakit.EMA(model, **KW, ema_dtype=torch.float32, **extra.get(name, {}))
         setups[name] = (model, opt, hook)
-    times: dict[str, list[float]] = {n: [] for n in setups}
     loss_fn = nn.CrossEntropyLoss()
-    for r in range(6 if DEVICE == "cuda" else 2):
-        for name, (model, opt, hook) in setups.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss_fn(model(x).float(), y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if hook is not None:
-                    hook.update()
-            sync()
+
+    def step(model: nn.Module, opt: Any, hook: Any) -> None:
+        loss_fn(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if hook is not None:
+            hook.update()
+
+    times: dict[str, list[float]] = {n: [] for n in setups}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, parts in setups.items():
+            t = time_per_call(lambda parts=parts: step(*parts), 1, calls=steps)
             if r:
-                times[name].append((time.perf_counter() - t0) / steps)
-    return {n: statistics.median(t) for n, t in times.items()}
-
-
-def update_vs_ema_pytorch(repeats: int = 50) -> list[tuple[str, float]]:
-    import ema_pytorch
-
-    def timed(fn) -> float:  # median seconds per call, device-synchronized
-        fn()
-        sync()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    model = many_small(DEVICE)
-    flat_model = many_small(DEVICE)
-    emakit.flatten_parameters(flat_model)
-    kw = dict(beta=0.999, update_after_step=0, update_every=1)
-    contenders = {
-        "emakit default": emakit.EMA(model, **kw),
-        "emakit after flatten_parameters": emakit.EMA(flat_model, **kw),
-        "ema-pytorch use_foreach=True": ema_pytorch.EMA(model, use_foreach=True, **kw),
-    }
-    n = sum(p.numel() for p in model.parameters())
-    a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
-    rows = [("floor: one lerp_ over a flat tensor", timed(lambda: a.lerp_(b, 1e-3)))]
-    for name, ema in contenders.items():
-        ema.update()
-        rows.append((name, timed(ema.update)))
+                times[name].append(t)
+    base = statistics.median(times["no EMA"])
+    rows = []
+    for name, t in times.items():
+        med = statistics.median(t)
+        rows.append({"contender": name, "ms_per_step": med * 1e3, "overhead": med / base - 1})
+    target = {"emakit on-GPU": 0.01, "emakit device='cpu'": 0.05}
+    for row in rows:
+        if row["contender"] in target:
+            row["target"] = target[row["contender"]]
+            if not DRY:  # a dry run's times mean nothing: its targets are not judged
+                row["ok"] = row["overhead"] <= target[row["contender"]]
     return rows
 
 
-def forward_cast() -> list[tuple[str, str]]:
-    """Check 5: ``ema(x)`` takes the bf16 model's inputs and answers on its device."""
+def check_forward_cast() -> list[dict[str, Any]]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(DEVICE, torch.bfloat16)
     x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
-    out = []
+    rows = []
     for label, kwargs in (("fp32 shadow", {}), ("fp32 shadow, device='cpu'", {"device": "cpu"})):
-        ema = emakit.EMA(
-            net, ema_dtype=torch.float32, update_after_step=0, update_every=1, **kwargs
-        )
+        ema = emakit.EMA(net, ema_dtype=torch.float32, **KW, **kwargs)
         ema.update()
         y = ema(x)
-        shadow = ema.ema_model
-        where = next(shadow.parameters()).device
+        where = next(ema.ema_model.parameters()).device
         with torch.no_grad():
-            expected = shadow(x.to(where, torch.float32)).to(x.device, torch.bfloat16)
+            expected = ema.ema_model(x.to(where, torch.float32)).to(x.device, torch.bfloat16)
         ok = y.device == x.device and y.dtype == torch.bfloat16 and torch.equal(y, expected)
-        out.append((label, f"{'ok' if ok else 'FAILED'} (out {y.dtype} on {y.device})"))
-    return out
+        rows.append({"config": label, "out": f"{y.dtype} on {y.device}", "ok": ok})
+    return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument(
-        "--cpu-dry-run", action="store_true", help="run checks 3-5 on the CPU, tiny sizes"
-    )
-    args = parser.parse_args()
-    global DEVICE
-    if args.cpu_dry_run:
-        DEVICE = "cpu"
-        args.steps, args.batch = 1, 2
-        print(f"torch {torch.__version__}, CPU dry run: checks 1-2 need CUDA, skipped")
-    elif not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; --cpu-dry-run runs what can", file=sys.stderr)
-        raise SystemExit(2)
-    else:
-        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-        print("\n1. host syncs inside update()")
-        for name, verdict in check_no_sync():
-            print(f"  {name:<34}{verdict}")
-        print("\n2. CUDA kernels per averaging update, 1200 tiny tensors")
-        for name, n in count_kernels():
-            print(f"  {name:<34}{n}")
-    print(
-        f"\n3. ResNet-50 bf16 training step, batch {args.batch}, median of 5 rounds x {args.steps} steps"
-    )
-    res = step_overhead(args.steps, args.batch)
-    base = res["no EMA"]
-    for name, t in res.items():
-        print(f"  {name:<34}{t * 1e3:8.2f} ms  {(t / base - 1) * 100:+6.2f}%")
-    print("\n4. one averaging update, 1200 tiny tensors (issue 2's 10x target)")
-    rows = update_vs_ema_pytorch()
-    floor = rows[0][1]
-    ref = dict(rows)["ema-pytorch use_foreach=True"]
-    for name, t in rows:
+# -- the run --------------------------------------------------------------------------------
+
+
+def run_checks(args: argparse.Namespace) -> dict[str, Any]:
+    n = 12 if not DRY else 4
+    checks: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "sync_debug": lambda: check_sync_debug(n),
+        "profiler_syncs": lambda: check_profiler_syncs(n),
+        "kernel_counts": check_kernel_counts,
+        "cuda_graph": lambda: check_cuda_graph(20 if not DRY else 3),
+        "offload": lambda: check_offload(args.steps),
+        "peers": lambda: check_peers(30 if not DRY else 2),
+        "bandwidth": lambda: check_bandwidth(30 if not DRY else 2),
+        "step_overhead": lambda: check_step_overhead(args.steps, args.batch, 5 if not DRY else 1),
+        "forward_cast": check_forward_cast,
+    }
+    report: dict[str, Any] = {"device": device_name(), "torch": torch.__version__, "dry_run": DRY}
+    report["emakit"] = emakit.__version__
+    report["checks"] = {}
+    started = time.perf_counter()
+    for name, fn in checks.items():
+        t0 = time.perf_counter()
+        try:
+            rows, error = fn(), None
+        except Exception as e:  # one broken check must not cost the others
+            rows, error = [], "".join(traceback.format_exception_only(type(e), e)).strip()
+        entry = {"rows": rows, "seconds": time.perf_counter() - t0, "error": error}
+        entry["ok"] = error is None and all(r.get("ok", True) for r in rows)
+        report["checks"][name] = entry
         print(
-            f"  {name:<34}{t * 1e6:9.1f} us  {t / floor:6.2f}x floor  ema-pytorch/this {ref / t:6.2f}x"
+            f"{name:<16}{'ok' if entry['ok'] else 'NOT OK'}  ({entry['seconds']:.1f} s)", flush=True
         )
-    print("\n5. ema(x) on a bf16 model with an fp32 shadow")
-    for name, verdict in forward_cast():
-        print(f"  {name:<34}{verdict}")
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def device_name() -> str:
+    if DEVICE == "cuda":
+        return torch.cuda.get_device_name()
+    return "CPU (dry run)"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# GPU check: {report['device']}, torch {report['torch']}, emakit {report['emakit']}"]
+    lines += [f"\n{'CPU dry run: the numbers mean nothing.' if report['dry_run'] else ''}"]
+    lines += ["| check | result | what | seconds |", "|---|---|---|---:|"]
+    for name, entry in report["checks"].items():
+        what = entry["error"] or "; ".join(
+            ", ".join(f"{k}={_cell(v)}" for k, v in row.items() if k != "ok")
+            for row in entry["rows"]
+        )
+        lines.append(
+            f"| {name} | {'ok' if entry['ok'] else 'NOT OK'} | {what} | {entry['seconds']:.1f} |"
+        )
+    lines += ["", "## Rows for BENCHMARKS.md (GPU section)", ""]
+    for name, entry in report["checks"].items():
+        if not entry["rows"]:
+            continue
+        keys = list(dict.fromkeys(k for row in entry["rows"] for k in row))
+        lines += [f"### {name}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += [
+            "| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in entry["rows"]
+        ]
+        lines.append("")
+    lines.append(
+        f"Command: `python benchmarks/gpu_check.py{' --cpu-dry-run' if report['dry_run'] else ''}`; {report['seconds']:.0f} s."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="training steps per round")
+    parser.add_argument("--batch", type=int, default=64, help="ResNet-50 batch")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="output folder")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="every check's logic on CPU")
+    args = parser.parse_args(argv)
+    global DEVICE, DRY
+    if args.cpu_dry_run:
+        DEVICE, DRY = "cpu", True
+        args.steps, args.batch = 2, 2
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device here; --cpu-dry-run runs every check's logic",
+            file=sys.stderr,
+        )
+        return 2
+    report = run_checks(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (args.out / "gpu_check.md").write_text(markdown(report))
+    print(
+        f"wrote {args.out / 'gpu_check.json'} and {args.out / 'gpu_check.md'} ({report['seconds']:.0f} s)"
+    )
+    return 0 if all(e["ok"] for e in report["checks"].values()) or DRY else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

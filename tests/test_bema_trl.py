@@ -105,10 +105,18 @@ def test_signature_and_defaults_are_trls():
         assert ours[name].default == p.default, name
 
 
-def test_bema_folder_agrees_with_trls(tmp_path: Path, capsys: pytest.CaptureFixture):
-    make_trainer(tmp_path / "trl", [trl.BEMACallback(**BEMA_KW)]).train()
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BEMACallback]:
+    """One 8-step run with TRL's callback and one with emakit's, in the same folder."""
+    root = tmp_path_factory.mktemp("bema-trl")
+    make_trainer(root / "trl", [trl.BEMACallback(**BEMA_KW)]).train()
     ours = BEMACallback(**BEMA_KW)
-    make_trainer(tmp_path / "emakit", [ours]).train()
+    make_trainer(root / "emakit", [ours]).train()
+    return root, ours
+
+
+def test_bema_folder_agrees_with_trls(runs: tuple, capsys: pytest.CaptureFixture):
+    tmp_path, ours = runs
     a = load_file(tmp_path / "trl" / "bema" / "model.safetensors")
     b = load_file(tmp_path / "emakit" / "bema" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -130,14 +138,14 @@ def test_bema_folder_agrees_with_trls(tmp_path: Path, capsys: pytest.CaptureFixt
     )
 
 
-def test_resume_from_checkpoint_is_exact(tmp_path: Path):
-    make_trainer(tmp_path / "full", [BEMACallback(**BEMA_KW)]).train()
+def test_resume_from_checkpoint_is_exact(runs: tuple, tmp_path: Path):
+    full = runs[0] / "emakit" / "bema" / "model.safetensors"  # the uninterrupted run
     make_trainer(tmp_path / "part", [BEMACallback(**BEMA_KW)], max_steps=4).train()
     resumed = BEMACallback(**BEMA_KW)
     trainer = make_trainer(tmp_path / "part", [resumed])
     trainer.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-4"))
     assert resumed.restored_from == tmp_path / "part" / "checkpoint-4" / BEMA_STATE_NAME
-    a = load_file(tmp_path / "full" / "bema" / "model.safetensors")
+    a = load_file(full)
     b = load_file(tmp_path / "part" / "bema" / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -96,3 +96,43 @@ def test_cli_draws_a_progress_bar_unless_asked_not_to():
     quiet = CliRunner().invoke(main, ["bench", "--model", "mlp", "--repeats", "2", "--no-progress"])
     assert quiet.exit_code == 0, quiet.output
     assert "timing 5 paths" not in quiet.output
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_check(tmp_path):
+    """benchmarks/gpu_check.py --cpu-dry-run: every check's logic runs on the CPU (meta
+    tensors for the sync check, a stub trace for the sync counting, a stub graph), and the
+    JSON and the Markdown table come out, so a short GPU session meets no surprise."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=280, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checks = report["checks"]
+    assert list(checks) == [
+        "sync_debug", "profiler_syncs", "kernel_counts", "cuda_graph", "offload", "peers",
+        "bandwidth", "step_overhead", "forward_cast",
+    ]  # fmt: skip
+    for name, entry in checks.items():
+        assert entry["error"] is None and entry["rows"], (name, entry)
+        assert entry["ok"], (name, entry["rows"])
+    stub = checks["profiler_syncs"]["rows"][0]
+    assert stub["config"].startswith("stub trace") and stub["cudaStreamSynchronize"] == 2
+    assert all(r["kernels"] == r["expected"] for r in checks["kernel_counts"]["rows"])
+    assert all(r["bit_identical"] for r in checks["cuda_graph"]["rows"])
+    offload = checks["offload"]["rows"][0]
+    assert offload["updates_offloaded"] == offload["updates_on_device"] == offload["steps"]
+    peers = {r["contender"] for r in checks["peers"]["rows"]}
+    assert {"emakit default", "AveragedModel + get_ema_multi_avg_fn"} <= peers
+    assert any("diffusers" in p for p in peers) and any("timm" in p for p in peers)
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| check | result |" in md and "## Rows for BENCHMARKS.md (GPU section)" in md

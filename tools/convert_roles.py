@@ -130,6 +130,9 @@ def _directives(text: str) -> list[tuple[str, list[str] | None]]:
         if line.startswith("::: "):
             found.append((line[4:].strip(), None))
             in_members = False
+        elif found and re.match(r"\s+members:\s*(false|\[\])\s*$", line):
+            found[-1] = (found[-1][0], [])  # the object alone, none of its members
+            in_members = False
         elif found and re.match(r"\s+members:\s*$", line):
             found[-1] = (found[-1][0], [])
             in_members = True

@@ -106,9 +106,12 @@ class BEMA(EMA):
             [`EMA`][emakit.EMA]). Default None: True when ``device`` is given.
         ema_dtype: keyword-only; keep floating BEMA tensors in at least this dtype.
             Default None.
-        param_or_buffer_names_no_ema, ignore_names, ignore_startswith_names,
-            allow_different_devices, forward_method_names, include_online_model:
-            keyword-only, as for [`EMA`][emakit.EMA].
+        param_or_buffer_names_no_ema: keyword-only, as for [`EMA`][emakit.EMA].
+        ignore_names: keyword-only, as for [`EMA`][emakit.EMA].
+        ignore_startswith_names: keyword-only, as for [`EMA`][emakit.EMA].
+        allow_different_devices: keyword-only, as for [`EMA`][emakit.EMA].
+        forward_method_names: keyword-only, as for [`EMA`][emakit.EMA].
+        include_online_model: keyword-only, as for [`EMA`][emakit.EMA].
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -312,12 +315,9 @@ class BEMARunner:
         self.inner = inner
         self.ema = ema
         self.theta0 = theta0
+        #: Whether the inner runner stages (BEMA's work lays out its own staging).
+        self.staged = inner.staged
         self._work: tuple[Plan, BEMAWork] | None = None
-
-    @property
-    def staged(self) -> bool:  # type: ignore[override]
-        """Whether the inner runner stages (BEMA's work lays out its own staging)."""
-        return self.inner.staged
 
     @property
     def pending(self) -> bool:

@@ -49,7 +49,7 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "sweep": (
         "emakit.posthoc.sweep_cli",
         "sweep_cmd",
-        "Choose the EMA length: synthesize many lengths from a snapshot FOLDER and score each.",
+        "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
     ),
 }
 

@@ -1,7 +1,7 @@
 """Rank agreement before emakit's collective saves, loads and exports.
 
-Imported by :mod:`emakit.distributed` and :mod:`emakit.posthoc.writing` only.
-:func:`agree` is a bounded barrier and one all-gather of a few int64 numbers per call, on
+Imported by [`emakit.distributed`][emakit.distributed] and `emakit.posthoc.writing` only.
+`agree()` is a bounded barrier and one all-gather of a few int64 numbers per call, on
 every rank of the process group:
 
 ``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo]``
@@ -10,7 +10,7 @@ every rank of the process group:
   (``timeout_s``, 30 s by default; gloo's ``monitored_barrier``, which names the ranks
   that did not arrive, or one bounded all-reduce on other backends): a rank whose peers
   never arrive, because the call sits inside ``if is_rank_zero():`` or another
-  rank-dependent branch, raises an :class:`~emakit.EMARuntimeError` saying "call on
+  rank-dependent branch, raises an [`EMARuntimeError`][emakit.EMARuntimeError] saying "call on
   every rank" and naming the missing ranks, instead of hanging until the process group's
   own timeout (30 minutes by default). After such a
   timeout the process group is unusable (its pending collective was abandoned): the

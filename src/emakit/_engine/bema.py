@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
 from .pairs import TensorPair
@@ -47,7 +47,8 @@ def held(p: TensorPair) -> bool:
     """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a
     frozen weight the EMA could not share, e.g. offloaded: TRL's ``running_model`` holds
     those too): no ``theta0``, no EMA, no work until it is trained again."""
-    return p.average and not p.buffer and not p.online.requires_grad
+    online = p.online
+    return p.average and isinstance(online, nn.Parameter) and not online.requires_grad
 
 
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
@@ -56,7 +57,8 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
 
     def order(p: TensorPair) -> tuple[str, str, int, int]:
         s = local_tensor(p.shadow)
-        return (str(s.device), str(s.dtype), s.untyped_storage().data_ptr(), s.storage_offset())
+        ptr, offset = s.untyped_storage().data_ptr(), int(s.storage_offset())
+        return (str(s.device), str(s.dtype), ptr, offset)
 
     return sorted((p for p in pairs if p.average and not held(p)), key=order)
 

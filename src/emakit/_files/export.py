@@ -10,7 +10,7 @@ holding more than one full tensor:
 2. for each tensor, in the file's order, every rank casts its shard to the export dtype
    (``to_local()``, then ``.to(dtype)``: the cast happens *before* the gather, so a bf16
    export moves and holds bf16) and the shards are gathered into one buffer on rank 0
-   (:func:`tensor_for_writer`: a ``gather``, not an all-gather, so no other rank receives
+   (`tensor_for_writer()`: a ``gather``, not an all-gather, so no other rank receives
    anything beyond its own shard, and at 1,000 ranks the traffic is rank 0's alone); rank 0
    appends the bytes, and the full tensor is dropped before the next one;
 3. rank 0 writes into a temporary file that replaces ``path`` atomically when complete.
@@ -194,7 +194,7 @@ def write_sharded(
         tensors: the tensors by name, for the header (only names, dtypes and full shapes
             are read). Default: the EMA model's state dict.
         gather: ``(name, dtype) -> full tensor`` on rank 0 (None or the tensor elsewhere),
-            called on every rank. Default: :func:`tensor_for_writer` of ``tensors[name]``.
+            called on every rank. Default: `tensor_for_writer()` of ``tensors[name]``.
         model_name: the class name in the header. Default: the EMA model's class.
 
     Returns:

@@ -54,9 +54,9 @@ class _SyncGated:
             super().update()  # type: ignore[misc]
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__()  # type: ignore[misc]
+        state: dict = super().__getstate__()  # type: ignore[misc,assignment]
         state["_gradient_state"] = None  # process-wide singleton: re-attached on load
-        return state  # type: ignore[no-any-return]
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # type: ignore[misc]

@@ -4,9 +4,9 @@ and synthesis of any EMA length after training.
 * :class:`KarrasEMA`: one power-function EMA whose decay honours ``update_every``.
 * :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
   :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
-* :func:`synthesize_state_dict` / :func:`plan_synthesis`: the same from a folder alone
+* [`synthesize_state_dict()`][emakit.posthoc.synthesize_state_dict] / [`plan_synthesis()`][emakit.posthoc.plan_synthesis]: the same from a folder alone
   (one process's snapshots, or every rank's of a sharded model, reassembled).
-* :meth:`PostHocEMA.sweep` / :func:`sweep`: synthesize many lengths in one pass over the
+* [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep] / [`sweep()`][emakit.posthoc.sweep]: synthesize many lengths in one pass over the
   snapshots, score each with your function, plot, pick the best.
 * :func:`list_snapshots` / :func:`read_snapshot_info`: what a snapshot folder holds (the
   headers only); :func:`find_snapshot_folder`: a folder or its one snapshot subfolder.

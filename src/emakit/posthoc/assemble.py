@@ -2,7 +2,7 @@
 
 Karras et al. 2024 (arXiv:2312.02696, §3.2 and Algorithm 3): a synthesized EMA is
 ``sum_i w_i * snapshot_i``, with the float64 weights of
-:func:`~emakit.posthoc.math.solve_weights`. :func:`weighted_sums` computes that sum for
+[`solve_weights()`][emakit.posthoc.math.solve_weights]. `weighted_sums()` computes that sum for
 several weight vectors at once (a sweep: each snapshot is read once and its tensors added
 into every target), and for a *region* of every tensor: the whole tensor (one process), or
 the block a rank holds of a sharded model (synthesis on the ranks, on as many ranks as
@@ -37,7 +37,7 @@ ADD_CHUNK = 1 << 20
 
 
 def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
-    """``dst += alpha * src``, in row blocks of about :data:`ADD_CHUNK` elements when a
+    """``dst += alpha * src``, in row blocks of about `ADD_CHUNK` elements when a
     cast is needed (torch casts ``src`` into a temporary the size of what it adds)."""
     if src.dtype == dst.dtype or src.dim() == 0 or src.numel() <= ADD_CHUNK:
         dst.add_(src, alpha=alpha)
@@ -199,7 +199,7 @@ def weighted_sums(
             against the snapshots'. Default None: not checked.
         dtype: dtype of the averaged tensors returned; None keeps the stored dtype.
         fill: values for integer tensors an ema-pytorch file lost (see
-            :meth:`~emakit.posthoc.synthesis.SynthesisPlan.run`).
+            [`run()`][emakit.posthoc.synthesis.SynthesisPlan.run]).
         progress: called as ``progress(done, total)`` after each snapshot.
 
     Returns:

@@ -314,9 +314,9 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
         sharded model (FSDP2, HSDP, FSDP with tensor parallelism) is written by every rank:
         each rank its own blocks of every tensor, into its own files (``...rank-00003-of-
-        00004.safetensors``, see :mod:`emakit.posthoc.shards`), so **call it on every
+        00004.safetensors``, see [`emakit.posthoc.shards`][emakit.posthoc.shards]), so **call it on every
         rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
-        (see :mod:`emakit.posthoc.writing`).
+        (see `emakit.posthoc.writing`).
 
         Args:
             timeout_s: keyword-only; for a sharded model, seconds a rank waits for the

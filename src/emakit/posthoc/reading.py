@@ -1,13 +1,13 @@
 """Reading one post-hoc snapshot: emakit's (one file, or one file per rank) and
 ema-pytorch's.
 
-* :func:`open_snapshot`: a whole-model snapshot, through one open file: emakit's lazily
+* `open_snapshot()`: a whole-model snapshot, through one open file: emakit's lazily
   (header first, then one tensor at a time), ema-pytorch's loaded whole
   (``torch.load(weights_only=True)``).
-* :func:`snapshot_sources`: the files of a snapshot, each with the block of every tensor it
+* `snapshot_sources()`: the files of a snapshot, each with the block of every tensor it
   stores (one file holding every tensor whole, or the rank files of a sharded snapshot,
-  see :mod:`emakit.posthoc.shards`), opened one at a time.
-* :func:`load_legacy_tensors`, :func:`restore_exact`: ema-pytorch's files, whose integer
+  see [`emakit.posthoc.shards`][emakit.posthoc.shards]), opened one at a time.
+* `load_legacy_tensors()`, `restore_exact()`: ema-pytorch's files, whose integer
   tensors were stored as floats.
 """
 
@@ -99,7 +99,7 @@ def restore_exact(info: SnapshotInfo, name: str, value: Tensor) -> Tensor | None
 
 
 class SnapshotReader(Protocol):
-    """The tensors of one open snapshot (:func:`open_snapshot`)."""
+    """The tensors of one open snapshot (`open_snapshot()`)."""
 
     def keys(self) -> list[str]:
         """The tensor names."""

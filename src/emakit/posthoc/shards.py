@@ -3,7 +3,7 @@
 A sharded EMA (FSDP2, HSDP, FSDP with tensor parallelism: DTensor parameters) is
 snapshotted by every rank at once: each rank writes the part of every tensor that it holds
 into its own file, ``<snapshot name>.rank-<r>-of-<world>.safetensors``, with the header
-of a snapshot (see :mod:`emakit.posthoc.snapshots`) plus
+of a snapshot (see `emakit.posthoc.snapshots`) plus
 
 * ``"format": "emakit.posthoc.snapshot-shard"`` (so a reader that knows only whole-model
   snapshots leaves the files alone),
@@ -22,11 +22,11 @@ set partition every tensor: the set holds one model's bytes, whatever the mesh.
 
 A set is **complete** when the files of ranks ``0 .. world-1`` are all there, agree on
 the step, profile and run, and their blocks add up to every tensor; an incomplete set (a
-snapshot that a crash interrupted) is skipped with a :class:`PostHocWarning`.
+snapshot that a crash interrupted) is skipped with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
 
-This module is a leaf of :mod:`emakit.posthoc`: block arithmetic, headers and the
-grouping of shard files into sets; :mod:`emakit.posthoc.snapshots` lists them and
-:mod:`emakit.posthoc.assemble` reads them.
+This module is a leaf of `emakit.posthoc`: block arithmetic, headers and the
+grouping of shard files into sets; `emakit.posthoc.snapshots` lists them and
+`emakit.posthoc.assemble` reads them.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def _gap(entries: list[ShardEntry], world: int) -> str:
 
 def complete_sets(entries: Iterable[ShardEntry]) -> list[list[ShardEntry]]:
     """The complete sets among shard files, each sorted by rank (see the module
-    docstring); every incomplete one is skipped with a :class:`PostHocWarning`."""
+    docstring); every incomplete one is skipped with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]."""
     groups: dict[tuple[Any, ...], list[ShardEntry]] = {}
     for e in entries:
         groups.setdefault((*e.key, e.world), []).append(e)

@@ -139,7 +139,7 @@ class SnapshotInfo:
             was read; None when not known.
         header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
         shards: for a snapshot of a sharded model, every rank's file in rank order
-            (``path`` is rank 0's; see :mod:`emakit.posthoc.shards`); empty otherwise.
+            (``path`` is rank 0's; see [`emakit.posthoc.shards`][emakit.posthoc.shards]); empty otherwise.
     """
 
     path: Path

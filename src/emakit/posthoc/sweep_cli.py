@@ -110,7 +110,7 @@ def sweep_cmd(
     legacy_update_every: int | None,
     run: str | None,
 ) -> None:
-    """Choose the EMA length: synthesize many lengths from a snapshot FOLDER and score each.
+    """Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.
 
     Each snapshot is read once per pass (--lengths-per-pass lengths at a time), every
     length is scored by --eval, and the table and the best length are printed

@@ -3,14 +3,14 @@
 How the EMA length of a diffusion model is chosen (Karras et al. 2024,
 arXiv:2312.02696, Fig. 1 and §3): synthesize the EMA at a range of ``sigma_rel`` from the
 snapshots of one training run, evaluate each (FID for them; any ``evaluate(model) ->
-float`` here), and keep the best. :func:`sweep` does it from a snapshot folder alone
-(``evaluate`` receives a state dict), :meth:`~emakit.PostHocEMA.sweep` from a training
+float`` here), and keep the best. [`sweep()`][emakit.posthoc.sweeping.sweep] does it from a snapshot folder alone
+(``evaluate`` receives a state dict), `sweep()` from a training
 run's objects (``evaluate`` receives the synthesized EMA model, sharded like the model),
 and ``emakit sweep FOLDER --sigma-rel A:B:N --eval module:function`` from the shell.
 
 Each snapshot is read **once** for a whole batch of lengths: its tensors are added, one at
 a time, into the accumulator of every length of the batch
-(:func:`~emakit.posthoc.assemble.weighted_sums`). Memory is one float32 model per length
+(`weighted_sums()`). Memory is one float32 model per length
 of a batch (``lengths_per_pass``, default 8; more lengths take more passes) plus one
 stored tensor; each length is evaluated, then dropped, before the next batch.
 """
@@ -90,7 +90,7 @@ class SweepResult:
         extra: ``pip install 'emakit[demo]'``).
 
         Returns:
-            ``path`` as a :class:`~pathlib.Path`.
+            ``path`` as a `Path`.
         """
         try:
             import matplotlib
@@ -224,18 +224,18 @@ def sweep(
         folder: the snapshot folder (one process's files, or every rank's).
         evaluate: scores one reconstruction; called once per length, in order.
         sigma_rels: the lengths to try, each in ``(0, 1/sqrt(12))`` (see
-            :func:`sweep_lengths` for ``"A:B:N"``).
+            [`sweep_lengths()`][emakit.posthoc.sweeping.sweep_lengths] for ``"A:B:N"``).
         step: the step to synthesize at. Default None: the latest snapshot's.
         mode: ``"min"`` if lower scores are better (a loss, FID), ``"max"`` otherwise.
             Default ``"min"``.
         lengths_per_pass: lengths synthesized per pass over the snapshots (each holds one
             float32 model in memory meanwhile). Default 8.
-        run: the run to use (see :func:`~emakit.posthoc.plan_synthesis`).
+        run: the run to use (see [`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
         legacy: the profiles of ema-pytorch files in the folder.
-        plot: write the plot here (see :meth:`SweepResult.plot`). Default None: no plot.
+        plot: write the plot here (see [`SweepResult.plot()`][emakit.posthoc.sweeping.SweepResult.plot]). Default None: no plot.
 
     Returns:
-        A :class:`SweepResult`: the ``(sigma_rel, score)`` pairs in order, and ``.best``.
+        A [`SweepResult`][emakit.posthoc.sweeping.SweepResult]: the ``(sigma_rel, score)`` pairs in order, and ``.best``.
 
     Raises:
         EMAValueError: a bad length, mode or ``lengths_per_pass``; no snapshots.
@@ -280,7 +280,7 @@ def sweep_module(
     snapshots: Callable[[], list[SnapshotInfo]],
     plot: str | os.PathLike[str] | None,
 ) -> SweepResult:
-    """:meth:`~emakit.PostHocEMA.sweep`: ``build()`` makes the one EMA model every length
+    """`sweep()`: ``build()`` makes the one EMA model every length
     is loaded into (sharded like the model), and ``evaluate`` receives it, in eval mode;
     ``snapshots()`` lists and picks the folder's snapshots."""
     srs, per_pass = _check(sigma_rels, mode, lengths_per_pass)

@@ -110,7 +110,7 @@ class SynthesisPlan:
         shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
-        :func:`~emakit.posthoc.assemble.weighted_sums`).
+        `weighted_sums()` in `emakit.posthoc.assemble`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 
@@ -125,7 +125,7 @@ class SynthesisPlan:
                 overflowed to inf), used with a :class:`PostHocWarning`. Default None:
                 such a tensor raises.
             regions: name -> the block of each tensor to build (a rank's shard, see
-                :class:`~emakit.posthoc.shards.Block`). Default None: whole tensors.
+                [`Block`][emakit.posthoc.shards.Block]). Default None: whole tensors.
             rank: the caller's rank, whose files of a sharded snapshot are read first.
             shapes: the model's global shapes of the tensors in ``regions``, checked.
 
@@ -154,7 +154,7 @@ def pick_snapshots(
     folder: str | os.PathLike[str], legacy: LegacyProfiles | None, run: str | None
 ) -> list[SnapshotInfo]:
     """The snapshots of ``folder`` that a synthesis uses: those of the run picked
-    (:func:`~emakit.posthoc.runs.pick_run`), ema-pytorch's read with ``legacy``.
+    ([`pick_run()`][emakit.posthoc.runs.pick_run]), ema-pytorch's read with ``legacy``.
 
     Raises:
         EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
@@ -200,7 +200,7 @@ def plan_synthesis(
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
         snapshots: the folder's snapshots, already listed and picked
-            (:func:`pick_snapshots`), to plan several targets from one listing. Default
+            (`pick_snapshots()`), to plan several targets from one listing. Default
             None: list the folder.
 
     Returns:
@@ -342,8 +342,8 @@ def synthesize_into(
     tensor (or block) at a time.
 
     Args:
-        model: the module to fill (the EMA model of a synthesized :class:`KarrasEMA`).
-        plan: the synthesis (:func:`plan_synthesis`).
+        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
+        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
         where: the snapshot folder, for messages.
 
     Raises:
@@ -375,7 +375,7 @@ def load_into(
     model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
 ) -> None:
     """Copy a synthesized state (whole tensors, or this rank's blocks, see
-    :func:`model_regions`) into ``model``'s tensors."""
+    `model_regions()`) into ``model``'s tensors."""
     state = model.state_dict()
     if not any(is_dtensor(v) for v in state.values()):
         try:

@@ -1,7 +1,7 @@
-"""The synthesis side of :class:`~emakit.PostHocEMA`: :meth:`synthesize_ema_model` and
-:meth:`sweep`, over the run's snapshot folder.
+"""The synthesis side of [`PostHocEMA`][emakit.PostHocEMA]: `synthesize_ema_model()` and
+`sweep()`, over the run's snapshot folder.
 
-A mixin of :class:`~emakit.PostHocEMA` (kept apart so each file stays readable): the methods
+A mixin of [`PostHocEMA`][emakit.PostHocEMA] (kept apart so each file stays readable): the methods
 use the PostHocEMA's model, profiles, folder and run id, and build their results as the
 PostHocEMA builds its profiles (``_new_ema_model``).
 """
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 class SynthesisMethods:
-    """:meth:`synthesize_ema_model` and :meth:`sweep` of :class:`~emakit.PostHocEMA`."""
+    """`synthesize_ema_model()` and `sweep()` of [`PostHocEMA`][emakit.PostHocEMA]."""
 
     checkpoint_folder: Path
     run_id: str
@@ -88,10 +88,10 @@ class SynthesisMethods:
 
         Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
         before ``step`` only), then a streamed weighted sum of the snapshots (see
-        :class:`~emakit.posthoc.synthesis.SynthesisPlan`): emakit's and, read as this
-        PostHocEMA's profiles, ema-pytorch's (see :meth:`legacy_profiles`). Buffers come
+        [`SynthesisPlan`][emakit.posthoc.synthesis.SynthesisPlan]): emakit's and, read as this
+        PostHocEMA's profiles, ema-pytorch's (see `legacy_profiles()`). Buffers come
         from the latest snapshot at or before ``step``. The snapshots are this run's
-        (:attr:`run_id`) when the folder holds any, else the folder's only run's; a folder
+        (`run_id`) when the folder holds any, else the folder's only run's; a folder
         of several other runs is refused (build with ``run_id=`` to pick one).
 
         Args:
@@ -102,7 +102,7 @@ class SynthesisMethods:
             step: the target step. Default None: the latest snapshot's step.
 
         Returns:
-            A :class:`KarrasEMA` of the model with that profile, whose ``ema_model`` holds
+            A [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] of the model with that profile, whose ``ema_model`` holds
             the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
             use ``synth.ema_model``.
 
@@ -157,7 +157,7 @@ class SynthesisMethods:
 
         The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
         is read once per ``lengths_per_pass`` lengths and added into all of them (see
-        :mod:`emakit.posthoc.sweeping`), each reconstruction is loaded into one EMA model
+        `emakit.posthoc.sweeping`), each reconstruction is loaded into one EMA model
         (sharded like the model, for FSDP2: then call it on every rank) and
         ``evaluate(model) -> float`` scores it.
 

@@ -1,22 +1,22 @@
-"""Writing one step's snapshots of a :class:`~emakit.PostHocEMA`: whole-model files from
+"""Writing one step's snapshots of a [`PostHocEMA`][emakit.PostHocEMA]: whole-model files from
 one writer, or every rank's shard files at once.
 
 * **A model held whole on every rank** (one process, DDP): rank 0 writes one file per
-  profile (:func:`~emakit.posthoc.snapshots.write_snapshots`: the step's set, all or none);
+  profile (`write_snapshots()`: the step's set, all or none);
   the other ranks write nothing and run no collective, as before.
 * **A sharded model** (FSDP2, HSDP, FSDP with tensor parallelism: DTensor weights): a
   snapshot is a collective. Every rank first checks that every other rank is in the same
-  call at the same step (:func:`~emakit._dist.collectives.agree`, bounded by
+  call at the same step (`agree()`, bounded by
   ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
   raises instead of hanging), then writes its own blocks of every tensor
-  (:func:`~emakit.posthoc.shards.local_block`: no collective, no gathered tensor, one
+  ([`local_block()`][emakit.posthoc.shards.local_block]: no collective, no gathered tensor, one
   tensor's CPU copy at a time) into its own files, atomically (one set per rank), and the
   ranks then exchange their outcomes: a rank that could not write (disk full) makes every
   rank raise, naming it, and the others remove their files of that step. A rank killed
   mid-write leaves an incomplete set, which listing skips with a warning
-  (:func:`~emakit.posthoc.shards.complete_sets`): the earlier sets stay usable.
+  ([`complete_sets()`][emakit.posthoc.shards.complete_sets]): the earlier sets stay usable.
 
-The folder's lock (:class:`~emakit.posthoc.runs.FolderLock`) is held by rank 0.
+The folder's lock ([`FolderLock`][emakit.posthoc.runs.FolderLock]) is held by rank 0.
 """
 
 from __future__ import annotations
