@@ -203,9 +203,9 @@ class _Batch:
         # then mirrors their layout, alignment padding included
         contiguous = first.is_contiguous() and len(split_runs(self.dsts)) == 1
         self.flat = span(self.dsts).view(-1) if contiguous else None
-        base = first.storage_offset()
-        self.at = [
-            d.storage_offset() - base if contiguous else at
+        base = int(first.storage_offset())
+        self.at: list[int] = [
+            int(d.storage_offset()) - base if contiguous else at
             for d, at in zip(
                 self.dsts, aligned_offsets([d.numel() for d in self.dsts]), strict=True
             )
