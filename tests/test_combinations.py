@@ -408,6 +408,8 @@ def test_partition_applies_to_modules_and_is_the_whole_ema_in_one_process() -> N
         EMA({"w": torch.ones(3)}, partition=True)
     with pytest.raises(EMATypeError, match="ema_model= is not supported for a partitioned EMA"):
         EMA(nn.Linear(3, 2), ema_model=nn.Linear(3, 2), partition=True)
+    with pytest.raises(EMAValueError, match=r"inside ema.swap\(\) instead"):
+        EMA(nn.Linear(3, 2), partition=True, forward_method_names=("forward",))
     torch.manual_seed(0)
     net = nn.Linear(3, 2)
     kw: dict[str, Any] = dict(beta=0.9, update_after_step=0, update_every=1)

@@ -426,7 +426,8 @@ class EMA(EMAPytorchSurface, nn.Module):
         the shadow's device and outputs back to the model's (:mod:`emakit._core.forward`).
         For an EMA of a pytree: call the EMA pytree if it is callable, else return it.
         An FSDP2 EMA model is resharded before and after, so every call sees the current
-        shards (a collective: call it on every rank).
+        shards (a collective: call it on every rank). A partitioned EMA (ZeRO-3,
+        ``partition=True``) runs the online model inside ``swap()``, a collective too.
         """
         ema_model = self.ema_model
         if self._tree is not None:

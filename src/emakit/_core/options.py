@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import _validate as check
+from .._dist.deepspeed import zero3_params
 from .._engine.kernels import Impl
 from .._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner
 from ..decay import DecayRule, ema_rule
@@ -313,7 +314,15 @@ class EMAOptions:
                 UserWarning,
                 stacklevel=4,
             )
-        for method in self.values["forward_method_names"]:
+        names = self.values["forward_method_names"]
+        if names and (self.values.get("partition") or zero3_params(model)):
+            raise EMAValueError(
+                f"forward_method_names={names!r} needs an EMA model of its own, which a "
+                f"partitioned EMA (DeepSpeed ZeRO-3, or partition=True) does not have: call "
+                f"the method on the online model inside ema.swap() instead, e.g. "
+                f"with ema.swap(): model.{names[0]}(...)"
+            )
+        for method in names:
             if not callable(getattr(model, method, None)):
                 raise EMAValueError(
                     f"forward_method_names has {method!r}, which is not a method of the model"
