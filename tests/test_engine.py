@@ -760,6 +760,79 @@ def assert_bit_identical_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Te
         assert torch.equal(a[n], b[n]), n
 
 
+# -- issue 19: one function per path, the guard and the staging around it --------------------
+
+
+def _laid_out_pairs(online_dtype: torch.dtype, seed: int) -> list:
+    """Pairs over two flat buffers (online, shadow), so the flat path finds spans: four
+    averaged tensors in two decay groups, and one integer tensor that is copied."""
+    from emakit._engine.pairs import TensorPair
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 4), (5,), (2, 2, 2), (1,)]
+    total = sum(torch.Size(s).numel() for s in shapes)
+    online = torch.randn(total, generator=g).to(online_dtype)
+    shadow = torch.randn(total, generator=g)
+    pairs, at = [], 0
+    for i, shape in enumerate(shapes):
+        n = torch.Size(shape).numel()
+        o, s = online[at : at + n].view(shape), shadow[at : at + n].view(shape)
+        pairs.append(TensorPair(f"t{i}", s, o, average=True, group=int(i == 3)))
+        at += n
+    ints = torch.randint(0, 9, (4,), generator=g), torch.randint(0, 9, (4,), generator=g)
+    pairs.append(TensorPair("count", ints[0], ints[1], average=False))
+    return pairs
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
+@pytest.mark.parametrize("online_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("impl", "staged"), [("foreach", False), ("flat", False), ("flat", True)])
+@pytest.mark.parametrize("kind", ["lerp", "copy"])
+def test_each_path_equals_the_loop_bit_for_bit(kind, impl, staged, online_dtype, guarded):
+    """The path a plan picks (foreach, flat over spans, flat through staging buffers, the
+    staged halves a background runner calls), plain or through the non-finite guard's
+    wrapper with the flag true, gives the reference loop's bits."""
+    from emakit.decay import Action
+
+    ref_pairs = _laid_out_pairs(online_dtype, 0)
+    pairs = _laid_out_pairs(online_dtype, 0)
+    reference = Plan(ref_pairs, "loop")
+    plan = Plan(pairs, impl, staged=staged)
+    assert reference.path.name == "loop"
+    assert plan.path.name == "foreach"  # flat: foreach over spans
+    if impl == "flat" and online_dtype == torch.float32 and not staged:
+        assert plan.num_kernels < len(pairs)  # spans, not tensors
+    weights = (0.3, 0.7)
+    reference.run(Action(kind, weights if kind == "lerp" else (), 2))  # type: ignore[arg-type]
+    action = Action(
+        kind,  # type: ignore[arg-type]
+        weights if kind == "lerp" else (),
+        2,
+        guard=torch.tensor(True) if guarded else None,
+    )
+    if staged:
+        plan.stage()
+        plan.finish(action)
+    else:
+        plan.run(action)
+    for a, b in zip(ref_pairs, pairs, strict=True):
+        assert a.shadow.dtype == b.shadow.dtype
+        assert torch.equal(a.shadow.view(torch.uint8), b.shadow.view(torch.uint8)), a.name
+
+
+@pytest.mark.parametrize(("impl", "staged"), [("loop", False), ("flat", False), ("flat", True)])
+def test_the_guarded_path_leaves_every_bit_when_the_flag_is_false(impl, staged):
+    from emakit.decay import Action
+
+    pairs = _laid_out_pairs(torch.float32, 1)
+    before = [p.shadow.clone() for p in pairs]
+    plan = Plan(pairs, impl, staged=staged)
+    action = Action("lerp", (0.3, 0.7), 2, guard=torch.tensor(False))
+    plan.run(action)
+    for p, b in zip(pairs, before, strict=True):
+        assert torch.equal(p.shadow, b), p.name
+
+
 def test_a_shadow_on_another_device_needs_allow_different_devices():
     """The device check pairs every tensor by device (a meta ``ema_model`` is on another
     device than a CPU model, which no other test here has)."""

@@ -17,7 +17,7 @@ from emakit import EMA, KarrasEMA, MultiEMA, load_ema_weights, save_ema_weights
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
 
-KW = {"beta": 0.9, "update_after_step": 2, "update_every": 1}
+KW = {"beta": 0.9, "update_after_step": 2, "update_every": 1, "include_online_model": False}
 
 
 def make_net() -> nn.Module:
@@ -90,7 +90,7 @@ def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool
     net = make_net()
     ref_net = copy.deepcopy(net)
     ema = EMA(net, share_frozen=share_frozen, **KW)
-    ref = ema_pytorch.EMA(ref_net, include_online_model=False, **KW)
+    ref = ema_pytorch.EMA(ref_net, **KW)
 
     def optimizer(model: nn.Module) -> torch.optim.Optimizer:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -113,7 +113,7 @@ def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool
 def test_a_frozen_value_changed_in_place_is_seen_at_once_unless_copied():
     net = make_net()
     ema, copied = EMA(net, **KW), EMA(net, share_frozen=False, **KW)
-    ref = ema_pytorch.EMA(net, include_online_model=False, **KW)
+    ref = ema_pytorch.EMA(net, **KW)
     for e in (ema, copied, ref):
         for _ in range(4):
             e.update()
@@ -136,7 +136,7 @@ def test_load_state_dict_copies_on_write():
     net = make_net()
     before = net[0].weight.detach().clone()
     ema = EMA(net, **KW)
-    ref = ema_pytorch.EMA(copy.deepcopy(net), include_online_model=False, **KW)
+    ref = ema_pytorch.EMA(copy.deepcopy(net), **KW)
     state = _state_with_other_frozen_values(ema)
     ema.load_state_dict(state)
     ref.load_state_dict(state)
@@ -207,12 +207,21 @@ def test_moving_the_ema_never_moves_the_model():
 
 def test_every_kind_shares():
     net = make_net()
-    multi = MultiEMA(net, betas=(0.9, 0.99), update_after_step=0, update_every=1)
+    multi = MultiEMA(
+        net, betas=(0.9, 0.99), update_after_step=0, update_every=1, include_online_model=False
+    )
     karras = KarrasEMA(net, sigma_rel=0.1, update_every=1)
     assert all(len(shared(e, net)) == 3 for e in multi)
     assert len(shared(karras, net)) == 3
     copied = [
-        EMA(net, beta=b, share_frozen=False, update_after_step=0, update_every=1)
+        EMA(
+            net,
+            beta=b,
+            share_frozen=False,
+            update_after_step=0,
+            update_every=1,
+            include_online_model=False,
+        )
         for b in (0.9, 0.99)
     ]
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)

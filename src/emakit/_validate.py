@@ -58,7 +58,7 @@ INT64_MAX = 2**63 - 1
 
 def integer(name: str, value: object, *, low: int, high: int = INT64_MAX) -> int:
     """``value`` as an int in ``[low, high]`` (booleans are refused); ``high`` defaults to
-    :data:`INT64_MAX`, the range of the int64 counters every count ends up in."""
+    [`INT64_MAX`][emakit._validate.INT64_MAX], the range of the int64 counters every count ends up in."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise EMATypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
     if value < low:

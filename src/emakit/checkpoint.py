@@ -235,7 +235,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     ``path`` (and the folder fsynced): a crash, ``SIGKILL`` or full disk at any moment
     leaves either the previous file or the complete new one, never a torn file that
     ``torch.load`` cannot read. It is the same atomic write emakit uses for its own files
-    (:func:`~emakit._files.atomic.atomic_write`).
+    ([`atomic_write`][emakit._files.atomic.atomic_write]).
 
     Args:
         obj: what ``torch.save`` takes, e.g. ``{"model": net.state_dict(),
@@ -243,7 +243,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
         path: the checkpoint file; its folder is created if missing.
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        ``path`` as a `pathlib.Path`.
 
     Raises:
         EMAValueError: ``path`` is not a valid UTF-8 name.

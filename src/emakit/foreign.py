@@ -283,7 +283,7 @@ def _check_format(format: Any) -> None:
 
 
 def _foreign_weights(
-    ema: EMA, obj: Mapping[str, Any], fmt: str, source: str, st_step: int | None
+    ema: EMA, obj: Any, fmt: str, source: str, st_step: int | None
 ) -> tuple[Any, int | None, str]:
     """``(weights by name, the update count found or None, the source named)`` of a foreign
     checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's)."""

@@ -179,11 +179,13 @@ class MultiEMA(nn.Module):
         saved = [e.tracker.snapshot() for e in self]
         try:
             result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as e:
+        except Exception as error:
             for member, counters in zip(self, saved, strict=True):
                 member.tracker.restore(counters)
-            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
-                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
+            if isinstance(error, RuntimeError) and not isinstance(error, EMAStateError):
+                raise EMAStateError(
+                    f"{error}\nloading failed; the counters were restored"
+                ) from error
             raise
         for e in self:
             e.tracker.invalidate()

@@ -2,8 +2,8 @@
 
 An EMA built with ``include_online_model=True`` (the default, as ema-pytorch) registers the
 online model as its ``online_model`` child, so torch saves and loads it with the EMA.
-emakit's own checkpoints leave it out (:func:`hidden`), and a state without it loads into
-such an EMA, strictly, leaving the model as it is (:func:`keep_online_model`).
+emakit's own checkpoints leave it out ([`hidden`][emakit._core.online.hidden]), and a state without it loads into
+such an EMA, strictly, leaving the model as it is ([`keep_online_model`][emakit._core.online.keep_online_model]).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ def hidden(module: nn.Module) -> Iterator[None]:
 
 
 def left_out(module: nn.Module, hide: bool) -> contextlib.AbstractContextManager[None]:
-    """:func:`hidden` when ``hide``, else a block that changes nothing."""
+    """[`hidden`][emakit._core.online.hidden] when ``hide``, else a block that changes nothing."""
     return hidden(module) if hide else contextlib.nullcontext()
 
 
 def note_left_out(module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
     """Called from ``_load_from_state_dict``: remember that the state being loaded has no
-    online model, for :func:`keep_online_model` after the children have loaded."""
+    online model, for [`keep_online_model`][emakit._core.online.keep_online_model] after the children have loaded."""
     if NAME in module._modules and not has_online(state_dict, prefix):
         module.__dict__[_LEFT_OUT] = prefix
 

@@ -127,7 +127,7 @@ KEYWORDS_DOC = """
 _IMPLS: dict[bool | None, Impl] = {None: "flat", True: "foreach", False: "loop"}
 
 #: Keywords that only mean something for a module (refused for a pytree unless default).
-_MODULE_ONLY = {
+_MODULE_ONLY: dict[str, object] = {
     "param_or_buffer_names_no_ema": frozenset(),
     "ignore_names": frozenset(),
     "ignore_startswith_names": frozenset(),

@@ -203,9 +203,9 @@ class _Batch:
         # then mirrors their layout, alignment padding included
         contiguous = first.is_contiguous() and len(split_runs(self.dsts)) == 1
         self.flat = span(self.dsts).view(-1) if contiguous else None
-        base = first.storage_offset()
-        self.at = [
-            d.storage_offset() - base if contiguous else at
+        base = int(first.storage_offset())
+        self.at: list[int] = [
+            int(d.storage_offset()) - base if contiguous else at
             for d, at in zip(
                 self.dsts, aligned_offsets([d.numel() for d in self.dsts]), strict=True
             )
@@ -439,6 +439,7 @@ class FiniteGuard:
         self._sources: list[Tensor] = []
         self._agreement: Agreement | None = None
 
+    @torch.no_grad()
     def flag(self, plan: _Guardable, call: int) -> Tensor | None:
         """Whether every floating online tensor of ``plan`` is free of NaN and Inf, on every
         rank that holds a shard of them: a 0-dim bool tensor that stays on the device, or

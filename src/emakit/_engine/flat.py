@@ -3,7 +3,7 @@
 After re-homing, each tensor keeps its identity (a ``Parameter`` stays the same Python
 object, so optimizers that hold it keep working) but its ``.data`` is a view into a shared
 flat buffer. Neighbouring tensors are then adjacent in memory (each starting on a 64-byte
-boundary, :data:`~emakit._engine.spans.ALIGN` elements, the padding zero), and the engine
+boundary, [`ALIGN`][emakit._engine.spans.ALIGN] elements, the padding zero), and the engine
 updates a whole run of them with a single kernel.
 """
 

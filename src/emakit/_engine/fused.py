@@ -52,8 +52,8 @@ class _Group:
         self.guarded: dict[int, Guarded] = {}  # by EMA, built on first use (skip_nonfinite)
         ref = self.spans[0]
         # where each tensor sits in the shadows' (one) run, alignment padding included
-        base = shadows[0][0].storage_offset()
-        at = [t.storage_offset() - base for t in shadows[0]]
+        base = int(shadows[0][0].storage_offset())
+        at = [int(t.storage_offset()) - base for t in shadows[0]]
         runs = split_runs(onlines, at)
         same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
         self.key = (onlines[0].dtype, onlines[0].device)
@@ -146,7 +146,7 @@ class FusedPlan:
             idx.sort(key=lambda i: shadow[0][i].storage_offset())
             onlines = [local_tensor(first[i].online) for i in idx]
             shadows = [[s[i] for i in idx] for s in shadow]
-            spacing = [t.storage_offset() for t in shadows[0]]  # and all spaced alike
+            spacing = [int(t.storage_offset()) for t in shadows[0]]  # and all spaced alike
             if any(len(split_runs(s, spacing)) != 1 for s in shadows):
                 return None
             groups.append(_Group(onlines, shadows, staged))

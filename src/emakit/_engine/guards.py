@@ -161,7 +161,7 @@ class Guards:
         for d, local, get in self.sharded:
             if get(d) is not local:
                 return "stale"
-        epoch = registration_epoch()
+        epoch = _epoch if _hooked else registration_epoch()  # hooks installed by __init__
         if epoch == self.epoch:
             return "fresh"
         if not self.owners or not _touched(self.epoch, self.owners):

@@ -151,7 +151,10 @@ class Plan:
         with _inference_mode(True):
             if self._staging:
                 stage(self.groups)
-            self._move(action)
+            if action.guard is None and action.kind == "lerp":  # the common case, inline
+                self.path.lerp(self.groups, action.weights)
+            else:
+                self._move(action)
 
     def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
         """Snapshot the online tensors into the staging buffers (staged plans only; the

@@ -32,13 +32,13 @@ ALIGN = 64
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    """``n`` rounded up to a multiple of [`ALIGN`][emakit._engine.spans.ALIGN]."""
     return -(-n // ALIGN) * ALIGN
 
 
 def aligned_offsets(sizes: Sequence[int]) -> list[int]:
     """Where tensors of ``sizes`` elements start in a flat layout, one after the other, each
-    at a multiple of :data:`ALIGN` elements (64 bytes or more)."""
+    at a multiple of [`ALIGN`][emakit._engine.spans.ALIGN] elements (64 bytes or more)."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(aligned(total))
@@ -48,7 +48,7 @@ def aligned_offsets(sizes: Sequence[int]) -> list[int]:
 
 def adjacent(a: Tensor, b: Tensor) -> bool:
     """Whether contiguous ``b`` starts right where contiguous ``a`` ends in one storage, or
-    at the first :data:`ALIGN` boundary after it (the padding of an aligned layout)."""
+    at the first [`ALIGN`][emakit._engine.spans.ALIGN] boundary after it (the padding of an aligned layout)."""
     if not (
         a.is_contiguous()
         and b.is_contiguous()
@@ -57,14 +57,14 @@ def adjacent(a: Tensor, b: Tensor) -> bool:
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     ):
         return False
-    end, start = a.storage_offset() + a.numel(), b.storage_offset()
+    end, start = int(a.storage_offset()) + a.numel(), int(b.storage_offset())
     return start == end or (start > end and start == aligned(end) and start % ALIGN == 0)
 
 
 def extent(tensors: Sequence[Tensor]) -> int:
     """Elements from the start of the first of adjacent tensors to the end of the last."""
     first, last = tensors[0], tensors[-1]
-    return last.storage_offset() + last.numel() - first.storage_offset()
+    return int(last.storage_offset()) + last.numel() - int(first.storage_offset())
 
 
 def span(tensors: Sequence[Tensor]) -> Tensor:
@@ -92,7 +92,7 @@ def split_runs(items: Sequence[Tensor], offsets: Sequence[int] | None = None) ->
 def _follows(items: Sequence[Tensor], j: int, i: int, offsets: Sequence[int] | None) -> bool:
     if not adjacent(items[j], items[i]):
         return False
-    gap = items[i].storage_offset() - items[j].storage_offset()
+    gap = int(items[i].storage_offset()) - int(items[j].storage_offset())
     return offsets is None or gap == offsets[i] - offsets[j]
 
 

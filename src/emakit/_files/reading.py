@@ -9,7 +9,7 @@
 * :func:`write_errors` turns an ``OSError`` while writing (disk full, read-only file
   system) into an :class:`~emakit.errors.EMAWriteError` that names the file and keeps the
   ``errno``.
-* :func:`writable_path` refuses, at write time, a file or folder name that is not valid
+* [`writable_path`][emakit._files.reading.writable_path] refuses, at write time, a file or folder name that is not valid
   UTF-8 (on POSIX a name is bytes, and Python keeps undecodable bytes as surrogates):
   safetensors' own reader, JSON headers and most tools cannot name such a file, so it
   could be written but not read back.
@@ -168,7 +168,7 @@ def writable_path(name: str, value: object) -> Path:
 
 def writable_folder(name: str, value: object) -> Path:
     """``value`` as a folder to write into (created later if missing), or an error naming
-    the argument: as :func:`writable_path`, and refusing a path that exists and is not a
+    the argument: as [`writable_path`][emakit._files.reading.writable_path], and refusing a path that exists and is not a
     folder (a regular file, a FIFO...).
 
     Raises:
