@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from emakit import EMA, EMAStateError, EMAValueError, schedules
 from emakit.foreign import load_foreign_state
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+MIGRATION = Path(__file__).resolve().parents[1] / "docs" / "migration.md"
 STEPS = 300
 EPS32 = torch.finfo(torch.float32).eps
 #: The README's bound for torch_ema and diffusers: per tensor, |ours - theirs| stays within
@@ -34,10 +34,15 @@ ROUNDING_EPS = 4
 
 
 def readme_row(start: str) -> str:
-    """The line of the README's migration table whose first cell starts with ``start``."""
-    rows = [r for r in README.read_text(encoding="utf-8").splitlines() if r.startswith(start)]
-    assert len(rows) == 1, f"README has {len(rows)} rows starting with {start!r}"
-    return rows[0]
+    """The migration page's section for the library ``start`` names (``"| timm "`` ->
+    "## From timm ..."): the text from its heading to the next one."""
+    name = start.strip("| ").strip()
+    text = MIGRATION.read_text(encoding="utf-8")
+    heads = [i for i, line in enumerate(text.splitlines()) if line.startswith(f"## From {name}")]
+    assert len(heads) == 1, f"docs/migration.md has {len(heads)} sections for {name!r}"
+    lines = text.splitlines()[heads[0] + 1 :]
+    end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    return " ".join(lines[:end])
 
 
 def build(row: str, snippet: str, model: nn.Module, swap: tuple[str, str] | None = None) -> EMA:
