@@ -372,14 +372,13 @@ def test_members_match_lone_reference_emas(kind, runner, tmp_path):
             model, betas=(0.9, 0.99), update_after_step=2, update_every=2, **RUNNERS[runner]
         )
         lone = [
-            # MultiEMA's members leave the online model out of their states (the set holds it)
             EMA(
                 lone_model,
                 beta=b,
                 update_after_step=2,
                 update_every=2,
                 use_foreach=False,
-                include_online_model=False,
+                include_online_model=False,  # as MultiEMA's members
             )
             for b in (0.9, 0.99)
         ]
