@@ -212,7 +212,7 @@ def stored_count(
 
 def stored_real(source: str, field: str, value: object) -> float:
     """A real number read from a file or a state (e.g. a gamma), finite; or an
-    :class:`~emakit.EMAStateError` naming ``source`` and ``field``."""
+    [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
     try:
         number = _stored_number(value)
         if isinstance(number, (bool, str)) or not isinstance(number, (int, float)):
@@ -230,7 +230,7 @@ def stored_real(source: str, field: str, value: object) -> float:
 
 def stored_flag(source: str, field: str, value: object) -> bool:
     """A flag read from a file or a state (``initted``): a bool, or 0/1 as a number or a
-    1-element tensor; or an :class:`~emakit.EMAStateError` naming ``source`` and ``field``."""
+    1-element tensor; or an [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
     try:
         numel = getattr(value, "numel", None)
         if callable(numel) and getattr(value, "dtype", None) == torch.bool and numel() == 1:

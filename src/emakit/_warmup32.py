@@ -2,14 +2,14 @@
 
 ema-pytorch evaluates ``clamp(1 - (1 + t / inv_gamma) ** -power, min_value, beta)`` on a
 0-dim float32 tensor: six torch ops, about 10 µs of dispatch per averaging update.
-:func:`decay_torch` repeats those ops. :func:`decay_emulated` computes the same value
+`decay_torch()` repeats those ops. `decay_emulated()` computes the same value
 with Python floats, rounding to float32 after each step as torch's CPU kernels do for a
 0-dim tensor: the division, addition and subtraction in float32 (exact: each is computed
 in double and rounded once, which gives the correctly rounded float32 result), and the
 power as torch does it, ``pow(double(base), double(exponent))`` rounded to float32, with
 the same C library ``pow``. About 1.5 µs.
 
-Because the second relies on how torch's kernels round, :func:`decay` uses it only after a
+Because the second relies on how torch's kernels round, `decay()` uses it only after a
 self-check on this machine and torch build: the first time a setting (beta, inv_gamma,
 power, min_value) is used, both are compared over 128 steps (the warm-up and large
 steps); any difference, or a default dtype other than float32, and every call for that
@@ -45,7 +45,7 @@ def decay_torch(t: int, beta: float, inv_gamma: float, power: float, min_value: 
 
 
 def decay_emulated(t: int, beta: float, inv_gamma: float, power: float, min_value: float) -> float:
-    """The same float32 value as :func:`decay_torch`, with Python floats (see the module).
+    """The same float32 value as `decay_torch()`, with Python floats (see the module).
 
     torch's CPU ``pow`` of a float tensor by a scalar specializes three exponents this
     formula can meet: -0.5 (``1 / sqrt``), -1 (reciprocal) and -2 (``1 / (x * x)``);
@@ -77,7 +77,7 @@ def _self_check(beta: float, inv_gamma: float, power: float, min_value: float) -
     )
 
 
-#: Settings already checked (see :func:`_self_check`), with the verdict.
+#: Settings already checked (see `_self_check()`), with the verdict.
 _verified: dict[tuple[float, float, float, float], bool] = {}
 
 

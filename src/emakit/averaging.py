@@ -125,7 +125,7 @@ def interpolate(
     The result is a new dict of new tensors; ``model.load_state_dict(result)`` loads it.
     BatchNorm running statistics come out as the same weighted average of the inputs'
     statistics, which is not the statistics of the averaged network: run
-    :func:`update_bn` afterwards.
+    [`update_bn()`][emakit.averaging.update_bn] afterwards.
 
     Args:
         models_or_state_dicts: the models to average, each an ``nn.Module`` (its
@@ -273,7 +273,7 @@ def update_bn(
 ) -> None:
     """Recompute the BatchNorm running statistics of ``model`` over one pass of ``loader``.
 
-    Averaged weights (EMA, SWA, :func:`interpolate`) come with running statistics that
+    Averaged weights (EMA, SWA, [`interpolate()`][emakit.averaging.interpolate]) come with running statistics that
     were never measured on the averaged network; this replaces them with the exact
     statistics of the data. Each BatchNorm layer's ``running_mean`` and ``running_var``
     become the mean and unbiased variance (as BatchNorm stores it), per channel, of

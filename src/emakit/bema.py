@@ -35,7 +35,7 @@ from .errors import EMAStateError
 
 __all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
 
-#: Version of what :meth:`BEMA.state_dict` adds to EMA's: the ``bema_ema.*`` and
+#: Version of what `BEMA.state_dict()` adds to EMA's: the ``bema_ema.*`` and
 #: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
 BEMA_STATE_VERSION = 1
 _SETTINGS = (
@@ -66,8 +66,8 @@ _EMA_KEY, _THETA0_KEY = "bema_ema.", "bema_theta0."
 class BEMA(EMA):
     """A bias-corrected EMA (BEMA, arXiv:2508.00180) in TRL's parameterization.
 
-    Call :meth:`update` after every optimizer step, as for an [`EMA`][emakit.EMA]. ``t``
-    is the number of :meth:`update` calls, which is TRL's ``state.global_step``. At
+    Call `update()` after every optimizer step, as for an [`EMA`][emakit.EMA]. ``t``
+    is the number of `update()` calls, which is TRL's ``state.global_step``. At
     construction (TRL: ``on_train_begin``) ``theta0``, the EMA and the evaluated weights
     are the model's weights. Then, at call ``t``:
 
@@ -84,7 +84,7 @@ class BEMA(EMA):
 
     **Memory**: three copies of the averaged tensors, on ``device``: ``theta0`` and the
     EMA (BEMA's state), and the evaluated weights (the EMA model itself: what
-    :meth:`swap`, ``ema(x)`` and the exports read, computed at each update from that
+    `swap()`, ``ema(x)`` and the exports read, computed at each update from that
     step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
     EMA lives on another device or dtype than the model.
 
@@ -303,12 +303,12 @@ class BEMA(EMA):
 
 class BEMARunner:
     """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
-    handed a ``BEMAWork`` (:mod:`emakit._engine.bema`) for each plan it is given, so the
+    handed a ``BEMAWork`` (`emakit._engine.bema`) for each plan it is given, so the
     tracker's one update path (``Tracker.update()``) drives BEMA too.
 
     Args:
         inner: the runner the EMA's keywords asked for.
-        ema, theta0: BEMA's state tensors by name (see :class:`BEMA`).
+        ema, theta0: BEMA's state tensors by name (see [`BEMA`][emakit.bema.BEMA]).
     """
 
     def __init__(self, inner: Runner, ema: dict[str, Tensor], theta0: dict[str, Tensor]) -> None:

@@ -1,7 +1,7 @@
 """``emakit bench``: the cost of one EMA update on your machine, path by path.
 
 Times one averaging ``update()`` of each engine path (reference loop, foreach, the
-default flat path, and the flat path after :func:`~emakit.flatten_parameters`) on a
+default flat path, and the flat path after [`flatten_parameters()`][emakit.flatten_parameters]) on a
 standard model, and compares each with the memory-bandwidth floor: a single ``lerp_``
 over one flat tensor holding as many elements. A ratio near 1 means the update costs no
 more than streaming the weights through memory once.
@@ -82,10 +82,10 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
 
 
 def build_model(name: str, device: str | torch.device = "cpu") -> nn.Module:
-    """One of :data:`MODELS` on ``device`` (seeded, so runs compare).
+    """One of `MODELS` on ``device`` (seeded, so runs compare).
 
     Args:
-        name: a key of :data:`MODELS`.
+        name: a key of `MODELS`.
         device: where to build it. Default ``"cpu"``.
 
     Returns:
@@ -128,10 +128,10 @@ class BenchRow:
 
 @dataclass(frozen=True)
 class BenchResult:
-    """What :func:`bench_update` measured, and what to distrust in it.
+    """What `bench_update()` measured, and what to distrust in it.
 
     Attributes:
-        model: the key of :data:`MODELS`.
+        model: the key of `MODELS`.
         device: ``"cpu"`` or ``"cuda"``.
         threads: torch's CPU threads during the timing.
         repeats: rounds (samples per path).
@@ -253,7 +253,7 @@ def bench_update(
     """Seconds per averaging update of each path, side by side, with the ratio to the floor.
 
     Args:
-        model: a key of :data:`MODELS`. Default ``"tiny"``.
+        model: a key of `MODELS`. Default ``"tiny"``.
         device: ``"cpu"`` or ``"cuda"``. Default ``"cpu"``.
         repeats: rounds; each times one batch of calls of every path. Default 20.
         threads: torch CPU threads during the timing (restored afterwards); None keeps
@@ -265,7 +265,7 @@ def bench_update(
             Default None.
 
     Returns:
-        A :class:`BenchResult`: the floor and the four paths (median, quartiles, ratio to
+        A `BenchResult`: the floor and the four paths (median, quartiles, ratio to
         the floor) and the warnings, if any.
 
     Raises:

@@ -1,15 +1,15 @@
 """EMA weights on disk: safetensors export and import.
 
-* :func:`save_ema_weights` writes the EMA model's weights as a safetensors file that loads
+* [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes the EMA model's weights as a safetensors file that loads
   straight into the model class (``model.load_state_dict(load_file(path))``), with the EMA
   settings in the header. The file is streamed tensor by tensor (no second copy of the
   model in memory) and written atomically.
-* :func:`load_ema_weights` reads such a file back into an EMA, keeping the shadow dtype.
+* [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads such a file back into an EMA, keeping the shadow dtype.
 
-Checkpoints of other EMA libraries load with :func:`emakit.foreign.load_foreign_state`.
+Checkpoints of other EMA libraries load with [`emakit.foreign.load_foreign_state()`][emakit.foreign.load_foreign_state].
 
 Every failure (missing, truncated or corrupt file, a checkpoint of another model) raises an
-:class:`~emakit.EMAError` that names the file and what is wrong.
+[`EMAError`][emakit.errors.EMAError] that names the file and what is wrong.
 safetensors carries no checksum: truncation and damage to the header are caught (the header
 is validated in full, and a header that has emakit's entries but a damaged ``format`` is
 refused rather than read as a plain state dict without its step), a flipped bit inside
@@ -55,7 +55,7 @@ __all__ = [
     "save_ema_weights",
 ]
 
-#: ``format`` entry in the header of files written by :func:`save_ema_weights`.
+#: ``format`` entry in the header of files written by `save_ema_weights()`.
 WEIGHTS_FORMAT = "emakit.ema_weights"
 #: Version of that header layout.
 WEIGHTS_FORMAT_VERSION = 1
@@ -69,7 +69,7 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def as_path(name: str, value: object) -> Path:
-    """``value`` as a :class:`~pathlib.Path`, or an error naming the argument ``name``."""
+    """``value`` as a `Path`, or an error naming the argument ``name``."""
     if not isinstance(value, (str, os.PathLike)):
         raise EMATypeError(
             f"{name} must be a str or os.PathLike file name, got {name}={value!r} "
@@ -121,7 +121,7 @@ def _check_fits(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> Non
 def weights_header(
     ema: EMA, tensors: Mapping[str, Tensor], dtype: torch.dtype | None
 ) -> dict[str, str]:
-    """The header metadata :func:`save_ema_weights` writes for ``ema`` and ``tensors``."""
+    """The header metadata [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes for ``ema`` and ``tensors``."""
     from ._version import __version__
 
     inner = ema.ema_pytree if ema.kind == "pytree" else ema.ema_model
@@ -180,7 +180,7 @@ def save_ema_weights(
     ``min_value``, ``schedule``). A crash during the save leaves any previous file whole.
 
     Args:
-        ema: the :class:`~emakit.EMA` (or :class:`~emakit.EMAPytree`, saved under its leaf
+        ema: the [`EMA`][emakit.EMA] (or [`EMAPytree`][emakit.EMAPytree], saved under its leaf
             paths) to export.
         path: the destination file; its folder is created if missing.
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
@@ -191,7 +191,7 @@ def save_ema_weights(
         tied_once: keyword-only; store each tied tensor once. Default False.
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        ``path`` as a `Path`.
 
     Raises:
         EMAValueError: ``path`` is not a valid UTF-8 name (it could not be read back).
@@ -272,11 +272,11 @@ def _near(a: str, b: str) -> bool:
 
 
 def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None, bool] | None:
-    """``(step, initted)`` from the header of a file :func:`save_ema_weights` wrote, None
+    """``(step, initted)`` from the header of a file [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] wrote, None
     for another safetensors file, or an error for a damaged emakit header.
 
     A header with emakit's entries (``format_version``, ``emakit_version``) or a ``format``
-    one or two characters away from :data:`WEIGHTS_FORMAT`, but not a format emakit knows,
+    one or two characters away from `WEIGHTS_FORMAT`, but not a format emakit knows,
     is refused: reading it as a plain state dict would silently drop its step.
 
     Raises:
@@ -321,14 +321,14 @@ def load_ema_weights(
     strict: bool = True,
     restore_step: bool = True,
 ) -> dict[str, str]:
-    """Load EMA weights written by :func:`save_ema_weights` (or any safetensors file of the
+    """Load EMA weights written by [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] (or any safetensors file of the
     model's ``state_dict``) into ``ema``.
 
     Values are copied into the existing shadow tensors, so the shadow keeps its dtype (an
     fp32 shadow stays fp32 when the file holds bf16). Names are paired strictly.
 
     Args:
-        ema: the :class:`~emakit.EMA` or :class:`~emakit.EMAPytree` to load into.
+        ema: the [`EMA`][emakit.EMA] or [`EMAPytree`][emakit.EMAPytree] to load into.
         path: the safetensors file.
         strict: with True (default) a missing or extra tensor name is an error listing
             them; with False, tensors absent from the file keep their values, and a

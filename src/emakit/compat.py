@@ -1,6 +1,6 @@
 """The rest of ema-pytorch 0.8.3's public surface, for code written against it.
 
-:class:`EMAPytorchSurface` adds to :class:`~emakit.EMA` the members ema-pytorch clients
+`EMAPytorchSurface` adds to [`EMA`][emakit.EMA] the members ema-pytorch clients
 call that emakit's own design does not need: the name filters and iterators
 (``parameter_names``, ``get_params_iter`` ...), the in-place helpers and a direct ``update_moving_average(ma_model, current_model)``.
 Each is built on EMA's public methods; the hot path never goes through them. (EMA itself
@@ -25,7 +25,7 @@ def _floating(t: Tensor) -> bool:
 
 
 class EMAPytorchSurface:
-    """ema-pytorch's helper members (mixed into :class:`~emakit.EMA`)."""
+    """ema-pytorch's helper members (mixed into [`EMA`][emakit.EMA])."""
 
     # provided by EMA
     allow_different_devices: bool
@@ -92,14 +92,14 @@ class EMAPytorchSurface:
         return {n for n, b in self.ema_model.named_buffers() if _floating(b)}
 
     def get_params_iter(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of ``model`` for the names in :attr:`parameter_names`."""
+        """``(name, parameter)`` of ``model`` for the names in `parameter_names`."""
         names = self.parameter_names
         for name, param in model.named_parameters():
             if name in names:
                 yield name, param
 
     def get_buffers_iter(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-        """``(name, buffer)`` of ``model`` for the names in :attr:`buffer_names`."""
+        """``(name, buffer)`` of ``model`` for the names in `buffer_names`."""
         names = self.buffer_names
         for name, buffer in model.named_buffers():
             if name in names:
@@ -130,8 +130,8 @@ class EMAPytorchSurface:
         """``ma_model <- decay * ma_model + (1 - decay) * current_model`` by name.
 
         ``(ema_model, model)`` averages the EMA (the default decay is
-        :meth:`get_current_decay`); ``(model, ema_model)`` pulls the model toward the EMA
-        (as :meth:`update_model_with_ema` does); other modules are averaged by name over
+        `get_current_decay()`); ``(model, ema_model)`` pulls the model toward the EMA
+        (as `update_model_with_ema()` does); other modules are averaged by name over
         the floating tensors they share. A frozen EMA (``beta == 1``) is left alone, as
         in ema-pytorch.
         """

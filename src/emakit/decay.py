@@ -1,7 +1,7 @@
 """The decay rule: what one ``update()`` call does, as a pure function of the call count.
 
 Every EMA kind (``EMA``, its decay groups, ``MultiEMA``, ``KarrasEMA``) asks one
-:class:`DecayRule` what a call does:
+[`DecayRule`][emakit.decay.DecayRule] what a call does:
 
 .. math:: \\text{action}(s, \\ell) = \\begin{cases}
    \\text{skip} & s \\bmod \\text{update\\_every} \\ne 0 \\\\
@@ -15,9 +15,9 @@ increment), ``ℓ`` the call number of the last update that averaged (or of the 
 initializing copy), and ``d_g`` the decay of decay group ``g``. The first call of all is
 always the initializing copy; the owner handles it before asking the rule.
 
-A decay is a callable ``(call, last) -> decay``. :class:`ScheduleDecay` adapts a
-``t -> decay`` schedule (see :mod:`emakit.schedules`; the inverse-gamma warm-up is just
-the default schedule), :class:`PowerDecay` is the power-function decay of Karras et al.
+A decay is a callable ``(call, last) -> decay``. [`ScheduleDecay`][emakit.decay.ScheduleDecay] adapts a
+``t -> decay`` schedule (see [`emakit.schedules`][emakit.schedules]; the inverse-gamma warm-up is just
+the default schedule), [`PowerDecay`][emakit.decay.PowerDecay] is the power-function decay of Karras et al.
 (arXiv:2312.02696), which depends on the gap to the last averaging update.
 """
 
@@ -60,7 +60,7 @@ class Action:
     nothing moves, but it counts as an averaging update) or ``"lerp"``
     (``shadow.lerp_(online, weights[group])``). ``call`` is the call number (1-based).
     ``guard`` (set by ``skip_nonfinite=True``) is a 0-dim bool tensor on the device: the
-    copy or lerp happens only where it is true (see :mod:`emakit._engine.finite`).
+    copy or lerp happens only where it is true (see `emakit._engine.finite`).
     ``bias`` is BEMA's bias-correction weight ``alpha_t`` of a ``"lerp"`` (see
     [`BEMARule`][emakit.decay.BEMARule]; 0 for every other kind of EMA).
     """
@@ -91,7 +91,7 @@ class Decay(Protocol):
 
 
 class ScheduleDecay:
-    """A ``t -> decay`` schedule as a :class:`Decay`, ema-pytorch's way.
+    """A ``t -> decay`` schedule as a [`Decay`][emakit.decay.Decay], ema-pytorch's way.
 
     .. math:: t = \\max(\\text{call} - \\text{update\\_after\\_step} - 1, 0), \\quad
        d = \\text{clamp}(\\text{schedule}(t), \\text{floor}, 1), \\quad d(t \\le 0) = 0
@@ -150,16 +150,16 @@ class ScheduleDecay:
 
 
 class WarmupDecay:
-    """The default decay: ema-pytorch's inverse-gamma warm-up as a :class:`Decay`, in one
-    call to the float32 warm-up (:mod:`emakit._warmup32`).
+    """The default decay: ema-pytorch's inverse-gamma warm-up as a [`Decay`][emakit.decay.Decay], in one
+    call to the float32 warm-up (`emakit._warmup32`).
 
     .. math:: t = \\text{call} - \\text{update\\_after\\_step} - 1, \\quad
        d = \\text{clamp}\\big(1 - (1 + t / \\text{inv\\_gamma})^{-\\text{power}},
        \\text{floor}, \\beta\\big), \\quad d(t \\le 0) = 0
 
     The offset (``t``), the clamp to ``[floor, beta]`` and the float32 rounding all happen
-    here and in :func:`emakit._warmup32.decay`, which this calls directly: the same bits as
-    :class:`ScheduleDecay` over :func:`~emakit.schedules.inverse_gamma`, two calls fewer.
+    here and in `emakit._warmup32.decay()`, which this calls directly: the same bits as
+    [`ScheduleDecay`][emakit.decay.ScheduleDecay] over [`inverse_gamma()`][emakit.schedules.inverse_gamma], two calls fewer.
 
     Args:
         beta: the ceiling. inv_gamma, power: the warm-up's shape.
@@ -189,7 +189,7 @@ class PowerDecay:
     Args:
         gamma: the profile exponent, > 0.
         beta: the function ``(t, dt, gamma) -> beta`` (see
-            :func:`emakit.posthoc.math.power_function_beta`).
+            [`emakit.posthoc.math.power_function_beta()`][emakit.posthoc.math.power_function_beta]).
     """
 
     def __init__(self, gamma: float, beta: Callable[[float, float, float], float]) -> None:
@@ -207,7 +207,7 @@ class DecayRule:
     """The pure rule of an EMA: ``action(step, last)`` (see the module docstring).
 
     Args:
-        decays: one :class:`Decay` per decay group (group 0 the default); ``None`` marks
+        decays: one [`Decay`][emakit.decay.Decay] per decay group (group 0 the default); ``None`` marks
             a frozen group (beta 1: its weight is 0).
         update_every: only calls with ``step % update_every == 0`` do work.
         update_after_step: calls with ``step <= update_after_step`` copy.
@@ -258,10 +258,10 @@ def ema_rule(
     schedule: Callable[[int], float] | None = None,
     groups: Sequence[float | Callable[[int], float]] = (),
 ) -> DecayRule:
-    """The rule of an :class:`~emakit.EMA` from its keywords, each validated here.
+    """The rule of an [`EMA`][emakit.EMA] from its keywords, each validated here.
 
     Without ``schedule`` the default group follows the inverse-gamma warm-up
-    (:func:`~emakit.schedules.inverse_gamma` with ``beta``, ``inv_gamma``, ``power``,
+    ([`inverse_gamma()`][emakit.schedules.inverse_gamma] with ``beta``, ``inv_gamma``, ``power``,
     ``min_value``); with it, ``schedule`` floored at ``min_value``. Each entry of
     ``groups`` is another decay group: a beta (the same warm-up with that ceiling; 1
     freezes the group) or a schedule. The EMA is frozen (averaging calls hold) when

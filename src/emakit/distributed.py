@@ -1,28 +1,28 @@
 """EMAs of distributed models: DDP, FSDP2 (DTensor shards), sharded checkpoints, full exports.
 
 * **DDP** needs nothing special: ``EMA(ddp_model)`` tracks ``ddp_model.module`` (see
-  :func:`~emakit.unwrap_model`, which also strips ``torch.compile``'s ``_orig_mod``). DDP
+  [`unwrap_model()`][emakit.unwrap_model], which also strips ``torch.compile``'s ``_orig_mod``). DDP
   keeps the weights equal on every rank, so every rank computes the same EMA with no
-  communication; guard your own single-writer files with :func:`is_rank_zero` (not
+  communication; guard your own single-writer files with [`is_rank_zero()`][emakit.distributed.is_rank_zero] (not
   emakit's saves and exports: those are collectives, see below).
 * **FSDP2** (``torch.distributed.fsdp.fully_shard``): each parameter is a ``DTensor`` of
   which a rank holds one shard. ``EMA(model)`` builds its EMA copy with
-  :func:`copy_module`: the same module tree, sharded by ``fully_shard`` with the same mesh,
+  [`copy_module()`][emakit.distributed.copy_module]: the same module tree, sharded by ``fully_shard`` with the same mesh,
   placements and grouping, so every rank stores the EMA of exactly the shard it owns. The
-  update engine works on the local shards (:func:`local_tensor`), so ``update()`` runs no
+  update engine works on the local shards ([`local_tensor()`][emakit.distributed.local_tensor]), so ``update()`` runs no
   collective and allocates nothing (with ``skip_nonfinite=True``: one all-reduce of three
   numbers, so every rank skips alike). The EMA model runs a sharded forward (``ema(x)``, a
   collective: call it on every rank); ``swap()`` copies the EMA shards into the model's
   shards (FSDP2 all-gathers from its own shard storage, so re-pointing ``.data`` would not
   be seen) and copies them back on exit.
-* **Checkpoints**: ``ema.state_dict()`` holds DTensors; :func:`save_sharded_ema` and
-  :func:`load_sharded_ema` write and read them with ``torch.distributed.checkpoint`` (DCP),
+* **Checkpoints**: ``ema.state_dict()`` holds DTensors; [`save_sharded_ema()`][emakit.distributed.save_sharded_ema] and
+  [`load_sharded_ema()`][emakit.distributed.load_sharded_ema] write and read them with ``torch.distributed.checkpoint`` (DCP),
   one file per rank, loadable into another world size (DCP reshards) or into a
   non-distributed EMA. A save goes into a fresh version folder and is switched to
   atomically, so a crash mid-save leaves the previous checkpoint loadable; a load never
-  unpickles code (see :mod:`emakit._files.dcp`). :func:`save_full_ema_weights` streams the
+  unpickles code (see `emakit._files.dcp`). [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] streams the
   full EMA into one safetensors file that loads straight into the model class, one
-  tensor gathered and written at a time (:mod:`emakit._files.export`).
+  tensor gathered and written at a time (`emakit._files.export`).
 * **DeepSpeed** (``EMA(engine)`` or ``EMA(engine.module)``): under ZeRO-1 and 2 the
   parameters are whole on every rank, so the EMA is as under DDP. Under ZeRO-3 each rank
   keeps the EMA of its own partitions (``param.ds_tensor``, `emakit._dist.deepspeed`):
@@ -36,7 +36,7 @@
   back into any world size.
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
-  agreement step (:mod:`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
+  agreement step (`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
   another call, or ranks whose EMAs are at different steps or skip counts raise on every
   rank instead of hanging or saving a mix.
 
@@ -94,7 +94,7 @@ def swap_in_place(ema: EMA) -> Iterator[None]:
     as in ``swap()``. Same as ``ema.swap(in_place=True)``.
 
     Args:
-        ema: an :class:`~emakit.EMA` (of a module or a pytree).
+        ema: an [`EMA`][emakit.EMA] (of a module or a pytree).
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -161,7 +161,7 @@ def _check_ranks(
     extra: int = 0,
 ) -> Any:
     """Every rank is in ``operation`` with the same step and skip count (one bounded
-    all-gather; see :mod:`emakit._dist.collectives`)."""
+    all-gather; see `emakit._dist.collectives`)."""
     from ._dist import collectives as _collectives
 
     return _collectives.agree(
@@ -313,7 +313,7 @@ def load_sharded_ema(
     timeout_s: float = AGREE_TIMEOUT_S,
     **kwargs: Any,
 ) -> None:
-    """Load a checkpoint written by :func:`save_sharded_ema` into ``ema`` (every rank).
+    """Load a checkpoint written by [`save_sharded_ema()`][emakit.distributed.save_sharded_ema] into ``ema`` (every rank).
 
     DCP reads each rank's part of every tensor straight into the EMA's own tensors, so a
     checkpoint saved on N ranks loads on M ranks, or in a process without
@@ -381,8 +381,8 @@ def save_full_ema_weights(
     ``if is_rank_zero():``. Rank 0 writes the file; the others take part in gathering the
     shards and return once the file is complete. Under ``torch.distributed`` the ranks
     first check that they agree (one small all-gather): a call that only some ranks make
-    raises :class:`~emakit.EMARuntimeError` after ``timeout_s`` seconds instead of hanging,
-    and EMAs at different steps or skip counts raise :class:`~emakit.EMAStateError` on
+    raises [`EMARuntimeError`][emakit.errors.EMARuntimeError] after ``timeout_s`` seconds instead of hanging,
+    and EMAs at different steps or skip counts raise [`EMAStateError`][emakit.errors.EMAStateError] on
     every rank.
 
     For an FSDP2 EMA, and for an EMA of a DeepSpeed ZeRO-3 model (gathered from the
@@ -393,7 +393,7 @@ def save_full_ema_weights(
     dtype (the gathered tensor and its CPU copy), whatever the model's size; every other
     rank holds its padded shard of one tensor at a time (a ZeRO-3 gather: one gathered
     tensor). Otherwise (DDP, one process) every rank already holds
-    the full EMA and rank 0 writes it with :func:`~emakit.checkpoint.save_ema_weights`.
+    the full EMA and rank 0 writes it with [`save_ema_weights()`][emakit.checkpoint.save_ema_weights].
     Either way the file has ``save_ema_weights``'s layout and header (the model's own class
     name), is written atomically, and loads straight into the model class::
 
@@ -408,14 +408,14 @@ def save_full_ema_weights(
             Default 30.
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`, on every rank.
+        ``path`` as a `Path`, on every rank.
 
     Raises:
         EMARuntimeError: some ranks did not call it within ``timeout_s`` (the process group
             is unusable afterwards), or they are in another emakit collective.
         EMAStateError: the ranks' EMAs are at different steps or skip counts.
         OSError: rank 0 could not write the file: an ``EMAWriteError`` (also an
-            :class:`~emakit.EMAError`), raised on every rank; any previous file is left
+            [`EMAError`][emakit.errors.EMAError]), raised on every rank; any previous file is left
             whole.
 
     Example:
@@ -465,7 +465,7 @@ def load_full_ema_weights(
     ``step`` and ``initted`` come from the header. This is how an EMA moves to another
     world size: a per-rank ``ema.state_dict()`` holds partitions cut for one world size
     and is refused on another. Any other EMA loads the file with
-    :func:`~emakit.checkpoint.load_ema_weights`.
+    [`load_ema_weights()`][emakit.checkpoint.load_ema_weights].
 
     Args:
         ema: a partitioned EMA (``EMA(engine)`` of a ZeRO-3 engine, or ``partition=True``).

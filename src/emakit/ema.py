@@ -1,10 +1,10 @@
 """``EMA``: an exponential moving average of a module's weights, ema-pytorch compatible.
 
 The class is a facade: it validates the keywords and wires the parts that do the work, a
-:class:`~emakit._core.tracker.Tracker` (counters, the pure :mod:`~emakit.decay` rule, the
-engine's plan and a runner), the shadow copy (:mod:`~emakit._core.shadow`), the state
-codec (:mod:`~emakit._core.state`) and :class:`~emakit._core.swap.Swap`. A tensor or a
-nested dict/list/tuple of tensors is tracked the same way (see :class:`~emakit.EMAPytree`).
+`Tracker` (counters, the pure [`decay`][emakit.decay] rule, the
+engine's plan and a runner), the shadow copy (`shadow`), the state
+codec (`state`) and `Swap`. A tensor or a
+nested dict/list/tuple of tensors is tracked the same way (see [`EMAPytree`][emakit.EMAPytree]).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 
-#: Version of the layout that :meth:`EMA.state_dict` writes (see its docstring); kept in
+#: Version of the layout that `EMA.state_dict()` writes (see its docstring); kept in
 #: torch's per-module metadata (``EMA._version``), not in the keys.
 STATE_VERSION = 2
 _CODEC = StateCodec(
@@ -52,9 +52,9 @@ class EMA(EMAPytorchSurface, nn.Module):
     """An exponential moving average of a module's parameters and buffers.
 
     Keyword-compatible with ``ema_pytorch.EMA`` 0.8.3: the same names, defaults and
-    numbers for the same sequence of calls. Call :meth:`update` after every optimizer
+    numbers for the same sequence of calls. Call [`update()`][emakit.ema.EMA.update] after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
-    use :meth:`swap` to evaluate the online model on the EMA weights in place.
+    use [`swap()`][emakit.ema.EMA.swap] to evaluate the online model on the EMA weights in place.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -218,7 +218,7 @@ class EMA(EMAPytorchSurface, nn.Module):
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
 
-        Called by the constructor, or by the first :meth:`update` when
+        Called by the constructor, or by the first [`update()`][emakit.ema.EMA.update] when
         ``lazy_init_ema=True``.
         """
         if not isinstance(self._source, ModuleSource):
@@ -232,7 +232,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         self._tracker.invalidate()
 
     def _tracked(self) -> Tracked:
-        """The current pairs (see :class:`_LivePairs`); creates a lazy EMA model first."""
+        """The current pairs (see `_LivePairs`); creates a lazy EMA model first."""
         if self._tree is not None and isinstance(self._source, TreeSource):
             return self._source.pairs(*self._tree)
         if self._modules["ema_model"] is None:
@@ -313,7 +313,7 @@ class EMA(EMAPytorchSurface, nn.Module):
            \\text{min\\_value}, \\beta)
 
         and 0 while ``t == 0``. With ``schedule=`` set, ``schedule(t)`` replaces the formula.
-        With ``decay_groups``, this is the default group's decay (see :meth:`current_decays`).
+        With ``decay_groups``, this is the default group's decay (see [`current_decays()`][emakit.ema.EMA.current_decays]).
         """
         return self._tracker.rule.decay(self._tracker.step)
 
@@ -336,7 +336,7 @@ class EMA(EMAPytorchSurface, nn.Module):
 
         With ``update_model_with_ema_every=N``, every N-th call (ema-pytorch's cadence:
         ``step % N == 0`` counted before the call) also pulls the model toward the EMA
-        (:meth:`update_model_with_ema`), except during the warm-up
+        ([`update_model_with_ema()`][emakit.ema.EMA.update_model_with_ema]), except during the warm-up
         (``step <= update_after_step``), when the EMA is only a copy of the model.
         """
         action = self._tracker.update()
@@ -378,7 +378,7 @@ class EMA(EMAPytorchSurface, nn.Module):
             self._tracker.plan().lerp_online(1.0 - b)
 
     def add_to_optimizer_post_step_hook(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Call :meth:`update` after every ``optimizer.step()``; returns the hook handle
+        """Call [`update()`][emakit.ema.EMA.update] after every ``optimizer.step()``; returns the hook handle
         (``handle.remove()`` detaches it).
 
         With ``async_update=True`` on a CPU model this also registers a *pre*-step hook that
@@ -407,7 +407,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         whose shadow differs (``ema_dtype``, another device) are cast into a temporary;
         FSDP2 shards, and every tensor with ``in_place=True``, are copied in and back.
         The original weights come back on exit, also when the block raises. The returned
-        :class:`~emakit._core.swap.Swap` also has explicit ``enter()``/``exit()``.
+        `Swap` also has explicit ``enter()``/``exit()``.
 
         Example:
             >>> net = torch.nn.Linear(2, 2)
@@ -423,7 +423,7 @@ class EMA(EMAPytorchSurface, nn.Module):
         It takes the inputs the model takes. With ``ema_dtype`` (an fp32 shadow of a bf16
         or fp16 model) floating inputs are cast to the shadow's dtype and floating outputs
         back to the model's; with ``device=`` (the shadow offloaded) inputs are moved to
-        the shadow's device and outputs back to the model's (:mod:`emakit._core.forward`).
+        the shadow's device and outputs back to the model's (`emakit._core.forward`).
         For an EMA of a pytree: call the EMA pytree if it is callable, else return it.
         An FSDP2 EMA model is resharded before and after, so every call sees the current
         shards (a collective: call it on every rank). A partitioned EMA (ZeRO-3,
@@ -545,11 +545,11 @@ class EMA(EMAPytorchSurface, nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state written by :meth:`state_dict` (or by ema-pytorch 0.8.3).
+        """Load a state written by [`state_dict()`][emakit.ema.EMA.state_dict] (or by ema-pytorch 0.8.3).
 
         Values are copied into the existing shadow tensors, so the shadow keeps its dtype
         (an fp32 shadow stays fp32 when loading an fp16 checkpoint). With ``strict=True``
-        (default) any missing or unexpected key raises :class:`~emakit.EMAStateError`
+        (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
         """
         if not isinstance(state_dict, Mapping):

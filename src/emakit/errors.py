@@ -1,6 +1,6 @@
 """The emakit exception family.
 
-Every error emakit raises on bad input derives from :class:`EMAError`, and also from
+Every error emakit raises on bad input derives from [`EMAError`][emakit.errors.EMAError], and also from
 the builtin that fits (``ValueError``, ``TypeError`` or ``RuntimeError``), so callers can
 catch either. Messages echo the offending value and say how to fix it.
 """

@@ -1,13 +1,13 @@
 """Checkpoints of other EMA libraries (and emakit's own) loaded into an emakit EMA.
 
-* :func:`load_foreign_state` loads the state of ema-pytorch, timm, torch_ema,
+* [`load_foreign_state()`][emakit.foreign.load_foreign_state] loads the state of ema-pytorch, timm, torch_ema,
   ``torch.optim.swa_utils.AveragedModel`` and diffusers ``EMAModel`` into an emakit EMA,
   from the object their ``state_dict()`` returns, from a torch or safetensors file, or
   from the folder diffusers' ``EMAModel.save_pretrained`` writes.
-* :func:`detect_format` guesses which of :data:`FOREIGN_FORMATS` a checkpoint is in.
+* [`detect_format()`][emakit.foreign.detect_format] guesses which of `FOREIGN_FORMATS` a checkpoint is in.
 
 Every failure (missing, truncated or corrupt file, unknown format, a checkpoint of another
-model) raises an :class:`~emakit.EMAError` that names the source and what is wrong.
+model) raises an [`EMAError`][emakit.errors.EMAError] that names the source and what is wrong.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["FOREIGN_FORMATS", "detect_format", "load_foreign_state"]
 
-#: Formats :func:`load_foreign_state` accepts (besides ``"auto"``).
+#: Formats `load_foreign_state()` accepts (besides ``"auto"``).
 FOREIGN_FORMATS = (
     "emakit",
     "ema_pytorch",
@@ -48,7 +48,7 @@ def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
     """A checkpoint file's content and, for safetensors, its header metadata.
 
     A torch file is read through the descriptor its type was sniffed from; a safetensors
-    file through one descriptor of its own (see :class:`~emakit._files.safetensors_file.SafetensorsFile`).
+    file through one descriptor of its own (see `SafetensorsFile`).
     """
     with open_regular(path, "checkpoint file") as f:
         head = f.read(9)
@@ -199,7 +199,7 @@ def detect_format(obj: Any) -> str | None:
         obj: what a library's ``state_dict()`` returned, or what ``torch.load`` gave.
 
     Returns:
-        The :data:`FOREIGN_FORMATS` entry ``obj`` looks like, or None when none fits.
+        The `FOREIGN_FORMATS` entry ``obj`` looks like, or None when none fits.
 
     Example:
         >>> detect_format({"n_averaged": torch.tensor(3), "module.weight": torch.zeros(1)})
@@ -324,7 +324,7 @@ def load_foreign_state(
     Accepted formats (``format=``), detected from the keys when ``"auto"``:
 
     ========================  ==============================================================
-    ``"emakit"``              :meth:`emakit.EMA.state_dict` (its layout version in torch's
+    ``"emakit"``              [`emakit.EMA.state_dict()`][emakit.EMA.state_dict] (its layout version in torch's
                               state-dict metadata, or a ``version`` key in layout 1; a
                               rebuilt dict loses the metadata and reads as
                               ``"ema_pytorch"``, which loads the same way)
@@ -364,13 +364,13 @@ def load_foreign_state(
     the loaded weights.
 
     Args:
-        ema: the :class:`~emakit.EMA` to load into (an :class:`~emakit.EMAPytree` accepts
+        ema: the [`EMA`][emakit.EMA] to load into (an [`EMAPytree`][emakit.EMAPytree] accepts
             only the ``"emakit"`` format).
         obj: the checkpoint: a mapping (what the library's ``state_dict()`` returns, or
             what ``torch.load`` gave), an object with a ``state_dict()`` method, the
             path of a torch or safetensors file (read with ``weights_only=True``), or the
             path of a diffusers ``EMAModel.save_pretrained`` folder.
-        format: one of :data:`FOREIGN_FORMATS`, or ``"auto"`` (default) to detect it.
+        format: one of `FOREIGN_FORMATS`, or ``"auto"`` (default) to detect it.
         step: the training step to set (overrides the checkpoint's count). Default None.
         strict: pair names strictly (default True); with False, tensors absent from the
             checkpoint keep their values and extra ones are ignored.

@@ -21,8 +21,8 @@ __all__ = ["MultiEMA"]
 class MultiEMA(nn.Module):
     """Several EMAs of one model, updated together.
 
-    Each EMA is a full :class:`~emakit.EMA` (``multi[i]`` or ``multi.emas[i]``: its own
-    ``ema_model``, ``swap()``, forward and state). One :meth:`update` advances them all:
+    Each EMA is a full [`EMA`][emakit.EMA] (``multi[i]`` or ``multi.emas[i]``: its own
+    ``ema_model``, ``swap()``, forward and state). One [`update()`][emakit.multi.MultiEMA.update] advances them all:
     the online tensors are walked once, gathered once into a staging buffer when they are
     not already one contiguous span, and each EMA then takes one ``lerp_`` per
     (device, dtype) group, instead of one per tensor per EMA.
@@ -31,7 +31,7 @@ class MultiEMA(nn.Module):
         model: the online module.
         betas: one EMA per beta, sharing the warm-up settings. Default (0.999, 0.9999).
         schedules: alternatively one schedule (``t -> decay``) per EMA; overrides ``betas``.
-        **ema_kwargs: any :class:`~emakit.EMA` keyword shared by all (``update_every``,
+        **ema_kwargs: any [`EMA`][emakit.EMA] keyword shared by all (``update_every``,
             ``update_after_step``, ``ema_dtype``, ...). ``update_model_with_ema_every``
             and ``decay_groups`` are not supported here; ``include_online_model``
             defaults to False (the state holds the EMAs, not N copies of the model).
@@ -100,7 +100,7 @@ class MultiEMA(nn.Module):
 
     @property
     def step(self) -> int:
-        """Number of :meth:`update` calls so far."""
+        """Number of [`update()`][emakit.multi.MultiEMA.update] calls so far."""
         return int(self[0].step)
 
     def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
@@ -116,7 +116,7 @@ class MultiEMA(nn.Module):
         return self._fused
 
     def update(self) -> None:
-        """Advance every EMA by one training step (see :meth:`EMA.update`).
+        """Advance every EMA by one training step (see [`EMA.update()`][emakit.ema.EMA.update]).
 
         Averaging calls read the online tensors once for all EMAs (a fused pass, on the
         set's shared runner: inline, background thread or CUDA stream); the first call and
@@ -152,7 +152,7 @@ class MultiEMA(nn.Module):
 
     def owns_state_key(self, key: str) -> bool:
         """Whether a state key (relative to this MultiEMA) is one a member reads or ignores
-        beyond its tensors (see :meth:`emakit.EMA.owns_state_key`)."""
+        beyond its tensors (see [`emakit.EMA.owns_state_key()`][emakit.EMA.owns_state_key])."""
         head, _, rest = key.partition(".")
         index, _, rest = rest.partition(".")
         return (

@@ -21,11 +21,11 @@ class EMAPytree(EMA):
     """An EMA of a tensor or of a nested dict/list/tuple of tensors (a pytree).
 
     ``EMA(pytree)`` builds the same thing; this class has ema-pytorch's ``EMAPytree``
-    signature and names. The same update rules as :class:`~emakit.EMA`
+    signature and names. The same update rules as [`EMA`][emakit.EMA]
     (``update_after_step``, ``update_every``, warm-up, ``beta == 1`` frozen). Floating
     leaves are averaged, integer and bool leaves copied, non-tensor leaves left alone.
     Leaves are paired by their path (``"a.0.b"`` for ``{"a": [{"b": t}]}``), and the EMA
-    leaves are saved in :meth:`state_dict` under ``ema.<path>``.
+    leaves are saved in `state_dict()` under ``ema.<path>``.
 
     The online leaves are bound when the EMA is built, as an optimizer binds its
     parameters: update them in place (``optimizer.step()``, ``copy_``, ``mul_`` ...).
@@ -34,7 +34,7 @@ class EMAPytree(EMA):
         pytree: the online tensor or nested container of tensors.
         ema_pytree: a container with the same structure to hold the EMA, or a
             zero-argument factory. Default None: a copy of ``pytree``.
-        beta: the decay ceiling, as for :class:`~emakit.EMA`. Default 0.9999.
+        beta: the decay ceiling, as for [`EMA`][emakit.EMA]. Default 0.9999.
         update_after_step: plain copies until this step. Default 100.
         update_every: only every ``update_every``-th call does work. Default 10.
         inv_gamma: warm-up scale. Default 1.0.
@@ -42,7 +42,7 @@ class EMAPytree(EMA):
         min_value: decay floor. Default 0.0.
         allow_different_devices: allow EMA leaves on another device. Default False.
         coerce_dtype: cast online leaves to the EMA's dtype when they differ. Default False.
-        use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
+        use_foreach: keyword-only; engine path as for [`EMA`][emakit.EMA]. Default None.
         ema_dtype: keyword-only; dtype of the floating EMA leaves. Default None.
         schedule: keyword-only; a ``step -> decay`` callable. Default None.
         skip_nonfinite: keyword-only; skip updates with NaN/Inf leaves. Default False.

@@ -16,9 +16,9 @@ then raises it to the power ``update_every`` for each update it performs.
 The EMA never asks a schedule for ``t == 0``: that update is a plain copy (decay 0), the
 model that starts the average. So with ``update_after_step=0, update_every=1`` the
 shadow after the update at ``t`` is an average of ``t + 1`` models, which is what the
-exact forms of :func:`cumulative_average` and :func:`power_function` rely on.
+exact forms of [`cumulative_average()`][emakit.schedules.cumulative_average] and [`power_function()`][emakit.schedules.power_function] rely on.
 
-Every factory checks its arguments up front. All but :func:`inverse_gamma` (a plain
+Every factory checks its arguments up front. All but [`inverse_gamma()`][emakit.schedules.inverse_gamma] (a plain
 function, kept as it was) return a small picklable callable with a readable ``repr``
 (``linear_warmup(beta=0.999, warmup=1000)``) that compares equal to another one built
 from the same arguments:
@@ -26,15 +26,15 @@ from the same arguments:
 ============================  =================================================================
 factory                       decay at ``t``
 ============================  =================================================================
-:func:`constant`              ``beta``
-:func:`inverse_gamma`         ``1 - (1 + t / inv_gamma) ** -power``, in ``[min_value, beta]``
-:func:`linear_warmup`         ``min(beta, (1 + t) / (warmup + 1))``
-:func:`torch_ema_warmup`      ``min(beta, (1 + t) / (10 + t))``
-:func:`half_life`             ``0.5 ** (1 / steps)`` per optimizer step
-:func:`linear_ramp`           ``beta0 + (beta1 - beta0) * min(t / steps, 1)``
-:func:`cosine_momentum`       ``beta1 - (beta1 - beta0) * (cos(pi * min(t, T) / T) + 1) / 2``
-:func:`power_function`        ``(t / (t + update_every)) ** (gamma + 1)``
-:func:`cumulative_average`    ``t / (t + update_every)``
+[`constant()`][emakit.schedules.constant]              ``beta``
+[`inverse_gamma()`][emakit.schedules.inverse_gamma]         ``1 - (1 + t / inv_gamma) ** -power``, in ``[min_value, beta]``
+[`linear_warmup()`][emakit.schedules.linear_warmup]         ``min(beta, (1 + t) / (warmup + 1))``
+[`torch_ema_warmup()`][emakit.schedules.torch_ema_warmup]      ``min(beta, (1 + t) / (10 + t))``
+[`half_life()`][emakit.schedules.half_life]             ``0.5 ** (1 / steps)`` per optimizer step
+[`linear_ramp()`][emakit.schedules.linear_ramp]           ``beta0 + (beta1 - beta0) * min(t / steps, 1)``
+[`cosine_momentum()`][emakit.schedules.cosine_momentum]       ``beta1 - (beta1 - beta0) * (cos(pi * min(t, T) / T) + 1) / 2``
+[`power_function()`][emakit.schedules.power_function]        ``(t / (t + update_every)) ** (gamma + 1)``
+[`cumulative_average()`][emakit.schedules.cumulative_average]    ``t / (t + update_every)``
 ============================  =================================================================
 """
 
@@ -81,7 +81,7 @@ def inverse_gamma_float32(
        \\qquad \\text{decay}(0) = 0
 
     ema-pytorch 0.8.3 evaluates this formula on float32 tensors; emakit gives the same
-    bits (see :mod:`emakit._warmup32`: Python floats rounded as torch rounds, after a
+    bits (see `emakit._warmup32`: Python floats rounded as torch rounds, after a
     self-check against torch's own ops, else those ops), so an emakit EMA and an
     ema-pytorch EMA fed the same weights agree exactly. No device is touched, so no
     host-device sync happens.
@@ -442,7 +442,7 @@ def power_function(gamma: float, update_every: int = 1) -> Callable[[int], float
     ``t = 0``, so after the update at ``t`` there are ``n + 1`` averaged models and the
     paper's ``t`` is ``n + 1``. The shadow is then a weighted average of the models seen
     with weights growing like ``k ** gamma`` (``k`` counts the averaged models), and
-    ``gamma = 0`` is exactly :func:`cumulative_average`. The per-update decay depends on
+    ``gamma = 0`` is exactly [`cumulative_average()`][emakit.schedules.cumulative_average]. The per-update decay depends on
     the update count, so pass the EMA's ``update_every`` here (and keep
     ``update_after_step`` a multiple of it); ``sigma_rel`` 0.05 is ``gamma ~ 16.97``,
     0.10 is ``gamma ~ 6.94``.

@@ -100,20 +100,20 @@ def parse_module_kwargs(
 
 
 class EMAModuleWrapper(nn.Module):
-    """An :class:`~emakit.EMA` whose submodule outputs feed the online model's forward.
+    """An [`EMA`][emakit.EMA] whose submodule outputs feed the online model's forward.
 
     Args:
         model: the online model.
-        ema: an existing :class:`~emakit.EMA` of ``model``. Default None: one is built with
+        ema: an existing [`EMA`][emakit.EMA] of ``model``. Default None: one is built with
             ``**ema_kwargs``.
         ema_module_kwargs: which EMA submodule outputs go to which online submodules (see
-            :func:`parse_module_kwargs`). Default None: none (a plain EMA).
+            `parse_module_kwargs()`). Default None: none (a plain EMA).
         default_ema_kwarg: the keyword name when a spec gives none. Default
             ``"ema_output"``.
         forward_online_during_train: while the model trains and specs exist, ``wrapper(x)``
-            runs the EMA then the online model (:meth:`forward_online`); otherwise it runs
+            runs the EMA then the online model ([`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online]); otherwise it runs
             the EMA model. Default True.
-        **ema_kwargs: keywords of :class:`~emakit.EMA`.
+        **ema_kwargs: keywords of [`EMA`][emakit.EMA].
 
     Example:
         >>> class Head(torch.nn.Linear):
@@ -155,11 +155,11 @@ class EMAModuleWrapper(nn.Module):
         return self.ema.ema_model
 
     def update(self) -> None:
-        """:meth:`emakit.EMA.update`."""
+        """[`emakit.EMA.update()`][emakit.EMA.update]."""
         self.ema.update()
 
     def update_model_with_ema(self, decay: float | None = None) -> None:
-        """:meth:`emakit.EMA.update_model_with_ema`."""
+        """[`emakit.EMA.update_model_with_ema()`][emakit.EMA.update_model_with_ema]."""
         self.ema.update_model_with_ema(decay=decay)
 
     def eval(self) -> EMAModuleWrapper:
@@ -169,7 +169,7 @@ class EMAModuleWrapper(nn.Module):
         return self
 
     def forward_eval(self, *args: Any, **kwargs: Any) -> Any:
-        """The EMA model in eval mode, without grad (:meth:`emakit.EMA.forward_eval`)."""
+        """The EMA model in eval mode, without grad (`emakit.EMA.forward_eval()`)."""
         return self.ema.forward_eval(*args, **kwargs)
 
     # -- hooks -------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class EMAModuleWrapper(nn.Module):
         auto_normalize_ema_args: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """:meth:`forward_online` while training with specs (or when asked), else the EMA
+        """[`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online] while training with specs (or when asked), else the EMA
         model."""
         if forward_online is None:
             forward_online = (

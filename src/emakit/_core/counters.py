@@ -3,7 +3,7 @@
 ema-pytorch keeps ``step`` and ``initted`` as tensors that clients write in place
 (``ema.step += 1``, ``ema.initted.data.fill_(True)``). emakit counts with Python integers
 (a skipped call costs an integer compare) and hands out tensor *views* on request:
-:class:`Counters` reads them back before the next call, so a write takes effect (also one
+`Counters` reads them back before the next call, so a write takes effect (also one
 made through ``.data``, which no version counter sees, and one made to a view the client
 dropped right after), and keeps them current after the call.
 

@@ -4,7 +4,7 @@ With ``ema_dtype=torch.float32`` on a bf16 model the EMA model holds fp32 weight
 with ``device="cpu"`` it lives on the CPU while the model is on a GPU. The model's own
 inputs (bf16 activations, CUDA tensors) would then fail inside the EMA model ("mat1 and
 mat2 must have the same dtype", "Expected all tensors to be on the same device"). So
-``EMA.forward`` maps its arguments through an :class:`IOCast`:
+``EMA.forward`` maps its arguments through an `IOCast`:
 
 * **inputs**: floating-point tensors are cast to the shadow's dtype (with ``ema_dtype``),
   every tensor is moved to the shadow's device (with ``device=``); integer and bool
@@ -21,11 +21,11 @@ Nothing is mapped when the shadow matches the model (no ``ema_dtype``, no ``devi
 
 Sharded EMA models (FSDP2) need two more things, both here:
 
-* :func:`eval_call` runs the EMA model (eval mode, no grad) between two ``reshard()`` of
+* `eval_call()` runs the EMA model (eval mode, no grad) between two ``reshard()`` of
   its FSDP modules. A root sharded with ``reshard_after_forward=False`` (the usual recipe,
   also inside an ``ema_model=`` factory) keeps its all-gathered weights after a forward;
   the next forward would reuse them although ``update()`` has changed the shards since.
-* :class:`ForwardMethod` is what ``forward_method_names`` puts on the wrapper
+* `ForwardMethod` is what ``forward_method_names`` puts on the wrapper
   (``ema.generate``). For an FSDP2 EMA model the method is registered with
   ``register_fsdp_forward_method`` (so FSDP gathers the root's weights around it, as for
   ``forward``) and runs between two ``reshard()`` as well.
@@ -121,7 +121,7 @@ class IOCast:
 
 
 def io_cast(model: nn.Module, ema_model: nn.Module, *, dtype: bool, device: bool) -> IOCast | None:
-    """The :class:`IOCast` that lets ``ema_model`` take ``model``'s inputs, or None when
+    """The `IOCast` that lets ``ema_model`` take ``model``'s inputs, or None when
     nothing needs mapping.
 
     Args:
@@ -186,7 +186,7 @@ class ForwardMethod:
     Calling it waits for a background update in flight (``before``), then calls
     ``module.<name>``. For an FSDP2 module the method is registered with
     ``register_fsdp_forward_method`` first (unless it already is, e.g. because the model's
-    was and :func:`~emakit._core.sharding.copy_module` registered the copy's), and every
+    was and [`copy_module()`][emakit._core.sharding.copy_module] registered the copy's), and every
     call runs between two ``reshard()``; it is then a collective: call it on every rank.
     The mode (train/eval) and grad mode are the caller's, as in ema-pytorch.
 

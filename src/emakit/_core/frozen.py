@@ -16,7 +16,7 @@ then on it is averaged like any other weight, which is again what ema-pytorch co
   step costs a few attribute reads when no shared weight is in the optimizer (the LoRA
   case), and a loop over the overlap otherwise; ``update()`` pays nothing;
 * **writes into the EMA** that would change a shared value (``load_state_dict``,
-  ``load_ema_weights``): the writer calls :meth:`FrozenShare.unshare_changed` first.
+  ``load_ema_weights``): the writer calls `FrozenShare.unshare_changed()` first.
 
 A frozen value changed in place by the user (``frozen.copy_(new_base)``) is seen by the
 EMA at once, where ema-pytorch's copy would lag; ``share_frozen=False`` copies frozen

@@ -1,7 +1,7 @@
-"""The keywords of :class:`~emakit.EMA`, validated once, and the runner they ask for.
+"""The keywords of [`EMA`][emakit.EMA], validated once, and the runner they ask for.
 
-:class:`EMAOptions` turns the constructor's keywords into checked values (each check in
-:mod:`emakit._validate`, each error naming the argument, the value and the fix), refuses
+`EMAOptions` turns the constructor's keywords into checked values (each check in
+`emakit._validate`, each error naming the argument, the value and the fix), refuses
 combinations that cannot work, and builds the decay rule. ``EMA`` copies the values onto
 itself as its public attributes.
 """
@@ -26,13 +26,13 @@ from ..errors import EMATypeError, EMAValueError
 
 __all__ = ["KEYWORDS_DOC", "EMAOptions", "as_device", "make_runner"]
 
-#: The ``Args:`` section of :class:`~emakit.EMA`'s docstring: the keywords are documented
+#: The ``Args:`` section of `EMA`'s docstring: the keywords are documented
 #: here, next to their validation.
 KEYWORDS_DOC = """
     Args:
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
             wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
-            tracked leaf by leaf, as :class:`~emakit.EMAPytree` does: ``ema_model`` is
+            tracked leaf by leaf, as [`EMAPytree`][emakit.EMAPytree] does: ``ema_model`` is
             then the EMA pytree, the online pytree is never saved, and module-only
             keywords (names, ``decay_groups``, ``update_model_with_ema_every``,
             ``forward_method_names``, ``move_ema_to_online_device``, ``lazy_init_ema``,
@@ -52,7 +52,7 @@ KEYWORDS_DOC = """
             of averaged. Default ().
         ignore_names: names never touched by any path. Default ().
         ignore_startswith_names: name prefixes never touched by any path. Default ().
-        include_online_model: also save the online model in :meth:`state_dict` (keys
+        include_online_model: also save the online model in `state_dict()` (keys
             ``online_model.*``), as ema-pytorch does, so checkpoints load both ways.
             Default True. ``False`` gives smaller checkpoints; states with or without
             ``online_model.*`` load either way. emakit's own checkpoints (integrations,
@@ -62,7 +62,7 @@ KEYWORDS_DOC = """
         use_foreach: ``False`` the reference per-tensor loop, ``True`` one foreach call
             per group, ``None`` the fastest correct path (coalesced flat spans). Default None.
         update_model_with_ema_every: every N calls that averaged, pull the model toward
-            the EMA (see :meth:`update_model_with_ema`). Default None (never).
+            the EMA (see `update_model_with_ema()`). Default None (never).
         update_model_with_ema_beta: fraction of the model kept when doing so; 0 copies the
             EMA into the model. Default 0.0.
         forward_method_names: methods of the EMA model exposed on the wrapper (e.g.
@@ -71,13 +71,13 @@ KEYWORDS_DOC = """
             time when they differ. Default False.
         coerce_dtype: allow EMA tensors of another dtype than the model's; online values
             are cast before averaging. Default False.
-        lazy_init_ema: create the EMA copy at the first :meth:`update` instead of now.
+        lazy_init_ema: create the EMA copy at the first `update()` instead of now.
             Default False.
         ema_dtype: keyword-only; keep floating EMA tensors in at least this dtype, e.g.
             ``torch.float32`` for a bf16 model, so small updates at beta 0.9999 are not
             rounded away (a wider tensor, e.g. a float64 buffer, keeps its own dtype).
             Default None (the model's dtypes).
-        schedule: keyword-only; a callable ``t -> decay`` (see :mod:`emakit.schedules`)
+        schedule: keyword-only; a callable ``t -> decay`` (see [`emakit.schedules`][emakit.schedules])
             replacing the beta/inv_gamma/power warm-up (``beta``, ``inv_gamma`` and
             ``power`` are then unused; ``min_value`` still floors the decay). A decay
             outside [0, 1] (or NaN) raises. Default None.
@@ -187,7 +187,7 @@ def _forward_names(names: Any) -> tuple[str, ...]:
 
 @dataclass
 class EMAOptions:
-    """The checked keywords of :class:`~emakit.EMA` (see its docstring for each)."""
+    """The checked keywords of [`EMA`][emakit.EMA] (see its docstring for each)."""
 
     rule: DecayRule
     values: dict[str, Any]

@@ -1,12 +1,12 @@
 """The EMA copy of a module: which tensors it tracks, how it is built and laid out.
 
-* :func:`module_tensors` walks a module once and returns its parameters and buffers by
+* `module_tensors()` walks a module once and returns its parameters and buffers by
   name (as ``named_parameters()``/``named_buffers()`` name them), where each is registered
   (so a replaced tensor can be seen) and which are buffers.
-* :func:`copy_model` deep-copies a module's structure with every tensor replaced by an
+* `copy_model()` deep-copies a module's structure with every tensor replaced by an
   empty placeholder (no weight or gradient is duplicated); FSDP2 models are rebuilt
-  sharded (see :mod:`emakit._core.sharding`).
-* :func:`layout_shadow` gives the shadow tensors their storage: one flat buffer per
+  sharded (see `emakit._core.sharding`).
+* `layout_shadow()` gives the shadow tensors their storage: one flat buffer per
   (device, dtype), in the online tensors' memory order, averaged tensors first, so a
   flattened model updates each group as one span.
 """
@@ -84,7 +84,7 @@ def copy_model(
 
     Untracked (ignored) tensors get a clone of the model's, since the copy still needs
     them to run. Parameters whose id is in ``shared`` (frozen weights, see
-    :mod:`emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage.
+    `emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage.
 
     Args:
         model: the module to copy.

@@ -1,6 +1,6 @@
 """The EMA copy of an FSDP2 model: the same module tree, sharded by the same calls.
 
-FSDP2 modules refuse ``deepcopy``. :func:`copy_module` rebuilds the module tree without
+FSDP2 modules refuse ``deepcopy``. [`copy_module()`][emakit._core.sharding.copy_module] rebuilds the module tree without
 FSDP's state on the meta device, applies the model's own ``fully_shard`` calls (same mesh,
 placements, grouping, mixed-precision and offload policies) and copies this rank's shards
 of the model's values into it (DTensor to DTensor with the same placements: shard-local,
@@ -8,7 +8,7 @@ no communication), so every rank stores the EMA of exactly the shard it owns.
 
 Everything here goes through torch's public API (``fully_shard``,
 ``register_fsdp_forward_method``, ``FSDPModule.reshard``, DTensor ``placements``,
-``device_mesh`` and ``copy_``) except :func:`fsdp_layout`: torch has no public
+``device_mesh`` and ``copy_``) except `fsdp_layout()`: torch has no public
 way to ask which ``fully_shard`` call built a module, with which policies, or which
 module attributes and hooks are FSDP's. That one function reads them, and
 ``tests/test_fsdp_copy.py::test_torch_internals_emakit_reads_are_where_it_expects``
@@ -39,7 +39,7 @@ __all__ = ["FSDPLayout", "ShardGroup", "copy_module", "fsdp_layout", "unsharded_
 def unsharded_pairs(pairs: list[TensorPair], *, device: object = None) -> list[TensorPair]:
     """The pairs whose shadow is not a DTensor: the ones the EMA lays out in its own buffers.
 
-    DTensor shadows stay in FSDP2's shard storage (filled by :func:`copy_module`), on the
+    DTensor shadows stay in FSDP2's shard storage (filled by [`copy_module()`][emakit._core.sharding.copy_module]), on the
     model's device; an EMA kept on another ``device`` is refused for them.
     """
     plain = [p for p in pairs if not is_dtensor(p.shadow)]
@@ -84,7 +84,7 @@ class ShardGroup:
 
 @dataclass
 class FSDPLayout:
-    """What :func:`fsdp_layout` read: the ``fully_shard`` calls, children before parents,
+    """What `fsdp_layout()` read: the ``fully_shard`` calls, children before parents,
     and, per module (by ``id``), the ``__dict__`` keys that are FSDP's own and, per hook
     registry (``_forward_pre_hooks``, its ``_with_kwargs`` flags, ...), FSDP's hook ids."""
 
@@ -133,7 +133,7 @@ def fsdp_layout(model: nn.Module) -> FSDPLayout:
         model: a module with ``fully_shard`` applied to it or to submodules.
 
     Returns:
-        The :class:`FSDPLayout`.
+        The `FSDPLayout`.
 
     Raises:
         EMATypeError: this torch keeps them elsewhere (the message names what moved and
@@ -229,7 +229,7 @@ def _plain_clone(
 
     The state is the module's own ``__getstate__()`` (so a class that leaves attributes out
     of its pickles, as ``LightningModule`` leaves its trainer, leaves them out here too),
-    less what :func:`fsdp_layout` found to be FSDP's and the ``methods`` registered with
+    less what `fsdp_layout()` found to be FSDP's and the ``methods`` registered with
     ``register_fsdp_forward_method`` (the caller registers them on the sharded copy).
     Other methods bound to the module itself (monkeypatched) are bound to the clone.
     """

@@ -1,8 +1,8 @@
-"""What an EMA tracks: a module (:class:`ModuleSource`) or a pytree (:class:`TreeSource`).
+"""What an EMA tracks: a module (`ModuleSource`) or a pytree (`TreeSource`).
 
 A source knows which tensors of the online model are tracked and how (averaged or copied,
 which decay group, which shadow dtype), builds the EMA copy, and pairs online and shadow
-tensors through :func:`~emakit._engine.pairs.pair_tensors`, the one validation routine.
+tensors through `pair_tensors()`, the one validation routine.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class _Source:
 
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Called before ``state_dict`` is copied into the EMA (a module's shares frozen
-        weights: see :meth:`ModuleSource.before_load`)."""
+        weights: see `ModuleSource.before_load()`)."""
 
     def shadow_dtype(self, t: Tensor) -> torch.dtype | None:
         """The shadow dtype of ``t`` (None: its own). ``ema_dtype`` only ever widens: a
@@ -75,7 +75,7 @@ class ModuleSource(_Source):
         group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
         move_to_online: move the EMA to the model's device when they differ.
         partition: keep only this rank's slice of each parameter (``EMA(partition=True)``).
-        ema_dtype, cast, other_devices, device: see :class:`~emakit.EMA`.
+        ema_dtype, cast, other_devices, device: see [`EMA`][emakit.EMA].
     """
 
     kind = "module"
@@ -101,7 +101,7 @@ class ModuleSource(_Source):
         self.group_patterns = list(group_patterns)
         self.move_to_online = move_to_online
         self.share_frozen = share_frozen
-        #: The shared frozen weights and their watch (see :mod:`emakit._core.frozen`).
+        #: The shared frozen weights and their watch (see `emakit._core.frozen`).
         self.frozen = FrozenShare(on_unshare)
 
     @classmethod
@@ -127,7 +127,7 @@ class ModuleSource(_Source):
 
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Copy-on-write: give every shared frozen weight whose value the load would change
-        its own storage first (see :mod:`emakit._core.frozen`)."""
+        its own storage first (see `emakit._core.frozen`)."""
         self.frozen.unshare_changed(state_dict, prefix)
 
     def tracked(self, name: str) -> bool:
@@ -211,10 +211,10 @@ class ModuleSource(_Source):
         )
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
-        """:meth:`pair`, after moving the EMA to the model's device if asked and needed,
+        """`pair()`, after moving the EMA to the model's device if asked and needed,
         with the ids of both models' modules (what the plan's guards watch), without the
         shared frozen weights (which need no work; they are watched, see
-        :mod:`emakit._core.frozen`)."""
+        `emakit._core.frozen`)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
@@ -279,7 +279,7 @@ class TreeSource(_Source):
         missing_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        """Copy the leaves saved by :meth:`save` into ``shadow``."""
+        """Copy the leaves saved by `save()` into ``shadow``."""
         with torch.no_grad():
             for name, t in leaves(shadow).items():
                 key = prefix + "ema." + name

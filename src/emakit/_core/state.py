@@ -7,7 +7,7 @@ dict torch passes back to ``_load_from_state_dict`` as ``local_metadata``, where
 already records each module's ``_version``): the layout version, the skip count, the
 power-function EMA's profile time.
 
-A :class:`StateCodec` declares a kind's fields: which are keys (tensors) and which are
+A `StateCodec` declares a kind's fields: which are keys (tensors) and which are
 metadata, how each is written and read back, and the keys that earlier layouts wrote
 (version 1 wrote ``version``, ``num_skipped_nonfinite``, ``karras_version``, ``gamma``,
 ``t``, ``dt`` and ``gammas`` as keys): those still load. Metadata survives
@@ -48,7 +48,7 @@ class Field:
     ``encode`` turns the value into what is stored (a tensor for a key, a plain Python
     value for metadata); ``decode(stored, where)`` checks a stored value (a tensor from a
     key, of this layout or an earlier one, or a metadata value) and turns it back, raising
-    an :class:`~emakit.EMAStateError` that names ``where`` (the state and the field) for a
+    an [`EMAStateError`][emakit.errors.EMAStateError] that names ``where`` (the state and the field) for a
     value of the wrong kind. A ``required`` key missing from a state is reported in
     ``missing_keys``.
     """
@@ -234,7 +234,7 @@ def check_loadable(
     Raises:
         EMAStateError: missing or unexpected keys (``strict``), an entry that is not a
             tensor, a tensor of another shape, or of another kind (see
-            :func:`kind_problem`); the message lists them.
+            `kind_problem()`); the message lists them.
     """
     problems = []
     if strict:

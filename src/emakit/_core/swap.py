@@ -1,7 +1,7 @@
 """Swapping the EMA weights into the online model, and back: the one implementation.
 
-:class:`Swap` is both a context manager (``with ema.swap():``) and an object with explicit
-:meth:`~Swap.enter` and :meth:`~Swap.exit`, which framework callbacks use across hooks
+`Swap` is both a context manager (``with ema.swap():``) and an object with explicit
+`enter()` and `exit()`, which framework callbacks use across hooks
 (validation start and end). Per tensor it swaps
 
 * **by reference** when the shadow has the online tensor's dtype and device: the online
@@ -53,7 +53,7 @@ _ACTIVE: list[Swap] = []
 
 
 class Swap:
-    """The EMA weights in the online model between :meth:`enter` and :meth:`exit`.
+    """The EMA weights in the online model between `enter()` and `exit()`.
 
     Args:
         tracker: the EMA's tracker (its plan says which tensors pair).

@@ -1,15 +1,15 @@
 """The bookkeeping of one EMA, shared by every EMA kind: rule, plan and runner.
 
-A :class:`Tracker` owns the decay rule, the plan, the runner and the swap flag, and holds
-the parts it delegates to: the counters (:class:`~emakit._core.counters.Counters`: step,
+A `Tracker` owns the decay rule, the plan, the runner and the swap flag, and holds
+the parts it delegates to: the counters (`Counters`: step,
 initted, last averaging call and gap, ema-pytorch's tensor views) and the non-finite guard
-(:class:`~emakit._engine.finite.FiniteGuard`: the flag and the skip count). Its
-:meth:`~Tracker.update` is the one update path of emakit:
+(`FiniteGuard`: the flag and the skip count). Its
+`update()` is the one update path of emakit:
 
-1. :meth:`~Tracker.advance` counts the call and asks the pure
-   :class:`~emakit.decay.DecayRule` what it does (the first call always initializes);
-2. :meth:`~Tracker.apply` makes sure the plan still matches the model (asking its
-   :class:`PairSource` for the live pairs when a tensor was replaced, added or deleted),
+1. `advance()` counts the call and asks the pure
+   [`DecayRule`][emakit.decay.DecayRule] what it does (the first call always initializes);
+2. `apply()` makes sure the plan still matches the model (asking its
+   `PairSource` for the live pairs when a tensor was replaced, added or deleted),
    optionally guards the action with a device-side "weights are finite" flag, and hands it
    to the runner.
 
@@ -17,7 +17,7 @@ initted, last averaging call and gap, ema-pytorch's tensor views) and the non-fi
 device in ``update()``: the flag (for sharded models combined across ranks by one small
 all-reduce) travels with the action, the kernels select on it, and a skip adds one to a
 counter on the device, read (and the first skip warned about) when
-:attr:`Tracker.num_skipped_nonfinite` is next read. A skipped averaging call still counts
+`Tracker.num_skipped_nonfinite` is next read. A skipped averaging call still counts
 as an averaging call (``last`` moves; the power-function EMA sees a held step). Only the
 very first call reads the flag on the host, so that a first call on non-finite weights
 leaves the EMA uninitialized.
@@ -47,13 +47,13 @@ class PairSource(Protocol):
     """Where a tracker gets the live pairs from: its owner's tensors, paired by name.
 
     This is the one call a tracker makes up into its owner, and only from
-    :meth:`Tracker.plan` when the plan no longer matches the model (first use, or after a
+    `Tracker.plan()` when the plan no longer matches the model (first use, or after a
     tensor was replaced, added or deleted).
     """
 
     def tracked(self) -> Tracked:
         """The pairs as they are now, validated; raises
-        :class:`~emakit.EMAStateError` naming a tensor that no longer pairs."""
+        [`EMAStateError`][emakit.errors.EMAStateError] naming a tensor that no longer pairs."""
         ...
 
 
@@ -63,9 +63,9 @@ class Tracker:
 
     Args:
         rule: what each call does.
-        source: the owner's live pairs (see :class:`PairSource`).
+        source: the owner's live pairs (see `PairSource`).
         impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
-        runner: where updates run. Default: a :class:`~emakit._engine.runners.SyncRunner`.
+        runner: where updates run. Default: a `SyncRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
     """
 
@@ -119,11 +119,11 @@ class Tracker:
         self.counters.gap = value
 
     def step_tensor(self) -> Tensor:
-        """``step`` as ema-pytorch's writable CPU tensor (see :class:`Counters`)."""
+        """``step`` as ema-pytorch's writable CPU tensor (see `Counters`)."""
         return self.counters.step_tensor()
 
     def initted_tensor(self) -> Tensor:
-        """``initted`` as ema-pytorch's writable CPU tensor (see :class:`Counters`)."""
+        """``initted`` as ema-pytorch's writable CPU tensor (see `Counters`)."""
         return self.counters.initted_tensor()
 
     def sync_views(self) -> None:
@@ -142,7 +142,7 @@ class Tracker:
         return c.step, c.initted, c.last, c.gap, self.num_skipped_nonfinite
 
     def restore(self, saved: tuple[int, bool, int, int, int]) -> None:
-        """Put back what :meth:`snapshot` returned."""
+        """Put back what `snapshot()` returned."""
         step, initted, last, gap, skipped = saved
         self.counters.set(step=step, initted=initted)
         self.counters.last, self.counters.gap = last, gap
@@ -191,7 +191,7 @@ class Tracker:
 
     def update(self) -> Action:
         """Count one call and carry out what it does; returns the action applied
-        (:data:`~emakit.decay.SKIP` when nothing happened)."""
+        (`SKIP` when nothing happened)."""
         counters = self.counters
         if counters.held:
             counters.sync()
@@ -216,7 +216,7 @@ class Tracker:
         return self.rule.action(step, c.last)
 
     def apply(self, action: Action) -> Action:
-        """Carry out ``action`` (from :meth:`advance`) on the current plan."""
+        """Carry out ``action`` (from `advance()`) on the current plan."""
         if action is SKIP:
             return action
         plan = self.plan()
@@ -236,7 +236,7 @@ class Tracker:
         return action
 
     def record(self, action: Action) -> None:
-        """Update the counters after ``action`` was carried out (by :meth:`apply` or by a
+        """Update the counters after ``action`` was carried out (by `apply()` or by a
         caller that ran it itself, e.g. a fused update of several EMAs)."""
         c = self.counters
         if action.kind == "init":
@@ -265,7 +265,7 @@ class Tracker:
 
     def guard(self, plan: Plan, action: Action) -> Action:
         """``action`` guarded by the non-finite flag of ``plan`` at this call (see
-        :meth:`FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>`)."""
+        `FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>()`)."""
         return self.finite.guard(plan, action, self.counters.step)
 
     def count_flag(self, ok: Tensor) -> None:

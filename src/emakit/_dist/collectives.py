@@ -17,7 +17,7 @@ every rank of the process group:
   program is wrong, and the message says how to fix it. Ranks that meet in different
   emakit operations raise on every rank, naming who called what.
 * **Every rank's EMA is at the same step with the same skip count.** Otherwise every rank
-  raises the same :class:`~emakit.EMAStateError`, naming the ranks and their steps: one
+  raises the same [`EMAStateError`][emakit.errors.EMAStateError], naming the ranks and their steps: one
   rank called ``update()`` more often than the others, so a checkpoint would record one
   rank's step for shards that were averaged a different number of times.
 * ``extra`` carries 64 bits from the first rank to all (the version folder of a sharded
@@ -77,7 +77,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class Agreed:
-    """What every rank brought to :func:`agree`.
+    """What every rank brought to `agree()`.
 
     Attributes:
         ranks: the global rank of each row.
@@ -148,13 +148,13 @@ def agree(
     ``step`` and ``skips`` (see the module docstring).
 
     Args:
-        operation: one of :data:`OPERATIONS`' names.
+        operation: one of `OPERATIONS`' names.
         step: this rank's EMA step (call count).
         skips: this rank's ``num_skipped_nonfinite``.
         group: the process group (default: the default group).
         timeout_s: seconds to wait for the other ranks.
         check_counts: compare ``step`` and ``skips`` (False: only that every rank came).
-        extra: 64 bits that every rank receives from the first rank (:attr:`Agreed.extra`).
+        extra: 64 bits that every rank receives from the first rank (`Agreed.extra`).
 
     Returns:
         Every rank's row.

@@ -58,7 +58,7 @@ def fsdp_module_type() -> type | None:
 
 
 def check_fsdp2_torch(tensors: Iterable[object], modules: Iterable[object] = ()) -> None:
-    """Refuse DTensors and FSDP2 modules on a torch older than :data:`FSDP2_MIN_TORCH`.
+    """Refuse DTensors and FSDP2 modules on a torch older than `FSDP2_MIN_TORCH`.
 
     On such a torch the classes live under private paths that the checks here do not
     look at, so a sharded model would be treated as a plain one; this says so up front.
@@ -99,7 +99,7 @@ def local_tensor(t: Tensor) -> Tensor:
     The result aliases the DTensor's local storage, which for an FSDP2 parameter is the
     padded shard storage FSDP2 all-gathers from, so in-place writes to it are seen by the
     next forward. It may be a new view object on every call (torch returns a fresh view
-    for ``nn.Parameter`` DTensors): compare shards with :func:`shard_identity`, not ``is``.
+    for ``nn.Parameter`` DTensors): compare shards with `shard_identity()`, not ``is``.
 
     Example:
         >>> local_tensor(torch.ones(2)).shape
@@ -116,7 +116,7 @@ _INNER: dict[type, Callable[[object], object]] = {}
 
 
 def shard_identity_getter(t: Tensor) -> Callable[[object], object]:
-    """A fast getter of :func:`shard_identity` for DTensors of ``t``'s class (for guards that
+    """A fast getter of `shard_identity()` for DTensors of ``t``'s class (for guards that
     check many shards on every update)."""
     cls = type(t)
     getter = _INNER.get(cls)

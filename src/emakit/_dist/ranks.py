@@ -19,6 +19,6 @@ def is_rank_zero() -> bool:
     """True on rank 0 of the default process group, and in a non-distributed process.
 
     Guard single-writer outputs with it (snapshots, logs). Collective exports such as
-    :func:`~emakit.distributed.save_full_ema_weights` must be called on every rank.
+    [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] must be called on every rank.
     """
     return not dist_ready() or torch.distributed.get_rank() == 0

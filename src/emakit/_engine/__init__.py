@@ -1,13 +1,13 @@
 """The EMA update engine: a functional layer over tensor lists, the plan that feeds it, and
 the runners that execute it.
 
-The layout mirrors ``torch.optim``: :func:`ema_lerp_` and :func:`ema_copy_` are the public
+The layout mirrors ``torch.optim``: [`ema_lerp_()`][emakit._engine.ema_lerp_] and [`ema_copy_()`][emakit._engine.ema_copy_] are the public
 functional entry points and dispatch to one kernel per implementation (``"loop"``, the
 reference per-tensor loop; ``"foreach"``, one multi-tensor call; and ``"flat"``, the same
-call over coalesced contiguous spans). :class:`~emakit._engine.plan.Plan` pairs the tensors
-once (:mod:`~emakit._engine.pairs`), watches them for replacement
-(:mod:`~emakit._engine.guards`) and builds the lists the kernels consume on every update;
-:mod:`~emakit._engine.runners` run it inline, on a thread or on a CUDA stream.
+call over coalesced contiguous spans). [`Plan`][emakit._engine.plan.Plan] pairs the tensors
+once (`pairs`), watches them for replacement
+(`guards`) and builds the lists the kernels consume on every update;
+`runners` run it inline, on a thread or on a CUDA stream.
 """
 
 from __future__ import annotations

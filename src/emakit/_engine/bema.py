@@ -1,7 +1,7 @@
 """BEMA's update over an EMA's pairs: the EMA, ``theta0`` and the evaluated weights.
 
-A :class:`BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
-:mod:`emakit._engine.runners`). Per (device, dtype) group of averaged tensors it keeps
+A `BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
+`emakit._engine.runners`). Per (device, dtype) group of averaged tensors it keeps
 three lists laid out alike, one span per run of memory-adjacent tensors:
 
 * ``out``: the evaluated (bias-corrected) weights, which are the EMA model's own tensors
@@ -135,7 +135,7 @@ class BEMAWork:
     Args:
         pairs: the EMA's pairs (its plan's); the shadow tensors are the evaluated weights.
         ema: the EMA tensor of each averaged pair, by name, laid out in
-            :func:`state_order` (DTensors: this rank's shard).
+            `state_order()` (DTensors: this rank's shard).
         theta0: ``theta0`` likewise.
     """
 

@@ -4,23 +4,23 @@ kernels, the guarded path and the skip count; no host sync.
 An update is skipped when any online weight holds NaN or Inf. The decision is a 0-dim
 bool tensor that never leaves the device:
 
-1. :func:`local_flag`: this process's online tensors are all finite. Their extremes
+1. `local_flag()`: this process's online tensors are all finite. Their extremes
    (``torch._foreach_norm(..., inf)`` on an accelerator, ``torch.aminmax`` on the CPU: NaN
    and Inf propagate, finite values cannot overflow), stacked and reduced on the device.
-2. :class:`Agreement`: for sharded (DTensor) models under ``torch.distributed``, each rank
+2. `Agreement`: for sharded (DTensor) models under ``torch.distributed``, each rank
    sees only its shards, so the flags are combined by **one all-reduce of three int64
    numbers** per update, ``max(bad, call, -call)``, on the process group the shards live
    on (the default group when their meshes cover every rank). Every rank then takes the
    same decision. The call number rides along: if the ranks' calls do not match (one rank
    called ``update()`` more often), the update is skipped everywhere rather than averaged
-   from a mismatched flag, and :func:`emakit.distributed` saves report the disagreement.
+   from a mismatched flag, and [`emakit.distributed()`][emakit.distributed] saves report the disagreement.
    DDP and single processes need no agreement: every rank holds the same weights.
-3. :class:`Guarded` (and :func:`guarded_lerp_`): kernels that select on the flag, bit for
-   bit the plain ones where it is true; :class:`GuardedPath` runs a plan's groups through
+3. `Guarded` (and `guarded_lerp_()`): kernels that select on the flag, bit for
+   bit the plain ones where it is true; `GuardedPath` runs a plan's groups through
    them, a wrapper around the plan's path.
-4. :class:`FiniteGuard`, one per tracker: builds the flag for a plan (caching its sources
+4. `FiniteGuard`, one per tracker: builds the flag for a plan (caching its sources
    and agreement), guards an action with it, and counts skips on the device
-   (:class:`SkipCount`, read back, with the warning about the first skip, only when
+   (`SkipCount`, read back, with the warning about the first skip, only when
    someone asks for the count).
 """
 
@@ -56,7 +56,7 @@ __all__ = [
     "local_flag",
 ]
 
-#: Elements per batch of a guarded update (:func:`guarded_lerp_`): the most scratch memory
+#: Elements per batch of a guarded update (`guarded_lerp_()`): the most scratch memory
 #: it holds at once is this many elements of the shadow's dtype (16 MiB in float32).
 GUARD_CHUNK = 1 << 22
 
@@ -93,7 +93,7 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
 
 class Agreement:
     """How the ranks that hold ``pairs``' shards combine their flags, or None (see
-    :meth:`build`).
+    `build()`).
 
     Attributes:
         groups: the process groups to all-reduce over, in order (``[None]``: the default
@@ -159,7 +159,7 @@ class Agreement:
 
 
 def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """Non-empty ``(dst, src)`` pairs, tensors over :data:`GUARD_CHUNK` elements cut into
+    """Non-empty ``(dst, src)`` pairs, tensors over `GUARD_CHUNK` elements cut into
     1-D chunks (when both sides are contiguous)."""
     out = []
     for d, s in zip(dsts, srcs, strict=True):
@@ -178,7 +178,7 @@ def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor
 
 def _batches(pieces: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
     """``pieces`` in consecutive batches of one destination device and dtype and at most
-    about :data:`GUARD_CHUNK` elements."""
+    about `GUARD_CHUNK` elements."""
     batches: list[list[tuple[Tensor, Tensor]]] = []
     size, key = GUARD_CHUNK, None
     for d, s in pieces:
@@ -191,7 +191,7 @@ def _batches(pieces: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Ten
 
 
 class _Batch:
-    """One batch of a :class:`Guarded`: destinations, sources, and scratch views."""
+    """One batch of a `Guarded`: destinations, sources, and scratch views."""
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         self.dsts = [d for d, _ in pairs]
@@ -235,19 +235,19 @@ def _memory_order(pair: tuple[Tensor, Tensor]) -> tuple[str, str, int, int]:
 
 class Guarded:
     """Pairs of tensors prepared for updates that happen only where a device-side flag
-    says so (``skip_nonfinite=True``); build once, call :meth:`lerp` / :meth:`copy` often.
+    says so (``skip_nonfinite=True``); build once, call `lerp()` / `copy()` often.
 
     .. math:: s \\leftarrow \\text{where}(ok,\\ \\text{lerp}(s, o, w),\\ s)
 
     A select, not ``lerp_`` with the weight multiplied by ``ok``: ``s + 0 * (o - s)`` is NaN
-    where ``o`` is NaN or Inf. Each batch of at most :data:`GUARD_CHUNK` elements is copied
+    where ``o`` is NaN or Inf. Each batch of at most `GUARD_CHUNK` elements is copied
     into a scratch buffer, averaged there by the same ``lerp_`` (one foreach copy, one
     foreach lerp), then selected back: one ``where`` per batch when the shadows are one run
     in memory (emakit lays a shadow out so), else one per tensor. With ``ok`` true the
     result is bit for bit ``shadow.lerp_(online, weight)``; with ``ok`` false every shadow
     keeps every bit (``-0.0`` included). Large tensors go in chunks. The scratch, held for
     the object's life, is one buffer per device and dtype of at most
-    :data:`GUARD_CHUNK` elements (16 MiB in float32), less for smaller models.
+    `GUARD_CHUNK` elements (16 MiB in float32), less for smaller models.
 
     Args:
         dsts: tensors updated in place (the shadow).
@@ -307,7 +307,7 @@ def guarded_lerp_(
 ) -> None:
     """``shadow.lerp_(online, weight)`` for every pair where the 0-dim bool tensor ``ok`` is
     true; where it is false every shadow keeps its bits. No host sync: ``ok`` stays on the
-    device. A one-off :class:`Guarded` (build one to update the same tensors often).
+    device. A one-off `Guarded` (build one to update the same tensors often).
 
     Args:
         shadows: tensors updated in place.
@@ -327,7 +327,7 @@ def guarded_lerp_(
 
 def guarded_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], ok: Tensor) -> None:
     """``dst.copy_(src)`` for every pair where the 0-dim bool tensor ``ok`` is true; else
-    nothing changes (see :func:`guarded_lerp_`)."""
+    nothing changes (see `guarded_lerp_()`)."""
     Guarded(dsts, srcs).copy(ok)
 
 
@@ -336,7 +336,7 @@ def guarded_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], ok: Tensor) ->
 
 class GuardedPath:
     """A plan's groups updated only where a device-side flag says so: the same transfers as
-    the plan's path, through :class:`Guarded` kernels (built per transfer on first use).
+    the plan's path, through `Guarded` kernels (built per transfer on first use).
 
     Staging is not in it: the plan stages first, as for its unguarded path.
     """
@@ -423,7 +423,7 @@ class SkipCount:
 
 
 class _Guardable(Protocol):
-    """What :class:`FiniteGuard` needs of a plan."""
+    """What `FiniteGuard` needs of a plan."""
 
     pairs: list[TensorPair]
 
@@ -461,7 +461,7 @@ class FiniteGuard:
 
     def guard(self, plan: _Guardable, action: Action, call: int) -> Action:
         """``action`` guarded by "``plan``'s online weights are finite on every rank" (a
-        flag on the device, counted as a skip where false), or :data:`~emakit.decay.SKIP`
+        flag on the device, counted as a skip where false), or `SKIP`
         for a first call on non-finite weights (read on the host: the one call that does,
         so that it leaves the EMA uninitialized)."""
         ok = self.flag(plan, call)

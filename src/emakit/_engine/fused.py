@@ -1,6 +1,6 @@
 """Several EMAs of one model in one pass: the online tensors are read once for all of them.
 
-:class:`FusedPlan` pairs the plans of N EMAs whose shadows are laid out alike (each one
+`FusedPlan` pairs the plans of N EMAs whose shadows are laid out alike (each one
 span per device and dtype, in the same order, which is how emakit lays them out). Each
 group of averaged tensors takes one of three forms, picked once:
 
@@ -11,8 +11,8 @@ group of averaged tensors takes one of three forms, picked once:
 * they are large: one foreach ``lerp_`` per EMA straight from them (a gather would only
   add a pass over memory).
 
-For a background runner (``staged=True``) every group gathers, so :meth:`FusedPlan.stage`
-is the snapshot and :meth:`FusedPlan.finish` the N lerps. Tensors that are copied rather
+For a background runner (``staged=True``) every group gathers, so `FusedPlan.stage()`
+is the snapshot and `FusedPlan.finish()` the N lerps. Tensors that are copied rather
 than averaged (integer buffers, no-EMA names) are copied by each EMA's own plan.
 """
 
@@ -114,7 +114,7 @@ class _Group:
 class FusedPlan:
     """One averaging pass for the plans of several EMAs of one model.
 
-    Build it with :meth:`build`, which returns None when the shadows are not laid out
+    Build it with `build()`, which returns None when the shadows are not laid out
     alike (the caller then updates each plan on its own). An action's ``weights`` hold one
     lerp weight per EMA (0 leaves that EMA unchanged).
     """
@@ -131,7 +131,7 @@ class FusedPlan:
         """The fused plan of ``plans`` (same model, same pair order), or None.
 
         ``frozen`` marks EMAs that never change (beta 1): their copied tensors are left
-        alone too, as a frozen :class:`~emakit.EMA` leaves them.
+        alone too, as a frozen [`EMA`][emakit.EMA] leaves them.
         """
         first = plans[0].pairs
         # DTensors (FSDP2): this rank's shards, as the plans themselves use them
@@ -164,7 +164,7 @@ class FusedPlan:
     @torch.no_grad()
     def run(self, action: Action) -> None:
         """Average every EMA now (``action.weights``: one weight per EMA; ``action.guard``:
-        see :meth:`Plan.run`)."""
+        see [`Plan.run()`][emakit._engine.plan.Plan.run])."""
         self.stage(guard=action.guard)
         self.finish(action)
 

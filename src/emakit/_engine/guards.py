@@ -19,7 +19,7 @@ What it must notice is the model changing under it:
   or a DTensor's local shard replaced (FSDP2 after ``to()``): checked by identity on every
   update, which costs one lookup per buffer and per sharded tensor;
 * ``.data`` re-pointed, ``.to()`` of the weights: the plan's groups and spans check their
-  dtype, device and storage (see :mod:`emakit._engine.plan`).
+  dtype, device and storage (see `emakit._engine.plan`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _touched(since: int, owners: set[int]) -> bool:
 
 
 class Guards:
-    """Identity guards over the tensors of a :class:`~emakit._engine.pairs.Tracked` value
+    """Identity guards over the tensors of a `Tracked` value
     (see the module docstring).
 
     Args:
@@ -153,7 +153,7 @@ class Guards:
         """``"stale"`` if a tracked tensor is no longer the one registered; ``"check"`` if
         something registered (or deleted) a parameter, buffer or module on one of the
         models since (the owner then compares the live pairs with the plan's, see
-        :meth:`accept`); else ``"fresh"``. Constant time for an unchanged model, apart from
+        `accept()`); else ``"fresh"``. Constant time for an unchanged model, apart from
         one lookup per buffer and per sharded tensor."""
         for container, key, t in self.always:
             if container.get(key) is not t:

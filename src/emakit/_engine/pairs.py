@@ -1,6 +1,6 @@
 """Pairing online and shadow tensors by name, with one validation routine for all EMA kinds.
 
-:func:`pair_tensors` is the only place that decides whether an EMA tensor may track a
+`pair_tensors()` is the only place that decides whether an EMA tensor may track a
 model tensor: same name set, same shape, same dtype (unless a cast is allowed), same
 device (unless allowed), and the same sharding (FSDP2 DTensors). Every error names the
 tensor and says the fix.
@@ -52,7 +52,7 @@ class Tracked:
     """What an EMA tracks, as one value: its pairs and the ids of the modules they live in.
 
     Built by the owner (an EMA's source) whenever the plan must be built, and passed
-    explicitly to the plan and its staleness guards (:mod:`emakit._engine.guards`).
+    explicitly to the plan and its staleness guards (`emakit._engine.guards`).
 
     Attributes:
         pairs: the pairs, in the order the shadow is laid out.
@@ -66,7 +66,7 @@ class Tracked:
 
     @classmethod
     def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:
-        """``pairs`` as a :class:`Tracked` value (no module ids), or ``pairs`` itself."""
+        """``pairs`` as a `Tracked` value (no module ids), or ``pairs`` itself."""
         return pairs if isinstance(pairs, Tracked) else cls(tuple(pairs))
 
 
@@ -128,7 +128,7 @@ def pair_tensors(
         average: whether a tensor is averaged (else copied).
         group: the decay group of a name. Default: always 0.
         buffers: names that are module buffers.
-        online_slots, shadow_slots: where each tensor is registered (see :data:`Slot`).
+        online_slots, shadow_slots: where each tensor is registered (see `Slot`).
         cast: shadow and online dtypes may differ (``coerce_dtype``/``ema_dtype``).
         other_devices: shadow and online devices may differ.
         placeholders: empty shadow tensors stand for ones not laid out yet (any shape).

@@ -1,23 +1,23 @@
 """The fast paths: one function per path, with one signature, picked when a plan is built.
 
 As ``torch.optim`` picks ``_single_tensor_adam`` or ``_multi_tensor_adam`` once, a
-:class:`~emakit._engine.plan.Plan` picks one :class:`Path` when it is built and calls it
+[`Plan`][emakit._engine.plan.Plan] picks one `Path` when it is built and calls it
 on every update, with no branch on the implementation in between:
 
-* ``"loop"`` (:data:`LOOP`): one ``lerp_``/``copy_`` per tensor, the reference (what
+* ``"loop"`` (`LOOP`): one ``lerp_``/``copy_`` per tensor, the reference (what
   ema-pytorch runs);
-* ``"foreach"`` (:data:`FOREACH`): one ``torch._foreach_lerp_``/``_foreach_copy_`` per
+* ``"foreach"`` (`FOREACH`): one ``torch._foreach_lerp_``/``_foreach_copy_`` per
   group of tensors;
 * ``"flat"``: the same foreach functions over groups built from *spans* (runs of
-  memory-adjacent tensors viewed as one tensor, :mod:`~emakit._engine.spans`), so a model
+  memory-adjacent tensors viewed as one tensor, `spans`), so a model
   laid out flat is averaged by one ``lerp_`` per group.
 
-Every path takes ``groups`` (:class:`Group`, one per decay group, device and dtype) and the
+Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
 lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``,
-``copy_unaveraged(groups)``. What happens around a path is not in it: :func:`stage` copies
+``copy_unaveraged(groups)``. What happens around a path is not in it: `stage()` copies
 the online tensors into staging buffers first (flat groups of another dtype or device, and
 every group of a background runner), and the non-finite guard
-(:class:`~emakit._engine.finite.GuardedPath`) runs the same groups through select kernels.
+(`GuardedPath`) runs the same groups through select kernels.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Transfer:
 
 @dataclass
 class _Pointers:
-    """Pointer guards of the spans made at build time (see :meth:`Group.stale`)."""
+    """Pointer guards of the spans made at build time (see `Group.stale()`)."""
 
     tensors: list[Tensor] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)

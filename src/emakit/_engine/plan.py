@@ -2,8 +2,8 @@
 
 Building a plan walks the paired tensors once and sorts them into groups keyed by
 ``(decay group, shadow device, shadow dtype, online device, online dtype)``
-(:func:`~emakit._engine.paths.build_groups`), and picks the one
-:class:`~emakit._engine.paths.Path` that updates them: the reference loop, foreach, or
+(`build_groups()`), and picks the one
+`Path` that updates them: the reference loop, foreach, or
 foreach over *spans* for ``"flat"`` (maximal runs of pairs that sit next to each other in
 memory on both sides, each viewed as one 1-D tensor, so a fully flattened model is updated
 with one ``lerp_`` per group). When the online tensors have another dtype or device than
@@ -12,8 +12,8 @@ shadow (no allocation per update).
 
 An update is then: stage (only where a group has staging buffers), then the path; with a
 guard (``skip_nonfinite``), the same groups through
-:class:`~emakit._engine.finite.GuardedPath`. A background runner calls the two halves
-itself (:meth:`Plan.stage` now, :meth:`Plan.finish` later).
+`GuardedPath`. A background runner calls the two halves
+itself ([`Plan.stage()`][emakit._engine.plan.Plan.stage] now, [`Plan.finish()`][emakit._engine.plan.Plan.finish] later).
 
 The plan holds the tensor objects themselves, as ``torch.optim`` optimizers do: in-place
 changes (optimizer steps, ``load_state_dict``, ``.data`` swaps of a Parameter) are seen.
@@ -60,7 +60,7 @@ class Plan:
     """Pre-grouped tensor lists for every transfer an EMA performs.
 
     Args:
-        tracked: the tracked tensors (a :class:`~emakit._engine.pairs.Tracked` value, or
+        tracked: the tracked tensors (a `Tracked` value, or
             plain pairs), in the order the shadow is laid out.
         impl: ``"loop"``, ``"foreach"`` or ``"flat"``.
         staged: route every online tensor through a staging buffer (background runners).
@@ -110,15 +110,15 @@ class Plan:
         """``"stale"`` when the model changed under the plan (a tracked tensor was replaced,
         a group's dtype or device changed, a span's tensor was re-pointed: build a new
         plan); ``"check"`` when a tensor may have been added, deleted or replaced somewhere
-        (the owner compares the live pairs with :attr:`pairs`, see :meth:`same_pairs`); else
-        ``"fresh"``. See :mod:`emakit._engine.guards`."""
+        (the owner compares the live pairs with `pairs`, see [`same_pairs()`][emakit._engine.plan.Plan.same_pairs]); else
+        ``"fresh"``. See `emakit._engine.guards`."""
         for g in self.groups:
             if g.stale():
                 return "stale"
         return self.guards.check()
 
     def stale(self) -> bool:
-        """Whether the plan is certainly stale (see :meth:`freshness`)."""
+        """Whether the plan is certainly stale (see [`freshness()`][emakit._engine.plan.Plan.freshness])."""
         return self.freshness() == "stale"
 
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
@@ -143,7 +143,7 @@ class Plan:
         """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
         nothing (``"hold"``, ``"skip"``).
 
-        An ``action.guard`` (a 0-dim bool tensor, see :mod:`emakit._engine.finite`) makes the
+        An ``action.guard`` (a 0-dim bool tensor, see `emakit._engine.finite`) makes the
         update conditional on the device: where it is false nothing changes, where it is
         true the result is bit for bit the unguarded one."""
         if action.kind not in _MOVES:
@@ -163,7 +163,7 @@ class Plan:
             stage(self.groups, non_blocking=non_blocking)
 
     def finish(self, action: Action) -> None:
-        """Carry out ``action`` from the staged snapshot (see :meth:`stage`)."""
+        """Carry out ``action`` from the staged snapshot (see [`stage()`][emakit._engine.plan.Plan.stage])."""
         if action.kind in _MOVES:
             with _inference_mode(True):
                 self._move(action)
@@ -193,7 +193,7 @@ class Plan:
 
     def copy_unaveraged(self, guard: Tensor | None = None) -> None:
         """Copy only the pairs that are never averaged (integer buffers, no-EMA names);
-        with a ``guard`` only where it holds (see :meth:`run`)."""
+        with a ``guard`` only where it holds (see [`run()`][emakit._engine.plan.Plan.run])."""
         with _inference_mode(True):
             if self._staging:
                 stage(self.groups, lerp=False)
@@ -232,10 +232,10 @@ class Plan:
 def build_plan(
     tracked: Tracked | Sequence[TensorPair], impl: Impl, *, staged: bool = False
 ) -> Plan:
-    """Build the :class:`Plan` for ``tracked`` (see the module docstring).
+    """Build the [`Plan`][emakit._engine.plan.Plan] for ``tracked`` (see the module docstring).
 
     ``staged=True`` routes every online tensor through a reusable staging buffer (pinned
     when it comes from an accelerator), so an update can be split into a quick snapshot
-    (:meth:`Plan.stage`) and the arithmetic (:meth:`Plan.finish`), run later or elsewhere.
+    ([`Plan.stage()`][emakit._engine.plan.Plan.stage]) and the arithmetic ([`Plan.finish()`][emakit._engine.plan.Plan.finish]), run later or elsewhere.
     """
     return Plan(tracked, impl, staged=staged)

@@ -1,22 +1,22 @@
 """Runners: where and when the arithmetic of an update runs, behind one small interface.
 
-A runner takes *work* (a :class:`~emakit._engine.plan.Plan`, or a
-:class:`~emakit._engine.fused.FusedPlan` for several EMAs of one model) and an
-:class:`~emakit.decay.Action`, and carries the action out:
+A runner takes *work* (a [`Plan`][emakit._engine.plan.Plan], or a
+`FusedPlan` for several EMAs of one model) and an
+[`Action`][emakit.decay.Action], and carries the action out:
 
-* :class:`SyncRunner` at once, on the caller's thread;
-* :class:`ThreadRunner` on a background thread: the online tensors are first snapshot into
+* `SyncRunner` at once, on the caller's thread;
+* `ThreadRunner` on a background thread: the online tensors are first snapshot into
   the work's staging buffers (a non-blocking copy into pinned memory when they live on an
   accelerator), then the worker averages while training goes on. With ``live=True`` (set
   when an optimizer pre-step hook waits for the worker, so no step can write the weights
   while it reads them) the parameters are averaged straight from the live tensors, with no
   snapshot, and only the buffers, which the next forward may write, are done at once;
-* :class:`StreamRunner` on a CUDA side stream, ordered by events: no host sync at all.
+* `StreamRunner` on a CUDA side stream, ordered by events: no host sync at all.
 
 Every reader of the EMA (``state_dict``, ``swap``, ``forward``, ``ema_model``, the copy
-helpers) calls :meth:`wait` first, explicitly. At most one action is pending at a time:
+helpers) calls `wait()` first, explicitly. At most one action is pending at a time:
 ``submit`` waits for the previous one, so a staging buffer is never overwritten while read.
-Exceptions raised on a worker re-raise in the caller at the next :meth:`wait`.
+Exceptions raised on a worker re-raise in the caller at the next `wait()`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ __all__ = [
 
 
 class Work(Protocol):
-    """What a runner runs: all at once (:meth:`run`), or as a snapshot (:meth:`stage`)
-    followed by the arithmetic (:meth:`finish`)."""
+    """What a runner runs: all at once (`run()`), or as a snapshot (`stage()`)
+    followed by the arithmetic (`finish()`)."""
 
     @property
     def on_accelerator(self) -> bool:
@@ -78,7 +78,7 @@ class Runner(Protocol):
         ...
 
     def submit(self, work: Work, action: Action) -> None:
-        """Carry out ``action`` on ``work`` (now, or later: see :meth:`wait`)."""
+        """Carry out ``action`` on ``work`` (now, or later: see `wait()`)."""
         ...
 
     def wait(self) -> None:
@@ -112,7 +112,7 @@ class ThreadRunner:
 
     Args:
         live: average parameters straight from the live tensors (see the module
-            docstring); only safe while an optimizer pre-step hook calls :meth:`wait`.
+            docstring); only safe while an optimizer pre-step hook calls `wait()`.
             Default False.
     """
 
@@ -277,7 +277,7 @@ def hook_optimizer(
 ) -> Any:
     """Call ``update()`` after every ``optimizer.step()``; returns the handle.
 
-    With a :class:`ThreadRunner` for a CPU model, also wait for the pending update before
+    With a `ThreadRunner` for a CPU model, also wait for the pending update before
     every step, which makes the runner's zero-copy ``live`` mode safe; removing the handle
     turns it off again. On an accelerator the staged path already copies non-blocking.
     """

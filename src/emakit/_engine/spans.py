@@ -1,6 +1,6 @@
 """Spans: runs of tensors that sit next to each other in memory, viewed as one 1-D tensor.
 
-A model re-homed by :func:`~emakit._engine.flat.flatten_parameters` (and every EMA shadow,
+A model re-homed by [`flatten_parameters()`][emakit._engine.flat.flatten_parameters] (and every EMA shadow,
 which emakit lays out itself) keeps neighbouring tensors adjacent in one storage; the
 engine then updates a whole run with one kernel instead of one per tensor.
 """

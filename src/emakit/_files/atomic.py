@@ -1,6 +1,6 @@
 """Atomic file writes: a crash mid-write leaves the previous file whole.
 
-Every file emakit writes goes through :func:`atomic_path` (or :func:`atomic_write`, built
+Every file emakit writes goes through [`atomic_path()`][emakit._files.atomic.atomic_path] (or [`atomic_write()`][emakit._files.atomic.atomic_write], built
 on it): the bytes go to a temporary file in the destination's folder, are flushed and
 fsynced, and the temporary file is then renamed over the destination (``os.replace``,
 atomic on POSIX and Windows). The folder is fsynced too where the platform allows, so the
@@ -14,7 +14,7 @@ leftovers are removed by the next successful write into the same folder: each wr
 an exclusive ``flock`` on its temporary file while writing, the lock dies with the process,
 and a temporary file nobody holds a lock on is stale. Where locks are not available
 (Windows, some network file systems) a leftover is removed once it is older than
-:data:`STALE_TEMP_AGE_S`.
+`STALE_TEMP_AGE_S`.
 
 The new file keeps the permission bits of the file it replaces; a new file gets the usual
 ``0o666 & ~umask`` (not ``tempfile``'s private ``0o600``).
@@ -150,7 +150,7 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     """Delete emakit temporary files in ``folder`` that no live write owns.
 
     A temporary file is stale when no process holds its lock (the writer was killed), or,
-    where locks cannot be tested, when it is older than :data:`STALE_TEMP_AGE_S`. Called
+    where locks cannot be tested, when it is older than `STALE_TEMP_AGE_S`. Called
     after every successful atomic write; never raises.
 
     Args:
@@ -213,7 +213,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]]:
-    """Like :func:`atomic_path` for several files that must appear together (all or none).
+    """Like [`atomic_path()`][emakit._files.atomic.atomic_path] for several files that must appear together (all or none).
 
     The block writes every temporary path; only when it completes is each one fsynced and
     then renamed over its destination, in order. If the block raises (a failed or
@@ -269,7 +269,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
         write: called once with a binary file object opened for writing (seekable).
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        ``path`` as a `Path`.
 
     Example:
         >>> import tempfile, torch
@@ -283,7 +283,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+    """Write ``data`` to ``path`` atomically (see [`atomic_write()`][emakit._files.atomic.atomic_write])."""
 
     def write(f: IO[bytes]) -> None:
         f.write(data)

@@ -1,6 +1,6 @@
 """Sharded (DCP) checkpoint folders that survive a crash, read without unpickling code.
 
-Imported only by :mod:`emakit.distributed`'s save and load functions (it imports
+Imported only by [`emakit.distributed`][emakit.distributed]'s save and load functions (it imports
 ``torch.distributed.checkpoint``).
 
 **Layout.** ``torch.distributed.checkpoint`` (DCP) writes its files in place, so a process
@@ -14,16 +14,16 @@ use. A checkpoint folder ``ckpt/`` holds::
 
 A save writes a fresh sibling ``ckpt/v-<random>/``; once DCP has finished (every rank's
 data and the ``.metadata`` written and fsynced), rank 0 replaces the pointer file
-atomically (:func:`emakit._files.atomic.atomic_write_bytes`) and then removes the other ``v-*``
+atomically (`emakit._files.atomic.atomic_write_bytes()`) and then removes the other ``v-*``
 folders: the previous checkpoint, and any left by a save that was killed (stale
 temporaries). A kill at any moment leaves the pointer naming a complete checkpoint. A
 folder without the pointer is read as a plain DCP checkpoint (what emakit wrote before,
 or ``dcp.save`` itself); the first save over it switches it to this layout and removes
 the old top-level DCP files.
 
-**Reading.** DCP's own reader unpickles ``.metadata`` with :mod:`pickle`, and non-tensor
+**Reading.** DCP's own reader unpickles ``.metadata`` with `pickle`, and non-tensor
 entries with ``torch.load(weights_only=False)``: a crafted checkpoint runs code.
-:class:`SafeReader` unpickles ``.metadata`` with an unpickler that resolves only DCP's own
+`SafeReader` unpickles ``.metadata`` with an unpickler that resolves only DCP's own
 metadata classes, ``torch.Size``, torch dtypes and layouts, and paths, refuses entries
 stored as pickled bytes (an EMA's state holds only tensors), and refuses data file names
 that point outside the checkpoint. Tensor data is read by DCP with

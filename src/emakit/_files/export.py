@@ -1,12 +1,12 @@
 """The full export of a sharded EMA, streamed: one tensor gathered and written at a time.
 
-Imported by :mod:`emakit.distributed` only. :func:`write_sharded` writes the file that
-:func:`~emakit.checkpoint.save_ema_weights` would write for the full EMA, byte for byte the
+Imported by [`emakit.distributed`][emakit.distributed] only. `write_sharded()` writes the file that
+[`save_ema_weights()`][emakit.checkpoint.save_ema_weights] would write for the full EMA, byte for byte the
 same layout (same header, same order, loads straight into the model class), without ever
 holding more than one full tensor:
 
 1. every rank builds the header from names, dtypes and global shapes alone
-   (:func:`~emakit._files.safetensors_file.safetensors_layout`), and rank 0 writes it first;
+   (`safetensors_layout()`), and rank 0 writes it first;
 2. for each tensor, in the file's order, every rank casts its shard to the export dtype
    (``to_local()``, then ``.to(dtype)``: the cast happens *before* the gather, so a bf16
    export moves and holds bf16) and the shards are gathered into one buffer on rank 0
@@ -21,7 +21,7 @@ already is on the CPU): at most about twice the largest tensor, whatever the mod
 size. Every other rank holds its padded shard of one tensor at a time (placements other
 than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
 on each rank of the mesh). A failure to write on rank 0 (disk full...) does not leave the other ranks waiting
-in a gather: rank 0 goes on gathering without writing, and :func:`share_outcome` then
+in a gather: rank 0 goes on gathering without writing, and `share_outcome()` then
 raises on every rank.
 """
 
@@ -198,9 +198,9 @@ def write_sharded(
         model_name: the class name in the header. Default: the EMA model's class.
 
     Returns:
-        On rank 0, the exception that stopped the write (an :class:`~emakit.EMAWriteError`
+        On rank 0, the exception that stopped the write (an [`EMAWriteError`][emakit.errors.EMAWriteError]
         for a full disk...) or None; None on the other ranks. Pass it to
-        :func:`share_outcome`.
+        `share_outcome()`.
     """
     model = ema.ema_model
     tensors = model.state_dict() if tensors is None else tensors
@@ -240,7 +240,7 @@ def write_sharded(
 
 def share_outcome(failure: BaseException | None, what: str) -> None:
     """Make rank 0's outcome every rank's: return everywhere, or raise everywhere (rank 0
-    its own exception, the others an :class:`~emakit.EMAWriteError` quoting it). Doubles as
+    its own exception, the others an [`EMAWriteError`][emakit.errors.EMAWriteError] quoting it). Doubles as
     the barrier after which every rank knows the file is complete."""
     if not dist_ready():
         if failure is not None:

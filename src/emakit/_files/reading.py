@@ -1,13 +1,13 @@
 """Opening files emakit reads, and checking names of files it writes.
 
-* :func:`open_regular` opens a file for reading without ever blocking: a FIFO, a socket or
+* `open_regular()` opens a file for reading without ever blocking: a FIFO, a socket or
   a device is refused (opening a FIFO for reading would wait for a writer forever), and
   the check is made on the open descriptor, so the file cannot be swapped in between.
-* :func:`torch_load` reads a torch file through one open descriptor with
-  ``weights_only=True`` and turns torch's refusal into an :class:`~emakit.EMAStateError`
+* `torch_load()` reads a torch file through one open descriptor with
+  ``weights_only=True`` and turns torch's refusal into an [`EMAStateError`][emakit.errors.EMAStateError]
   that names the file and never repeats torch's advice to load with ``weights_only=False``.
-* :func:`write_errors` turns an ``OSError`` while writing (disk full, read-only file
-  system) into an :class:`~emakit.errors.EMAWriteError` that names the file and keeps the
+* `write_errors()` turns an ``OSError`` while writing (disk full, read-only file
+  system) into an [`EMAWriteError`][emakit.errors.EMAWriteError] that names the file and keeps the
   ``errno``.
 * [`writable_path`][emakit._files.reading.writable_path] refuses, at write time, a file or folder name that is not valid
   UTF-8 (on POSIX a name is bytes, and Python keeps undecodable bytes as surrogates):
@@ -141,7 +141,7 @@ def torch_load(path: str | os.PathLike[str], what: str = "file") -> Any:
 
 
 def writable_path(name: str, value: object) -> Path:
-    """``value`` as a :class:`~pathlib.Path` to write, or an error naming the argument.
+    """``value`` as a `Path` to write, or an error naming the argument.
 
     Raises:
         EMATypeError: ``value`` is not a str or ``os.PathLike``.
@@ -189,7 +189,7 @@ def writable_folder(name: str, value: object) -> Path:
 @contextlib.contextmanager
 def write_errors(paths: Sequence[str | os.PathLike[str]], what: str = "file") -> Iterator[None]:
     """Turn an ``OSError`` raised inside the block into an
-    :class:`~emakit.errors.EMAWriteError` naming ``paths`` (the files being written).
+    [`EMAWriteError`][emakit.errors.EMAWriteError] naming ``paths`` (the files being written).
 
     Args:
         paths: the destinations of the write.

@@ -1,18 +1,18 @@
 """safetensors files, written streamed and read back (emakit's own writer and reader).
 
-* :func:`write_safetensors` writes tensors in the safetensors layout one tensor at a time
+* `write_safetensors()` writes tensors in the safetensors layout one tensor at a time
   (no second copy of the model in host memory), tied and aliased tensors included;
-  :func:`safetensors_layout` and :func:`write_tensor` are its two halves, for a writer
+  `safetensors_layout()` and `write_tensor()` are its two halves, for a writer
   that gathers each tensor just before writing it (the sharded full export).
-* :class:`SafetensorsFile` reads one: the header and every tensor through **one** open
+* `SafetensorsFile` reads one: the header and every tensor through **one** open
   file descriptor, so a reader sees exactly one complete save even while another process
   replaces the file (emakit's writes are atomic renames: the open descriptor keeps the
   file it opened). ``safetensors.safe_open`` parses the header from one open and maps the
   data by name with a second one, which can pair one save's header with the next save's
   data. The header is validated in full (lengths, JSON, dtypes, shapes, offsets that
   tile the data exactly, string metadata) before any tensor is read.
-* :func:`read_safetensors` reads a file's tensors and header metadata, or raises an
-  :class:`~emakit.EMAError` that names the file.
+* `read_safetensors()` reads a file's tensors and header metadata, or raises an
+  [`EMAError`][emakit.errors.EMAError] that names the file.
 
 Nothing here unpickles: a safetensors file is a JSON header and raw bytes.
 """
@@ -121,7 +121,7 @@ def _out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
 
 def write_tensor(f: IO[bytes], t: Tensor, dtype: torch.dtype | None = None) -> None:
     """Append ``t``'s bytes (cast to ``dtype`` when floating and given, moved to the CPU)
-    to a file whose header :func:`safetensors_layout` wrote."""
+    to a file whose header `safetensors_layout()` wrote."""
     t = t.detach()
     t = t.to("cpu", _out_dtype(t, dtype)).contiguous().reshape(-1)
     if t.numel():
@@ -136,7 +136,7 @@ def write_safetensors(
 ) -> None:
     """Write ``tensors`` in the safetensors layout, one tensor in host memory at a time.
 
-    The layout is :func:`safetensors_layout`'s: the header, then each tensor's raw
+    The layout is `safetensors_layout()`'s: the header, then each tensor's raw
     little-endian bytes, widest element first. Tensors sharing storage (tied weights,
     views into one flat buffer) are each written in full, which
     ``safetensors.torch.save_file`` refuses to do. Floating tensors are cast to ``dtype``
@@ -152,7 +152,7 @@ class SafetensorsFile:
     """One safetensors file, open for reading: header and data through one descriptor.
 
     Use it as a context manager. The header is read and validated on opening; tensors are
-    read on demand (:meth:`get`), each into its own memory, from the same descriptor.
+    read on demand (`get()`), each into its own memory, from the same descriptor.
 
     Args:
         path: the file.
@@ -162,7 +162,7 @@ class SafetensorsFile:
         path: the file.
         metadata: the header's ``__metadata__`` (``{}`` when absent), str -> str.
         header_digest: SHA-256 (hex) of the header bytes: two opens saw the same save when
-            their digests and :attr:`identity` agree.
+            their digests and `identity` agree.
         identity: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the open file.
 
     Raises:

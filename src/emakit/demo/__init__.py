@@ -3,10 +3,10 @@
 A small convnet learns scikit-learn's bundled digits (8x8 images, 1797 samples, no
 download) with deliberately noisy SGD: a small batch, a high constant learning rate and
 a fraction of the training labels flipped. The online weights keep jittering around a
-good solution; an :class:`~emakit.EMA` of them averages the jitter out. The demo
+good solution; an [`EMA`][emakit.EMA] of them averages the jitter out. The demo
 evaluates both on a held-out split while training and reports the final numbers.
 
-Everything here is a plain function (:func:`run_demo` is the entry point) so it can be
+Everything here is a plain function (`run_demo()` is the entry point) so it can be
 tested without the command line. scikit-learn, matplotlib and rich are loaded only when
 the demo runs (they are the ``emakit[demo]`` extra); ``import emakit`` never loads them.
 
@@ -14,10 +14,10 @@ This package only re-exports, lazily (``import emakit.demo`` loads neither torch
 extra; each name is imported on first use); the code lives in four modules, imported one
 way (``runner`` -> ``report`` -> ``training`` -> ``settings``):
 
-* :mod:`emakit.demo.settings`: the settings and their defaults (no third-party import).
-* :mod:`emakit.demo.training`: data, model, evaluation and the training loop.
-* :mod:`emakit.demo.report`: summary keys, the rich results table and the matplotlib plot.
-* :mod:`emakit.demo.runner`: :func:`run_demo`, the dependency check and the output folder.
+* `emakit.demo.settings`: the settings and their defaults (no third-party import).
+* `emakit.demo.training`: data, model, evaluation and the training loop.
+* `emakit.demo.report`: summary keys, the rich results table and the matplotlib plot.
+* `emakit.demo.runner`: `run_demo()`, the dependency check and the output folder.
 
 Example:
     >>> from pathlib import Path

@@ -1,8 +1,8 @@
 """Reporting for the ``emakit demo``: the summary keys, the results table and the plot.
 
-This module owns how a finished run is presented: :func:`summary_metrics` flattens the
-final metrics into the summary's top-level keys, :func:`results_table` builds the rich
-table (rows from :data:`TABLE_ROWS`) and :func:`plot_history` renders ``demo.png``.
+This module owns how a finished run is presented: `summary_metrics()` flattens the
+final metrics into the summary's top-level keys, `results_table()` builds the rich
+table (rows from `TABLE_ROWS`) and `plot_history()` renders ``demo.png``.
 rich and matplotlib are imported only inside the functions that use them.
 """
 
@@ -43,7 +43,7 @@ def results_table(final: Mapping[str, Mapping[str, float]], title: str | None = 
     """A rich table with one column per model and one row per held-out metric.
 
     Args:
-        final: metrics per model key (keys of :data:`MODEL_LABELS`, in that order).
+        final: metrics per model key (keys of `MODEL_LABELS`, in that order).
         title: the table title. Default None.
 
     Returns:
@@ -75,7 +75,7 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
     """Render the PNG: held-out accuracy of each model over training, and the EMA decay.
 
     Args:
-        history: the ``history`` returned by :func:`train`.
+        history: the ``history`` returned by `train()`.
         settings: the run's settings (for titles).
 
     Returns:

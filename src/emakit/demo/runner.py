@@ -1,11 +1,11 @@
-"""Entry point of the ``emakit demo``: :func:`run_demo` and its output folder.
+"""Entry point of the ``emakit demo``: `run_demo()` and its output folder.
 
 This module owns a run from start to finish: the demo extra's dependency check
-(:func:`check_dependencies`, :class:`DemoDependencyError`), the output folder
-(:func:`new_output_dir` and the file names :data:`SUMMARY_NAME`, :data:`PLOT_NAME`,
-:data:`POSTHOC_DIR`), validating the settings, the progress bar, and writing
-``summary.json`` and ``demo.png`` atomically. It builds on :mod:`emakit.demo.training`
-(the run itself) and :mod:`emakit.demo.report` (table, plot, summary keys); rich is
+(`check_dependencies()`, `DemoDependencyError`), the output folder
+(`new_output_dir()` and the file names `SUMMARY_NAME`, `PLOT_NAME`,
+`POSTHOC_DIR`), validating the settings, the progress bar, and writing
+``summary.json`` and ``demo.png`` atomically. It builds on `emakit.demo.training`
+(the run itself) and `emakit.demo.report` (table, plot, summary keys); rich is
 imported only inside the functions that show progress or print the table.
 """
 
@@ -58,7 +58,7 @@ class DemoDependencyError(ImportError):
 
 
 def check_dependencies(*, plot: bool = True) -> None:
-    """Raise :class:`DemoDependencyError` naming every missing demo package.
+    """Raise `DemoDependencyError` naming every missing demo package.
 
     Args:
         plot: also require matplotlib. Default True.
@@ -143,7 +143,7 @@ def run_demo(
         progress: show a progress bar and print the final table on ``console``.
             Default True.
         console: a ``rich.console.Console`` for the output. Default None: a new one.
-        **overrides: any other field of :class:`DemoSettings` (e.g. ``lr=0.05``).
+        **overrides: any other field of `DemoSettings` (e.g. ``lr=0.05``).
 
     Returns:
         The summary written to ``summary.json``: ``online_accuracy``, ``ema_accuracy``,

@@ -1,4 +1,4 @@
-"""What determines an ``emakit demo`` run: :class:`DemoSettings`, :data:`DEFAULTS`, the
+"""What determines an ``emakit demo`` run: `DemoSettings`, `DEFAULTS`, the
 model labels and the post-hoc EMA profiles.
 
 This module imports no third-party package (not even torch), so the command line can
@@ -13,7 +13,7 @@ __all__ = ["DEFAULTS", "MODEL_LABELS", "POSTHOC_SIGMA_REL", "POSTHOC_TRACKED", "
 
 #: Display names of the evaluated models, in table/plot order. A new model (e.g. a
 #: post-hoc EMA) is one more entry here plus one more entry in the evaluators that
-#: :func:`train` builds; the table, the summary keys and the plot follow.
+#: `train()` builds; the table, the summary keys and the plot follow.
 MODEL_LABELS: dict[str, str] = {"online": "online", "ema": "EMA", "posthoc": "post-hoc EMA"}
 
 #: Relative EMA length synthesized after training from the post-hoc snapshots. It lies

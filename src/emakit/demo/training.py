@@ -1,11 +1,11 @@
 """Settings, data, model and training loop of the ``emakit demo``.
 
-This module owns how a run trains: the digits split (:func:`load_digits_split`), the
-convnet (:func:`make_model`), the held-out evaluation (:func:`evaluate`,
-:func:`late_statistics`) and the noisy-SGD loop that tracks the EMA (:func:`train`). The
-settings (:class:`DemoSettings`, :data:`DEFAULTS`, :data:`MODEL_LABELS` and the post-hoc
-profiles) live in the torch-free :mod:`emakit.demo.settings` and are re-exported here.
-scikit-learn is imported only inside :func:`load_digits_split`.
+This module owns how a run trains: the digits split (`load_digits_split()`), the
+convnet (`make_model()`), the held-out evaluation (`evaluate()`,
+`late_statistics()`) and the noisy-SGD loop that tracks the EMA (`train()`). The
+settings (`DemoSettings`, `DEFAULTS`, `MODEL_LABELS` and the post-hoc
+profiles) live in the torch-free `emakit.demo.settings` and are re-exported here.
+scikit-learn is imported only inside `load_digits_split()`.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ def train(
 
     Args:
         settings: the run's settings.
-        data: ``(x_train, y_train, x_test, y_test)`` from :func:`load_digits_split`.
+        data: ``(x_train, y_train, x_test, y_test)`` from `load_digits_split()`.
         on_eval: called as ``on_eval(step, metrics)`` after each held-out evaluation,
-            ``metrics`` mapping each key of :data:`MODEL_LABELS` to its metrics.
+            ``metrics`` mapping each key of `MODEL_LABELS` to its metrics.
         on_step: called as ``on_step(step)`` after each optimizer step and EMA update.
         posthoc_folder: where the post-hoc EMA writes its snapshots; None (or
             ``settings.posthoc_every == 0``) skips the post-hoc model.

@@ -1,11 +1,11 @@
 """Integrations with training frameworks, each an optional extra imported on demand.
 
 ============================================  ===============================================
-``emakit.integrations.lightning``             :class:`EMACallback` for Lightning's ``Trainer``
+``emakit.integrations.lightning``             `EMACallback` for Lightning's ``Trainer``
                                               (``pip install 'emakit[lightning]'``)
-``emakit.integrations.accelerate``            :func:`prepare_ema` for Hugging Face Accelerate
+``emakit.integrations.accelerate``            `prepare_ema()` for Hugging Face Accelerate
                                               (``pip install 'emakit[accelerate]'``)
-``emakit.integrations.transformers``          :class:`EMATrainerCallback` for the Hugging Face
+``emakit.integrations.transformers``          `EMATrainerCallback` for the Hugging Face
                                               ``Trainer`` (``pip install 'emakit[transformers]'``)
 ============================================  ===============================================
 

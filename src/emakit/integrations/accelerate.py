@@ -1,4 +1,4 @@
-"""Hugging Face Accelerate integration: :func:`prepare_ema`.
+"""Hugging Face Accelerate integration: [`prepare_ema()`][emakit.integrations.accelerate.prepare_ema].
 
 Importing this module imports ``accelerate``; ``import emakit`` does not.
 
@@ -49,7 +49,7 @@ class _SyncGated:
         self._gradient_state = gradient_state
 
     def update(self) -> None:
-        """Advance the EMA when this call follows an optimizer step; see :meth:`emakit.EMA.update`."""
+        """Advance the EMA when this call follows an optimizer step; see [`emakit.EMA.update()`][emakit.EMA.update]."""
         if self._gradient_state.sync_gradients:
             super().update()  # type: ignore[misc]
 
@@ -64,26 +64,26 @@ class _SyncGated:
 
 
 class AcceleratedBEMA(_SyncGated, BEMA):
-    """A [`BEMA`][emakit.BEMA] whose :meth:`update` counts only optimizer steps (as
+    """A [`BEMA`][emakit.BEMA] whose `update()` counts only optimizer steps (as
     [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA] does); built by
     ``prepare_ema(accelerator, model, ema_class=BEMA, ...)``."""
 
 
 class AcceleratedEMA(_SyncGated, EMA):
-    """An :class:`~emakit.EMA` whose :meth:`update` counts only optimizer steps.
+    """An [`EMA`][emakit.EMA] whose `update()` counts only optimizer steps.
 
     Under ``accelerator.accumulate(model)``, ``update()`` returns at once on micro-steps
     (``accelerator.sync_gradients`` is False), so ``step``, ``update_every`` and
     ``update_after_step`` count optimizer steps, as they do without accumulation. The
     check is one attribute read on Accelerate's shared gradient state.
 
-    Everything else is :class:`~emakit.EMA`: ``swap()``, ``ema(x)``, ``state_dict()``.
-    Build it with :func:`prepare_ema`.
+    Everything else is [`EMA`][emakit.EMA]: ``swap()``, ``ema(x)``, ``state_dict()``.
+    Build it with [`prepare_ema()`][emakit.integrations.accelerate.prepare_ema].
 
     Args:
         model: the (unwrapped) training module.
         gradient_state: Accelerate's ``GradientState`` (``accelerator.gradient_state``).
-        **ema_kwargs: keywords for :class:`~emakit.EMA`.
+        **ema_kwargs: keywords for [`EMA`][emakit.EMA].
     """
 
 
@@ -106,7 +106,7 @@ def prepare_ema(
     2. registers the EMA with ``accelerator.register_for_checkpointing``, so
        ``accelerator.save_state(dir)`` writes it (``custom_checkpoint_<i>.pkl``, in
        registration order) and ``accelerator.load_state(dir)`` restores it, step included;
-    3. returns an :class:`AcceleratedEMA`, whose ``update()`` does nothing unless
+    3. returns an [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA], whose ``update()`` does nothing unless
        ``accelerator.sync_gradients`` (one update per optimizer step under gradient
        accumulation). Call ``ema.update()`` after ``optimizer.step()``, inside or after
        the ``accelerator.accumulate(model)`` block.
@@ -120,17 +120,17 @@ def prepare_ema(
         model: the model as returned by ``accelerator.prepare`` (a plain module works too).
         ema_class: keyword-only; [`EMA`][emakit.EMA] (default) or [`BEMA`][emakit.BEMA]
             (then ``ema_kwargs`` are BEMA's: ``update_freq``, ``lag`` ...).
-        **ema_kwargs: keywords for :class:`~emakit.EMA` (``beta``, ``update_every``,
+        **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_every``,
             ``update_after_step``, ``ema_dtype``, ...). Its defaults apply, except
             ``include_online_model``, False here (``save_state`` saves the model once);
             the counts are in optimizer steps.
 
     Returns:
-        The registered :class:`AcceleratedEMA`.
+        The registered [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA].
 
     Raises:
         EMATypeError: ``accelerator`` is not an ``Accelerator``, or a keyword is not one
-            of :class:`~emakit.EMA`'s.
+            of [`EMA`][emakit.EMA]'s.
 
     Example:
         >>> acc = Accelerator(cpu=True)  # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""Lightning integration: :class:`EMACallback` keeps an :class:`~emakit.EMA` of the
+"""Lightning integration: [`EMACallback`][emakit.integrations.lightning.EMACallback] keeps an [`EMA`][emakit.EMA] of the
 ``LightningModule`` during ``Trainer.fit`` and evaluates on it.
 
 Importing this module imports Lightning (``lightning.pytorch``, or the standalone
@@ -68,9 +68,9 @@ __all__ = [
 #: (``also_validate_online=True``): ``val_loss`` is the EMA's, ``val_loss_online`` the raw's.
 ONLINE_SUFFIX = "_online"
 
-#: Top-level checkpoint key holding the EMA (see :meth:`EMACallback.on_save_checkpoint`).
+#: Top-level checkpoint key holding the EMA (see `EMACallback.on_save_checkpoint()`).
 CHECKPOINT_KEY = LIGHTNING_CHECKPOINT_KEY
-#: Version of the layout stored under :data:`CHECKPOINT_KEY`.
+#: Version of the layout stored under `CHECKPOINT_KEY`.
 CHECKPOINT_VERSION = 1
 #: Version of the layout for an FSDP2 EMA in a distributed (DCP) checkpoint.
 SHARDED_CHECKPOINT_VERSION = 2
@@ -98,13 +98,13 @@ class EMACallback(pl.Callback):
 
     * **Creation:** at ``on_fit_start`` (after the strategy has moved the module to its
       device and wrapped it), as ``EMA(pl_module, **ema_kwargs)``; ``callback.ema`` is the
-      :class:`~emakit.EMA` and ``callback.ema.ema_model`` a copy of the module.
+      [`EMA`][emakit.EMA] and ``callback.ema.ema_model`` a copy of the module.
     * **Updates:** one ``ema.update()`` per *optimizer* step: ``on_train_batch_end``
       updates only when ``trainer.global_step`` has advanced, so
       ``accumulate_grad_batches=k`` gives one update per ``k`` batches. ``update_every`` and
       ``update_after_step`` therefore count optimizer steps.
     * **Evaluation:** validation (including the sanity check) and test run inside
-      :meth:`emakit.EMA.swap`: the module holds the EMA weights, by reference, no copy.
+      [`emakit.EMA.swap()`][emakit.EMA.swap]: the module holds the EMA weights, by reference, no copy.
       The raw weights are back after ``on_validation_end``/``on_test_end`` and also when
       the loop raises (``on_exception``). Standalone ``trainer.validate``/``test`` use the
       EMA when the callback holds one for that module, or when ``ckpt_path`` names a
@@ -164,7 +164,7 @@ class EMACallback(pl.Callback):
             ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
-        EMATypeError: a keyword is not one of :class:`~emakit.EMA`'s, or a flag is not a bool.
+        EMATypeError: a keyword is not one of [`EMA`][emakit.EMA]'s, or a flag is not a bool.
 
     Example:
         >>> cb = EMACallback(beta=0.999, update_every=1)
@@ -193,7 +193,7 @@ class EMACallback(pl.Callback):
             "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
         )
         self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs), self.ema_class)
-        #: The :class:`~emakit.EMA`, created when fit starts (None before).
+        #: The `EMA`, created when fit starts (None before).
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
         self._last_global_step = 0

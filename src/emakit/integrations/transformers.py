@@ -1,4 +1,4 @@
-"""Hugging Face Transformers integration: :class:`EMATrainerCallback` for ``Trainer``.
+"""Hugging Face Transformers integration: [`EMATrainerCallback`][emakit.integrations.transformers.EMATrainerCallback] for ``Trainer``.
 
 Importing this module imports ``transformers``; ``import emakit`` does not.
 
@@ -62,13 +62,13 @@ class EMATrainerCallback(TrainerCallback):
 
     * **Creation:** at ``on_train_begin``, as ``EMA(model, **ema_kwargs)`` from the model
       the Trainer trains (after it loaded a ``resume_from_checkpoint``); ``callback.ema``
-      is the :class:`~emakit.EMA`.
+      is the [`EMA`][emakit.EMA].
     * **Updates:** one ``ema.update()`` per optimizer step (``on_step_end``, which the
       Trainer calls once per ``gradient_accumulation_steps`` micro-batches), so
       ``update_every``/``update_after_step`` count optimizer steps.
     * **Evaluation** (``eval_with_ema``): during training, the model's evaluation forwards
       (eval mode, no grad: every ``evaluate()`` the Trainer runs, one per eval dataset)
-      run on the EMA weights, swapped in by reference (:meth:`emakit.EMA.swap`) at the
+      run on the EMA weights, swapped in by reference ([`emakit.EMA.swap()`][emakit.EMA.swap]) at the
       first such forward and swapped out at ``on_evaluate``, before the Trainer saves a
       checkpoint; a training forward or the next step also swaps them out. Metrics such as
       ``eval_loss`` and ``metric_for_best_model`` are therefore the EMA model's. After
@@ -77,7 +77,7 @@ class EMATrainerCallback(TrainerCallback):
     * **Checkpoints:** every ``checkpoint-N`` folder gets ``ema.safetensors`` (the EMA
       weights under the model's own names, a tied tensor once as in the model's own
       ``model.safetensors``, step and settings in the header, written atomically by
-      :func:`emakit.checkpoint.save_ema_weights`). ``train(
+      [`emakit.checkpoint.save_ema_weights()`][emakit.checkpoint.save_ema_weights]). ``train(
       resume_from_checkpoint=...)`` restores it, so a resumed run ends with the same EMA.
       The Trainer does not tell callbacks which checkpoint it resumed from; the callback
       takes the folder ``train()`` resolved (a path, or the last checkpoint for ``True``),
@@ -116,7 +116,7 @@ class EMATrainerCallback(TrainerCallback):
             (``update_every=10``, ``update_after_step=100``), counted in optimizer steps.
 
     Raises:
-        EMATypeError: a keyword is not one of :class:`~emakit.EMA`'s, or a flag is not a bool.
+        EMATypeError: a keyword is not one of [`EMA`][emakit.EMA]'s, or a flag is not a bool.
 
     Example:
         >>> cb = EMATrainerCallback(beta=0.999, update_every=1)
@@ -136,7 +136,7 @@ class EMATrainerCallback(TrainerCallback):
         self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
         self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
-        #: The :class:`~emakit.EMA`, created at ``on_train_begin`` (None before).
+        #: The `EMA`, created at ``on_train_begin`` (None before).
         self.ema: EMA | None = None
         #: The file the EMA was restored from at the last resume (None if none).
         self.restored_from: Path | None = None

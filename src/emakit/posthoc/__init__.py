@@ -1,22 +1,22 @@
 """Post-hoc EMA (Karras et al. 2024, arXiv:2312.02696): power-function EMAs, snapshots,
 and synthesis of any EMA length after training.
 
-* :class:`KarrasEMA`: one power-function EMA whose decay honours ``update_every``.
-* :class:`PostHocEMA`: several profiles of one model, snapshotted to a folder, and
-  :meth:`PostHocEMA.synthesize_ema_model` to reconstruct any ``sigma_rel`` afterwards.
+* [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: one power-function EMA whose decay honours ``update_every``.
+* [`PostHocEMA`][emakit.posthoc.posthoc.PostHocEMA]: several profiles of one model, snapshotted to a folder, and
+  `PostHocEMA.synthesize_ema_model()` to reconstruct any ``sigma_rel`` afterwards.
 * [`synthesize_state_dict()`][emakit.posthoc.synthesize_state_dict] / [`plan_synthesis()`][emakit.posthoc.plan_synthesis]: the same from a folder alone
   (one process's snapshots, or every rank's of a sharded model, reassembled).
 * [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep] / [`sweep()`][emakit.posthoc.sweep]: synthesize many lengths in one pass over the
   snapshots, score each with your function, plot, pick the best.
-* :func:`list_snapshots` / :func:`read_snapshot_info`: what a snapshot folder holds (the
-  headers only); :func:`find_snapshot_folder`: a folder or its one snapshot subfolder.
-* :class:`LegacyProfiles`: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
+* [`list_snapshots()`][emakit.posthoc.list_snapshots] / [`read_snapshot_info()`][emakit.posthoc.read_snapshot_info]: what a snapshot folder holds (the
+  headers only); [`find_snapshot_folder()`][emakit.posthoc.find_snapshot_folder]: a folder or its one snapshot subfolder.
+* [`LegacyProfiles`][emakit.posthoc.LegacyProfiles]: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
   (their profiles by index), alone or mixed with emakit's.
-* :mod:`emakit.posthoc.math`: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
+* [`emakit.posthoc.math`][emakit.posthoc.math]: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
   the least-squares weights of Algorithm 3).
 
 The command-line front end (``emakit synthesize``, ``emakit inspect``) lives in
-:mod:`emakit.posthoc.commands`, imported only by the CLI.
+`emakit.posthoc.commands`, imported only by the CLI.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Command-line front end of post-hoc EMA: ``emakit synthesize`` and ``emakit inspect``.
 
-Two click commands, :data:`synthesize` and :data:`inspect_cmd` (named ``inspect``), meant
+Two click commands, `synthesize` and `inspect_cmd` (named ``inspect``), meant
 to be added to the ``emakit`` group::
 
     emakit synthesize ./post-hoc-ema-checkpoints --sigma-rel 0.05,0.1 --out ema.safetensors
@@ -18,7 +18,7 @@ with ``--force``. The file holds the model's state dict (parameter and buffer na
 
     model.load_state_dict(safetensors.torch.load_file("ema.sigma_rel-0.05.safetensors"))
 
-``inspect`` lives in :mod:`emakit.posthoc.inspection`.
+``inspect`` lives in `emakit.posthoc.inspection`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ _DTYPES = {
 
 def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
     """The output files: ``out``, or one per value named after it; the suffix says the
-    format (:data:`OUTPUT_FORMATS`)."""
+    format (`OUTPUT_FORMATS`)."""
     if out.suffix.lower() not in OUTPUT_FORMATS:
         raise click.BadParameter(
             f"{out} has the suffix {out.suffix or '(none)'!r}; synthesize writes "

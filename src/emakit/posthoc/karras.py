@@ -1,6 +1,6 @@
 """``KarrasEMA``: the power-function EMA of Karras et al. 2024 (arXiv:2312.02696, §3).
 
-It runs on the same planned engine as :class:`~emakit.EMA`; only the decay differs. The
+It runs on the same planned engine as [`EMA`][emakit.EMA]; only the decay differs. The
 paper's per-step decay ``beta(t) = (1 - 1/t)^(gamma + 1)`` assumes an update at every
 step. Updating every ``update_every`` steps with that decay (as ema-pytorch 0.8.3 does)
 silently turns the profile into a much longer one. Here each update uses the gap ``dt``
@@ -10,7 +10,7 @@ since the previous averaging update,
 
 which gives every sample exactly the profile mass of the steps it stands for, so the
 averaging profile is the paper's for any ``update_every``
-(see :func:`~emakit.posthoc.math.power_function_beta`).
+(see [`power_function_beta()`][emakit.posthoc.math.power_function_beta]).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ __all__ = [
     "resolve_profiles",
 ]
 
-#: Version of what :meth:`KarrasEMA.state_dict` adds to EMA's (``gamma``, ``t``, ``dt``, in
+#: Version of what `KarrasEMA.state_dict()` adds to EMA's (``gamma``, ``t``, ``dt``, in
 #: the module's metadata under ``karras_version``; version 1 wrote them as keys).
 KARRAS_STATE_VERSION = 2
 _CODEC = StateCodec(
@@ -61,7 +61,7 @@ def profile_time(
     """``(t, dt)`` of a power-function EMA after ``step`` calls, derived from the step alone.
 
     Its averaging updates are the first call (the initializing copy), every later call
-    ``c`` with ``(c - 1) % update_every == 0``, and, under a :class:`PostHocEMA` that
+    ``c`` with ``(c - 1) % update_every == 0``, and, under a [`PostHocEMA`][emakit.PostHocEMA] that
     snapshots every ``catch_up_every`` calls, each multiple of that (the snapshot averages
     in the current weights first). ``t`` is the last of them, ``dt`` its gap to the one
     before (0 after the first call). Used when a state carries no ``t``/``dt`` metadata:
@@ -83,7 +83,7 @@ def resolve_profile(sigma_rel: object, gamma: object) -> tuple[float, float]:
 
     Raises:
         EMAValueError: both or neither given, or a value out of range (see
-            :func:`~emakit.posthoc.math.sigma_rel_to_gamma`).
+            [`sigma_rel_to_gamma()`][emakit.posthoc.math.sigma_rel_to_gamma]).
     """
     if (sigma_rel is None) == (gamma is None):
         raise EMAValueError(
@@ -102,7 +102,7 @@ class KarrasEMA(EMA):
     ``p_t(tau) ∝ tau^gamma``, so its length grows with training time.
 
     Keyword-compatible with ``ema_pytorch.KarrasEMA`` 0.8.3, with its decay fixed for
-    ``update_every > 1``. As in ema-pytorch, the first :meth:`update` copies the model and
+    ``update_every > 1``. As in ema-pytorch, the first `update()` copies the model and
     later calls do work when ``(step - 1) % update_every == 0``. An update at call ``t``
     that comes ``dt`` calls after the previous averaging update applies
 
@@ -127,15 +127,15 @@ class KarrasEMA(EMA):
         allow_different_devices: allow EMA tensors on another device. Default False.
         move_ema_to_online_device: move the EMA model to the model's device at update
             time. Default False.
-        use_foreach: keyword-only; engine path as for :class:`~emakit.EMA`. Default None.
+        use_foreach: keyword-only; engine path as for [`EMA`][emakit.EMA]. Default None.
         ema_dtype: keyword-only; keep floating EMA tensors in this dtype (e.g.
             ``torch.float32`` for a bf16 model). Default None.
         skip_nonfinite: keyword-only; skip updates with NaN/Inf weights, as for
-            :class:`~emakit.EMA`. Default False.
-        device: keyword-only; where the EMA lives, as for :class:`~emakit.EMA`.
+            [`EMA`][emakit.EMA]. Default False.
+        device: keyword-only; where the EMA lives, as for [`EMA`][emakit.EMA].
             Default None.
         async_update: keyword-only; average on a background thread, as for
-            :class:`~emakit.EMA`. Default None.
+            [`EMA`][emakit.EMA]. Default None.
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
@@ -337,7 +337,7 @@ class KarrasEMA(EMA):
 def resolve_profiles(
     sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
 ) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
-    """The profiles of a :class:`PostHocEMA`: ``(sigma_rels or Nones, gammas)`` from one of
+    """The profiles of a [`PostHocEMA`][emakit.PostHocEMA]: ``(sigma_rels or Nones, gammas)`` from one of
     ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and distinct.
     """
     if sigma_rels is not None and gammas is not None:

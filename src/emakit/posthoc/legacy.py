@@ -2,8 +2,8 @@
 
 ema-pytorch's ``PostHocEMA`` writes ``<profile index>.<step>.pt`` files (``torch.save`` of a
 ``KarrasEMA.state_dict()``, every value in its ``checkpoint_dtype``) that record no gamma:
-:class:`LegacyProfiles` says which profile each index is. :func:`list_legacy_files` finds
-them by name; :mod:`emakit.posthoc.snapshots` reads them as snapshots.
+[`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles] says which profile each index is. [`list_legacy_files()`][emakit.posthoc.legacy.list_legacy_files] finds
+them by name; `emakit.posthoc.snapshots` reads them as snapshots.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "list_legacy_files",
 ]
 
-#: :attr:`~emakit.posthoc.snapshots.SnapshotInfo.source` of snapshots written by
+#: `source` of snapshots written by
 #: ``ema_pytorch.PostHocEMA``.
 LEGACY_SOURCE = "ema-pytorch"
 #: ema-pytorch's snapshot file names: ``<profile index>.<step>.pt``.
@@ -37,7 +37,7 @@ LEGACY_NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
 
 
 def as_folder(folder: object) -> Path:
-    """``folder`` as a :class:`~pathlib.Path`, or an error naming ``checkpoint_folder``."""
+    """``folder`` as a `Path`, or an error naming ``checkpoint_folder``."""
     if not isinstance(folder, (str, os.PathLike)):
         raise EMATypeError(
             f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
@@ -79,7 +79,7 @@ class LegacyProfiles:
     """The profiles of an ema-pytorch run, to read its ``<index>.<step>.pt`` snapshots.
 
     ema-pytorch's files record neither gamma nor which tensors are buffers.
-    :meth:`emakit.posthoc.PostHocEMA.legacy_profiles` builds this from the PostHocEMA; the
+    [`emakit.posthoc.PostHocEMA.legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles] builds this from the PostHocEMA; the
     CLI from ``--legacy-sigma-rels`` / ``--legacy-gammas``.
 
     Attributes:
@@ -145,7 +145,7 @@ class LegacyProfiles:
         """``(gamma, sigma_rel)`` of ``file``'s profile index.
 
         Raises:
-            EMAStateError: the index is out of range of :attr:`gammas`.
+            EMAStateError: the index is out of range of `gammas`.
         """
         i = file.profile
         if i >= len(self.gammas):

@@ -1,7 +1,7 @@
 """Post-hoc EMA math: pure float64 functions, after Karras et al. 2024 (arXiv:2312.02696).
 
 Every function here is a pure function of Python floats (the linear algebra of
-:func:`solve_weights` runs on float64 CPU tensors); nothing touches a model. The
+[`solve_weights()`][emakit.posthoc.math.solve_weights] runs on float64 CPU tensors); nothing touches a model. The
 references are to arXiv:2312.02696 (EDM2): §3 introduces the power-function EMA and the
 post-hoc reconstruction, Appendix C derives them, Algorithm 2 turns ``sigma_rel`` into
 ``gamma`` and Algorithm 3 solves the reconstruction weights. The code is written from
@@ -63,7 +63,7 @@ SIGMA_REL_MAX = math.sqrt((GAMMA_MIN + 1.0) / ((GAMMA_MIN + 2.0) ** 2 * (GAMMA_M
 #: ``sigma_rel`` of ``gamma = 0`` (the uniform average over all training).
 SIGMA_REL_UNIFORM = 1.0 / math.sqrt(12.0)
 
-#: Condition number of the Gram matrix above which :func:`solve_weights` switches from an
+#: Condition number of the Gram matrix above which `solve_weights()` switches from an
 #: exact solve to least squares. float64 keeps about ``16 - log10(cond)`` digits of the
 #: weights; 1e12 still leaves four, far below what snapshots in float16/32 resolve.
 COND_LIMIT = 1e12
@@ -131,7 +131,7 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """The exponent ``gamma`` whose profile has relative width ``sigma_rel`` (Algorithm 2).
 
-    Squaring :func:`gamma_to_sigma_rel` and clearing denominators gives the paper's cubic
+    Squaring [`gamma_to_sigma_rel()`][emakit.posthoc.math.gamma_to_sigma_rel] and clearing denominators gives the paper's cubic
 
     .. math:: \\gamma^3 + 7\\gamma^2 + (16 - \\sigma_{rel}^{-2})\\,\\gamma
        + (12 - \\sigma_{rel}^{-2}) = 0 .
@@ -218,8 +218,8 @@ def power_function_beta(t: float, dt: float, gamma: float) -> float:
 
     Unrolled, sample ``theta(t_j)`` ends up with weight
     ``(t_j^(gamma+1) - t_(j-1)^(gamma+1)) / t^(gamma+1)``, the integral of
-    :func:`power_function_profile` over ``(t_(j-1), t_j]`` (see
-    :func:`power_function_sample_weights`).
+    [`power_function_profile()`][emakit.posthoc.math.power_function_profile] over ``(t_(j-1), t_j]`` (see
+    `power_function_sample_weights()`).
 
     Args:
         t: the current step, ``> 0``.
@@ -241,7 +241,7 @@ def power_function_sample_weights(sample_steps: Sequence[float], gamma: float) -
     """The weight each sample has in a power-function EMA updated at ``sample_steps``.
 
     For an EMA initialized at ``sample_steps[0]`` and updated with
-    :func:`power_function_beta` at each later step, sample ``j`` carries
+    [`power_function_beta()`][emakit.posthoc.math.power_function_beta] at each later step, sample ``j`` carries
 
     .. math:: w_j = \\frac{t_j^{\\gamma + 1} - t_{j-1}^{\\gamma + 1}}{t_n^{\\gamma + 1}}
        = \\int_{t_{j-1}}^{t_j} p_{t_n,\\gamma}(\\tau)\\,d\\tau, \\qquad t_{-1} = 0,
@@ -285,7 +285,7 @@ def profile_inner_product(t_a: float, gamma_a: float, t_b: float, gamma_b: float
 
 @dataclass(frozen=True)
 class WeightSolution:
-    """The result of :func:`solve_weights`.
+    """The result of [`solve_weights()`][emakit.posthoc.math.solve_weights].
 
     Attributes:
         weights: one weight per snapshot, summing to 1.
@@ -333,7 +333,7 @@ def solve_weights(
     * **Degenerate sets.** Duplicate snapshots (same ``t`` and ``gamma``) make ``A``
       singular and near-duplicates make it ill-conditioned (``cond(A) > cond_limit``);
       these fall back to minimum-norm least squares (SVD, ``gelsd``) with a
-      :class:`PostHocWarning`.
+      [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
 
     Times are divided by ``t_r`` first: ``A`` and ``b`` then scale together, which leaves
     ``x`` unchanged and keeps the entries near 1.
@@ -347,7 +347,7 @@ def solve_weights(
         cond_limit: condition number above which least squares is used. Default 1e12.
 
     Returns:
-        A :class:`WeightSolution`; ``weights[i]`` multiplies snapshot ``i``.
+        A [`WeightSolution`][emakit.posthoc.math.WeightSolution]; ``weights[i]`` multiplies snapshot ``i``.
 
     Raises:
         EMAValueError: empty or mismatched inputs, a time after ``t_r``, a non-positive

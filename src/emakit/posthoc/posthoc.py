@@ -4,8 +4,8 @@ Karras et al. 2024 (arXiv:2312.02696, §3 and Appendix C): train with a couple o
 power-function EMA profiles, save their states (snapshots) every so often, and after
 training reconstruct the EMA of *any* length at any saved step as a weighted sum of the
 snapshots, the weights coming from a float64 least-squares fit of the profiles
-(Algorithm 3, :func:`~emakit.posthoc.math.solve_weights`); the synthesis itself lives
-in :mod:`emakit.posthoc.synthesis`.
+(Algorithm 3, [`solve_weights()`][emakit.posthoc.math.solve_weights]); the synthesis itself lives
+in `emakit.posthoc.synthesis`.
 
 Synthesis streams the snapshots: one file is open at a time and its tensors are added,
 one by one, into a float32 accumulator, so memory stays at about one model however many
@@ -44,7 +44,7 @@ __all__ = [
     "PostHocEMA",
 ]
 
-#: Version of the layout :meth:`PostHocEMA.state_dict` writes.
+#: Version of the layout `PostHocEMA.state_dict()` writes.
 POSTHOC_STATE_VERSION = 2
 _CODEC = StateCodec(
     POSTHOC_STATE_VERSION,
@@ -73,10 +73,10 @@ _KARRAS_KWARGS = frozenset(
 class PostHocEMA(nn.Module, SynthesisMethods):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
-    Karras et al. 2024 (arXiv:2312.02696, §3): track a few :class:`KarrasEMA` profiles
+    Karras et al. 2024 (arXiv:2312.02696, §3): track a few [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] profiles
     while training, write their states to ``checkpoint_folder`` every
     ``checkpoint_every_num_steps`` calls, and after training call
-    :meth:`synthesize_ema_model` for any ``sigma_rel`` at any saved step.
+    `synthesize_ema_model()` for any ``sigma_rel`` at any saved step.
 
     Keyword-compatible with ``ema_pytorch.PostHocEMA`` 0.8.3 and fixing its defects:
     the decay honours ``update_every``; synthesis weights are normalized and use only
@@ -86,7 +86,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     A drop-in for a run that used ema-pytorch: its snapshot files
     (``<profile index>.<step>.pt``) in ``checkpoint_folder`` are read as snapshots of this
-    PostHocEMA's profiles (``gammas[index]``, see :meth:`legacy_profiles`) and used with
+    PostHocEMA's profiles (``gammas[index]``, see [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]) and used with
     emakit's own.
 
     Args:
@@ -100,7 +100,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
         gammas: profile exponents to track, each ``>= GAMMA_MIN`` (~ -0.382).
         checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
-            ``"manual"`` to write only on :meth:`checkpoint`. Default 1000.
+            ``"manual"`` to write only on [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint]. Default 1000.
         checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
             writing to it. Default ``"./post-hoc-ema-checkpoints"``.
         checkpoint_dtype: dtype floating tensors are stored in; None keeps the EMA's.
@@ -109,8 +109,8 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             Default 100.
         run_id: keyword-only; the id recorded in every snapshot of this run (1 to 64
             letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
-            resumes. Default None: a fresh random id (see :mod:`emakit.posthoc.runs`).
-        **kwargs: passed to each :class:`KarrasEMA`: ``frozen``,
+            resumes. Default None: a fresh random id (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+        **kwargs: passed to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: ``frozen``,
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
             ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``.
@@ -218,12 +218,12 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     @property
     def profiles(self) -> list[KarrasEMA]:
-        """The tracked :class:`KarrasEMA` profiles (``ema_models``, typed)."""
+        """The tracked [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] profiles (``ema_models``, typed)."""
         return cast("list[KarrasEMA]", list(self.ema_models))
 
     @property
     def step(self) -> Any:
-        """``update()`` calls so far: profile 0's step tensor (see :attr:`emakit.EMA.step`)."""
+        """``update()`` calls so far: profile 0's step tensor (see [`emakit.EMA.step`][emakit.EMA.step])."""
         return self.profiles[0].step
 
     @property
@@ -238,7 +238,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     @property
     def ema_kwargs(self) -> dict[str, Any]:
-        """The keywords passed on to each :class:`KarrasEMA` (ema-pytorch's name)."""
+        """The keywords passed on to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] (ema-pytorch's name)."""
         return dict(self._karras_kwargs)
 
     def update(self) -> None:
@@ -264,8 +264,8 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             ema.copy_params_from_ema_to_model()
 
     def snapshots(self) -> list[SnapshotInfo]:
-        """The snapshots in :attr:`checkpoint_folder`, sorted by step: emakit's and
-        ema-pytorch's ``<profile index>.<step>.pt`` files (read with :meth:`legacy_profiles`).
+        """The snapshots in `checkpoint_folder`, sorted by step: emakit's and
+        ema-pytorch's ``<profile index>.<step>.pt`` files (read with [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]).
 
         Raises:
             EMAStateError: an ema-pytorch file's profile index is not one of this
@@ -296,9 +296,9 @@ class PostHocEMA(nn.Module, SynthesisMethods):
     # -- snapshots ------------------------------------------------------------------------
 
     def release_folder(self) -> None:
-        """Release the lock on :attr:`checkpoint_folder` that this run holds while it
+        """Release the lock on `checkpoint_folder` that this run holds while it
         writes snapshots (also released when the object is garbage-collected or the
-        process ends); the next :meth:`checkpoint` takes it again."""
+        process ends); the next [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint] takes it again."""
         self._writer.release()
 
     def checkpoint(self, *, timeout_s: float = AGREE_TIMEOUT_S) -> list[Path]:
@@ -307,9 +307,9 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         A profile whose last averaging update was before the current step first averages
         in the current weights (exact for the power-function profile), so every snapshot's
         profile ends at its step. The step's files are written as one set, atomically (all
-        of them or none, see :func:`~emakit.posthoc.snapshots.write_snapshots`), named like
+        of them or none, see `write_snapshots()`), named like
         ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``, and record this run's
-        id. The first write takes the folder's lock (see :mod:`emakit.posthoc.runs`).
+        id. The first write takes the folder's lock (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
 
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
         sharded model (FSDP2, HSDP, FSDP with tensor parallelism) is written by every rank:
@@ -326,7 +326,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             The files this rank wrote (empty on ranks other than 0 for a whole model).
 
         Raises:
-            EMARuntimeError: called before the first :meth:`update`; another run is
+            EMARuntimeError: called before the first [`update()`][emakit.posthoc.posthoc.PostHocEMA.update]; another run is
                 writing to the folder; for a sharded model, some ranks did not call it.
             EMAWriteError: a file could not be written (disk full...): an ``OSError``
                 naming the files; none of the step's files was written.
@@ -395,12 +395,12 @@ class PostHocEMA(nn.Module, SynthesisMethods):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Resume from a state written by :meth:`state_dict` (or by ema-pytorch 0.8.3).
+        """Resume from a state written by [`state_dict()`][emakit.posthoc.posthoc.PostHocEMA.state_dict] (or by ema-pytorch 0.8.3).
 
-        Snapshots already in :attr:`checkpoint_folder` stay and are used; the resumed run
+        Snapshots already in `checkpoint_folder` stay and are used; the resumed run
         keeps writing there under the run id the state records. A state without one (a
         rebuilt dict, ema-pytorch's) continues the folder's run when the folder holds the
-        snapshots of exactly one identified run, with a :class:`PostHocWarning`.
+        snapshots of exactly one identified run, with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
         """
         if not isinstance(state_dict, Mapping):
             raise EMATypeError(
@@ -461,7 +461,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         """The state of every profile, versioned; the online model is left out.
 
         Layout (version 2), for ``PostHocEMA(net, sigma_rels=(0.05, 0.28))``: ema-pytorch's
-        keys (each profile's :meth:`KarrasEMA.state_dict` under ``ema_models.<i>.``)::
+        keys (each profile's [`KarrasEMA.state_dict()`][emakit.posthoc.karras.KarrasEMA.state_dict] under ``ema_models.<i>.``)::
 
             {"ema_models.0.initted": tensor(True), "ema_models.0.step": tensor(1000),
              "ema_models.0.ema_model.weight": tensor(...), ..., "ema_models.1.step": ...}
@@ -470,7 +470,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         ``gammas`` and ``run`` (the run id); ``"ema_models.<i>"`` each profile's ``gamma``,
         ``t`` and ``dt``.
 
-        Snapshots live in :attr:`checkpoint_folder`, not in the state.
+        Snapshots live in `checkpoint_folder`, not in the state.
         """
         return super().state_dict(*args, **kwargs)
 

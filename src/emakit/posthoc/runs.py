@@ -4,16 +4,16 @@ Two experiments that share a snapshot folder (the default folder name, a copy-pa
 config) would otherwise be mixed at synthesis without a word, and the result is garbage.
 So:
 
-* Each :class:`~emakit.PostHocEMA` run has an id (:func:`new_run_id`, or the ``run_id=``
+* Each [`PostHocEMA`][emakit.PostHocEMA] run has an id (`new_run_id()`, or the ``run_id=``
   it was given), written into every snapshot header (``run``) and kept in its
   ``state_dict()``, so a resumed run keeps writing under its id.
-* While a run writes, it holds an exclusive lock on the folder (:class:`FolderLock`, a
+* While a run writes, it holds an exclusive lock on the folder ([`FolderLock`][emakit.posthoc.runs.FolderLock], a
   ``flock`` on ``.emakit-posthoc.lock``, removed when released): a second run writing to
   the same folder at the same time is refused. The lock dies with the process (a killed
   run leaves the file, unlocked); where the file system has no locks the run ids still
   keep runs apart.
 * Synthesis and ``emakit inspect`` refuse a folder holding more than one run unless the
-  caller picks one (:func:`pick_run`); :meth:`~emakit.PostHocEMA.synthesize_ema_model`
+  caller picks one ([`pick_run()`][emakit.posthoc.runs.pick_run]); `synthesize_ema_model()`
   picks its own run.
 
 Snapshots written before emakit recorded run ids have the run ``""`` (shown as
@@ -103,7 +103,7 @@ def pick_run(
     """The snapshots of one run (and any ema-pytorch files), or an error for a mixed folder.
 
     Args:
-        snaps: the folder's snapshots (:func:`~emakit.posthoc.snapshots.list_snapshots`).
+        snaps: the folder's snapshots ([`list_snapshots()`][emakit.posthoc.snapshots.list_snapshots]).
         run: the run to keep; ``""`` keeps the snapshots written before run ids. Default
             None: the folder must hold at most one run.
         folder: the folder, for messages.
@@ -165,7 +165,7 @@ def first_write_warnings(folder: Path, run: str, step: int) -> list[str]:
 
 
 def run_to_continue(folder: Path, own: str) -> str | None:
-    """The run a resumed :class:`~emakit.PostHocEMA` whose state records no run id
+    """The run a resumed [`PostHocEMA`][emakit.PostHocEMA] whose state records no run id
     continues: the folder's only identified run, when it is not ``own`` already."""
     runs = [r for r in runs_in(list_snapshots(folder)) if r]
     return runs[0] if len(runs) == 1 and runs[0] != own else None
@@ -226,7 +226,7 @@ class FolderLock:
     """An exclusive lock on a snapshot folder, held by one run while it writes.
 
     Objects of one run in one process share the lock; another run, in this process or
-    another, is refused while it is held. The lock is released by :meth:`release`, when
+    another, is refused while it is held. The lock is released by [`release()`][emakit.posthoc.runs.FolderLock.release], when
     this object is garbage-collected, or when the process ends (killed too). A copy or an
     unpickled object holds nothing until it locks again.
 

@@ -4,8 +4,8 @@ A snapshot is the state of one power-function EMA profile at one training step. 
 file carries, in its safetensors header, everything synthesis needs: the format and its
 version, ``gamma`` and ``sigma_rel``, the ``step`` it was taken at and ``t``, the step its
 averaging profile ends at (equal to ``step`` for snapshots written by
-:class:`~emakit.PostHocEMA`), which tensors are copied rather than averaged, the
-profile index, and the ``run`` that wrote it (see :mod:`emakit.posthoc.runs`). A folder of
+[`PostHocEMA`][emakit.PostHocEMA]), which tensors are copied rather than averaged, the
+profile index, and the ``run`` that wrote it (see [`emakit.posthoc.runs`][emakit.posthoc.runs]). A folder of
 snapshots can therefore be synthesized from without the model or the training script
 (``emakit synthesize``), and files that are not snapshots (logs, other checkpoints,
 temporary files) are ignored.
@@ -15,9 +15,9 @@ File names are readable and sort by step, e.g.
 authoritative, and every header field is validated when read. Floating tensors are stored
 in the snapshot dtype (float16 by default); integer and bool tensors
 (``num_batches_tracked``, step counters) are stored exactly. Writes are atomic (temporary
-file, fsync, rename; one step's files all or none, see :func:`write_snapshots`) and, under
+file, fsync, rename; one step's files all or none, see `write_snapshots()`) and, under
 ``torch.distributed``, made by rank 0 only. A snapshot is read through one open file; its
-:attr:`SnapshotInfo.identity` and :attr:`SnapshotInfo.header_digest` let a later read
+`SnapshotInfo.identity` and `SnapshotInfo.header_digest` let a later read
 notice that the file was replaced in between.
 
 Header metadata (format version 1), all values strings::
@@ -38,8 +38,8 @@ Header metadata (format version 1), all values strings::
 
 **ema-pytorch's snapshots** (``<profile index>.<step>.pt``, ``torch.save`` of a
 ``KarrasEMA.state_dict()`` with every value in float16 by default) record no gamma; given
-the profiles by index (:class:`LegacyProfiles`), :func:`list_snapshots` reads them too,
-with ``torch.load(weights_only=True)``. See :meth:`LegacyProfiles.t_of` for their ``t``.
+the profiles by index ([`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]), [`list_snapshots()`][emakit.posthoc.snapshots.list_snapshots] reads them too,
+with ``torch.load(weights_only=True)``. See [`LegacyProfiles.t_of()`][emakit.posthoc.legacy.LegacyProfiles.t_of] for their ``t``.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ class SnapshotInfo:
             post-hoc solve uses ``t``.
         gamma: the profile's exponent.
         sigma_rel: the profile's relative width.
-        profile: index of the profile in the :class:`~emakit.PostHocEMA` that wrote it.
+        profile: index of the profile in the [`PostHocEMA`][emakit.PostHocEMA] that wrote it.
         update_every: the profile's ``update_every`` (informational).
         copied: names of tensors taken as they are at synthesis (buffers, integer
             tensors, no-EMA and ignored names) instead of averaged.
         format_version: the header's ``format_version`` (0 for ema-pytorch files).
-        source: ``"emakit"``, or :data:`LEGACY_SOURCE` (``"ema-pytorch"``) for an
-            ema-pytorch ``<index>.<step>.pt`` file read through :class:`LegacyProfiles`.
+        source: ``"emakit"``, or `LEGACY_SOURCE` (``"ema-pytorch"``) for an
+            ema-pytorch ``<index>.<step>.pt`` file read through [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles].
         exact_dtypes: for ema-pytorch files, the dtype each integer or bool tensor is
             restored to (ema-pytorch stored it as a float); empty for emakit snapshots.
         run: the id of the run that wrote it (``""`` for snapshots of emakit versions
@@ -267,14 +267,14 @@ def write_snapshots(
     """Write several snapshots as one set: all of them, or none.
 
     Each file is written to a temporary file next to it and fsynced; only when all are
-    complete are they renamed into place (see :func:`emakit._files.atomic.atomic_paths`). A failed
+    complete are they renamed into place (see `emakit._files.atomic.atomic_paths()`). A failed
     write (a full disk) leaves every destination as it was and no temporary file behind.
     ``produce(i)`` is called for one file at a time, so only one file's tensors are held.
 
     Args:
         paths: the destinations.
         produce: ``i -> (tensors, header)`` for ``paths[i]``; ``header`` from
-            :func:`snapshot_header`, the tensors already in the dtype to store.
+            `snapshot_header()`, the tensors already in the dtype to store.
 
     Returns:
         The paths written.
@@ -313,10 +313,10 @@ def write_snapshot(
         path: the destination file.
         tensors: name -> tensor, already in the dtype to store.
         step, t, gamma, sigma_rel, profile, update_every, copied, run: the header fields
-            (see :class:`SnapshotInfo`).
+            (see [`SnapshotInfo`][emakit.posthoc.snapshots.SnapshotInfo]).
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        ``path`` as a `Path`.
 
     Raises:
         EMAWriteError: the file could not be written; it was left as it was.
@@ -511,12 +511,12 @@ def list_snapshots(
 
     ``*.safetensors`` files whose header says ``format = emakit.posthoc.snapshot`` count
     and, with ``legacy``, ema-pytorch's ``<profile index>.<step>.pt`` files (see
-    :class:`LegacyProfiles`; without it they are left out: :func:`list_legacy_files`
+    [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]; without it they are left out: [`list_legacy_files()`][emakit.posthoc.legacy.list_legacy_files]
     finds them). Anything else in the folder (other files, other safetensors files,
     emakit's temporary files) is ignored. A ``.safetensors`` file whose header cannot be
     read, or whose header is almost a snapshot's (a damaged ``format``), is skipped with a
-    :class:`~emakit.posthoc.PostHocWarning`. Snapshots of every run are listed (see
-    :mod:`emakit.posthoc.runs` to pick one).
+    [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Snapshots of every run are listed (see
+    [`emakit.posthoc.runs`][emakit.posthoc.runs] to pick one).
 
     Args:
         folder: the snapshot folder.

@@ -2,15 +2,15 @@
 
 Karras et al. 2024 (arXiv:2312.02696, §3 and Appendix C): the EMA of *any* length at
 any saved step is a weighted sum of the snapshots, the weights coming from a float64
-least-squares fit of the profiles (Algorithm 3, :func:`~emakit.posthoc.math.solve_weights`).
+least-squares fit of the profiles (Algorithm 3, [`solve_weights()`][emakit.posthoc.math.solve_weights]).
 
-* :func:`plan_synthesis`: choose the snapshots and solve the weights, from the snapshot
-  headers alone (a :class:`SynthesisPlan`).
-* :meth:`SynthesisPlan.run` / :func:`synthesize_state_dict`: stream the snapshots into
+* [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]: choose the snapshots and solve the weights, from the snapshot
+  headers alone (a [`SynthesisPlan`][emakit.posthoc.synthesis.SynthesisPlan]).
+* [`SynthesisPlan.run()`][emakit.posthoc.synthesis.SynthesisPlan.run] / [`synthesize_state_dict()`][emakit.posthoc.synthesis.synthesize_state_dict]: stream the snapshots into
   the reconstructed state dict.
-* :func:`open_snapshot`: read one snapshot, emakit's (safetensors) or ema-pytorch's
+* `open_snapshot()`: read one snapshot, emakit's (safetensors) or ema-pytorch's
   (``<index>.<step>.pt``, given its profiles as a
-  :class:`~emakit.posthoc.snapshots.LegacyProfiles`).
+  [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]).
 
 Synthesis streams the snapshots: one file is open at a time and its tensors are added,
 one by one, into a float32 accumulator, so memory stays at about one model however many
@@ -122,7 +122,7 @@ class SynthesisPlan:
                 dtype. Default ``torch.float32``. Copied tensors keep their stored dtype.
             progress: called as ``progress(done, total)`` after each snapshot.
             fill: values for integer tensors an ema-pytorch file lost (its float16 copy
-                overflowed to inf), used with a :class:`PostHocWarning`. Default None:
+                overflowed to inf), used with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Default None:
                 such a tensor raises.
             regions: name -> the block of each tensor to build (a rank's shard, see
                 [`Block`][emakit.posthoc.shards.Block]). Default None: whole tensors.
@@ -196,7 +196,7 @@ def plan_synthesis(
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
             which are then used with emakit's snapshots. Default None: the folder must
             hold none.
-        run: the run whose snapshots to use (see :mod:`emakit.posthoc.runs`; ``""`` for
+        run: the run whose snapshots to use (see [`emakit.posthoc.runs`][emakit.posthoc.runs]; ``""`` for
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
         snapshots: the folder's snapshots, already listed and picked
@@ -204,7 +204,7 @@ def plan_synthesis(
             None: list the folder.
 
     Returns:
-        A :class:`SynthesisPlan`; call :meth:`SynthesisPlan.run` to build the weights.
+        A [`SynthesisPlan`][emakit.posthoc.synthesis.SynthesisPlan]; call [`SynthesisPlan.run()`][emakit.posthoc.synthesis.SynthesisPlan.run] to build the weights.
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
@@ -414,8 +414,8 @@ def synthesize_state_dict(
         dtype: dtype of the averaged tensors. Default ``torch.float32``.
         progress: called as ``progress(done, total)`` after each snapshot.
         legacy: the profiles of ema-pytorch's snapshot files in the folder (see
-            :func:`plan_synthesis`). Default None.
-        run: the run to use (see :func:`plan_synthesis`). Default None: the only one.
+            [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]). Default None.
+        run: the run to use (see [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]). Default None: the only one.
 
     Returns:
         name -> tensor, loadable straight into the model class with ``load_state_dict``.

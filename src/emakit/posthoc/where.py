@@ -3,7 +3,7 @@ holds them.
 
 ``emakit demo`` writes its snapshots to ``OUT/posthoc-snapshots``, next to
 ``summary.json``; ``emakit inspect OUT`` and ``emakit synthesize OUT`` find them there
-through :func:`find_snapshot_folder` instead of failing on a folder with no snapshots.
+through [`find_snapshot_folder()`][emakit.posthoc.where.find_snapshot_folder] instead of failing on a folder with no snapshots.
 """
 
 from __future__ import annotations
