@@ -78,7 +78,7 @@ def check_sigma_rel(sigma_rel: object, name: str = "sigma_rel") -> float:
 
     Raises:
         EMATypeError: not a real number.
-        EMAValueError: NaN, infinite, ``<= 0``, or above [`SIGMA_REL_MAX`][emakit.posthoc.math.SIGMA_REL_MAX] (~0.30028,
+        EMAValueError: NaN, infinite, ``<= 0``, or above `SIGMA_REL_MAX` (~0.30028,
             the widest power-function profile: no gamma has a larger one).
     """
     return check.real(
@@ -153,7 +153,7 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
         ``gamma >= GAMMA_MIN``; ``> 0`` for ``sigma_rel < 1/sqrt(12)``.
 
     Raises:
-        EMAValueError: ``sigma_rel`` NaN, ``<= 0`` or above [`SIGMA_REL_MAX`][emakit.posthoc.math.SIGMA_REL_MAX] (no gamma).
+        EMAValueError: ``sigma_rel`` NaN, ``<= 0`` or above `SIGMA_REL_MAX` (no gamma).
 
     Example:
         >>> round(sigma_rel_to_gamma(0.05), 2), round(sigma_rel_to_gamma(0.1), 2)
