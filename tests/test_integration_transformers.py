@@ -328,3 +328,24 @@ def test_swap_then_save_pretrained_keeps_tied_weights(tmp_path: Path):
     load_ema_weights(fresh, path)  # the tied name is filled in from its twin
     assert_same(weights(fresh.ema_model), {k: v.detach().clone() for k, v in expected.items()})
     assert int(fresh.step) == 3
+
+
+def test_also_evaluate_online_records_the_raw_weights_loss_beside_the_emas(tmp_path: Path):
+    cb = EMATrainerCallback(also_evaluate_online=True, **EMA_KW)
+    rec = Recorder(cb)
+    trainer = make_trainer(
+        tmp_path, [cb, rec], eval_strategy="steps", eval_steps=6, save_strategy="no"
+    )
+    trainer.train()
+    (metrics,) = rec.metrics
+    # The Trainer's eval_loss is the EMA's; eval_online_loss is the raw weights' loss.
+    assert metrics["eval_loss"] == pytest.approx(eval_loss(cb.ema.ema_model), rel=1e-5)
+    assert metrics["eval_online_loss"] == pytest.approx(eval_loss(trainer.model), rel=1e-5)
+    assert abs(metrics["eval_online_loss"] - metrics["eval_loss"]) > 1e-4
+    entries = [e for e in trainer.state.log_history if "eval_online_loss" in e]
+    assert [e["step"] for e in entries] == [6]
+    assert entries[0]["eval_online_loss"] == metrics["eval_online_loss"]
+    # Evaluating the raw weights did not leave the EMA's swapped in, nor change training.
+    plain = make_trainer(tmp_path / "b", [EMATrainerCallback(**EMA_KW)], save_strategy="no")
+    plain.train()
+    assert_same(weights(trainer.model), weights(plain.model))

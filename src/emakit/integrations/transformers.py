@@ -57,6 +57,27 @@ EMA_WEIGHTS_NAME = TRAINER_WEIGHTS_NAME
 BEMA_STATE_NAME = "bema_state.pt"
 
 
+def _online_loss(model: nn.Module, batches: Any) -> float:
+    """The mean of ``model(**batch).loss`` over ``batches``, weighted by batch size (the
+    Trainer's ``eval_loss`` rule), in eval mode without grad; summed over every rank when
+    ``torch.distributed`` is initialized."""
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            batch = {
+                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+            }
+            out = model(**batch)
+            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+            size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            total += torch.stack([loss.detach().double() * size, loss.new_tensor(size).double()])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return float(total[0] / total[1])
+
+
 class EMATrainerCallback(TrainerCallback):
     """Keep an EMA of the model trained by a Hugging Face ``Trainer``; evaluate on it.
 
@@ -90,6 +111,14 @@ class EMATrainerCallback(TrainerCallback):
       ``args.output_dir`` (``save_pretrained`` for a ``PreTrainedModel``, else
       ``model.safetensors``).
 
+    * **Online and EMA side by side** (``also_evaluate_online``): after each evaluation
+      on the EMA weights, the callback runs the same evaluation data through the raw
+      weights and records their mean loss (weighted by batch size, as the Trainer's is) as
+      ``<prefix>_online_loss`` (``eval_online_loss``, ``eval_<set>_online_loss``): in the
+      metrics ``evaluate()`` returns and as its own entry in ``state.log_history``. The
+      Trainer has already logged the EMA's metrics by then, so reporters (TensorBoard,
+      W&B) see only the EMA's; read the online loss from ``log_history``. Under several
+      processes the loss is averaged over every rank's batches (one all-reduce).
     * **Logging** (``log_stats``): each time the Trainer logs (every ``logging_steps``),
       ``ema/decay``, ``ema/step``, ``ema/bias_weight`` for a BEMA and, with
       ``skip_nonfinite=True``, ``ema/num_skipped_nonfinite`` are added to that log entry:
@@ -109,6 +138,8 @@ class EMATrainerCallback(TrainerCallback):
         save_final_as_model: make the EMA weights the final model (see above). Default False.
         log_stats: keyword-only; add the EMA's decay, step and skip count to the Trainer's
             logs (see above). Default True.
+        also_evaluate_online: keyword-only; with ``eval_with_ema``, also record the raw
+            weights' evaluation loss (see above). Default False.
         **ema_kwargs: keywords for [`EMA`][emakit.EMA] (``beta``, ``update_every``,
             ``update_after_step``, ``ema_dtype``, ...; typed as
             [`EMAKeywords`][emakit.integrations.lightning.EMAKeywords], so IDEs complete
@@ -130,9 +161,12 @@ class EMATrainerCallback(TrainerCallback):
         save_final_as_model: bool = False,
         *,
         log_stats: bool = True,
+        also_evaluate_online: bool = False,
         **ema_kwargs: Unpack[EMAKeywords],
     ) -> None:
         self.eval_with_ema = check.boolean("eval_with_ema", eval_with_ema)
+        self.also_evaluate_online = check.boolean("also_evaluate_online", also_evaluate_online)
+        self._online_pass = False  # True while the raw weights are evaluated
         self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
         self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
@@ -244,7 +278,12 @@ class EMATrainerCallback(TrainerCallback):
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if module.training:
             self._leave_swap()  # a training forward never runs on the EMA weights
-        elif self._swap is None and not torch.is_grad_enabled() and self.ema is not None:
+        elif (
+            self._swap is None
+            and not self._online_pass
+            and not torch.is_grad_enabled()
+            and self.ema is not None
+        ):
             self._swap = self.ema.swap().enter()
 
     def _leave_swap(self) -> None:
@@ -255,8 +294,26 @@ class EMATrainerCallback(TrainerCallback):
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Put the raw weights back once an evaluation is over (before any checkpoint)."""
+        """Put the raw weights back once an evaluation is over (before any checkpoint);
+        with ``also_evaluate_online``, evaluate the raw weights too."""
         self._leave_swap()
+        metrics, model = kwargs.get("metrics"), kwargs.get("model")
+        data = kwargs.get("eval_dataloader")
+        if not (self.also_evaluate_online and self.eval_with_ema and self.ema is not None):
+            return
+        if metrics is None or not isinstance(model, nn.Module) or data is None:
+            return
+        prefixes = [k[: -len("_loss")] for k in metrics if k.endswith("_loss")]
+        if len(prefixes) != 1:
+            return  # no loss to pair with (a model that returns none)
+        self._online_pass = True
+        try:
+            value = _online_loss(model, data)
+        finally:
+            self._online_pass = False
+        entry = {f"{prefixes[0]}_online_loss": value}
+        metrics.update(entry)
+        state.log_history.append({**entry, "epoch": state.epoch, "step": state.global_step})
 
     def on_predict(
         self,
