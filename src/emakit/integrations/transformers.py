@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -196,17 +197,38 @@ class EMATrainerCallback(TrainerCallback):
         self._leave_swap()
         # The Trainer saves the model; ema.safetensors holds only the EMA weights.
         self.ema = EMA(model, **{"include_online_model": False, **self.ema_kwargs})
+        ema = self.ema
+        self._resume_and_watch(
+            args,
+            state,
+            model,
+            EMA_WEIGHTS_NAME,
+            "the EMA",
+            lambda path: load_ema_weights(ema, path),
+        )
+
+    def _resume_and_watch(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        model: nn.Module,
+        name: str,
+        what: str,
+        load: Callable[[Path], object],
+    ) -> None:
+        """On a resumed run, ``load`` the checkpoint's file ``name`` (warn when it has none);
+        then watch ``model``'s evaluation forwards (``eval_with_ema``)."""
         self.restored_from = None
         if state.global_step > 0:
-            path = self._resume_file(args, state)
+            path = self._resume_file(args, state, name)
             if path is None:
                 warnings.warn(
-                    f"resuming at step {state.global_step} but no {EMA_WEIGHTS_NAME} was found "
-                    f"in the checkpoint; the EMA restarts from the loaded weights",
-                    stacklevel=2,
+                    f"resuming at step {state.global_step} but no {name} was found "
+                    f"in the checkpoint; {what} restarts from the loaded weights",
+                    stacklevel=3,
                 )
             else:
-                load_ema_weights(self.ema, path)
+                load(path)
                 self.restored_from = path
         if self._hook is not None:
             self._hook.remove()
@@ -475,26 +497,19 @@ class BEMACallback(EMATrainerCallback):
             raise EMATypeError(
                 f"BEMACallback needs the Trainer's model, got {type(model).__name__}"
             )
+        refuse_zero3(model, "BEMACallback")
         self._leave_swap()
         model = unwrap_model(getattr(model, "module", model))
         bema = BEMA(model, **self.settings, device=self.device, **self.bema_kwargs)
-        self.ema, self.restored_from = bema, None
-        if state.global_step > 0:
-            path = self._resume_file(args, state, BEMA_STATE_NAME)
-            if path is None:
-                warnings.warn(
-                    f"resuming at step {state.global_step} but no {BEMA_STATE_NAME} was found "
-                    f"in the checkpoint; BEMA restarts from the loaded weights",
-                    stacklevel=2,
-                )
-            else:
-                bema.load_state_dict(torch_load(path, "BEMA state"))
-                self.restored_from = path
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.eval_with_ema:
-            self._hook = model.register_forward_pre_hook(self._before_forward)
+        self.ema = bema
+        self._resume_and_watch(
+            args,
+            state,
+            model,
+            BEMA_STATE_NAME,
+            "BEMA",
+            lambda path: bema.load_state_dict(torch_load(path, "BEMA state")),
+        )
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
