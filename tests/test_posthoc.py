@@ -855,12 +855,11 @@ def test_snapshot_dtype_overflow_warns(tmp_path: Path):
 
 
 def test_snapshot_from_a_newer_emakit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(snapshots_module, "SNAPSHOT_FORMAT_VERSION", 99)
     net = linear()
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
     ema.update()
-    ema.checkpoint()
-    monkeypatch.setattr(snapshots_module, "SNAPSHOT_FORMAT_VERSION", 1)
+    ema.checkpoint()  # format_version 1
+    monkeypatch.setattr(snapshots_module, "SNAPSHOT_FORMAT_VERSION", 0)  # an older reader
     with pytest.raises(EMAStateError, match="upgrade emakit"):
         list_snapshots(tmp_path)
 

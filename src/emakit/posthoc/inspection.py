@@ -36,6 +36,7 @@ from .framework_files import (
     framework_folder,
     not_a_checkpoint,
 )
+from .frozen_files import FROZEN_FORMAT, join_frozen
 from .runs import LOCK_NAME, describe_runs, pick_run, runs_in
 from .shards import parse_layout
 from .snapshots import (
@@ -101,13 +102,14 @@ _CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
 
 def _snapshot_summary(info: SnapshotInfo) -> list[tuple[str, str, list[int]]]:
     if info.shards:  # a sharded snapshot: the global shapes from the layout of rank 0's file
-        with SafetensorsFile(info.path) as f:
-            layout = parse_layout(info.path, f.metadata, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
-            codes = {n: f.code(n) for n in f.keys()}  # noqa: SIM118
+        with SafetensorsFile(info.path) as f, join_frozen(f) as g:
+            layout = parse_layout(info.path, f.metadata, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
+            codes = {n: g.code(n) for n in g.keys()}  # noqa: SIM118
         code = next(iter(codes.values()), "?")
         return [(n, codes.get(n, code), list(shape)) for n, (shape, _) in layout.items()]
-    if not info.is_legacy:
-        return _safetensors_summary(info.path)[1]
+    if not info.is_legacy:  # its frozen tensors (in its side file) included
+        with SafetensorsFile(info.path) as f, join_frozen(f) as g:
+            return [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
     return [
         (n, _CODES.get(v.dtype, str(v.dtype).replace("torch.", "")), list(v.shape))
         for n, v in load_legacy_tensors(info.path).items()
@@ -133,7 +135,8 @@ def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None
     listed = list_snapshots(folder, legacy=legacy)
     snaps = pick_run(listed, run, folder)
     theirs = list_legacy_files(folder)
-    known = {p for s in listed for p in (s.shards or (s.path,))} | {f.path for f in theirs}
+    known = {p for s in listed for p in (*(s.shards or (s.path,)), *s.frozen)}
+    known |= {f.path for f in theirs}
     others = [p for p in folder.iterdir() if p.is_file() and p not in known and p.name != LOCK_NAME]
     if not snaps and not theirs:
         raise click.ClickException(
@@ -181,11 +184,20 @@ def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
             ]
         )
     steps = sorted({s.step for s in snaps})
+    sides = sorted({p for s in snaps for p in s.frozen})
+    side_bytes = sum(p.stat().st_size for p in sides)
     click.echo(_table(rows))
     click.echo(
         f"{len(snaps)} snapshots at {len(steps)} steps ({steps[0]}..{steps[-1]}), "
-        f"{_size(sum(s.nbytes for s in snaps))} in all"
+        f"{_size(sum(s.nbytes for s in snaps) + side_bytes)} in all"
     )
+    if sides:
+        users = sum(bool(s.frozen) for s in snaps)
+        names = len(frozenset().union(*(s.frozen_names for s in snaps)))
+        click.echo(
+            f"frozen weights stored once: {len(sides)} side file(s) ({_size(side_bytes)}, "
+            f"{names} tensors), used by {users} snapshot(s); not counted in the sizes above"
+        )
     ref = next((s for s in reversed(snaps) if not s.is_legacy), snaps[-1])
     click.echo(f"each snapshot: {_describe_tensors(_snapshot_summary(ref), ref.copied)}")
 
@@ -204,7 +216,19 @@ def _inspect_safetensors(path: Path) -> None:
             f"step {info.step} (profile ends at t={info.t}), update_every={info.update_every}, "
             f"format_version {info.format_version}, run {info.run or '(none)'}"
         )
+        with SafetensorsFile(path) as f, join_frozen(f) as g:
+            tensors = [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
         click.echo(_describe_tensors(tensors, info.copied))
+        if info.frozen:
+            click.echo(
+                f"{len(info.frozen_names)} frozen tensor(s) stored once, in "
+                f"{info.frozen[0].name} ({_size(info.frozen[0].stat().st_size)})"
+            )
+        return
+    if kind == FROZEN_FORMAT:
+        click.echo(f"frozen weights side file of post-hoc snapshots {path} ({size})")
+        click.echo(f"run {meta.get('run')}, digest {meta.get('digest')}")
+        click.echo(_describe_tensors(tensors))
         return
     emakit_header(meta, str(path))  # a damaged emakit header is an error, not a listing
     click.echo(f"safetensors file {path} ({size}), format {kind}")

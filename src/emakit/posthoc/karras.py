@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._core.frozen import shares
 from .._core.state import StateCodec, integer, real
+from .._engine.pairs import TensorPair
 from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
 from ..errors import EMAStateError, EMATypeError, EMAValueError
@@ -136,6 +138,8 @@ class KarrasEMA(EMA):
             Default None.
         async_update: keyword-only; average on a background thread, as for
             [`EMA`][emakit.EMA]. Default None.
+        share_frozen: keyword-only; frozen parameters shared with the model rather than
+            copied, as for [`EMA`][emakit.EMA]. Default True.
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
@@ -171,6 +175,7 @@ class KarrasEMA(EMA):
         skip_nonfinite: bool = False,
         device: torch.device | str | None = None,
         async_update: bool | None = None,
+        share_frozen: bool = True,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         if not isinstance(frozen, bool):
@@ -191,6 +196,7 @@ class KarrasEMA(EMA):
             skip_nonfinite=skip_nonfinite,
             device=device,
             async_update=async_update,
+            share_frozen=share_frozen,
         )
         self.frozen = frozen
         self.t_from_step = False  # see _load_from_state_dict
@@ -248,6 +254,18 @@ class KarrasEMA(EMA):
             and n not in skip
             and not n.startswith(prefixes)
         }
+
+    def shared_names(self) -> frozenset[str]:
+        """Names of the EMA model's parameters that are the model's own storage (frozen
+        weights shared with it, see ``share_frozen``): their value is the model's, so a
+        post-hoc snapshot stores them once for all the steps they stay the same (see
+        [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files])."""
+        online = dict(self.model.named_parameters(remove_duplicate=False))
+        return frozenset(
+            n
+            for n, s in self.ema_model.named_parameters(remove_duplicate=False)
+            if n in online and shares(TensorPair(n, s, online[n], True))
+        )
 
     def iter_all_ema_params_and_buffers(self) -> Iterator[Tensor]:
         """The EMA model's averaged tensors: floating parameters and buffers that are

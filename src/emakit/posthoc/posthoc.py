@@ -31,6 +31,7 @@ from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
 from .._dist.collectives import AGREE_TIMEOUT_S
 from .._files.reading import writable_folder
+from .._validate import boolean
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profiles
 from .math import PostHocWarning
@@ -66,6 +67,7 @@ _KARRAS_KWARGS = frozenset(
         "skip_nonfinite",
         "device",
         "async_update",
+        "share_frozen",
     }
 )
 
@@ -110,10 +112,17 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         run_id: keyword-only; the id recorded in every snapshot of this run (1 to 64
             letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
             resumes. Default None: a fresh random id (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+        store_frozen_once: keyword-only; frozen weights shared with the model
+            (``share_frozen=True``, the default) are written once per distinct value, into
+            a side file that the snapshots refer to (see
+            [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]), instead of into every
+            snapshot; synthesis gives the same weights. ``False`` writes every tensor into
+            every snapshot (files that other tools can read alone). Default True.
         **kwargs: passed to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: ``frozen``,
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
-            ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``.
+            ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``,
+            ``share_frozen``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -139,6 +148,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         *,
         update_every: int = 100,
         run_id: str | None = None,
+        store_frozen_once: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -193,7 +203,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         self.checkpoint_folder = Path(checkpoint_folder)
         self.checkpoint_dtype = checkpoint_dtype
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
-        self._writer = SnapshotWriter()
+        self._writer = SnapshotWriter(boolean("store_frozen_once", store_frozen_once))
         self._loaded_run: str | None = None
         if is_writer():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from torch import Tensor
 from .._files.reading import open_regular, refusal_reason
 from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAStateError
+from .frozen_files import join_frozen
 from .shards import Block, parse_layout
 from .snapshots import SnapshotInfo
 
@@ -149,8 +150,8 @@ def _changed(info: SnapshotInfo, identity: tuple[int, int, int, int], digest: st
 @contextmanager
 def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
     """Open one snapshot for reading through one open file: an emakit file lazily
-    (its header, then one tensor at a time), an ema-pytorch file loaded whole
-    (``torch.load(weights_only=True)``).
+    (its header, then one tensor at a time; joined with its side file, if it has one), an
+    ema-pytorch file loaded whole (``torch.load(weights_only=True)``).
 
     Raises:
         EMAStateError: the file changed since ``info`` was read (another file at the path,
@@ -166,7 +167,8 @@ def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
         return
     with SafetensorsFile(info.path, "snapshot") as f:
         _changed(info, f.identity, f.header_digest)
-        yield f
+        with join_frozen(f) as g:
+            yield g
 
 
 #: name -> (global shape, the block this file stores, or None).
@@ -184,7 +186,9 @@ def snapshot_sources(
     shape and the block it stores). A whole-model snapshot is one file storing every
     tensor whole; a sharded one yields its rank files, starting with rank ``first`` (the
     caller's own rank: with an unchanged world size that file alone holds the caller's
-    blocks, and the caller stops iterating).
+    blocks, and the caller stops iterating). A file whose frozen tensors are in a side
+    file is yielded joined with it (see
+    [`join_frozen()`][emakit.posthoc.frozen_files.join_frozen]): every reader sees every tensor.
 
     Raises:
         EMAStateError: a file changed since it was listed, or its header is malformed.
@@ -208,4 +212,5 @@ def snapshot_sources(
                     f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
                     f"plan the synthesis again once the folder is no longer written to"
                 )
-            yield f, parse_layout(path, meta, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
+            with join_frozen(f) as g:  # its frozen blocks are in its side file
+                yield g, parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118

@@ -62,6 +62,7 @@ from .._files.reading import writable_path, write_errors
 from .._files.safetensors_file import SafetensorsFile, write_safetensors
 from .._validate import not_newer, stored_count
 from ..errors import EMAError, EMAStateError
+from .frozen_files import frozen_ref, is_side_file, join_frozen, side_missing
 from .legacy import (
     LEGACY_NAME,
     LEGACY_SOURCE,
@@ -104,8 +105,9 @@ __all__ = [
 
 #: ``format`` value in a snapshot's header; other safetensors files are not snapshots.
 SNAPSHOT_FORMAT = "emakit.posthoc.snapshot"
-#: Layout version written by this emakit; newer files are refused with an upgrade hint.
-SNAPSHOT_FORMAT_VERSION = 1
+#: Newest layout read (2: frozen tensors in a side file, see `emakit.posthoc.frozen_files`;
+#: 1: every tensor in the file, still written so); newer ones are refused with a hint.
+SNAPSHOT_FORMAT_VERSION = 2
 SNAPSHOT_SUFFIX = ".safetensors"
 #: ``format`` value in the header of files ``emakit synthesize`` writes.
 SYNTHESIZED_FORMAT = "emakit.posthoc.synthesized"
@@ -140,6 +142,10 @@ class SnapshotInfo:
         header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
         shards: for a snapshot of a sharded model, every rank's file in rank order
             (``path`` is rank 0's; see [`emakit.posthoc.shards`][emakit.posthoc.shards]); empty otherwise.
+        frozen: the side files holding its frozen tensors (one per file of the snapshot
+            that has one, see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]);
+            empty when it stores every tensor itself.
+        frozen_names: the tensors it takes from ``frozen`` (of any of its files).
     """
 
     path: Path
@@ -157,10 +163,13 @@ class SnapshotInfo:
     identity: tuple[int, int, int, int] | None = None
     header_digest: str = ""
     shards: tuple[Path, ...] = ()
+    frozen: tuple[Path, ...] = ()
+    frozen_names: frozenset[str] = frozenset()
 
     @property
     def nbytes(self) -> int:
-        """Size of the file in bytes (of every rank's file, for a sharded snapshot)."""
+        """Size of the file in bytes (of every rank's file, for a sharded snapshot; its side
+        files, which other snapshots share, not counted)."""
         return sum(p.stat().st_size for p in self.shards or (self.path,))
 
     @property
@@ -213,13 +222,17 @@ def snapshot_header(
     update_every: int,
     copied: frozenset[str] | set[str],
     run: str = "",
+    frozen: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The header metadata of a snapshot (see the module docstring for the layout)."""
+    """The header metadata of a snapshot (see the module docstring for the layout);
+    ``frozen``: the entries naming its side file
+    ([`reference_fields()`][emakit.posthoc.frozen_files.reference_fields]), which make it format
+    version 2."""
     from .._version import __version__
 
     header = {
         "format": SNAPSHOT_FORMAT,
-        "format_version": str(SNAPSHOT_FORMAT_VERSION),
+        "format_version": "2" if frozen else "1",
         "emakit_version": __version__,
         "step": str(int(step)),
         "t": str(int(t)),
@@ -231,6 +244,7 @@ def snapshot_header(
     }
     if run:
         header["run"] = run
+    header.update(frozen or {})
     return header
 
 
@@ -322,15 +336,9 @@ def write_snapshot(
         EMAWriteError: the file could not be written; it was left as it was.
     """
     header = snapshot_header(
-        step=step,
-        t=t,
-        gamma=gamma,
-        sigma_rel=sigma_rel,
-        profile=profile,
-        update_every=update_every,
-        copied=copied,
-        run=run,
-    )
+        step=step, t=t, gamma=gamma, sigma_rel=sigma_rel, profile=profile,
+        update_every=update_every, copied=copied, run=run,
+    )  # fmt: skip
     return write_snapshots([path], lambda i: (tensors, header))[0]
 
 
@@ -383,6 +391,7 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
     run = meta.get("run", "")
     if run and not RUN_PATTERN.match(run):
         raise _malformed(path, "run", run, "not a run id")
+    ref = frozen_ref(path, meta)
     return SnapshotInfo(
         path=path,
         step=step,
@@ -396,6 +405,8 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
         run=run,
         identity=None if f is None else f.identity,
         header_digest="" if f is None else f.header_digest,
+        frozen=() if ref is None else (ref.file,),
+        frozen_names=frozenset() if ref is None else ref.names,
     )
 
 
@@ -405,7 +416,8 @@ def _shard_entry(
     """One rank's file of a sharded snapshot: its set, rank and stored volumes."""
     info = _parse(path, meta, f)
     rank, world = shard_fields(path, meta)
-    layout = parse_layout(path, meta, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
+    with join_frozen(f) as g:  # the blocks of its frozen tensors are in its side file
+        layout = parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
     volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
     key = (info.step, info.t, info.gamma, info.sigma_rel, info.profile, info.run, info.copied)
     return ShardEntry(key, rank, world, path, volumes), info
@@ -535,11 +547,12 @@ def list_snapshots(
     root = existing_folder(folder)
     found: list[SnapshotInfo] = []
     shards: list[tuple[ShardEntry, SnapshotInfo]] = []
+    seen: dict = {}  # side files checked
     for path in sorted(root.iterdir()):
         name = path.name
         if name.startswith(".") or TEMP_PREFIX in name or not name.endswith(SNAPSHOT_SUFFIX):
             continue
-        if not path.is_file():
+        if is_side_file(name) or not path.is_file():
             continue
         try:
             f = SafetensorsFile(path, "snapshot")
@@ -548,6 +561,10 @@ def list_snapshots(
             continue
         with f:
             meta = f.metadata
+            why = side_missing(path, meta, seen)
+            if why and meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT):
+                warnings.warn(why, PostHocWarning, stacklevel=2)
+                continue
             if meta.get("format") == SNAPSHOT_FORMAT:
                 found.append(_parse(path, meta, f))  # a malformed field raises, never skips
             elif meta.get("format") == SHARD_FORMAT:
@@ -561,8 +578,15 @@ def list_snapshots(
                 )
     by_path = {e.path: info for e, info in shards}
     for group in complete_sets(e for e, _ in shards):
-        first = by_path[group[0].path]
-        found.append(dataclasses.replace(first, shards=tuple(e.path for e in group)))
+        first, infos = by_path[group[0].path], [by_path[e.path] for e in group]
+        found.append(
+            dataclasses.replace(
+                first,
+                shards=tuple(e.path for e in group),
+                frozen=tuple(p for i in infos for p in i.frozen),
+                frozen_names=frozenset().union(*(i.frozen_names for i in infos)),
+            )
+        )
     found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
     if legacy is not None:
         found.extend(_legacy_snapshots(root, found, legacy))

@@ -33,6 +33,7 @@ from torch import Tensor
 from .._dist.collectives import AGREE_TIMEOUT_S, agree
 from .._dist.dtensor import is_dtensor
 from ..errors import EMAError, EMARuntimeError, EMAWriteError
+from .frozen_files import FrozenPart, collect_frozen_files, frozen_header, frozen_part
 from .karras import KarrasEMA
 from .math import PostHocWarning
 from .runs import FolderLock, first_write_warnings, own_path
@@ -60,22 +61,28 @@ def is_sharded(ema: KarrasEMA) -> bool:
 
 
 def _tensors(
-    ema: KarrasEMA, dtype: torch.dtype | None, shard: bool
+    ema: KarrasEMA, dtype: torch.dtype | None, shard: bool, leave: frozenset[str]
 ) -> tuple[dict[str, Tensor], set[str], str | None]:
-    """``(tensors to store, copied names, shard_layout or None)`` of one profile."""
+    """``(tensors to store, copied names, shard_layout or None)`` of one profile, without
+    the tensors in ``leave`` (in the side file; a rank file's layout keeps their blocks)."""
     if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
         raise EMARuntimeError("the EMA model does not exist yet: call update() first")
     state = ema.ema_model.state_dict()
     copied = set(state) - ema.averaged_names()
     if not shard:
-        out = snapshot_tensors(state, dtype)
-        return out, set(out) - ema.averaged_names(), None
+        return (
+            snapshot_tensors({n: v for n, v in state.items() if n not in leave}, dtype),
+            (copied),
+            None,
+        )
     local: dict[str, Tensor] = {}
     blocks: dict[str, Block] = {}
     for name, value in state.items():
         held = local_block(value)
         if held is not None:
-            local[name], blocks[name] = held
+            blocks[name] = held[1]
+            if name not in leave:
+                local[name] = held[0]
     shapes = {n: tuple(v.shape) for n, v in state.items()}
     return snapshot_tensors(local, dtype), copied, layout_json(shapes, blocks)
 
@@ -90,7 +97,8 @@ class SnapshotWriter:
             rank adopts), or None before the first write.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, store_frozen_once: bool = True) -> None:
+        self.store_frozen_once = store_frozen_once
         self.checked = False
         self.lock: FolderLock | None = None
         self.run: str | None = None
@@ -174,10 +182,16 @@ class SnapshotWriter:
     ) -> list[Path]:
         names = [snapshot_filename(step, e.sigma_rel, e.gamma, shard) for e in profiles]
         paths = [own_path(folder / name, run) for name in names]  # never another run's
+        part = self._frozen(profiles, folder, dtype, run, shard)
+        side = [part.path] if part is not None and part.new else []
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+            if side and part is not None and index == 0:  # renamed into place first
+                return snapshot_tensors(part.tensors, dtype), frozen_header(part.digest, run)
+            index -= len(side)
             ema = profiles[index]
-            tensors, copied, layout = _tensors(ema, dtype, shard is not None)
+            leave = frozenset() if part is None else part.names[index]
+            tensors, copied, layout = _tensors(ema, dtype, shard is not None, leave)
             header = snapshot_header(
                 step=step,
                 t=ema.t,
@@ -187,6 +201,7 @@ class SnapshotWriter:
                 update_every=int(ema.update_every or 1),
                 copied=copied,
                 run=run,
+                frozen=None if part is None else part.fields(index),
             )
             if shard is not None and layout is not None:
                 header.update(
@@ -197,7 +212,33 @@ class SnapshotWriter:
                 )
             return tensors, header
 
-        return write_snapshots(paths, produce)
+        written = write_snapshots(side + paths, produce)
+        collect_frozen_files(folder, run, shard)  # the files of values no snapshot uses
+        return written
+
+    def _frozen(
+        self,
+        profiles: Sequence[KarrasEMA],
+        folder: Path,
+        dtype: torch.dtype | None,
+        run: str,
+        shard: tuple[int, int] | None,
+    ) -> FrozenPart | None:
+        if not self.store_frozen_once:
+            return None
+        states = [e.ema_model.state_dict() for e in profiles]  # type: ignore[union-attr]
+        pick = _whole if shard is None else _block
+        shared = [e.shared_names() for e in profiles]
+        return frozen_part(states, shared, pick, dtype=dtype, folder=folder, run=run, shard=shard)
+
+
+def _whole(t: Tensor) -> Tensor:
+    return t
+
+
+def _block(t: Tensor) -> Tensor | None:
+    held = local_block(t)
+    return None if held is None else held[0]
 
 
 def _share(failure: BaseException | None, written: list[Path], folder: Path, step: int) -> None:
