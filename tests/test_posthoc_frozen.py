@@ -1,0 +1,415 @@
+"""Post-hoc snapshots store frozen weights once (issue 21, point 1): a LoRA-like model
+(a frozen base, a small trainable head) whose snapshots refer to a side file holding the
+base, compared with snapshots that store every tensor (``store_frozen_once=False``) and
+with an EMA that copies frozen weights (``share_frozen=False``) of the same run.
+
+What is checked: the frozen bytes appear once on disk; synthesis, the sweep and ``emakit
+synthesize`` give what the reference gives; a frozen value changed in place (through
+``.data``, which bumps no version counter) gets a new side file and synthesis follows it;
+unfreezing mid-run; removal keeps every side file still referred to; a full disk and a
+SIGKILL during the side-file write leave the previous snapshots usable; resume and a second
+run in the folder; damaged, missing and replaced side files.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import signal
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from emakit import EMAError, PostHocEMA
+from emakit._files.safetensors_file import SafetensorsFile
+from emakit.errors import EMAStateError, EMATypeError
+from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
+from emakit.posthoc import frozen_files as frozen_module
+from emakit.posthoc import snapshots as snapshots_module
+from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.frozen_files import collect_frozen_files, is_side_file
+
+SIGMAS = (0.05, 0.28)
+KW: dict[str, Any] = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4)
+
+
+class Lora(nn.Module):
+    """A frozen base (1056 values) and a trainable adapter; ``count`` is a copied buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(32, 32)
+        self.adapter = nn.Linear(32, 2)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.adapter(torch.tanh(self.base(x)))
+
+
+FROZEN = {"base.weight", "base.bias"}
+FROZEN_VALUES = 32 * 32 + 32
+
+
+def lora() -> Lora:
+    torch.manual_seed(0)
+    return Lora()
+
+
+def train(
+    net: nn.Module,
+    emas: Sequence[PostHocEMA],
+    steps: range,
+    at: Callable[[int], None] = lambda i: None,
+) -> None:
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.2)
+    for i in steps:
+        at(i)
+        if len(opt.param_groups[0]["params"]) != sum(p.requires_grad for p in net.parameters()):
+            opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.2)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+        for e in emas:
+            e.update()
+
+
+def side_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if is_side_file(p.name))
+
+
+def stored_values(folder: Path, names: set[str]) -> int:
+    """How many values of ``names`` the folder's safetensors files hold, all files together."""
+    total = 0
+    for p in folder.glob("*.safetensors"):
+        with SafetensorsFile(p) as f:
+            total += sum(f.get(n).numel() for n in f.keys() if n in names)  # noqa: SIM118
+    return total
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def synth(folder: Path, sigma_rel: float, step: int | None = None, run: str | None = None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)  # few snapshots: a rough fit
+        return synthesize_state_dict(folder, sigma_rel=sigma_rel, step=step, run=run)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One run, snapshotted with side files (``once``) and by an EMA that copies frozen
+    weights (``copied``), 16 steps, snapshots every 4."""
+    root = tmp_path_factory.mktemp("pair")
+    net = lora()
+    once = PostHocEMA(net, checkpoint_folder=root / "once", **KW)
+    copied = PostHocEMA(net, checkpoint_folder=root / "copied", share_frozen=False, **KW)
+    train(net, [once, copied], range(16))
+    return root / "once", root / "copied"
+
+
+def test_the_frozen_bytes_are_stored_once(pair: tuple[Path, Path]) -> None:
+    once, copied = pair
+    snaps = list_snapshots(once)
+    assert len(snaps) == 8 and len(side_files(once)) == 1
+    assert all(s.frozen == (side_files(once)[0],) and s.frozen_names == FROZEN for s in snaps)
+    assert all(s.format_version == 2 for s in snaps)
+    assert stored_values(once, FROZEN) == FROZEN_VALUES  # once, for 8 snapshots
+    assert stored_values(copied, FROZEN) == 8 * FROZEN_VALUES
+    assert all(s.format_version == 1 and not s.frozen for s in list_snapshots(copied))
+    size = sum(p.stat().st_size for p in once.glob("*.safetensors"))
+    full = sum(p.stat().st_size for p in copied.glob("*.safetensors"))
+    assert full - size > 6 * FROZEN_VALUES * 2  # 7 float16 copies saved, less the headers
+
+
+@pytest.mark.parametrize(("sigma_rel", "step"), [(0.1, None), (0.2, 12), (0.05, 8)])
+def test_synthesis_equals_the_copying_ema(
+    pair: tuple[Path, Path], sigma_rel: float, step: int | None
+) -> None:
+    once, copied = pair
+    assert_same(synth(once, sigma_rel, step), synth(copied, sigma_rel, step))
+
+
+def test_the_sweep_and_the_cli_equal_the_copying_ema(pair: tuple[Path, Path], tmp_path: Path):
+    from emakit.posthoc import sweep
+
+    once, copied = pair
+    probe = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+
+    def score(state: dict[str, torch.Tensor]) -> float:
+        model = lora()
+        model.load_state_dict(state)
+        with torch.no_grad():
+            return float(model(probe).square().sum())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        got = sweep(once, score, (0.1, 0.2)).pairs
+        want = sweep(copied, score, (0.1, 0.2)).pairs
+    assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-6)
+    outs = []
+    for folder in pair:
+        out = tmp_path / f"{folder.name}.safetensors"
+        result = CliRunner().invoke(
+            synthesize, [str(folder), "--sigma-rel", "0.15", "--out", str(out), "--no-progress"]
+        )
+        assert result.exit_code == 0, result.output
+        with SafetensorsFile(out) as f:
+            outs.append({n: f.get(n) for n in f.keys()})  # noqa: SIM118
+    assert_same(*outs)
+    assert set(outs[0]) >= FROZEN  # the output file is a whole model
+
+
+def test_inspect_counts_the_side_file_once(pair: tuple[Path, Path]) -> None:
+    once, _ = pair
+    result = CliRunner().invoke(inspect_cmd, [str(once)])
+    assert result.exit_code == 0, result.output
+    assert "frozen weights stored once: 1 side file(s)" in result.output
+    assert "used by 8 snapshot(s)" in result.output and "other file" not in result.output
+    assert "each snapshot: 5 tensors (4 averaged, 1 copied)" in result.output
+    side = side_files(once)[0]
+    result = CliRunner().invoke(inspect_cmd, [str(side)])
+    assert result.exit_code == 0 and "frozen weights side file" in result.output, result.output
+
+
+def test_a_frozen_value_changed_in_place_gets_a_new_side_file(tmp_path: Path) -> None:
+    net = lora()
+    once = PostHocEMA(net, checkpoint_folder=tmp_path / "once", **KW)
+    every = PostHocEMA(net, checkpoint_folder=tmp_path / "every", store_frozen_once=False, **KW)
+    new_base = torch.randn(32, 32, generator=torch.Generator().manual_seed(3))
+
+    def load_new_base(i: int) -> None:
+        if i == 6:  # through .data: no version counter sees it, the digest does
+            net.base.weight.data.copy_(new_base)
+
+    train(net, [once, every], range(16), load_new_base)
+    sides = side_files(tmp_path / "once")
+    assert len(sides) == 2
+    snaps = list_snapshots(tmp_path / "once")
+    assert {s.frozen[0] for s in snaps if s.step <= 4} != {s.frozen[0] for s in snaps if s.step > 4}
+    latest = max(snaps, key=lambda s: s.step)
+    with SafetensorsFile(latest.frozen[0]) as f:
+        assert torch.equal(f.get("base.weight"), new_base.half())  # never the old value
+    for sigma_rel, step in [(0.1, None), (0.2, 8), (0.05, 4)]:
+        assert_same(
+            synth(tmp_path / "once", sigma_rel, step), synth(tmp_path / "every", sigma_rel, step)
+        )
+    assert stored_values(tmp_path / "once", FROZEN) == 2 * FROZEN_VALUES
+
+
+def test_unfreezing_mid_run_stores_the_weight_in_the_snapshots(tmp_path: Path) -> None:
+    net = lora()
+    once = PostHocEMA(net, checkpoint_folder=tmp_path / "once", **KW)
+    copied = PostHocEMA(net, checkpoint_folder=tmp_path / "copied", share_frozen=False, **KW)
+
+    def unfreeze(i: int) -> None:
+        if i == 6:
+            net.base.weight.requires_grad_(True)
+
+    train(net, [once, copied], range(16), unfreeze)
+    late = [s for s in list_snapshots(tmp_path / "once") if s.step > 6]
+    assert late and all(s.frozen_names == {"base.bias"} for s in late)
+    assert len(side_files(tmp_path / "once")) == 2  # the base, then the bias alone
+    for sigma_rel, step in [(0.1, None), (0.2, 8)]:
+        assert_same(
+            synth(tmp_path / "once", sigma_rel, step), synth(tmp_path / "copied", sigma_rel, step)
+        )
+
+
+def test_removal_keeps_every_side_file_still_referred_to(tmp_path: Path) -> None:
+    net = lora()
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path, **KW)
+
+    def change(i: int) -> None:
+        if i == 10:
+            net.base.bias.data.add_(1.0)
+
+    train(net, [ema], range(16), change)  # the old base: steps 4, 8; the new: 12, 16
+    old, new = side_files(tmp_path)
+    by_step = {s.step: s for s in list_snapshots(tmp_path)}
+    assert by_step[4].frozen[0] == by_step[8].frozen[0] != by_step[12].frozen[0]
+    old, new = by_step[4].frozen[0], by_step[12].frozen[0]
+    for p in tmp_path.glob("step-000000004_*"):  # a user's FIFO drops the oldest step
+        p.unlink()
+    assert collect_frozen_files(tmp_path, ema.run_id) == []  # step 8 still refers to it
+    assert old.exists()
+    for p in tmp_path.glob("step-000000008_*"):
+        p.unlink()
+    train(net, [ema], range(16, 20))  # the next snapshot collects it
+    assert not old.exists() and new.exists()
+    assert all(s.frozen == (new,) for s in list_snapshots(tmp_path))
+    assert set(synth(tmp_path, 0.1)) == set(lora().state_dict())  # still readable
+
+
+def test_collection_leaves_other_runs_files_alone(tmp_path: Path) -> None:
+    net = lora()
+    first = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="first", **KW)
+    train(net, [first], range(8))
+    first.release_folder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)  # another run's snapshots there
+        second = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="second", **KW)
+        train(net, [second], range(8, 16))
+    names = sorted(p.name for p in side_files(tmp_path))
+    assert len(names) == 2
+    assert {n.split(".run-")[1].split(".")[0] for n in names} == {"first", "second"}
+    for p in tmp_path.glob("step-*"):
+        if "run-second" not in p.name and int(p.name[5:14]) <= 8:
+            p.unlink()  # every snapshot of the first run
+    train(net, [second], range(16, 20))
+    kept = [p.name for p in side_files(tmp_path)]
+    assert any(".run-first." in n for n in kept)  # not the second run's to remove
+    assert collect_frozen_files(tmp_path, "first")  # its own run may
+    assert not any(".run-first." in p.name for p in side_files(tmp_path))
+    assert set(synth(tmp_path, 0.1, run="second")) == set(lora().state_dict())
+
+
+def test_a_resumed_run_refers_to_the_same_side_file(tmp_path: Path) -> None:
+    net = lora()
+    ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", share_frozen=False, **KW)
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path / "run", **KW)
+    train(net, [ema, ref], range(8))
+    state, net_state = ema.state_dict(), {k: v.clone() for k, v in net.state_dict().items()}
+    ema.release_folder()
+    del ema
+    net2 = lora()
+    net2.load_state_dict(net_state)
+    resumed = PostHocEMA(net2, checkpoint_folder=tmp_path / "run", **KW)
+    resumed.load_state_dict(state)
+    ref_net = ref.model
+    ref_net.load_state_dict(net_state)
+    train(net2, [resumed], range(8, 16))
+    train(ref_net, [ref], range(8, 16))
+    assert len(side_files(tmp_path / "run")) == 1
+    assert_same(synth(tmp_path / "run", 0.15), synth(tmp_path / "ref", 0.15))
+
+
+def test_a_full_disk_during_the_side_file_write_keeps_the_previous_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = lora()
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path, **KW)
+    train(net, [ema], range(4))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")}
+    real = snapshots_module.write_safetensors
+
+    def full(f: Any, tensors: Any, header: Any, dtype: Any = None) -> None:
+        if header.get("format") == frozen_module.FROZEN_FORMAT:
+            f.write(b"\0" * 64)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, tensors, header, dtype)
+
+    monkeypatch.setattr(snapshots_module, "write_safetensors", full)
+    net.base.bias.data.add_(1.0)  # a new frozen value: step 8 needs a new side file
+    with pytest.raises(EMAError) as info:
+        train(net, [ema], range(4, 8))
+    assert info.value.errno == errno.ENOSPC  # type: ignore[attr-defined]
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")} == before
+    assert not [p for p in tmp_path.iterdir() if "emakit-tmp" in p.name]
+    assert {s.step for s in list_snapshots(tmp_path)} == {4}
+    monkeypatch.undo()
+    ema.checkpoint()
+    assert len(side_files(tmp_path)) == 2 and {s.step for s in list_snapshots(tmp_path)} == {4, 8}
+
+
+def _killed_during_side_file(folder: Path) -> None:  # in a forked child
+    torch.set_num_threads(1)  # no OpenMP pool after fork
+    net = lora()
+    ema = PostHocEMA(net, checkpoint_folder=folder, run_id="killed", **KW)
+    train(net, [ema], range(4))
+    real = snapshots_module.write_safetensors
+
+    def killed(f: Any, tensors: Any, header: Any, dtype: Any = None) -> None:
+        if header.get("format") == frozen_module.FROZEN_FORMAT:
+            f.write(b"partial")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(f, tensors, header, dtype)
+
+    snapshots_module.write_safetensors = killed
+    net.base.bias.data.add_(1.0)
+    train(net, [ema], range(4, 8))
+    os._exit(3)  # not reached
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs fork() and SIGKILL")
+def test_a_sigkill_during_the_side_file_write_leaves_the_previous_set_usable(
+    tmp_path: Path,
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        proc = mp.get_context("fork").Process(target=_killed_during_side_file, args=(tmp_path,))
+        proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the child did not die")
+    assert proc.exitcode == -signal.SIGKILL
+    assert [p for p in tmp_path.iterdir() if "emakit-tmp" in p.name]  # the killed write's
+    snaps = list_snapshots(tmp_path)
+    assert {s.step for s in snaps} == {4} and len(side_files(tmp_path)) == 1
+    net = lora()
+    ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", store_frozen_once=False, **KW)
+    train(net, [ref], range(4))
+    assert_same(synth(tmp_path, 0.15, run="killed"), synth(tmp_path / "ref", 0.15))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        again = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="killed", **KW)
+        train(net, [again], range(4, 8))  # the next write removes the leftover
+    assert not [p for p in tmp_path.iterdir() if "emakit-tmp" in p.name]
+
+
+def synthesize_state_dict_of(snaps: list) -> None:
+    from emakit.posthoc.reading import open_snapshot
+
+    with open_snapshot(snaps[0]) as f:
+        f.get("base.weight")
+
+
+def test_a_missing_or_replaced_side_file_is_never_read_as_the_frozen_weights(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    once, _ = pair
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for p in once.glob("*.safetensors"):
+        (folder / p.name).write_bytes(p.read_bytes())
+    snaps = list_snapshots(folder)
+    side = side_files(folder)[0]
+    data = side.read_bytes()
+    side.unlink()
+    with pytest.warns(PostHocWarning, match="frozen weights file .* is missing or damaged"):
+        assert list_snapshots(folder) == []
+    with pytest.raises(EMAStateError, match="cannot be read"):  # planned before it went
+        synthesize_state_dict_of(snaps)
+    (folder / side.name).write_bytes(data.replace(b'"digest":"', b'"digest":"0', 1)[:-1])
+    with pytest.warns(PostHocWarning, match="missing or damaged"):
+        assert list_snapshots(folder) == []
+
+
+def test_an_older_emakit_refuses_a_snapshot_with_a_side_file(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    once, copied = pair
+    monkeypatch.setattr(snapshots_module, "SNAPSHOT_FORMAT_VERSION", 1)
+    with pytest.raises(EMAStateError, match=r"format_version=2.*upgrade emakit"):
+        list_snapshots(once)
+    assert len(list_snapshots(copied)) == 8
+
+
+def test_store_frozen_once_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(EMATypeError, match="store_frozen_once"):
+        PostHocEMA(lora(), checkpoint_folder=tmp_path, store_frozen_once=1, **KW)  # type: ignore[arg-type]
