@@ -1,0 +1,118 @@
+"""Sharded post-hoc snapshots store shared frozen weights once per rank (issue 21): 2 gloo
+ranks, a model whose trainable head is DTensor-sharded and whose frozen base is shared with
+the EMA (``shares()``), snapshotted with side files and with every tensor in every rank
+file (``store_frozen_once=False``) in the same run; synthesis on the ranks and in one
+process equals the reference's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from _launch import DIST_MARKS, run_ranks
+from _models import seeded
+from emakit import PostHocEMA
+from emakit._files.safetensors_file import SafetensorsFile
+from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
+from emakit.posthoc.frozen_files import is_side_file
+
+pytestmark = DIST_MARKS
+
+KW: dict[str, Any] = dict(
+    sigma_rels=(0.05, 0.28),
+    update_every=1,
+    checkpoint_every_num_steps=3,
+    checkpoint_dtype=torch.float32,
+)
+
+
+class Adapted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.base(x)))
+
+
+def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[name] = v.detach().clone()
+    return out
+
+
+def ranks(rank: int, out: Path) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = seeded(Adapted, 0)
+    # The head's weights are DTensors (row shards); the frozen base stays a plain tensor,
+    # shared with the EMA on every rank and stored by rank 0. (On this main, FSDP2 copies
+    # frozen weights rather than sharing them, so fully_shard would share nothing.)
+    for name, p in list(model.head.named_parameters()):
+        setattr(model.head, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    once = PostHocEMA(model, checkpoint_folder=out / "once", run_id="sharded", **KW)
+    every = PostHocEMA(
+        model, checkpoint_folder=out / "every", run_id="sharded", store_frozen_once=False, **KW
+    )
+    res: dict[str, Any] = {"shared": sorted(once.profiles[0].shared_names())}
+    for i in range(9):
+        with torch.no_grad():
+            if i == 5:
+                model.base.bias.add_(0.5)  # a new frozen value: a new side file
+            for p in model.head.parameters():  # a training step, the same on every rank
+                noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+                p.add_(distribute_tensor(noise, mesh, [Shard(0)]))
+        once.update()
+        every.update()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        res["on_ranks"] = gathered(once.synthesize_ema_model(sigma_rel=0.15).ema_model)
+        res["ref_on_ranks"] = gathered(every.synthesize_ema_model(sigma_rel=0.15).ema_model)
+    return res
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("frozen-sharded")
+    return out, run_ranks(ranks, out, world=2, timeout_s=120)
+
+
+def test_each_rank_stores_its_shared_frozen_blocks_once(job) -> None:
+    out, results = job
+    assert results[0]["shared"] == ["base.bias", "base.weight"]
+    sides = sorted(p.name for p in (out / "once").iterdir() if is_side_file(p.name))
+    # rank 0 holds the whole base (not a DTensor); rank 1 stores nothing of it
+    assert len(sides) == 2 and all("rank-00000-of-00002" in n for n in sides), sides
+    for p in (out / "once").glob("step-*.safetensors"):
+        with SafetensorsFile(p) as f:
+            assert not {"base.weight", "base.bias"} & set(f.keys()), p.name
+    snaps = list_snapshots(out / "once")
+    assert len(snaps) == 6 and all(s.frozen_names == {"base.weight", "base.bias"} for s in snaps)
+    assert len({s.frozen for s in snaps}) == 2  # before and after the change
+
+
+def test_sharded_synthesis_equals_the_every_tensor_snapshots(job) -> None:
+    out, results = job
+    for r in results:
+        for name, want in r["ref_on_ranks"].items():
+            torch.testing.assert_close(r["on_ranks"][name], want, rtol=0, atol=0, msg=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        one = synthesize_state_dict(out / "once", sigma_rel=0.15)
+        ref = synthesize_state_dict(out / "every", sigma_rel=0.15)
+    assert set(one) == set(ref) == set(results[0]["on_ranks"])
+    for name in ref:
+        torch.testing.assert_close(one[name], ref[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(one[name], results[0]["on_ranks"][name], msg=name)
