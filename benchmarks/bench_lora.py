@@ -1,6 +1,7 @@
 """EMA of a PEFT LoRA model: memory and update time, emakit beside ema-pytorch and TRL.
 
-Usage: python benchmarks/bench_lora.py [--repeats R] [--layers L]
+Usage: python benchmarks/bench_lora.py [--repeats R] [--layers L] [--snapshots N]
+                                      [--snapshots-only]
 
 A config-built GPT-2 (``n_layer=6, n_embd=768``, vocabulary 2048; nothing downloaded) with
 LoRA adapters (``r=8`` on ``c_attn``), on the CPU, one thread. Contenders run in one
@@ -14,14 +15,22 @@ process, interleaved round-robin; the median per call is reported.
   update step); the floor is a bare ``torch._foreach_lerp_`` over the trainable tensors.
 * **optimizer-step hook**: what emakit's frozen-weight watch adds to each
   ``optimizer.step()`` (it looks for shared weights the step would write).
+* **post-hoc snapshots** (``--snapshots N``, also alone with ``--snapshots-only``): a
+  ``PostHocEMA`` of two profiles writes ``N`` snapshot steps (float16) with the frozen base
+  stored once (the default), stored in every snapshot (``store_frozen_once=False``) and
+  copied by the EMA (``share_frozen=False``, ema-pytorch's behaviour); the bytes on disk
+  of the first step, of each later one, and the median ``checkpoint()`` time, which
+  includes the digest of the frozen base at every step (its change detection).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,8 +85,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--snapshots", type=int, default=4, help="post-hoc snapshot steps")
+    parser.add_argument("--snapshots-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.snapshots_only:
+        snapshot_costs(lora_model(args.layers), args.snapshots)
+        return
     import ema_pytorch
     import trl
 
@@ -160,6 +174,53 @@ def main() -> None:
         ratio = "-" if t is None else f"{t / floor:.2f}x"
         print(f"| {name} | {mem} | {ts} | {ratio} | {note} |")
     hook_costs(model, trainable, params, args.repeats)
+    snapshot_costs(model, args.snapshots)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix == ".safetensors")
+
+
+def snapshot_costs(model: Any, steps: int) -> None:
+    """Post-hoc snapshots of the LoRA model, frozen base stored once or in every file."""
+    from emakit import PostHocEMA
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    kinds = {
+        "frozen base stored once (default)": {},
+        "store_frozen_once=False": {"store_frozen_once": False},
+        "share_frozen=False (ema-pytorch's)": {"share_frozen": False},
+    }
+    mib = 2**20
+    print(f"\npost-hoc snapshots: 2 profiles, float16, {steps} snapshot steps")
+    print("| snapshots | first step (MiB) | each later step (MiB) | checkpoint() (ms) |")
+    print("|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kw in kinds.items():
+            folder = Path(tmp) / str(len(name))
+            ema = PostHocEMA(
+                model,
+                sigma_rels=(0.05, 0.28),
+                update_every=1,
+                checkpoint_every_num_steps="manual",
+                checkpoint_folder=folder,
+                **kw,
+            )
+            sizes, times = [], []
+            for _ in range(steps):
+                with torch.no_grad():
+                    for p in trainable:
+                        p.add_(torch.randn_like(p), alpha=1e-3)
+                ema.update()
+                t0 = time.perf_counter()
+                ema.checkpoint()
+                times.append(time.perf_counter() - t0)
+                sizes.append(folder_bytes(folder))
+            later = (sizes[-1] - sizes[0]) / max(steps - 1, 1)
+            ms = statistics.median(times[1:] or times) * 1e3
+            print(f"| {name} | {sizes[0] / mib:.2f} | {later / mib:.2f} | {ms:.0f} |")
+            ema.release_folder()
+            del ema
 
 
 def trl_on(model: Any, trl: Any) -> str:
