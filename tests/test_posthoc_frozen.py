@@ -143,6 +143,31 @@ def test_synthesis_equals_the_copying_ema(
     assert_same(synth(once, sigma_rel, step), synth(copied, sigma_rel, step))
 
 
+def test_the_side_file_is_read_once_with_the_summed_weights(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from emakit.posthoc import plan_synthesis
+
+    once, _ = pair
+    reads: list[str] = []
+    real = frozen_module.FrozenJoin.get
+
+    def counted(self: Any, name: str) -> torch.Tensor:
+        reads.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(frozen_module.FrozenJoin, "get", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        plan = plan_synthesis(once, sigma_rel=0.12)
+    state = plan.run()
+    assert reads.count("base.weight") == 1 and reads.count("adapter.weight") == 8
+    with SafetensorsFile(side_files(once)[0]) as f:
+        stored = f.get("base.weight").float()
+    total = sum(plan.weights)  # the fitted weights: the sum need not be exactly 1
+    torch.testing.assert_close(state["base.weight"], stored * total, rtol=1e-6, atol=1e-7)
+
+
 def test_the_sweep_and_the_cli_equal_the_copying_ema(pair: tuple[Path, Path], tmp_path: Path):
     from emakit.posthoc import sweep
 

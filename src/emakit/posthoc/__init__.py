@@ -12,6 +12,9 @@ and synthesis of any EMA length after training.
   headers only); [`find_snapshot_folder()`][emakit.posthoc.find_snapshot_folder]: a folder or its one snapshot subfolder.
 * [`LegacyProfiles`][emakit.posthoc.LegacyProfiles]: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
   (their profiles by index), alone or mixed with emakit's.
+* [`collect_frozen_files()`][emakit.posthoc.collect_frozen_files]: remove the side files of frozen
+  weights (stored once for many snapshots, see `emakit.posthoc.frozen_files`) that no
+  snapshot uses any more.
 * [`emakit.posthoc.math`][emakit.posthoc.math]: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
   the least-squares weights of Algorithm 3).
 
@@ -21,6 +24,7 @@ The command-line front end (``emakit synthesize``, ``emakit inspect``) lives in
 
 from __future__ import annotations
 
+from .frozen_files import collect_frozen_files
 from .karras import KARRAS_STATE_VERSION, KarrasEMA
 from .math import (
     GAMMA_MIN,
@@ -66,6 +70,7 @@ __all__ = [
     "SweepResult",
     "SynthesisPlan",
     "WeightSolution",
+    "collect_frozen_files",
     "find_snapshot_folder",
     "gamma_to_sigma_rel",
     "list_legacy_files",

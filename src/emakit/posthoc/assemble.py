@@ -11,14 +11,18 @@ overlap them, as a ``torch.distributed.checkpoint`` load reshards).
 
 Memory is the outputs (one float32 accumulator per target and tensor, of the region's
 size) plus one stored tensor (or one rank's block of it) at a time: one file is open at a
-time, and a rank reads only the files that overlap its blocks, its own first.
+time (with its side file, see `emakit.posthoc.frozen_files`), and a rank reads only the
+files that overlap its blocks, its own first. Frozen tensors that whole-model snapshots
+share through one side file are read once, with the sum of those snapshots' weights.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -220,28 +224,38 @@ def weighted_sums(
 
     nonfinite: dict[str, list[str]] = {}  # tensor -> snapshots holding inf/NaN for it
 
-    def add(index: int) -> Callable[[str, Tensor, Block, Block], None]:
-        used = any(t.weights[index] != 0.0 for t in targets)
+    def add(weights: Sequence[float], label: str) -> Callable[[str, Tensor, Block, Block], None]:
+        used = any(w != 0.0 for w in weights)
 
         def use(name: str, x: Tensor, block: Block, common: Block) -> None:
             stored.setdefault(name, x.dtype)
             part = x[block.slices(common)]
             if used and not bool(torch.isfinite(part).all()):
-                nonfinite.setdefault(name, []).append(snapshots[index].path.name)
+                nonfinite.setdefault(name, []).append(label)
             where = run.regions[name].slices(common)
-            for k, target in enumerate(targets):
+            for k, weight in enumerate(weights):
                 acc = accs[k].get(name)
                 if acc is None:
                     wide = torch.complex64 if x.is_complex() else torch.float32
                     acc = accs[k][name] = torch.zeros(run.regions[name].size, dtype=wide)
-                _add(acc[where], part, target.weights[index])
+                _add(acc[where], part, weight)
 
         return use
 
+    # Frozen tensors stored once (a side file many snapshots share) are added once per
+    # side file, with the sum of its snapshots' weights: the same sum, one read.
+    shared: dict[tuple[Any, ...], list[int]] = {}
     for i, snap in enumerate(snapshots):
-        run.visit(snap, averaged, add(i))
+        once = _read_once(snap) & averaged
+        run.visit(snap, averaged - once, add([t.weights[i] for t in targets], snap.path.name))
+        if once:
+            shared.setdefault((snap.frozen, once), []).append(i)
         if progress is not None:
             progress(i + 1, len(snapshots))
+    for (_, once), members in shared.items():
+        first = snapshots[members[0]]
+        sums = [math.fsum(t.weights[i] for i in members) for t in targets]
+        run.visit(first, set(once), add(sums, first.frozen[0].name))
     if nonfinite:
         _refuse_nonfinite(nonfinite, base)
     for target in targets:
@@ -262,6 +276,13 @@ def weighted_sums(
             out[name] = acc if (acc.is_complex() or acc.dtype == want) else acc.to(want)
         outs.append(out)
     return outs
+
+
+def _read_once(snap: SnapshotInfo) -> frozenset[str]:
+    """The tensors of ``snap`` read once for all the snapshots sharing its side file: its
+    frozen ones, for a whole-model snapshot (a sharded one's rank files may differ in what
+    they keep in their side files, so it is read snapshot by snapshot)."""
+    return snap.frozen_names if snap.frozen and not snap.shards else frozenset()
 
 
 def _refuse_nonfinite(nonfinite: Mapping[str, list[str]], base: SnapshotInfo) -> None:
