@@ -43,9 +43,11 @@ __all__ = ["AGREE_TIMEOUT_S", "OPERATIONS", "Agreed", "agree", "collective_devic
 #: Default seconds a rank waits for the others at an agreement step. The ranks meet there
 #: right after a training step, whose own collectives (gradient reduce-scatter, all-reduce)
 #: already lined them up, so they normally arrive within a fraction of a second; a call
-#: that only some ranks make fails after this long instead of minutes. Raise it (the
-#: functions' ``timeout_s``) when ranks do uneven work right before the call (an
-#: evaluation on rank 0 only).
+#: that only some ranks make fails after this long instead of minutes, naming the ranks
+#: that did not arrive on every backend (the check is on the process group's store, see
+#: `emakit._dist.arrival`; rank 0 is named by the others when it is the one missing).
+#: Raise it (the functions' ``timeout_s``) when ranks do uneven work right before the
+#: call (an evaluation on rank 0 only).
 AGREE_TIMEOUT_S = 30.0
 
 #: The operations that agree, by code (the code travels in the all-gather).
