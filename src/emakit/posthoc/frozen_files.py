@@ -49,6 +49,9 @@ changed, once the snapshots of the old value are gone (deleted by hand, replaced
 resumed run); a file still referred to is never removed. Call it yourself after removing
 snapshots.
 
+`snapshot_tensors()` (the CPU copies a snapshot or a side file stores, floating tensors
+in the snapshot dtype) and `tensor_digest()` apply that one cast rule.
+
 Tools that read a snapshot file alone (``safetensors.torch.load_file``) do not see its
 frozen tensors; ``emakit synthesize`` writes whole models, and
 ``PostHocEMA(store_frozen_once=False)`` writes every tensor into every snapshot.
@@ -61,6 +64,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +76,7 @@ from torch import Tensor
 from .._files.atomic import TEMP_PREFIX
 from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAError, EMAStateError
+from .math import PostHocWarning
 from .shards import shard_suffix
 
 __all__ = [
@@ -90,6 +95,7 @@ __all__ = [
     "reference_fields",
     "side_file_ok",
     "side_missing",
+    "snapshot_tensors",
     "tensor_digest",
 ]
 
@@ -112,6 +118,32 @@ def _stored(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     t = t.detach()
     target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
     return t.to("cpu", target).contiguous()
+
+
+def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """CPU copies of an EMA model's ``state`` to write as a snapshot: floating tensors in
+    ``dtype`` (None keeps theirs), integer and bool tensors exact.
+
+    Warns:
+        PostHocWarning: values overflow ``dtype`` (stored as inf).
+    """
+    out: dict[str, Tensor] = {}
+    overflow: list[str] = []
+    for name, v in state.items():
+        v = v.detach()
+        target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
+        c = v.to(device="cpu", dtype=target, copy=True).contiguous()
+        if target != v.dtype and c.isinf().any() and not v.isinf().any():
+            overflow.append(name)
+        out[name] = c
+    if overflow:
+        warnings.warn(
+            f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
+            f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
+            PostHocWarning,
+            stacklevel=4,
+        )
+    return out
 
 
 def tensor_digest(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> str:

@@ -62,7 +62,7 @@ from .._files.reading import writable_path, write_errors
 from .._files.safetensors_file import SafetensorsFile, write_safetensors
 from .._validate import not_newer, stored_count
 from ..errors import EMAError, EMAStateError
-from .frozen_files import frozen_ref, is_side_file, join_frozen, side_missing
+from .frozen_files import frozen_ref, is_side_file, join_frozen, side_missing, snapshot_tensors
 from .legacy import (
     LEGACY_NAME,
     LEGACY_SOURCE,
@@ -248,35 +248,11 @@ def snapshot_header(
     return header
 
 
-def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
-    """CPU copies of an EMA model's ``state`` to write as a snapshot: floating tensors in
-    ``dtype`` (None keeps theirs), integer and bool tensors exact.
-
-    Warns:
-        PostHocWarning: values overflow ``dtype`` (stored as inf).
-    """
-    out: dict[str, Tensor] = {}
-    overflow: list[str] = []
-    for name, v in state.items():
-        v = v.detach()
-        target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
-        c = v.to(device="cpu", dtype=target, copy=True).contiguous()
-        if target != v.dtype and c.isinf().any() and not v.isinf().any():
-            overflow.append(name)
-        out[name] = c
-    if overflow:
-        warnings.warn(
-            f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
-            f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
-            PostHocWarning,
-            stacklevel=4,
-        )
-    return out
-
-
 def write_snapshots(
     paths: Sequence[str | os.PathLike[str]],
     produce: Callable[[int], tuple[Mapping[str, Tensor], Mapping[str, str]]],
+    *,
+    before_replace: Callable[[], None] | None = None,
 ) -> list[Path]:
     """Write several snapshots as one set: all of them, or none.
 
@@ -289,6 +265,9 @@ def write_snapshots(
         paths: the destinations.
         produce: ``i -> (tensors, header)`` for ``paths[i]``; ``header`` from
             `snapshot_header()`, the tensors already in the dtype to store.
+        before_replace: keyword-only; called once every file is complete, before any
+            replaces its destination; if it raises, nothing is replaced (see
+            [`atomic_paths()`][emakit._files.atomic.atomic_paths]). Default None.
 
     Returns:
         The paths written.
@@ -299,7 +278,10 @@ def write_snapshots(
             ``OSError`` with the original ``errno``, naming the files. Nothing was replaced.
     """
     dests = [writable_path("path", p) for p in paths]
-    with write_errors(dests, "snapshot"), atomic_paths(dests) as temps:
+    with (
+        write_errors(dests, "snapshot"),
+        atomic_paths(dests, before_replace=before_replace) as temps,
+    ):
         for i, tmp in enumerate(temps):
             tensors, header = produce(i)
             with open(tmp, "wb") as f:
@@ -419,7 +401,17 @@ def _shard_entry(
     with join_frozen(f) as g:  # the blocks of its frozen tensors are in its side file
         layout = parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
     volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
-    key = (info.step, info.t, info.gamma, info.sigma_rel, info.profile, info.run, info.copied)
+    write = meta.get("shard_set", "")  # one write's files only: never two writes' mixed
+    key = (
+        info.step,
+        info.t,
+        info.gamma,
+        info.sigma_rel,
+        info.profile,
+        info.run,
+        info.copied,
+        write,
+    )
     return ShardEntry(key, rank, world, path, volumes), info
 
 
