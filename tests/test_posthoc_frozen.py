@@ -198,6 +198,19 @@ def test_the_sweep_and_the_cli_equal_the_copying_ema(pair: tuple[Path, Path], tm
     assert set(outs[0]) >= FROZEN  # the output file is a whole model
 
 
+def test_a_snapshot_loads_back_with_its_frozen_weights(pair: tuple[Path, Path]) -> None:
+    from emakit import EMA
+    from emakit.checkpoint import load_ema_weights
+
+    loaded = []
+    for folder in pair:
+        ema = EMA(lora(), share_frozen=False, include_online_model=False)
+        load_ema_weights(ema, next(folder.glob("step-000000008_sigma_rel-0.05_*")))
+        loaded.append({k: v.clone() for k, v in ema.ema_model.state_dict().items()})
+    assert_same(*loaded)
+    assert torch.equal(loaded[0]["base.weight"], lora().base.weight.detach().half().float())
+
+
 def test_inspect_counts_the_side_file_once(pair: tuple[Path, Path]) -> None:
     once, _ = pair
     result = CliRunner().invoke(inspect_cmd, [str(once)])

@@ -43,6 +43,7 @@ from .errors import (
     EMATypeError,
     EMAValueError,
 )
+from .posthoc.frozen_files import frozen_tensors
 
 __all__ = [
     "WEIGHTS_FORMAT",
@@ -363,6 +364,7 @@ def load_ema_weights(
     check.boolean("strict", strict)
     check.boolean("restore_step", restore_step)
     tensors, metadata = read_safetensors(src)
+    tensors.update(frozen_tensors(src, metadata, tensors))  # a post-hoc snapshot's, stored once
     step: int | None = None
     initted = True
     header = emakit_header(metadata, str(src))

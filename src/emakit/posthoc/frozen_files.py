@@ -65,7 +65,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ __all__ = [
     "frozen_header",
     "frozen_part",
     "frozen_ref",
+    "frozen_tensors",
     "is_side_file",
     "join_frozen",
     "reference_fields",
@@ -318,22 +319,48 @@ def join_frozen(f: Any) -> Iterator[Any]:
     if ref is None:
         yield f
         return
+    with _open_side(f.path, ref, set(f.keys())) as side:
+        yield FrozenJoin(f, side, ref.names)
+
+
+def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
+    """The side file ``ref`` of the snapshot file ``path`` (storing ``own``), open, checked."""
     try:
         side = SafetensorsFile(ref.file, "frozen weights file")
     except EMAError as e:
-        raise _side_error(f.path, ref, f"cannot be read ({e})") from e
-    with side:
-        if side.metadata.get("format") != FROZEN_FORMAT or side.metadata.get("digest") != (
-            ref.digest
-        ):
-            raise _side_error(f.path, ref, "records another digest (it was replaced)")
-        missing = sorted(ref.names - set(side.keys()))
-        twice = sorted(ref.names & set(f.keys()))
-        if missing or twice:
-            raise _side_error(
-                f.path, ref, f"lacks {missing[:5]}" if missing else f"repeats {twice[:5]}"
-            )
-        yield FrozenJoin(f, side, ref.names)
+        raise _side_error(path, ref, f"cannot be read ({e})") from e
+    meta = side.metadata
+    missing, twice = sorted(ref.names - set(side.keys())), sorted(ref.names & own)
+    why = (
+        "records another digest (it was replaced)"
+        if meta.get("format") != FROZEN_FORMAT or meta.get("digest") != ref.digest
+        else f"lacks {missing[:5]}"
+        if missing
+        else f"repeats {twice[:5]}"
+        if twice
+        else ""
+    )
+    if why:
+        side.close()
+        raise _side_error(path, ref, why)
+    return side
+
+
+def frozen_tensors(
+    path: str | os.PathLike[str], meta: Mapping[str, str], own: Iterable[str]
+) -> dict[str, Tensor]:
+    """The frozen tensors a snapshot file (header ``meta``, storing ``own``) takes from its
+    side file; empty when it has none. For readers of a snapshot as a plain state dict
+    ([`load_ema_weights()`][emakit.checkpoint.load_ema_weights]).
+
+    Raises:
+        EMAStateError: the side file is missing, replaced or incomplete.
+    """
+    ref = frozen_ref(Path(path), meta)
+    if ref is None:
+        return {}
+    with _open_side(Path(path), ref, set(own)) as side:
+        return {n: side.get(n) for n in sorted(ref.names)}
 
 
 def _references(folder: Path) -> set[str] | None:
