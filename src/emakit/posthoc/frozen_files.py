@@ -402,21 +402,24 @@ def collect_frozen_files(
         The files removed.
     """
     root = Path(folder)
-    refs = _references(root)
+    ending = f".run-{run}{'' if shard is None else shard_suffix(*shard)}.safetensors"
+    try:
+        candidates = [
+            p
+            for p in sorted(root.glob("frozen-*.safetensors"))
+            if is_side_file(p.name) and (run is None or p.name.endswith(ending))
+        ]
+    except OSError:
+        return []
+    refs = _references(root) if candidates else None  # no side file: no header read
     if refs is None:
         return []
     removed = []
-    for p in sorted(root.glob("frozen-*.safetensors")):
-        name = p.name
-        if not is_side_file(name) or name in refs:
-            continue
-        if run is not None:
-            rank_part = "" if shard is None else shard_suffix(*shard)
-            if not name.endswith(f".run-{run}{rank_part}.safetensors"):
-                continue
-        with contextlib.suppress(OSError):
-            p.unlink()
-            removed.append(p)
+    for p in candidates:
+        if p.name not in refs:
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed.append(p)
     return removed
 
 
