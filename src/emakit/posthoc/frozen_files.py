@@ -115,10 +115,15 @@ def is_side_file(name: str) -> bool:
     return bool(_NAME.match(name))
 
 
+def _target(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a snapshot stores ``t`` in: ``dtype`` for a floating tensor (None keeps
+    its own), its own for integer and bool tensors (exact)."""
+    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+
+
 def _stored(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    t = t.detach()
-    target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    return t.to("cpu", target).contiguous()
+    """``t`` as stored, on the CPU (no copy where it already is)."""
+    return t.detach().to("cpu", _target(t, dtype)).contiguous()
 
 
 def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
@@ -131,8 +136,7 @@ def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> 
     out: dict[str, Tensor] = {}
     overflow: list[str] = []
     for name, v in state.items():
-        v = v.detach()
-        target = dtype if (dtype is not None and v.is_floating_point()) else v.dtype
+        v, target = v.detach(), _target(v, dtype)
         c = v.to(device="cpu", dtype=target, copy=True).contiguous()
         if target != v.dtype and c.isinf().any() and not v.isinf().any():
             overflow.append(name)
@@ -329,21 +333,23 @@ def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
         side = SafetensorsFile(ref.file, "frozen weights file")
     except EMAError as e:
         raise _side_error(path, ref, f"cannot be read ({e})") from e
-    meta = side.metadata
-    missing, twice = sorted(ref.names - set(side.keys())), sorted(ref.names & own)
-    why = (
-        "records another digest (it was replaced)"
-        if meta.get("format") != FROZEN_FORMAT or meta.get("digest") != ref.digest
-        else f"lacks {missing[:5]}"
-        if missing
-        else f"repeats {twice[:5]}"
-        if twice
-        else ""
-    )
+    why = _mismatch(side, ref, own)
     if why:
         side.close()
         raise _side_error(path, ref, why)
     return side
+
+
+def _mismatch(side: SafetensorsFile, ref: FrozenRef, own: set[str]) -> str:
+    """What is wrong with ``side`` as the side file ``ref`` names (``""``: nothing)."""
+    meta = side.metadata
+    if meta.get("format") != FROZEN_FORMAT or meta.get("digest") != ref.digest:
+        return "records another digest (it was replaced)"
+    missing = sorted(ref.names - set(side.keys()))
+    if missing:
+        return f"lacks {missing[:5]}"
+    twice = sorted(ref.names & own)
+    return f"repeats {twice[:5]}" if twice else ""
 
 
 def frozen_tensors(
@@ -390,7 +396,8 @@ def collect_frozen_files(
     Only side files are ever removed: the run's (every run's when ``run`` is None), and
     with ``shard=(rank, world)`` only that rank's (each rank collects its own). A file that
     any ``.safetensors`` file in the folder refers to (a snapshot of any run, complete or
-    not) is kept. Never raises for a file that cannot be read or removed.
+    not) is kept; a file whose header cannot be read refers to nothing. Never raises for a
+    file that cannot be read or removed.
 
     Args:
         folder: the snapshot folder.
