@@ -236,9 +236,9 @@ def model_blocks(
     ``empty``, the blocks of every tensor it holds, empty ones included (the regions a
     synthesis on this rank fills).
 
-    A DTensor contributes its `local_block()` (`held_block()` with ``empty``); a
-    [`ZeroPartitions`][emakit._dist.deepspeed.ZeroPartitions]' partition its flat range
-    (1-D, the padding left out); any other tensor is stored whole by rank 0 (with
+    A DTensor contributes its `local_block()` (`held_block()` with ``empty``); a partition
+    of a ZeRO-3 EMA model (a `ZeroPartitions`, see `emakit._dist.deepspeed`) its flat
+    range (1-D, the padding left out); any other tensor is stored whole by rank 0 (with
     ``empty``, held whole on every rank). No collective is run.
     """
     state = model.state_dict()

@@ -337,7 +337,7 @@ def synthesize_into(
 
     A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
     model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism; the
-    [`ZeroPartitions`][emakit._dist.deepspeed.ZeroPartitions] of a DeepSpeed ZeRO-3 EMA)
+    `ZeroPartitions` (`emakit._dist.deepspeed`) of a DeepSpeed ZeRO-3 EMA)
     gets, on each rank, the block or partition of every tensor that rank holds, cut out of
     whichever snapshot files overlap it (the rank's own first): the snapshots may come
     from any number of ranks, or from one process, sharded either way. No collective is
