@@ -29,8 +29,9 @@ from torch import nn
 from _launch import DIST_MARKS, run_ranks
 from _models import seeded
 from emakit import EMATypeError, PostHocEMA
+from emakit._files.atomic import TEMP_PREFIX
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize_state_dict
-from emakit.posthoc.commands import synthesize
+from emakit.posthoc.commands import inspect_cmd, synthesize
 from emakit.posthoc.shards import Block, align, flat_range, parse_layout
 from test_deepspeed import shm_op  # noqa: F401  (the session fixture that builds the op)
 
@@ -260,6 +261,9 @@ class TestZero3:
         net = Net()
         net.load_state_dict(load_file(str(dest)))  # strict: loads into the model class
         close(net.state_dict(), results[0]["ref"])
+        shown = CliRunner().invoke(inspect_cmd, [str(out / "zero3")])
+        assert shown.exit_code == 0, shown.output
+        assert "6 tensors (5 averaged, 1 copied), 67 averaged values" in shown.output
 
     def test_synthesis_from_another_number_of_ranks(self, job) -> None:
         _, results = job
@@ -296,7 +300,8 @@ class TestZero3:
         folder = tmp_path / "copy"
         shutil.copytree(out / "zero3", folder)
         for path in folder.glob(f"step-{STEPS:09d}_*.rank-00001-of-00002.safetensors"):
-            path.unlink()  # rank 1 died before writing its files of the last step
+            path.unlink()  # rank 1 was killed while writing its files of the last step:
+            (folder / f".{path.name}{TEMP_PREFIX}k1").write_bytes(b"partial")  # its temp file
         with pytest.warns(PostHocWarning, match="ranks \\[1\\] are missing"):
             snaps = list_snapshots(folder)
         assert max(s.step for s in snaps) == STEPS - 2
