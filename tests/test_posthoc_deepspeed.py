@@ -28,7 +28,7 @@ from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
 from _models import seeded
-from emakit import EMATypeError, PostHocEMA
+from emakit import EMAStateError, EMATypeError, PostHocEMA
 from emakit._files.atomic import TEMP_PREFIX
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize_state_dict
 from emakit.posthoc.commands import inspect_cmd, synthesize
@@ -232,6 +232,14 @@ class TestZero3:
         assert abs(snaps[-1].nbytes - whole[-1].nbytes) < 2 * 4096  # one model's bytes per set
         for r in results:
             assert r["local_numel"] <= 67 // WORLD + 3  # its partitions only
+
+    def test_an_emakit_without_flat_ranges_refuses_the_files(self, job, monkeypatch) -> None:
+        from emakit.posthoc import snapshots
+
+        out, _ = job
+        monkeypatch.setattr(snapshots, "FLAT_LAYOUT_VERSION", 1)  # what emakit read before
+        with pytest.raises(EMAStateError, match=r"format_version=2.*upgrade emakit"):
+            list_snapshots(out / "zero3")
 
     def test_profiles_equal_the_full_weight_ones(self, job) -> None:
         _, results = job
