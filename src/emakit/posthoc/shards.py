@@ -19,6 +19,11 @@ once: each rank writes the part of every tensor that it holds into its own file,
        "0.weight": [[7, 5], {"flat": [18, 17]}],   # elements 18..34 of a ZeRO-3 partition
        "count": [[], null]}                        # a buffer, stored by rank 0
 
+* ``"shard_set"``: the id of the write that made the file (16 hex digits drawn by rank 0,
+  the same in every rank's file of one write; absent in files of emakit before it), so
+  that the files of one step left by two writes (a rewrite of the step interrupted after
+  some ranks had replaced their files) never pass for one set.
+
 A file holding a flat range has ``"format_version": "2"`` (`FLAT_LAYOUT_VERSION`), so an
 emakit that predates flat ranges refuses it by asking for an upgrade; every other file is
 still version 1.
@@ -41,7 +46,7 @@ that range, so a ZeRO-3 folder synthesizes into an FSDP2 model, a whole model or
 number of ranks, and the reverse.
 
 A set is **complete** when the files of ranks ``0 .. world-1`` are all there, agree on
-the step, profile and run, and their blocks add up to every tensor; an incomplete set (a
+the step, profile, run and write (``shard_set``), and their blocks add up to every tensor; an incomplete set (a
 snapshot that a crash interrupted) is skipped with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
 
 This module is a leaf of `emakit.posthoc`: block arithmetic, headers and the
