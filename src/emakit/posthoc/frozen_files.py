@@ -65,7 +65,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -458,7 +458,6 @@ class FrozenPart:
 def frozen_part(
     states: Sequence[Mapping[str, Tensor]],
     shared: Sequence[frozenset[str]],
-    pick: Callable[[Tensor], Tensor | None],
     *,
     dtype: torch.dtype | None,
     folder: Path,
@@ -469,9 +468,9 @@ def frozen_part(
     profile shares a tensor this rank stores.
 
     Args:
-        states: each profile's EMA model state dict.
+        states: what this rank stores of each profile's EMA model (its state dict, or the
+            local blocks of a sharded one).
         shared: each profile's shared names ([`KarrasEMA.shared_names()`][emakit.posthoc.karras.KarrasEMA.shared_names]).
-        pick: the tensor this rank stores of a state tensor (its block), or None.
         dtype: the snapshot dtype of floating tensors (None keeps theirs).
         folder, run, shard: where the side file goes, whose it is, and ``(rank, world)``.
     """
@@ -480,11 +479,7 @@ def frozen_part(
     for state, names_shared in zip(states, shared, strict=True):
         mine = set()
         for name in sorted(names_shared & set(state)):
-            if name not in tensors:
-                held = pick(state[name])
-                if held is None:
-                    continue
-                tensors[name] = held
+            tensors.setdefault(name, state[name])
             mine.add(name)
         names.append(frozenset(mine))
     if not tensors:

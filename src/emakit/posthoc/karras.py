@@ -140,6 +140,9 @@ class KarrasEMA(EMA):
             [`EMA`][emakit.EMA]. Default None.
         share_frozen: keyword-only; frozen parameters shared with the model rather than
             copied, as for [`EMA`][emakit.EMA]. Default True.
+        partition: keyword-only; keep only this rank's slice of every parameter of a
+            model replicated over the ranks, as for [`EMA`][emakit.EMA] (a DeepSpeed
+            ZeRO-3 model is partitioned anyway). Default False.
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
@@ -176,6 +179,7 @@ class KarrasEMA(EMA):
         device: torch.device | str | None = None,
         async_update: bool | None = None,
         share_frozen: bool = True,
+        partition: bool = False,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         if not isinstance(frozen, bool):
@@ -197,6 +201,7 @@ class KarrasEMA(EMA):
             device=device,
             async_update=async_update,
             share_frozen=share_frozen,
+            partition=partition,
         )
         self.frozen = frozen
         self.t_from_step = False  # see _load_from_state_dict

@@ -73,6 +73,7 @@ from .legacy import (
 )
 from .math import GAMMA_MIN, PostHocWarning
 from .shards import (
+    FLAT_LAYOUT_VERSION,
     SHARD_FORMAT,
     ShardEntry,
     complete_sets,
@@ -105,8 +106,9 @@ __all__ = [
 
 #: ``format`` value in a snapshot's header; other safetensors files are not snapshots.
 SNAPSHOT_FORMAT = "emakit.posthoc.snapshot"
-#: Newest layout read (2: frozen tensors in a side file, see `emakit.posthoc.frozen_files`;
-#: 1: every tensor in the file, still written so); newer ones are refused with a hint.
+#: Newest layout read: 2 (a snapshot naming a side file of frozen tensors, see
+#: `emakit.posthoc.frozen_files`; a shard file holding flat ranges, see
+#: `emakit.posthoc.shards`); files using neither are written as 1. Newer ones are refused.
 SNAPSHOT_FORMAT_VERSION = 2
 SNAPSHOT_SUFFIX = ".safetensors"
 #: ``format`` value in the header of files ``emakit synthesize`` writes.
@@ -358,7 +360,10 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
     if "format_version" not in meta:
         raise _malformed(path, "format_version", None, "missing")
     version = _count(meta, "format_version", path, 1, None)
-    not_newer(f"snapshot {path}", "format_version", version, SNAPSHOT_FORMAT_VERSION)
+    newest = SNAPSHOT_FORMAT_VERSION
+    if meta.get("format") == SHARD_FORMAT:  # version 2: flat ranges (ZeRO-3 partitions)
+        newest = max(newest, FLAT_LAYOUT_VERSION)
+    not_newer(f"snapshot {path}", "format_version", version, newest)
     try:
         copied = json.loads(meta.get("copied", "[]"))
     except ValueError:
