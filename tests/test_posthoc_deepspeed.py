@@ -238,6 +238,7 @@ class TestZero3:
 
         out, _ = job
         monkeypatch.setattr(snapshots, "FLAT_LAYOUT_VERSION", 1)  # what emakit read before
+        monkeypatch.setattr(snapshots, "SNAPSHOT_FORMAT_VERSION", 1)  # (nor side files)
         with pytest.raises(EMAStateError, match=r"format_version=2.*upgrade emakit"):
             list_snapshots(out / "zero3")
 
