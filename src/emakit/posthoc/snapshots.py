@@ -36,6 +36,9 @@ Header metadata (format version 1), all values strings::
         "run": "3f2a9c0e6b1d4e57",    # the run that wrote it (absent before emakit 0.2)
     }
 
+Version 2 adds ``frozen_file``, ``frozen_digest`` and ``frozen_names``: the shared frozen
+tensors are in a side file (see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]).
+
 **ema-pytorch's snapshots** (``<profile index>.<step>.pt``, ``torch.save`` of a
 ``KarrasEMA.state_dict()`` with every value in float16 by default) record no gamma; given
 the profiles by index ([`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]), [`list_snapshots()`][emakit.posthoc.snapshots.list_snapshots] reads them too,
