@@ -448,6 +448,17 @@ def test_an_older_emakit_refuses_a_snapshot_with_a_side_file(
     assert len(list_snapshots(copied)) == 8
 
 
+def test_karras_ema_takes_share_frozen() -> None:
+    from emakit import KarrasEMA
+
+    net = lora()
+    shared = KarrasEMA(net, sigma_rel=0.1, update_every=1)
+    copied = KarrasEMA(net, sigma_rel=0.1, update_every=1, share_frozen=False)
+    assert shared.shared_names() == FROZEN and copied.shared_names() == frozenset()
+    assert copied.ema_model.base.weight.data_ptr() != net.base.weight.data_ptr()
+
+
 def test_store_frozen_once_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(EMATypeError, match="store_frozen_once"):
-        PostHocEMA(lora(), checkpoint_folder=tmp_path, store_frozen_once=1, **KW)  # type: ignore[arg-type]
+        PostHocEMA(lora(), checkpoint_folder=tmp_path / "x", store_frozen_once=1, **KW)  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()  # refused before anything was made

@@ -161,6 +161,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
                 f"PostHocEMA got unknown keyword arguments {unknown}; it accepts those of "
                 f"KarrasEMA: {sorted(_KARRAS_KWARGS)}"
             )
+        boolean("store_frozen_once", store_frozen_once)
         every = checkpoint_every_num_steps
         if every != "manual" and (
             isinstance(every, bool) or not isinstance(every, int) or every < 1
@@ -205,7 +206,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         self.checkpoint_folder = Path(checkpoint_folder)
         self.checkpoint_dtype = checkpoint_dtype
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
-        self._writer = SnapshotWriter(boolean("store_frozen_once", store_frozen_once))
+        self._writer = SnapshotWriter(store_frozen_once)
         self._loaded_run: str | None = None
         if is_writer():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)

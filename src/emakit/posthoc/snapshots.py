@@ -561,8 +561,9 @@ def list_snapshots(
             continue
         with f:
             meta = f.metadata
-            why = side_missing(path, meta, seen)
-            if why and meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT):
+            ours = meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT)
+            why = side_missing(path, meta, seen) if ours else ""
+            if why:
                 warnings.warn(why, PostHocWarning, stacklevel=2)
                 continue
             if meta.get("format") == SNAPSHOT_FORMAT:
