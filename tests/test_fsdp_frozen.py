@@ -14,7 +14,9 @@ averages every shard as ema-pytorch would, and must agree bit for bit:
   its own shard first and never write into the model; equal values keep the sharing;
 * an uneven frozen parameter (3 rows over 2 ranks: rank 1's shard is padded) is owned and
   averaged on every rank; FSDP2 would copy a padded shard it is asked to adopt;
-* ``MultiEMA`` shares and equals its ``share_frozen=False`` EMAs; ``KarrasEMA`` shares.
+* tied frozen weights are shared in every place; ``skip_nonfinite`` agrees as before;
+* ``MultiEMA`` shares and equals its ``share_frozen=False`` EMAs; ``KarrasEMA`` and ``BEMA``
+  share.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from emakit import EMA, KarrasEMA, MultiEMA
+from emakit import BEMA, EMA, KarrasEMA, MultiEMA
 from emakit._core.sharding import adopt_shard
 from emakit._dist.dtensor import local_tensor
 from emakit.distributed import load_sharded_ema, save_sharded_ema
@@ -142,7 +144,9 @@ def worker(rank: int, out: Path) -> dict:
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(99))
     net = lora_like(mesh)
     ema, ref = EMA(net, **KW), EMA(net, share_frozen=False, **KW)
+    guarded = EMA(net, skip_nonfinite=True, **KW)  # its agreement: one all-reduce per update
     karras = KarrasEMA(net, sigma_rel=0.1, update_every=1)
+    bema = BEMA(net, update_freq=1)
     multi = MultiEMA(net, betas=(0.9, 0.99), update_after_step=0, update_every=1)
     multi_ref = [
         EMA(net, beta=b, share_frozen=False, update_after_step=0, update_every=1)
@@ -151,6 +155,7 @@ def worker(rank: int, out: Path) -> dict:
     res["shared"] = shared(ema, net)
     res["ref_shared"] = shared(ref, net)
     res["karras_shared"] = shared(karras, net)
+    res["bema_shared"] = (shared(bema, net), sorted(p.name for p in bema.tracker.plan().pairs))
     res["multi_shared"] = [shared(e, net) for e in multi]
     res["plan"] = sorted(p.name for p in ema.tracker.plan().pairs)
     res["bytes"] = (extra_bytes(ema, net), extra_bytes(ref, net))
@@ -160,8 +165,10 @@ def worker(rank: int, out: Path) -> dict:
         if not n.startswith("base.")
     )
     adapter = [p for p in net.parameters() if p.requires_grad]
-    run([ema, ref, multi, *multi_ref], net, torch.optim.SGD(adapter, lr=0.2), rank, 0)
-    res["after_updates"] = equal(weights(ema), weights(ref))
+    run([ema, ref, guarded, multi, *multi_ref], net, torch.optim.SGD(adapter, lr=0.2), rank, 0)
+    res["after_updates"] = equal(weights(ema), weights(ref)) and equal(
+        weights(guarded), weights(ref)
+    )
     res["multi"] = [equal(weights(e), weights(c)) for e, c in zip(multi, multi_ref, strict=True)]
     res["keys"] = sorted(ema.state_dict()) == sorted(ref.state_dict())
     res["forward"] = (ema(x), ref(x))
@@ -246,6 +253,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_frozen_shards_are_shared_and_left_out_of_the_plan(results: list[dict]) -> None:
     for r in results:
         assert r["shared"] == SHARED == r["karras_shared"]
+        assert r["bema_shared"] == (SHARED, r["plan"])
         assert r["multi_shared"] == [SHARED, SHARED]
         assert r["ref_shared"] == []
         assert r["plan"] == ["adapter.bias", "adapter.weight", "odd.bias", "odd.weight"]
