@@ -22,21 +22,17 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lora import lora_model  # noqa: E402
-
-from emakit import EMA  # noqa: E402
-from emakit.distributed import local_tensor  # noqa: E402
+from bench_lora import lora_model  # this folder is the script's: sys.path[0]
+from emakit import EMA
+from emakit.distributed import local_tensor
 
 MIB = 2**20
 
