@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from .._engine.pairs import TensorPair
+from ..errors import EMARuntimeError
 from .sharding import adopt_shard, places_of
 
 __all__ = ["FrozenShare", "shared_parameters", "shares"]
@@ -165,7 +166,7 @@ class FrozenShare:
         the shared one (`emakit._core.sharding.adopt_shard`, with the copy resharded first)."""
         root = self._root
         if root is None:  # pragma: no cover - build() and pairs() always give it
-            raise RuntimeError("FrozenShare has no EMA model to un-share FSDP2 shards in")
+            raise EMARuntimeError("FrozenShare has no EMA model to un-share FSDP2 shards in")
         reshard(fsdp_modules(root))
         places = places_of(root)
         for p in pairs:
