@@ -18,6 +18,7 @@ from emakit._files import atomic as _io
 from emakit._files.atomic import (
     TEMP_PREFIX,
     atomic_path,
+    atomic_paths,
     atomic_write,
     atomic_write_bytes,
     remove_stale_temps,
@@ -86,6 +87,33 @@ def test_failure_keeps_previous_file_and_removes_temp(tmp_path):
         interrupted()
     assert dest.read_bytes() == b"previous"
     assert temps(tmp_path) == []
+
+
+def test_before_replace_sees_complete_files_and_can_veto_the_replace(tmp_path):
+    """The hook of a write several processes make together: called once every temporary
+    file is complete, before any rename; if it raises, nothing is replaced."""
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    atomic_write_bytes(a, b"old a")
+    atomic_write_bytes(b, b"old b")
+    seen: list[list[bytes]] = []
+
+    def veto() -> None:
+        seen.append([t.read_bytes() for t in temps(tmp_path)])
+        raise OSError(28, "another process could not write")
+
+    def write(hook) -> None:
+        with atomic_paths([a, b], before_replace=hook) as (ta, tb):
+            ta.write_bytes(b"new a")
+            tb.write_bytes(b"new b")
+
+    with pytest.raises(OSError, match="another process"):
+        write(veto)
+    assert sorted(seen[0]) == [b"new a", b"new b"]  # both complete when it was asked
+    assert (a.read_bytes(), b.read_bytes()) == (b"old a", b"old b")
+    assert temps(tmp_path) == []
+    calls: list[int] = []
+    write(lambda: calls.append(1))
+    assert calls == [1] and (a.read_bytes(), b.read_bytes()) == (b"new a", b"new b")
 
 
 def test_new_file_gets_umask_mode_and_existing_mode_is_kept(tmp_path):

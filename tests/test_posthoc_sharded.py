@@ -4,7 +4,8 @@ single-process ``PostHocEMA`` fed the full weights; a rank killed mid-snapshot.
 
 Two launches (``tests/_launch.py``): 4 gloo ranks (FSDP2 with empty shards, HSDP, FSDP with
 tensor parallelism, the rank-0-only misuse last), then 2 ranks (the 4-rank folder
-resharded, a full disk on one rank, a SIGKILL during a snapshot).
+resharded, a full disk on one rank, a failed rewrite of a step, a SIGKILL during a
+snapshot).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ def two_ranks(rank: int, out: Path) -> dict:
         (s, score(ema.synthesize_ema_model(sigma_rel=s).ema_model.eval())) for s in (0.1, 0.2)
     ]
 
+    _rewrite(model, out / "rewrite", res)
     kill = PostHocEMA(
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "kill", **KW
     )
@@ -340,7 +342,58 @@ def two_ranks(rank: int, out: Path) -> dict:
         res["killed"] = ""
     except Exception as e:
         res["killed"] = f"{type(e).__name__}: {e}"
+    res["after_kill"] = sorted(p.name for p in (out / "kill").glob("*.safetensors"))
     return res
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("step-*")}
+
+
+def _rewrite(model: nn.Module, folder: Path, res: dict[str, Any]) -> None:
+    """A resumed run (the same run id) snapshots step 1 again, and the rewrite fails on rank
+    1: its disk is full; then its rename fails after every rank has voted."""
+    from emakit.posthoc import snapshots
+
+    rank = torch.distributed.get_rank()
+    kw: dict[str, Any] = dict(checkpoint_every_num_steps="manual", checkpoint_folder=folder)
+    first = PostHocEMA(model, run_id=RUN, **kw, **KW)
+    first.update()
+    first.checkpoint()
+    res["rewrite_before"] = _digests(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the resumed run's step 1 differs from the first one's
+    resumed = PostHocEMA(model, run_id=RUN, **kw, **KW)
+    resumed.update()
+    real, replace = snapshots.write_safetensors, os.replace
+    if rank == 1:
+
+        def full(f: Any, tensors: Any, header: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        snapshots.write_safetensors = full
+    res["rewrite_full"] = _outcome(resumed.checkpoint)
+    snapshots.write_safetensors = real
+    res["rewrite_after"] = _digests(folder)
+    if rank == 1:
+
+        def broken(src: Any, dst: Any) -> None:
+            raise OSError(5, "Input/output error")
+
+        os.replace = broken  # type: ignore[assignment]
+    outcome = _outcome(resumed.checkpoint)
+    os.replace = replace
+    res["rename"] = [""] * 2  # rank 1 does not live to return its results
+    torch.distributed.all_gather_object(res["rename"], outcome)
 
 
 @pytest.fixture(scope="module")
@@ -368,18 +421,48 @@ def test_a_full_disk_on_one_rank_fails_every_rank(two) -> None:
     assert all("step-000000002" not in n for n in r0["after_full_disk"])  # nothing kept
 
 
+def test_a_failed_rewrite_of_a_step_keeps_its_earlier_set(two) -> None:
+    r = two[0]
+    # every rank's file of the first write of step 1 is still there, byte for byte
+    assert len(r["rewrite_before"]) == 4  # 2 profiles x 2 ranks
+    assert r["rewrite_after"] == r["rewrite_before"]
+    assert r["rewrite_full"].startswith("EMAWriteError"), r["rewrite_full"]
+    assert "rank 1" in r["rewrite_full"] and "No space left" in r["rewrite_full"]
+    assert "as they were before the call" in r["rewrite_full"]
+
+
+def test_a_rewrite_interrupted_after_the_vote_is_never_read_as_one_set(four, two) -> None:
+    """Rank 0 replaced its files, rank 1's rename failed: two writes' halves of step 1,
+    skipped with a warning each instead of being mixed into one model."""
+    out, _ = four
+    on_rank0, on_rank1 = two[0]["rename"]
+    assert on_rank0 == ""
+    assert on_rank1.startswith("EMAWriteError") and "Input/output error" in on_rank1, on_rank1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PostHocWarning)
+        snaps = list_snapshots(out / "rewrite")
+    texts = sorted(str(w.message) for w in caught)
+    assert snaps == []
+    assert len(texts) == 4  # 2 profiles, each: rank 0's new file, rank 1's old one
+    assert sum("ranks [0] are missing" in t for t in texts) == 2, texts
+    assert sum("ranks [1] are missing" in t for t in texts) == 2, texts
+
+
 def test_a_rank_killed_mid_snapshot_leaves_the_previous_set_usable(four, two) -> None:
     out, _ = four
     r0 = two[0]
     assert two[1] is None  # rank 1 was killed
     assert r0["killed"].startswith("EMARuntimeError") and "died" in r0["killed"], r0["killed"]
+    assert "put none of them in place" in r0["killed"]
+    assert all("step-000000003" not in n for n in r0["after_kill"])  # rank 0 replaced nothing
     folder = out / "kill"
     for name, digest in r0["first"].items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
-    with pytest.warns(PostHocWarning, match="rank files.*ranks \\[1\\] are missing"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PostHocWarning)  # no incomplete set left behind
         snaps = list_snapshots(folder)
     assert {s.step for s in snaps} == {1}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PostHocWarning)
+        warnings.simplefilter("ignore", PostHocWarning)  # 1 step: a rough profile
         state = synthesize_state_dict(folder, sigma_rel=TARGET)
     assert set(state) == set(Wide().state_dict())

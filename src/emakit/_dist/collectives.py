@@ -1,21 +1,24 @@
 """Rank agreement before emakit's collective saves, loads and exports.
 
 Imported by [`emakit.distributed`][emakit.distributed] and `emakit.posthoc.writing` only.
-`agree()` is a bounded barrier and one all-gather of a few int64 numbers per call, on
+`agree()` is a bounded arrival check and one all-gather of a few int64 numbers per call, on
 every rank of the process group:
 
 ``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo]``
 
-* **Every rank called the same operation.** The ranks first meet in a bounded barrier
-  (``timeout_s``, 30 s by default; gloo's ``monitored_barrier``, which names the ranks
-  that did not arrive, or one bounded all-reduce on other backends): a rank whose peers
-  never arrive, because the call sits inside ``if is_rank_zero():`` or another
-  rank-dependent branch, raises an [`EMARuntimeError`][emakit.EMARuntimeError] saying "call on
-  every rank" and naming the missing ranks, instead of hanging until the process group's
-  own timeout (30 minutes by default). After such a
-  timeout the process group is unusable (its pending collective was abandoned): the
-  program is wrong, and the message says how to fix it. Ranks that meet in different
-  emakit operations raise on every rank, naming who called what.
+* **Every rank called the same operation.** The ranks first meet in a bounded arrival
+  check (``timeout_s``, 30 s by default) on the process group's c10d store, the same on
+  every backend (`emakit._dist.arrival`): a rank whose peers never arrive, because the
+  call sits inside ``if is_rank_zero():`` or another rank-dependent branch, raises an
+  [`EMARuntimeError`][emakit.EMARuntimeError] saying "call on every rank" and naming the
+  ranks that did not arrive (rank 0 learns who is missing, the others learn it from rank
+  0, or that rank 0 is), instead of hanging until the process group's own timeout (30
+  minutes by default). The check runs no collective, so a failed one abandons none; but
+  the ranks' emakit calls are then out of step, the program is wrong, and the message
+  says how to fix it. Where torch does not expose the store, a collective does the check
+  (gloo's ``monitored_barrier``, which also names the ranks; one bounded all-reduce on
+  other backends, which cannot), and a failure leaves the process group unusable. Ranks
+  that meet in different emakit operations raise on every rank, naming who called what.
 * **Every rank's EMA is at the same step with the same skip count.** Otherwise every rank
   raises the same [`EMAStateError`][emakit.errors.EMAStateError], naming the ranks and their steps: one
   rank called ``update()`` more often than the others, so a checkpoint would record one
@@ -33,15 +36,18 @@ from typing import Any
 import torch
 
 from ..errors import EMARuntimeError, EMAStateError
+from .arrival import default_store, missing_ranks
 
 __all__ = ["AGREE_TIMEOUT_S", "OPERATIONS", "Agreed", "agree", "collective_device"]
 
 #: Default seconds a rank waits for the others at an agreement step. The ranks meet there
 #: right after a training step, whose own collectives (gradient reduce-scatter, all-reduce)
 #: already lined them up, so they normally arrive within a fraction of a second; a call
-#: that only some ranks make fails after this long instead of minutes. Raise it (the
-#: functions' ``timeout_s``) when ranks do uneven work right before the call (an
-#: evaluation on rank 0 only).
+#: that only some ranks make fails after this long instead of minutes, naming the ranks
+#: that did not arrive on every backend (the check is on the process group's store, see
+#: `emakit._dist.arrival`; rank 0 is named by the others when it is the one missing).
+#: Raise it (the functions' ``timeout_s``) when ranks do uneven work right before the
+#: call (an evaluation on rank 0 only).
 AGREE_TIMEOUT_S = 30.0
 
 #: The operations that agree, by code (the code travels in the all-gather).
@@ -95,8 +101,9 @@ class Agreed:
         return (row[4] << 32) | row[5]
 
 
-def _missing_ranks(group: Any, timeout_s: float) -> list[int] | None:
-    """The ranks that did not arrive, where torch can tell: a gloo group's
+def _missing_by_collective(group: Any, timeout_s: float) -> list[int] | None:
+    """The fallback where torch exposes no store (`emakit._dist.arrival.default_store()`):
+    the ranks that did not arrive, where the backend can tell: a gloo group's
     ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others). None
     when everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
     dist = torch.distributed
@@ -113,6 +120,25 @@ def _missing_ranks(group: Any, timeout_s: float) -> list[int] | None:
             return [int(r) for r in found.group(1).replace(",", " ").split()]
         return [0] if dist.get_rank(group) != 0 else []
     return None
+
+
+def _arrivals(operation: str, group: Any, timeout_s: float) -> tuple[list[int] | None, str]:
+    """``(the group ranks that did not arrive or None, what that did to the group)``."""
+    store = default_store()
+    if store is None:
+        abandoned = "This process group cannot be used any more (its collective was abandoned)"
+        return _missing_by_collective(group, timeout_s), abandoned
+    try:
+        missing = missing_ranks(store, group, timeout_s)
+    except RuntimeError as e:  # the store itself failed (its server is gone)
+        raise EMARuntimeError(
+            f"{operation}: the process group's store failed while the ranks met "
+            f"({' '.join(str(e).split())[:200]}); is the job shutting down?"
+        ) from e
+    return missing, (
+        "No collective was started, but this rank's emakit calls are now out of step with "
+        "the others': fix the program and start the job again"
+    )
 
 
 def _gathered(group: Any, timeout_s: float) -> bool:
@@ -173,18 +199,18 @@ def agree(
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     me = dist.get_rank()
-    missing = _missing_ranks(group, timeout_s)
+    missing, aftermath = _arrivals(operation, group, timeout_s)
     if missing is not None:
-        who = (
-            f"{_ranks([_global_rank(group, r) for r in missing])} did not arrive"
-            if missing
-            else f"not all {world} ranks arrived"
-        )
+        if dist.get_rank(group) in missing:
+            who = "this rank arrived after the others had stopped waiting"
+        elif missing:
+            who = f"{_ranks([_global_rank(group, r) for r in missing])} did not arrive"
+        else:
+            who = f"not all {world} ranks arrived"
         raise EMARuntimeError(
             f"{operation} is a collective: call on every rank. On rank {me}, {who} within "
             f"timeout_s={timeout_s:g} s. Is the call inside `if is_rank_zero():` or another "
-            f"branch that only some ranks take? This process group cannot be used any more "
-            f"(its collective was abandoned)"
+            f"branch that only some ranks take? {aftermath}"
         )
     try:
         work = dist.all_gather(rows, mine, group=group, async_op=True)

@@ -212,7 +212,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]]:
+def atomic_paths(
+    paths: Sequence[str | os.PathLike[str]], *, before_replace: Callable[[], None] | None = None
+) -> Iterator[list[Path]]:
     """Like [`atomic_path()`][emakit._files.atomic.atomic_path] for several files that must appear together (all or none).
 
     The block writes every temporary path; only when it completes is each one fsynced and
@@ -223,6 +225,11 @@ def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]
 
     Args:
         paths: the destinations, all different. Their folders are created if missing.
+        before_replace: keyword-only; called once every file is complete and fsynced,
+            right before the first rename (default None: nothing). If it raises, nothing
+            is replaced and the temporary files are removed, as when the block raises: the
+            last word of a write that several processes make together (every rank's
+            files of a sharded snapshot replace the old ones only if every rank wrote).
 
     Yields:
         The temporary paths to write, in the order of ``paths``.
@@ -245,6 +252,8 @@ def atomic_paths(paths: Sequence[str | os.PathLike[str]]) -> Iterator[list[Path]
             # Only now: a read-only mode set earlier would stop the writer from opening it.
             with contextlib.suppress(OSError):
                 os.chmod(tmp, mode)
+        if before_replace is not None:
+            before_replace()
         for (_, tmp), dest in zip(made, dests, strict=True):
             os.replace(tmp, dest)
         for folder in {d.parent for d in dests}:

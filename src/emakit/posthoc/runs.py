@@ -34,14 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from .._files.atomic import LOCKS_AVAILABLE, try_lock
+from .._files.safetensors_file import SafetensorsFile
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .shards import SHARD_FORMAT
 from .snapshots import (
     RUN_PATTERN,
+    SNAPSHOT_FORMAT,
     SNAPSHOT_SUFFIX,
     SnapshotInfo,
     list_legacy_files,
     list_snapshots,
-    read_snapshot_info,
 )
 
 __all__ = [
@@ -306,6 +308,16 @@ class FolderLock:
         return copy
 
 
+def _run_of(path: Path) -> str:
+    """The run id in the header of a snapshot: a whole-model one or one rank's file of a
+    sharded one (whose rewrite of a step must replace the rank's own file)."""
+    with SafetensorsFile(path, "snapshot file") as f:
+        meta = f.metadata
+    if meta.get("format") not in (SNAPSHOT_FORMAT, SHARD_FORMAT):
+        raise EMAStateError(f"{path} is not an emakit post-hoc snapshot")
+    return meta.get("run", "")
+
+
 def own_path(path: Path, run: str) -> Path:
     """Where run ``run`` writes the snapshot named ``path``: ``path`` itself, unless a file
     another run wrote (or an unreadable one) has that name; then ``path`` with
@@ -314,7 +326,7 @@ def own_path(path: Path, run: str) -> Path:
     if not os.path.lexists(path):
         return path
     try:
-        theirs = read_snapshot_info(path).run != run
+        theirs = _run_of(path) != run
     except EMAError:
         theirs = True  # unreadable: not ours to replace either
     if not theirs:

@@ -10,7 +10,11 @@ of a snapshot (see `emakit.posthoc.snapshots`) plus
 * ``"rank"`` and ``"world"``: the writing rank and the number of ranks,
 * ``"shard_layout"``: JSON, for every tensor of the model, ``[global shape, offset]``, where
   ``offset`` is where the block this file stores starts in the full tensor (one index per
-  dimension), or ``null`` when this file stores nothing of it.
+  dimension), or ``null`` when this file stores nothing of it,
+* ``"shard_set"``: the id of the write that made the file (16 hex digits drawn by rank 0,
+  the same in every rank's file of one write; absent in files of emakit before it), so
+  that the files of one step left by two writes (a rewrite of the step interrupted after
+  some ranks had replaced their files) never pass for one set.
 
 The stored block of a DTensor is its local shard (a rectangular block of the full tensor,
 as ``DTensor.__create_chunk_list__`` describes it, the protocol
@@ -21,7 +25,7 @@ and a tensor that is not a DTensor (a buffer) is stored by rank 0 alone. So the 
 set partition every tensor: the set holds one model's bytes, whatever the mesh.
 
 A set is **complete** when the files of ranks ``0 .. world-1`` are all there, agree on
-the step, profile and run, and their blocks add up to every tensor; an incomplete set (a
+the step, profile, run and write (``shard_set``), and their blocks add up to every tensor; an incomplete set (a
 snapshot that a crash interrupted) is skipped with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
 
 This module is a leaf of `emakit.posthoc`: block arithmetic, headers and the

@@ -263,6 +263,8 @@ def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> 
 def write_snapshots(
     paths: Sequence[str | os.PathLike[str]],
     produce: Callable[[int], tuple[Mapping[str, Tensor], Mapping[str, str]]],
+    *,
+    before_replace: Callable[[], None] | None = None,
 ) -> list[Path]:
     """Write several snapshots as one set: all of them, or none.
 
@@ -275,6 +277,9 @@ def write_snapshots(
         paths: the destinations.
         produce: ``i -> (tensors, header)`` for ``paths[i]``; ``header`` from
             `snapshot_header()`, the tensors already in the dtype to store.
+        before_replace: keyword-only; called once every file is complete, before any
+            replaces its destination; if it raises, nothing is replaced (see
+            [`atomic_paths()`][emakit._files.atomic.atomic_paths]). Default None.
 
     Returns:
         The paths written.
@@ -285,7 +290,10 @@ def write_snapshots(
             ``OSError`` with the original ``errno``, naming the files. Nothing was replaced.
     """
     dests = [writable_path("path", p) for p in paths]
-    with write_errors(dests, "snapshot"), atomic_paths(dests) as temps:
+    with (
+        write_errors(dests, "snapshot"),
+        atomic_paths(dests, before_replace=before_replace) as temps,
+    ):
         for i, tmp in enumerate(temps):
             tensors, header = produce(i)
             with open(tmp, "wb") as f:
@@ -407,7 +415,17 @@ def _shard_entry(
     rank, world = shard_fields(path, meta)
     layout = parse_layout(path, meta, {n: f.shape(n) for n in f.keys()})  # noqa: SIM118
     volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
-    key = (info.step, info.t, info.gamma, info.sigma_rel, info.profile, info.run, info.copied)
+    write = meta.get("shard_set", "")  # one write's files only: never two writes' mixed
+    key = (
+        info.step,
+        info.t,
+        info.gamma,
+        info.sigma_rel,
+        info.profile,
+        info.run,
+        info.copied,
+        write,
+    )
     return ShardEntry(key, rank, world, path, volumes), info
 
 

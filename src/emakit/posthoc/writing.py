@@ -10,11 +10,18 @@ one writer, or every rank's shard files at once.
   ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
   raises instead of hanging), then writes its own blocks of every tensor
   ([`local_block()`][emakit.posthoc.shards.local_block]: no collective, no gathered tensor, one
-  tensor's CPU copy at a time) into its own files, atomically (one set per rank), and the
-  ranks then exchange their outcomes: a rank that could not write (disk full) makes every
-  rank raise, naming it, and the others remove their files of that step. A rank killed
-  mid-write leaves an incomplete set, which listing skips with a warning
-  ([`complete_sets()`][emakit.posthoc.shards.complete_sets]): the earlier sets stay usable.
+  tensor's CPU copy at a time) into temporary files, and the ranks exchange their
+  outcomes before any rank puts its files in place (a two-phase commit over
+  [`atomic_paths()`][emakit._files.atomic.atomic_paths]' ``before_replace``): a rank that
+  could not write (disk full) makes every rank raise, naming it, and no rank replaces
+  anything, so a step written again (a resumed run reaching a step it had snapshotted)
+  keeps its earlier complete set; a rank killed mid-write makes the others raise after
+  `OUTCOME_TIMEOUT_S`, with nothing replaced either. Only a crash or a failed rename in
+  the last moment, after every rank has written and voted, leaves some ranks' files in
+  place and others not: such files never make a set with another write's (each write's
+  files carry its id, ``shard_set``), so listing skips them with a warning
+  ([`complete_sets()`][emakit.posthoc.shards.complete_sets]), and the earlier steps stay
+  usable.
 
 The folder's lock ([`FolderLock`][emakit.posthoc.runs.FolderLock]) is held by rank 0.
 """
@@ -22,8 +29,9 @@ The folder's lock ([`FolderLock`][emakit.posthoc.runs.FolderLock]) is held by ra
 from __future__ import annotations
 
 import datetime
+import secrets
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +146,12 @@ class SnapshotWriter:
             if not writer:
                 return []
             return self._files(profiles, folder, step, dtype, run, None)
-        agree(
+        agreed = agree(
             "PostHocEMA.checkpoint",
             step=step,
             skips=profiles[0].num_skipped_nonfinite,
             timeout_s=timeout_s,
+            extra=secrets.randbits(64),  # rank 0's draw names this write on every rank
         )
         box = [run]  # rank 0's run id: ids drawn at random differ from rank to rank
         dist.broadcast_object_list(box, src=0)
@@ -150,18 +159,25 @@ class SnapshotWriter:
         for ema in profiles:  # every rank, before anything can fail: the EMAs stay alike
             ema.catch_up()
         rank, world = dist.get_rank(), dist.get_world_size()
-        failure: BaseException | None = None
-        written: list[Path] = []
+        voted = False
+
+        def vote() -> None:  # every file written: replace the old ones only if all ranks did
+            nonlocal voted
+            voted = True
+            _share(None, folder, step)
+
+        mine = (rank, world, f"{agreed.extra:016x}")  # and this write's id
         try:
             if rank == 0:
                 self._take_folder(folder, run, step)
             else:
                 folder.mkdir(parents=True, exist_ok=True)
-            written = self._files(profiles, folder, step, dtype, run, (rank, world))
+            return self._files(profiles, folder, step, dtype, run, mine, vote)
         except (OSError, EMAError) as e:
-            failure = e
-        _share(failure, written, folder, step)
-        return written
+            if voted:  # the vote failed (nothing replaced), or a rename after it did
+                raise
+            _share(e, folder, step)
+            raise  # pragma: no cover - _share raises
 
     def _files(
         self,
@@ -170,9 +186,11 @@ class SnapshotWriter:
         step: int,
         dtype: torch.dtype | None,
         run: str,
-        shard: tuple[int, int] | None,
+        shard: tuple[int, int, str] | None,
+        vote: Callable[[], None] | None = None,
     ) -> list[Path]:
-        names = [snapshot_filename(step, e.sigma_rel, e.gamma, shard) for e in profiles]
+        where = None if shard is None else shard[:2]
+        names = [snapshot_filename(step, e.sigma_rel, e.gamma, where) for e in profiles]
         paths = [own_path(folder / name, run) for name in names]  # never another run's
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -194,16 +212,18 @@ class SnapshotWriter:
                     rank=str(shard[0]),
                     world=str(shard[1]),
                     shard_layout=layout,
+                    shard_set=shard[2],
                 )
             return tensors, header
 
-        return write_snapshots(paths, produce)
+        return write_snapshots(paths, produce, before_replace=vote)
 
 
-def _share(failure: BaseException | None, written: list[Path], folder: Path, step: int) -> None:
-    """Every rank learns whether every rank wrote its files; if one did not, every rank
-    raises (the others first remove their files of the step, which would be an incomplete
-    set)."""
+def _share(failure: BaseException | None, folder: Path, step: int) -> None:
+    """Every rank learns whether every rank wrote its files of ``step`` (each rank calls it
+    once, with its failure or, its files complete but not yet in place, with None); if one
+    did not, every rank raises, and no rank puts its new files in place, so the files they
+    would have replaced (an earlier write of the same step) stay as they were."""
     dist = torch.distributed
     world = dist.get_world_size()
     mine = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
@@ -215,8 +235,8 @@ def _share(failure: BaseException | None, written: list[Path], folder: Path, ste
         raise EMARuntimeError(
             f"PostHocEMA.checkpoint: rank {dist.get_rank()} wrote its snapshot files of step "
             f"{step} but not every rank reported back within {OUTCOME_TIMEOUT_S:g} s (a rank "
-            f"died while writing?): the step's set in {str(folder)!r} may be incomplete, and "
-            f"is then skipped; the earlier snapshots are intact "
+            f"died while writing?): this rank put none of them in place, so the snapshots in "
+            f"{str(folder)!r} are as they were before the call "
             f"({' '.join(str(e).split())[:160]})"
         ) from e
     failed = [r for r, f in enumerate(flags) if int(f) != 0]
@@ -228,10 +248,9 @@ def _share(failure: BaseException | None, written: list[Path], folder: Path, ste
     )
     if failure is not None:
         raise failure
-    for path in written:
-        path.unlink(missing_ok=True)
     why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
     raise EMAWriteError(
         f"the snapshot of step {step} could not be written on every rank ({why}); no rank "
-        f"kept its files of that step, the earlier snapshots in {str(folder)!r} are intact"
+        f"put its files of that step in place: the snapshots in {str(folder)!r} are as they "
+        f"were before the call (an earlier write of step {step}, if any, included)"
     )
