@@ -14,7 +14,8 @@ averages every shard as ema-pytorch would, and must agree bit for bit:
   its own shard first and never write into the model; equal values keep the sharing;
 * an uneven frozen parameter (3 rows over 2 ranks: rank 1's shard is padded) is owned and
   averaged on every rank; FSDP2 would copy a padded shard it is asked to adopt;
-* tied frozen weights are shared in every place; ``skip_nonfinite`` agrees as before;
+* tied frozen weights are shared in every place; ``skip_nonfinite`` agrees as before, also
+  when a load un-shares a frozen shard on one rank only;
 * ``MultiEMA`` shares and equals its ``share_frozen=False`` EMAs; ``KarrasEMA`` and ``BEMA``
   share.
 """
@@ -237,6 +238,28 @@ def worker(rank: int, out: Path) -> dict:
         torch.equal(tied_ema(ids), tied_ref(ids)),
     )
 
+    # A load that changes one rank's frozen shard only: that rank owns it, the other still
+    # shares it, and skip_nonfinite's all-reduce runs on both (a rank that counted only
+    # its owned pairs would skip it, and the other would wait in it).
+    base = nn.Linear(8, 16).requires_grad_(False)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(base, mesh=mesh)
+    lone = EMA(base, skip_nonfinite=True, **KW)
+    lone.update()
+    state = lone.state_dict()
+    state["ema_model.weight"] = state["ema_model.weight"].clone()
+    if rank == 0:
+        with torch.no_grad():
+            local_tensor(state["ema_model.weight"]).add_(1.0)
+    lone.load_state_dict(state)
+    loaded = torch.equal(
+        local_tensor(lone.ema_model.weight), local_tensor(state["ema_model.weight"])
+    )
+    for _ in range(2):
+        lone.update()
+    res["one_rank_load"] = (shared(lone, base), loaded, lone.num_skipped_nonfinite)
+
     # What FSDP2 does with a padded shard it is asked to adopt (why odd.* is not shared).
     probe = lora_like(mesh)
     local = local_tensor(net.odd.weight)
@@ -292,6 +315,15 @@ def test_loads_copy_on_write_and_never_write_into_the_model(results: list[dict])
         assert same and still_shared == SHARED
         loaded, model_untouched, now_shared = r["changed_load"]
         assert loaded and model_untouched and now_shared == ["base.weight"]
+
+
+def test_a_load_that_changes_one_ranks_shard_keeps_the_ranks_agreeing(
+    results: list[dict],
+) -> None:
+    assert [r["one_rank_load"] for r in results] == [
+        (["bias"], True, 0),
+        (["bias", "weight"], True, 0),
+    ]
 
 
 def test_tied_frozen_weights_are_shared_in_every_place(results: list[dict]) -> None:

@@ -28,7 +28,9 @@ shard is the model's own, adopted by FSDP2 as the storage it all-gathers from
 un-sharing gives it a cloned shard through the same route. A parameter whose shards FSDP2
 pads (dim 0 not divisible by the shard world size) is not shared on any rank: the EMA owns
 and averages it (one shard per rank), so every rank's plan holds the same parameters.
-Unfreezing and loads are decided per rank on the local shards, without a collective.
+Unfreezing and loads are decided per rank on the local shards, without a collective (so
+ranks may differ in what they share; ``skip_nonfinite``'s agreement counts the shared
+pairs, ``Tracked.shared``, so every rank joins its all-reduce alike).
 """
 
 from __future__ import annotations

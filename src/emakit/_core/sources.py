@@ -221,7 +221,7 @@ class ModuleSource(_Source):
         shared = [p for p in pairs if shares(p)]
         self.frozen.watch(shared, ema_model)
         modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return Tracked(tuple(p for p in pairs if not shares(p)), modules)
+        return Tracked(tuple(p for p in pairs if not shares(p)), modules, tuple(shared))
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device
