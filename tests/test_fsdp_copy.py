@@ -418,6 +418,22 @@ def mesh_worker(rank: int, out: Path) -> dict:
             with torch.no_grad():
                 res[f"hsdp/{step}"] = (y, plain(full(ema.ema_model))(x))
 
+    # HSDP with a frozen model: the shards (Replicate, Shard(0)) are shared where unpadded,
+    # and the copy's forward reads them.
+    frozen = tower().requires_grad_(False)
+    fully_shard(frozen.block, mesh=hsdp)
+    fully_shard(frozen, mesh=hsdp)
+    sharing = EMA(frozen, **EMA_KW)
+    online = dict(frozen.named_parameters())
+    res["hsdp_shared"] = sorted(
+        n
+        for n, q in sharing.ema_model.named_parameters()
+        if local_tensor(q).data_ptr() == local_tensor(online[n]).data_ptr()
+    )
+    with torch.no_grad():
+        local_tensor(frozen.inp.weight).mul_(2.0)
+        res["hsdp_frozen"] = (sharing(x), plain(full(frozen))(x))
+
     # FSDP + tensor parallelism: refused by name for a copy; a factory works.
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
@@ -459,6 +475,20 @@ def test_hsdp_copy_forward_sees_the_current_shards(mesh_results: list[dict]) -> 
             got, want = r[f"hsdp/{step}"]
             torch.testing.assert_close(got, want, **EXACT, msg=f"step {step}")
         assert (r[f"hsdp/{EVAL_STEPS[0]}"][0] - r[f"hsdp/{EVAL_STEPS[1]}"][0]).abs().max() > 1e-3
+
+
+def test_hsdp_frozen_shards_are_shared_and_read_by_the_copy(mesh_results: list[dict]) -> None:
+    for r in mesh_results:  # head (3 rows over the 2-rank shard dimension): padded, owned
+        assert r["hsdp_shared"] == [
+            "block.0.bias",
+            "block.0.weight",
+            "inp.bias",
+            "inp.weight",
+            "norm.bias",
+            "norm.weight",
+        ]
+        got, want = r["hsdp_frozen"]
+        torch.testing.assert_close(got, want, **EXACT)
 
 
 def test_fsdp_with_tensor_parallelism_is_refused_by_name_once(mesh_results: list[dict]) -> None:
