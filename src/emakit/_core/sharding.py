@@ -4,11 +4,14 @@ FSDP2 modules refuse ``deepcopy``. [`copy_module()`][emakit._core.sharding.copy_
 FSDP's state on the meta device, applies the model's own ``fully_shard`` calls (same mesh,
 placements, grouping, mixed-precision and offload policies) and copies this rank's shards
 of the model's values into it (DTensor to DTensor with the same placements: shard-local,
-no communication), so every rank stores the EMA of exactly the shard it owns.
+no communication), so every rank stores the EMA of exactly the shard it owns. Frozen
+parameters the EMA shares (`share_shards()`) get the model's own shard instead, through
+`adopt_shard()`.
 
 Everything here goes through torch's public API (``fully_shard``,
 ``register_fsdp_forward_method``, ``FSDPModule.reshard``, DTensor ``placements``,
-``device_mesh`` and ``copy_``) except `fsdp_layout()`: torch has no public
+``device_mesh``, ``from_local`` and ``copy_``, ``Module.load_state_dict(assign=True)``)
+except `fsdp_layout()`: torch has no public
 way to ask which ``fully_shard`` call built a module, with which policies, or which
 module attributes and hooks are FSDP's. That one function reads them, and
 ``tests/test_fsdp_copy.py::test_torch_internals_emakit_reads_are_where_it_expects``
