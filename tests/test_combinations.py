@@ -410,11 +410,15 @@ def test_members_match_lone_reference_emas(kind, runner, tmp_path):
             assert_same(comparable(member), comparable(e), f"{kind}[{i}], call {call}")
 
 
-def test_partition_applies_to_modules_and_is_the_whole_ema_in_one_process() -> None:
+def test_partition_applies_to_modules_and_is_the_whole_ema_in_one_process(tmp_path: Path) -> None:
     with pytest.raises(EMAValueError, match="partition=True applies to an EMA of a module"):
         EMA({"w": torch.ones(3)}, partition=True)
     with pytest.raises(EMATypeError, match="ema_model= is not supported for a partitioned EMA"):
         EMA(nn.Linear(3, 2), ema_model=nn.Linear(3, 2), partition=True)
+    with pytest.raises(EMATypeError, match="ema_model= is not supported for a partitioned EMA"):
+        PostHocEMA(
+            nn.Linear(3, 2), ema_model=nn.Linear(3, 2), partition=True, checkpoint_folder=tmp_path
+        )
     with pytest.raises(EMAValueError, match=r"inside ema.swap\(\) instead"):
         EMA(nn.Linear(3, 2), partition=True, forward_method_names=("forward",))
     torch.manual_seed(0)

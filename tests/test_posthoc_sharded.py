@@ -4,8 +4,8 @@ single-process ``PostHocEMA`` fed the full weights; a rank killed mid-snapshot.
 
 Two launches (``tests/_launch.py``): 4 gloo ranks (FSDP2 with empty shards, HSDP, FSDP with
 tensor parallelism, the rank-0-only misuse last), then 2 ranks (the 4-rank folder
-resharded, a full disk on one rank, a failed rewrite of a step, a SIGKILL during a
-snapshot).
+resharded, also from ``partition=True``'s flat ranges, a full disk on one rank, a failed
+rewrite of a step, a SIGKILL during a snapshot).
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(model: nn.Module, full_twin: nn.Module, ema: Any, ref: Any, steps: int, rank: int):
+def train(
+    model: nn.Module, full_twin: nn.Module, ema: Any, ref: Any, steps: int, rank: int, *more: Any
+):
     """SGD on each rank's own batch; after each step ``full_twin`` receives the full
-    weights and the reference PostHocEMA averages them."""
+    weights and the reference PostHocEMA averages them (and ``more`` EMAs of the twin)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -86,6 +88,8 @@ def train(model: nn.Module, full_twin: nn.Module, ema: Any, ref: Any, steps: int
         full_twin.load_state_dict(gathered(model))
         ema.update()
         ref.update()
+        for other in more:
+            other.update()
 
 
 def fsdp_part(rank: int, out: Path, mesh: Any, res: dict) -> None:
@@ -95,7 +99,11 @@ def fsdp_part(rank: int, out: Path, mesh: Any, res: dict) -> None:
         model, checkpoint_every_num_steps=4, checkpoint_folder=out / "fsdp", run_id=RUN, **KW
     )
     ref = PostHocEMA(twin, checkpoint_every_num_steps=4, checkpoint_folder=out / "ref", **KW)
-    train(model, twin, ema, ref, 12, rank)
+    # partition=True (ZeRO-3's flat ranges) on 4 ranks: ranks 2-3 hold nothing of gate
+    parted = PostHocEMA(
+        twin, checkpoint_every_num_steps=4, checkpoint_folder=out / "parted", partition=True, **KW
+    )
+    train(model, twin, ema, ref, 12, rank, parted)
     res["files"] = sorted(
         p.name for p in (out / "fsdp").iterdir() if "rank-0000" + str(rank) in p.name
     )
@@ -290,6 +298,21 @@ def two_ranks(rank: int, out: Path) -> dict:
         model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "fsdp", run_id=RUN, **KW
     )
     res["resharded"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    # 4 ranks' flat ranges into 2 ranks' FSDP2 row blocks, and into 2 ranks' flat ranges
+    flat = PostHocEMA(
+        model, checkpoint_every_num_steps="manual", checkpoint_folder=out / "parted", **KW
+    )
+    res["flat_to_fsdp"] = gathered(flat.synthesize_ema_model(sigma_rel=TARGET).ema_model)
+    twin = seeded(Wide, 5)
+    flat = PostHocEMA(
+        twin,
+        checkpoint_every_num_steps="manual",
+        checkpoint_folder=out / "parted",
+        partition=True,
+        **KW,
+    )
+    synth = flat.synthesize_ema_model(sigma_rel=TARGET)
+    res["flat_to_flat"] = {n: synth.ema_model.full(n, None) for n in synth.ema_model.layout()}
     # the sweep on the ranks (evaluate runs the sharded forward) vs one synthesis per length
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
 
@@ -405,6 +428,17 @@ def two(four: tuple[Path, list[dict]]) -> list[dict]:
 def test_synthesis_on_two_ranks_reshards_the_four_rank_snapshots(four, two) -> None:
     _, results = four
     close(two[0]["resharded"], results[0]["reference"])
+
+
+def test_flat_ranges_of_four_ranks_reshard_into_two_ranks_either_kind(four, two) -> None:
+    out, results = four
+    assert [s.world for s in list_snapshots(out / "parted")][:2] == [4, 4]
+    r = two[0]  # gathered from both ranks (rank 1 is killed later in the job)
+    close(r["flat_to_fsdp"], results[0]["reference"])  # flat ranges -> FSDP2 row blocks
+    close(r["flat_to_flat"], results[0]["reference"])  # 4 ranks' ranges -> 2 ranks'
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        close(synthesize_state_dict(out / "parted", sigma_rel=TARGET), results[0]["reference"])
 
 
 def test_the_sweep_on_two_ranks_equals_one_synthesis_per_length(two) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "engine_type",
     "gather_partition",
     "is_partition",
+    "own_span",
     "partition",
     "partition_tensors",
     "slot_of",
@@ -114,6 +115,14 @@ def _sliceable(t: Tensor) -> bool:
     return isinstance(t, nn.Parameter) and t.is_contiguous() and not is_zero3_param(t)
 
 
+def own_span(rank: int, size: int, numel: int) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s elements of a flattened tensor of ``numel``
+    elements cut into partitions of ``size`` (DeepSpeed's layout: rank ``r`` holds
+    ``[r * size, (r + 1) * size)``, the last ranks' padding left out; ``length`` may be 0)."""
+    start = min(rank * size, numel)
+    return start, max(0, min(size, numel - start))
+
+
 def _rank_world(group: Any) -> tuple[int, int]:
     dist = torch.distributed
     if not dist.is_initialized():
@@ -148,8 +157,7 @@ class PartitionSlot:
         numel = param.ds_numel if zero3 else param.numel()  # type: ignore[attr-defined]
         part = param.ds_tensor if zero3 else param  # type: ignore[attr-defined]
         self.size = part.numel() if zero3 else -(-numel // world)
-        start = min(rank * self.size, numel)
-        valid = max(0, min(self.size, numel - start))
+        start, valid = own_span(rank, self.size, numel)
         flat = part.detach().view(-1)
         self.param, self.part, self.ptr = param, part, part.data_ptr()
         self.view = flat.narrow(0, 0 if zero3 else start, valid)
@@ -311,6 +319,14 @@ class ZeroPartitions(nn.Module):
             shape = self.shapes[name][0] if name in self.shapes else t.shape
             out[name] = torch.empty(shape, dtype=t.dtype, device="meta")
         return out
+
+    def span(self, name: str) -> tuple[int, int] | None:
+        """``(start, length)`` of this rank's partition of ``name`` in the flattened full
+        tensor (`own_span()`), or None for a tensor that is not partitioned (a buffer)."""
+        if name not in self.shapes:
+            return None
+        _, numel, group, size = self.shapes[name]
+        return own_span(_rank_world(group)[0], size, numel)
 
     def own_part(self, name: str, full: Tensor) -> Tensor:
         """This rank's partition of the full tensor ``full`` of ``name`` (``full`` itself

@@ -7,7 +7,10 @@ several weight vectors at once (a sweep: each snapshot is read once and its tens
 into every target), and for a *region* of every tensor: the whole tensor (one process), or
 the block a rank holds of a sharded model (synthesis on the ranks, on as many ranks as
 wrote the snapshots or on another number: the blocks are cut out of whichever rank files
-overlap them, as a ``torch.distributed.checkpoint`` load reshards).
+overlap them, as a ``torch.distributed.checkpoint`` load reshards). Rectangular blocks
+(DTensor shards) and flat ranges (ZeRO-3 partitions) combine through
+[`align()`][emakit.posthoc.shards.align]: where one side is a flat range, both are taken as
+ranges of the flattened tensor.
 
 Memory is the outputs (one float32 accumulator per target and tensor, of the region's
 size) plus one stored tensor (or one rank's block of it) at a time: one file is open at a
@@ -26,7 +29,7 @@ from torch import Tensor
 from ..errors import EMAStateError
 from .math import PostHocWarning
 from .reading import restore_exact, snapshot_sources
-from .shards import Block, intersect
+from .shards import Block, align, intersect
 from .snapshots import SnapshotInfo
 
 __all__ = ["Target", "weighted_sums"]
@@ -45,6 +48,35 @@ def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
     rows = max(1, ADD_CHUNK // max(1, src[0].numel()))
     for i in range(0, src.shape[0], rows):
         dst[i : i + rows].add_(src[i : i + rows], alpha=alpha)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one stored tensor that falls in a region, and where it goes.
+
+    Attributes:
+        stored: the stored tensor (its whole block, as the file holds it).
+        src: the index of the part in ``stored`` (flattened when ``flat``).
+        dst: the index of the part in the region's tensor (flattened when ``flat``).
+        flat: whether both indices are into the flattened tensors (a flat range on one
+            side, see [`align()`][emakit.posthoc.shards.align]).
+        whole: whether the part is the whole stored tensor and the whole region.
+    """
+
+    stored: Tensor
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+    flat: bool
+    whole: bool
+
+    def part(self, stored: Tensor | None = None) -> Tensor:
+        """The part, cut out of ``stored`` (default: `stored` as read)."""
+        x = self.stored if stored is None else stored
+        return (x.reshape(-1) if self.flat else x)[self.src]
+
+    def into(self, region: Tensor) -> Tensor:
+        """Where the part goes in ``region`` (a tensor of the region's shape), a view."""
+        return (region.view(-1) if self.flat else region)[self.dst]
 
 
 @dataclass(frozen=True)
@@ -134,10 +166,10 @@ class _Pass:
         self,
         snap: SnapshotInfo,
         names: set[str] | Callable[[set[str]], set[str]],
-        use: Callable[[str, Tensor, Block, Block], None],
+        use: Callable[[str, Piece], None],
     ) -> None:
-        """Call ``use(name, stored tensor, its block, the part of the region it covers)``
-        for every stored block of ``names`` in ``snap`` that overlaps its region; files are
+        """Call ``use(name, piece)`` for every stored block of ``names`` in ``snap`` that
+        overlaps its region (the `Piece` says what part and where it goes); files are
         read until every region is covered. ``names`` may be a function of the model's
         names, for the first visit (which learns them)."""
         need: dict[str, int] | None = None
@@ -161,10 +193,13 @@ class _Pass:
                     )
                 if block is None or need[name] == 0:
                     continue
-                common = intersect(block, self.regions[name])
+                region, block = align(self.regions[name], block, shape, name)
+                common = intersect(block, region)
                 if common is None:
                     continue
-                use(name, f.get(name), block, common)
+                whole = block == region == common
+                src, dst = block.slices(common), region.slices(common)
+                use(name, Piece(f.get(name), src, dst, region.flat, whole))
                 need[name] -= common.numel
                 left -= common.numel
             if left <= 0:
@@ -220,21 +255,21 @@ def weighted_sums(
 
     nonfinite: dict[str, list[str]] = {}  # tensor -> snapshots holding inf/NaN for it
 
-    def add(index: int) -> Callable[[str, Tensor, Block, Block], None]:
+    def add(index: int) -> Callable[[str, Piece], None]:
         used = any(t.weights[index] != 0.0 for t in targets)
 
-        def use(name: str, x: Tensor, block: Block, common: Block) -> None:
+        def use(name: str, piece: Piece) -> None:
+            x = piece.stored
             stored.setdefault(name, x.dtype)
-            part = x[block.slices(common)]
+            part = piece.part()
             if used and not bool(torch.isfinite(part).all()):
                 nonfinite.setdefault(name, []).append(snapshots[index].path.name)
-            where = run.regions[name].slices(common)
             for k, target in enumerate(targets):
                 acc = accs[k].get(name)
                 if acc is None:
                     wide = torch.complex64 if x.is_complex() else torch.float32
                     acc = accs[k][name] = torch.zeros(run.regions[name].size, dtype=wide)
-                _add(acc[where], part, target.weights[index])
+                _add(piece.into(acc), part, target.weights[index])
 
         return use
 
@@ -281,14 +316,15 @@ def _copied(
     """The copied tensors' regions, exactly as ``source`` stores them."""
     out: dict[str, Tensor] = {}
 
-    def use(name: str, x: Tensor, block: Block, common: Block) -> None:
-        if block == run.regions[name] and block == Block.whole(run.shapes[name]):
-            out[name] = _exact(source, name, x, fill)
+    def use(name: str, piece: Piece) -> None:
+        x = _exact(source, name, piece.stored, fill)
+        size = run.regions[name].size
+        if piece.whole and tuple(x.shape) == size:
+            out[name] = x
             return
-        x = _exact(source, name, x, fill)
         if name not in out:
-            out[name] = torch.zeros(run.regions[name].size, dtype=x.dtype)
-        out[name][run.regions[name].slices(common)].copy_(x[block.slices(common)])
+            out[name] = torch.zeros(size, dtype=x.dtype)
+        piece.into(out[name]).copy_(piece.part(x))
 
     run.visit(source, lambda names: names & source.copied, use)
     for name in source.copied & run.names:

@@ -136,6 +136,9 @@ class KarrasEMA(EMA):
             Default None.
         async_update: keyword-only; average on a background thread, as for
             [`EMA`][emakit.EMA]. Default None.
+        partition: keyword-only; keep only this rank's slice of every parameter of a
+            model replicated over the ranks, as for [`EMA`][emakit.EMA] (a DeepSpeed
+            ZeRO-3 model is partitioned anyway). Default False.
 
     Raises:
         EMAValueError: both or neither of ``sigma_rel``/``gamma``, NaN, ``sigma_rel <= 0``
@@ -171,6 +174,7 @@ class KarrasEMA(EMA):
         skip_nonfinite: bool = False,
         device: torch.device | str | None = None,
         async_update: bool | None = None,
+        partition: bool = False,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         if not isinstance(frozen, bool):
@@ -191,6 +195,7 @@ class KarrasEMA(EMA):
             skip_nonfinite=skip_nonfinite,
             device=device,
             async_update=async_update,
+            partition=partition,
         )
         self.frozen = frozen
         self.t_from_step = False  # see _load_from_state_dict

@@ -37,7 +37,7 @@ from .math import PostHocWarning
 from .runs import check_run_id, new_run_id, run_to_continue
 from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
 from .synthesizing import SynthesisMethods
-from .writing import SnapshotWriter
+from .writing import SnapshotWriter, check_snapshottable
 
 __all__ = [
     "POSTHOC_STATE_VERSION",
@@ -66,6 +66,7 @@ _KARRAS_KWARGS = frozenset(
         "skip_nonfinite",
         "device",
         "async_update",
+        "partition",
     }
 )
 
@@ -113,7 +114,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         **kwargs: passed to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: ``frozen``,
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
-            ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``.
+            ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``, ``partition``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -186,6 +187,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             )
             for s, g in zip(srs, gs, strict=True)
         )
+        check_snapshottable(self.profiles[0])
         self.update_every = int(self.profiles[0].update_every or 1)
         self.gammas = gs
         self.sigma_rels = tuple(m.sigma_rel for m in self.profiles)
@@ -312,8 +314,9 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         id. The first write takes the folder's lock (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
 
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
-        sharded model (FSDP2, HSDP, FSDP with tensor parallelism) is written by every rank:
-        each rank its own blocks of every tensor, into its own files (``...rank-00003-of-
+        sharded model (FSDP2, HSDP, FSDP with tensor parallelism, DeepSpeed ZeRO-3,
+        ``partition=True``) is written by every rank: each rank its own blocks (or
+        partitions) of every tensor, into its own files (``...rank-00003-of-
         00004.safetensors``, see [`emakit.posthoc.shards`][emakit.posthoc.shards]), so **call it on every
         rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
         (see `emakit.posthoc.writing`).

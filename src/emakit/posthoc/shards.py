@@ -1,28 +1,49 @@
 """Snapshots of a sharded model: one safetensors file per rank, the layout in its header.
 
-A sharded EMA (FSDP2, HSDP, FSDP with tensor parallelism: DTensor parameters) is
-snapshotted by every rank at once: each rank writes the part of every tensor that it holds
-into its own file, ``<snapshot name>.rank-<r>-of-<world>.safetensors``, with the header
-of a snapshot (see `emakit.posthoc.snapshots`) plus
+A sharded EMA (FSDP2, HSDP, FSDP with tensor parallelism: DTensor parameters; DeepSpeed
+ZeRO-3 partitions, or ``EMA(partition=True)``'s slices) is snapshotted by every rank at
+once: each rank writes the part of every tensor that it holds into its own file,
+``<snapshot name>.rank-<r>-of-<world>.safetensors``, with the header of a snapshot (see
+`emakit.posthoc.snapshots`) plus
 
 * ``"format": "emakit.posthoc.snapshot-shard"`` (so a reader that knows only whole-model
   snapshots leaves the files alone),
 * ``"rank"`` and ``"world"``: the writing rank and the number of ranks,
-* ``"shard_layout"``: JSON, for every tensor of the model, ``[global shape, offset]``, where
-  ``offset`` is where the block this file stores starts in the full tensor (one index per
-  dimension), or ``null`` when this file stores nothing of it,
+* ``"shard_layout"``: JSON, for every tensor of the model, ``[global shape, where]``:
+  ``where`` is the ``offset`` of the rectangular block this file stores (where it starts
+  in the full tensor, one index per dimension), or ``{"flat": [start, length]}`` for a
+  range of the flattened tensor (C order) stored as a 1-D tensor of ``length`` elements,
+  or ``null`` when this file stores nothing of it. For example::
+
+      {"inp.weight": [[16, 8], [4, 0]],            # rows 4.. of an FSDP2 shard
+       "0.weight": [[7, 5], {"flat": [18, 17]}],   # elements 18..34 of a ZeRO-3 partition
+       "count": [[], null]}                        # a buffer, stored by rank 0
+
 * ``"shard_set"``: the id of the write that made the file (16 hex digits drawn by rank 0,
   the same in every rank's file of one write; absent in files of emakit before it), so
   that the files of one step left by two writes (a rewrite of the step interrupted after
   some ranks had replaced their files) never pass for one set.
+
+A file holding a flat range has ``"format_version": "2"`` (`FLAT_LAYOUT_VERSION`), so an
+emakit that predates flat ranges refuses it by asking for an upgrade; every other file is
+still version 1.
 
 The stored block of a DTensor is its local shard (a rectangular block of the full tensor,
 as ``DTensor.__create_chunk_list__`` describes it, the protocol
 ``torch.distributed.checkpoint`` uses), stored by one replica only: a rank whose
 coordinate is not 0 along a mesh dimension where the tensor is replicated (HSDP's
 replicate dimension, a bias replicated over tensor-parallel ranks) stores nothing of it,
-and a tensor that is not a DTensor (a buffer) is stored by rank 0 alone. So the shards of a
-set partition every tensor: the set holds one model's bytes, whatever the mesh.
+and a tensor that is not a DTensor (a buffer) is stored by rank 0 alone. The stored
+block of a ZeRO-3 partition is the rank's range of the flattened parameter without
+DeepSpeed's padding (``param.ds_tensor``'s first elements, see
+`emakit._dist.deepspeed.own_span`); an empty range (a parameter with fewer elements than
+ranks) is not stored. So the shards of a set partition every tensor: the set holds one
+model's bytes, whatever the mesh.
+
+Readers combine both kinds ([`align()`][emakit.posthoc.shards.align]): a rectangular block that
+is a contiguous range of the flattened tensor (FSDP2's row blocks, a whole tensor) is
+that range, so a ZeRO-3 folder synthesizes into an FSDP2 model, a whole model or another
+number of ranks, and the reverse.
 
 A set is **complete** when the files of ranks ``0 .. world-1`` are all there, agree on
 the step, profile, run and write (``shard_set``), and their blocks add up to every tensor; an incomplete set (a
@@ -44,21 +65,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from .._dist.dtensor import is_dtensor
 from ..errors import EMAStateError
 from .math import PostHocWarning
 
 __all__ = [
+    "FLAT_LAYOUT_VERSION",
     "SHARD_FORMAT",
     "Block",
     "ShardEntry",
+    "align",
     "complete_sets",
+    "flat_range",
     "held_block",
     "intersect",
     "layout_json",
     "local_block",
+    "model_blocks",
     "parse_layout",
     "shard_fields",
     "shard_suffix",
@@ -66,19 +92,26 @@ __all__ = [
 
 #: ``format`` of one rank's file of a sharded snapshot.
 SHARD_FORMAT = "emakit.posthoc.snapshot-shard"
+#: ``format_version`` of a shard file whose layout holds flat ranges (``{"flat": ...}``).
+FLAT_LAYOUT_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Block:
-    """A rectangular block of a tensor: where it starts and how big it is.
+    """A rectangular block of a tensor, or a range of the flattened tensor: where it
+    starts and how big it is.
 
     Attributes:
-        offset: the index of its first element in the full tensor, per dimension.
-        size: its shape.
+        offset: the index of its first element in the full tensor, per dimension (one
+            index, into the flattened tensor, for a flat range).
+        size: its shape (``(length,)`` for a flat range).
+        flat: whether it is a range of the tensor flattened in C order (a ZeRO-3
+            partition) rather than a block of its dimensions. Default False.
     """
 
     offset: tuple[int, ...]
     size: tuple[int, ...]
+    flat: bool = False
 
     @property
     def numel(self) -> int:
@@ -99,7 +132,10 @@ class Block:
 
 
 def intersect(a: Block, b: Block) -> Block | None:
-    """The common part of two blocks of one tensor, or None (nothing in common)."""
+    """The common part of two blocks of one tensor, both rectangular or both flat ranges
+    (see `align()`), or None (nothing in common)."""
+    if a.flat != b.flat:
+        raise EMAStateError(f"cannot intersect a flat range with a block: {a}, {b} (align them)")
     start = tuple(max(x, y) for x, y in zip(a.offset, b.offset, strict=True))
     stop = tuple(
         min(x + s, y + t) for x, s, y, t in zip(a.offset, a.size, b.offset, b.size, strict=True)
@@ -107,7 +143,46 @@ def intersect(a: Block, b: Block) -> Block | None:
     size = tuple(e - s for s, e in zip(start, stop, strict=True))
     if any(s <= 0 for s in size) and size:
         return None
-    return Block(start, size)
+    return Block(start, size, a.flat)
+
+
+def flat_range(block: Block, shape: tuple[int, ...]) -> Block | None:
+    """``block`` of a tensor of ``shape`` as a range of the flattened tensor (C order), or
+    None when its elements are not contiguous there (a block of columns).
+
+    A block is one range when, after its first dimension longer than 1, it spans every
+    later dimension whole: FSDP2's row blocks, a whole tensor, a single row.
+    """
+    if block.flat:
+        return block
+    first = next((i for i, s in enumerate(block.size) if s != 1), len(shape))
+    later = range(first + 1, len(shape))
+    if block.numel and any(block.offset[i] != 0 or block.size[i] != shape[i] for i in later):
+        return None
+    start = sum(o * math.prod(shape[i + 1 :]) for i, o in enumerate(block.offset))
+    return Block((start if block.numel else 0,), (block.numel,), flat=True)
+
+
+def align(region: Block, stored: Block, shape: tuple[int, ...], name: str) -> tuple[Block, Block]:
+    """``region`` and ``stored`` (two blocks of the tensor ``name`` of ``shape``) in one
+    frame: as they are when both are rectangular or both flat ranges, else both as flat
+    ranges (`flat_range()`).
+
+    Raises:
+        EMAStateError: one is a flat range and the other a block that is not one (a
+            tensor-parallel column shard against a ZeRO-3 partition).
+    """
+    if region.flat == stored.flat:
+        return region, stored
+    r, s = flat_range(region, shape), flat_range(stored, shape)
+    if r is None or s is None:
+        raise EMAStateError(
+            f"tensor {name!r} (shape {shape}) is stored as a range of its flattened elements "
+            f"in one place and as the block {region if r is None else stored} of its columns "
+            f"in another, which emakit cannot combine; synthesize the snapshots in one process "
+            f"(emakit.posthoc.synthesize_state_dict) and load the result instead"
+        )
+    return r, s
 
 
 def _is_rank_zero() -> bool:
@@ -158,19 +233,60 @@ def local_block(t: Tensor) -> tuple[Tensor, Block] | None:
     return local, block
 
 
+def model_blocks(
+    model: nn.Module, *, empty: bool = False
+) -> tuple[dict[str, Tensor], dict[str, Block], dict[str, tuple[int, ...]]]:
+    """What this rank holds of an EMA model, as a sharded snapshot sees it:
+    ``(local tensors, their blocks, global shapes)`` of the tensors it stores; with
+    ``empty``, the blocks of every tensor it holds, empty ones included (the regions a
+    synthesis on this rank fills).
+
+    A DTensor contributes its `local_block()` (`held_block()` with ``empty``); a partition
+    of a ZeRO-3 EMA model (a `ZeroPartitions`, see `emakit._dist.deepspeed`) its flat
+    range (1-D, the padding left out); any other tensor is stored whole by rank 0 (with
+    ``empty``, held whole on every rank). No collective is run.
+    """
+    state = model.state_dict()
+    zero = model if isinstance(model, ZeroPartitions) else None
+    if zero is not None:
+        state.pop(WORLD_KEY, None)
+    tensors: dict[str, Tensor] = {}
+    blocks: dict[str, Block] = {}
+    shapes = {n: tuple(v.shape) for n, v in state.items()}
+    for name, value in state.items():
+        span = None if zero is None else zero.span(name)
+        held: tuple[Tensor, Block] | None
+        if zero is not None and span is not None:
+            shapes[name] = tuple(int(x) for x in zero.shapes[name][0])
+            held = (value, Block((span[0],), (span[1],), True)) if span[1] or empty else None
+        elif empty:
+            held = (value, held_block(value))
+        else:
+            held = local_block(value)
+        if held is not None:
+            tensors[name], blocks[name] = held
+    return tensors, blocks, shapes
+
+
 def shard_suffix(rank: int, world: int) -> str:
     """The part of a shard's file name after the snapshot's name, e.g.
     ``.rank-00003-of-00004``."""
     return f".rank-{rank:05d}-of-{world:05d}"
 
 
+def _where(block: Block | None) -> object:
+    if block is None:
+        return None
+    if block.flat:
+        return {"flat": [block.offset[0], block.size[0]]}
+    return list(block.offset)
+
+
 def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Block]) -> str:
-    """The ``shard_layout`` header field: ``{name: [global shape, offset or null]}``."""
+    """The ``shard_layout`` header field: ``{name: [global shape, offset, flat range or
+    null]}`` (see the module docstring)."""
     return json.dumps(
-        {
-            n: [list(shape), list(blocks[n].offset) if n in blocks else None]
-            for n, shape in shapes.items()
-        },
+        {n: [list(shape), _where(blocks.get(n))] for n, shape in shapes.items()},
         separators=(",", ":"),
     )
 
@@ -193,11 +309,34 @@ def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
     return rank, world
 
 
+def _flat_block(
+    path: Path, name: str, where: object, shape: tuple[int, ...], stored: tuple[int, ...]
+) -> Block:
+    """The flat range ``{"flat": [start, length]}`` of ``name``, checked against its
+    shape and the stored 1-D tensor."""
+    span = where.get("flat") if isinstance(where, dict) and len(where) == 1 else None
+    if not (
+        isinstance(span, list)
+        and len(span) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span)
+    ):
+        raise _bad(path, f"shard_layout[{name!r}] = {[list(shape), where]!r}")
+    start, length = span
+    if stored != (length,) or start + length > math.prod(shape):
+        raise _bad(
+            path,
+            f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
+            f"elements does not match the stored tensor of shape {stored}",
+        )
+    return Block((start,), (length,), flat=True)
+
+
 def parse_layout(
     path: Path, meta: Mapping[str, str], stored: Mapping[str, tuple[int, ...]]
 ) -> dict[str, tuple[tuple[int, ...], Block | None]]:
-    """A shard file's ``shard_layout``: name -> (global shape, the block stored or None),
-    checked against the tensors the file holds (``stored``: name -> shape)."""
+    """A shard file's ``shard_layout``: name -> (global shape, the block or flat range
+    stored, or None), checked against the tensors the file holds (``stored``: name ->
+    shape)."""
     try:
         raw = json.loads(meta.get("shard_layout", ""))
     except ValueError:
@@ -209,17 +348,20 @@ def parse_layout(
         ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
         shape = tuple(entry[0]) if ok else ()
         ok = ok and all(isinstance(s, int) and s >= 0 for s in shape)
-        offset = entry[1] if ok else None
-        if not ok or (offset is not None and not isinstance(offset, list)):
+        where = entry[1] if ok else None
+        if not ok or (where is not None and not isinstance(where, (list, dict))):
             raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
-        if offset is None:
+        if where is None:
             if name in stored:
                 raise _bad(path, f"{name!r} is stored but shard_layout says it is not")
             out[name] = (shape, None)
             continue
         if name not in stored:
             raise _bad(path, f"shard_layout places {name!r}, which the file does not hold")
-        block = Block(tuple(int(x) for x in offset), stored[name])
+        if isinstance(where, dict):
+            out[name] = (shape, _flat_block(path, name, where, shape, tuple(stored[name])))
+            continue
+        block = Block(tuple(int(x) for x in where), tuple(stored[name]))
         whole = Block.whole(shape)
         if len(block.offset) != len(shape) or intersect(block, whole) != block:
             raise _bad(path, f"{name!r}'s block {block} lies outside its shape {shape}")

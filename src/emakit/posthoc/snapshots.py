@@ -72,6 +72,7 @@ from .legacy import (
 )
 from .math import GAMMA_MIN, PostHocWarning
 from .shards import (
+    FLAT_LAYOUT_VERSION,
     SHARD_FORMAT,
     ShardEntry,
     complete_sets,
@@ -104,7 +105,8 @@ __all__ = [
 
 #: ``format`` value in a snapshot's header; other safetensors files are not snapshots.
 SNAPSHOT_FORMAT = "emakit.posthoc.snapshot"
-#: Layout version written by this emakit; newer files are refused with an upgrade hint.
+#: Layout version written by this emakit; newer files are refused with an upgrade hint
+#: (shard files holding flat ranges are version 2, see `emakit.posthoc.shards`).
 SNAPSHOT_FORMAT_VERSION = 1
 SNAPSHOT_SUFFIX = ".safetensors"
 #: ``format`` value in the header of files ``emakit synthesize`` writes.
@@ -376,7 +378,10 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
     if "format_version" not in meta:
         raise _malformed(path, "format_version", None, "missing")
     version = _count(meta, "format_version", path, 1, None)
-    not_newer(f"snapshot {path}", "format_version", version, SNAPSHOT_FORMAT_VERSION)
+    newest = SNAPSHOT_FORMAT_VERSION
+    if meta.get("format") == SHARD_FORMAT:  # version 2: flat ranges (ZeRO-3 partitions)
+        newest = max(newest, FLAT_LAYOUT_VERSION)
+    not_newer(f"snapshot {path}", "format_version", version, newest)
     try:
         copied = json.loads(meta.get("copied", "[]"))
     except ValueError:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._validate import integer
 from ..errors import EMATypeError, EMAValueError
@@ -273,27 +272,27 @@ def sweep_module(
     evaluate: Callable[[Any], Any],
     sigma_rels: Sequence[float],
     *,
-    build: Callable[[], Any],
+    build: Callable[[], tuple[nn.Module, Callable[[Callable[[Any], Any]], Any]]],
     step: int | None,
     mode: Literal["min", "max"],
     lengths_per_pass: int,
     snapshots: Callable[[], list[SnapshotInfo]],
     plot: str | os.PathLike[str] | None,
 ) -> SweepResult:
-    """`sweep()`: ``build()`` makes the one EMA model every length
-    is loaded into (sharded like the model), and ``evaluate`` receives it, in eval mode;
-    ``snapshots()`` lists and picks the folder's snapshots."""
+    """`sweep()`: ``build()`` makes the one EMA model every length is loaded into
+    (sharded like the model) and ``call``, which runs ``evaluate`` on what computes with
+    it (the EMA model in eval mode; for a ZeRO-3 EMA, the online model with the EMA
+    partitions swapped in); ``snapshots()`` lists and picks the folder's snapshots."""
     srs, per_pass = _check(sigma_rels, mode, lengths_per_pass)
     snaps = snapshots()
     plans = plans_for(folder, srs, step=step, snaps=snaps)
-    model = build().eval()
-    state = model.state_dict()
-    regions, shapes, rank = model_regions(state)
+    model, call = build()
+    model.eval()
+    regions, shapes, rank = model_regions(model)
 
     def score(out: dict[str, Tensor]) -> float:
         load_into(model, out, where=folder)
-        with torch.no_grad():
-            return float(evaluate(model))
+        return float(call(evaluate))
 
     scores = run_sweep(
         plans,
@@ -302,6 +301,6 @@ def sweep_module(
         regions=regions,
         shapes=shapes,
         rank=rank,
-        fill=None if regions else state,
+        fill=None if regions else model.state_dict(),
     )
     return _result(srs, scores, plans, mode, plot)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .._dist.deepspeed import ZeroPartitions
 from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from .assemble import Target, weighted_sums
@@ -40,7 +41,7 @@ from .karras import resolve_profile
 from .math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
 from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
 from .runs import pick_run
-from .shards import Block, held_block
+from .shards import Block, model_blocks
 from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
 
 __all__ = [
@@ -335,11 +336,13 @@ def synthesize_into(
     """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
 
     A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
-    model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism) gets, on each rank,
-    the block of every tensor that rank holds, cut out of whichever snapshot files overlap
-    it (the rank's own first): the snapshots may come from any number of ranks, or from one
-    process. No collective is run; memory is the rank's blocks in float32 plus one stored
-    tensor (or block) at a time.
+    model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism; the
+    `ZeroPartitions` (`emakit._dist.deepspeed`) of a DeepSpeed ZeRO-3 EMA)
+    gets, on each rank, the block or partition of every tensor that rank holds, cut out of
+    whichever snapshot files overlap it (the rank's own first): the snapshots may come
+    from any number of ranks, or from one process, sharded either way. No collective is
+    run; memory is the rank's blocks in float32 plus one stored tensor (or block) at a
+    time.
 
     Args:
         model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
@@ -349,26 +352,32 @@ def synthesize_into(
     Raises:
         EMAStateError: the snapshots do not match the model (names or shapes).
     """
-    state = model.state_dict()
-    if not any(is_dtensor(v) for v in state.values()):
-        load_into(model, plan.run(dtype=torch.float32, fill=state), where=where)
+    regions, shapes, rank = model_regions(model)
+    if regions is None:
+        load_into(model, plan.run(dtype=torch.float32, fill=model.state_dict()), where=where)
         return
-    regions, shapes, rank = model_regions(state)
     load_into(model, plan.run(dtype=torch.float32, regions=regions, rank=rank, shapes=shapes))
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, ZeroPartitions) or any(
+        is_dtensor(v) for v in model.state_dict().values()
+    )
+
+
 def model_regions(
-    state: Mapping[str, Tensor],
+    model: nn.Module,
 ) -> tuple[dict[str, Block] | None, dict[str, tuple[int, ...]] | None, int | None]:
-    """``(regions, global shapes, rank)`` to synthesize ``state``'s tensors with: the block
-    of every tensor this rank holds for a sharded state, ``(None, None, None)`` (whole
-    tensors) otherwise."""
-    if not any(is_dtensor(v) for v in state.values()):
+    """``(regions, global shapes, rank)`` to synthesize ``model``'s tensors with: for a
+    sharded model the block (DTensor) or flat range (ZeRO-3 partition) of every tensor this
+    rank holds ([`model_blocks()`][emakit.posthoc.shards.model_blocks]), ``(None, None,
+    None)`` (whole tensors) otherwise."""
+    if not _is_sharded(model):
         return None, None, None
     dist = torch.distributed
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    regions = {n: held_block(v) for n, v in state.items()}
-    return regions, {n: tuple(v.shape) for n, v in state.items()}, rank
+    _, regions, shapes = model_blocks(model, empty=True)
+    return regions, shapes, rank
 
 
 def load_into(
@@ -376,8 +385,7 @@ def load_into(
 ) -> None:
     """Copy a synthesized state (whole tensors, or this rank's blocks, see
     `model_regions()`) into ``model``'s tensors."""
-    state = model.state_dict()
-    if not any(is_dtensor(v) for v in state.values()):
+    if not _is_sharded(model):
         try:
             model.load_state_dict(out, strict=True)
         except RuntimeError as e:
@@ -385,11 +393,12 @@ def load_into(
                 f"the snapshots in {str(where)!r} do not match the model: {e}"
             ) from e
         return
+    state = model.state_dict()
     with torch.no_grad():
-        for name, value in state.items():
-            local = local_tensor(value)
+        for name, value in out.items():
+            local = local_tensor(state[name])
             if local.numel():
-                local.copy_(out[name].reshape(local.shape))
+                local.copy_(value.reshape(local.shape))
 
 
 def synthesize_state_dict(

@@ -16,6 +16,8 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from .._core.forward import eval_call
+from .._dist.deepspeed import ZeroPartitions
 from ..errors import EMAError, EMARuntimeError
 from .karras import KarrasEMA
 from .runs import runs_in
@@ -27,6 +29,19 @@ from .writing import is_sharded
 __all__ = ["SynthesisMethods"]
 
 T = TypeVar("T")
+
+
+def _evaluated(synth: KarrasEMA, fn: Callable[[nn.Module], Any]) -> Any:
+    """``fn`` of the module that computes with ``synth``'s weights, in eval mode without
+    grad: its EMA model, or for a partitioned EMA (DeepSpeed ZeRO-3, ``partition=True``,
+    whose EMA model holds only this rank's partitions) the online model with the EMA
+    partitions swapped in (a collective, as ``synth(x)`` is)."""
+    model = cast(nn.Module, synth.ema_model)
+    if isinstance(model, ZeroPartitions):
+        online = synth.model
+        return synth.swap().run(eval_call, online, fn, (online,), {})
+    with torch.no_grad():
+        return fn(model)
 
 
 class SynthesisMethods:
@@ -104,7 +119,13 @@ class SynthesisMethods:
         Returns:
             A [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] of the model with that profile, whose ``ema_model`` holds
             the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
-            use ``synth.ema_model``.
+            use ``synth.ema_model``. For a sharded model it is sharded alike, on every
+            rank (call this on every rank): under FSDP2 its ``ema_model`` holds this
+            rank's shards; under DeepSpeed ZeRO-3 (or ``partition=True``) this rank's
+            partitions, used as an [`EMA`][emakit.EMA]'s are: ``synth(x)`` and
+            ``synth.swap()`` run the engine's module on them,
+            [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] writes
+            the whole model. The snapshots may come from any number of ranks.
 
         Raises:
             EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
@@ -159,7 +180,9 @@ class SynthesisMethods:
         is read once per ``lengths_per_pass`` lengths and added into all of them (see
         `emakit.posthoc.sweeping`), each reconstruction is loaded into one EMA model
         (sharded like the model, for FSDP2: then call it on every rank) and
-        ``evaluate(model) -> float`` scores it.
+        ``evaluate(model) -> float`` scores it. Under DeepSpeed ZeRO-3 (or
+        ``partition=True``) ``model`` is the engine's module with the reconstruction's
+        partitions swapped in (as in ``synth.swap()``), on every rank.
 
         Args:
             evaluate: scores the synthesized EMA model (in eval mode, under no_grad).
@@ -183,7 +206,7 @@ class SynthesisMethods:
         """
         first = sigma_rels[0] if isinstance(sigma_rels, Sequence) and sigma_rels else 0.1
 
-        def build() -> nn.Module:
+        def build() -> tuple[nn.Module, Callable[[Callable[[nn.Module], Any]], Any]]:
             synth = KarrasEMA(
                 self.model,
                 sigma_rel=first,
@@ -191,7 +214,7 @@ class SynthesisMethods:
                 update_every=self.update_every,
                 **self._karras_kwargs,
             )
-            return cast(nn.Module, synth.ema_model)
+            return cast(nn.Module, synth.ema_model), lambda fn: _evaluated(synth, fn)
 
         folder = self.checkpoint_folder
         return sweep_module(

@@ -4,13 +4,14 @@ one writer, or every rank's shard files at once.
 * **A model held whole on every rank** (one process, DDP): rank 0 writes one file per
   profile (`write_snapshots()`: the step's set, all or none);
   the other ranks write nothing and run no collective, as before.
-* **A sharded model** (FSDP2, HSDP, FSDP with tensor parallelism: DTensor weights): a
-  snapshot is a collective. Every rank first checks that every other rank is in the same
+* **A sharded model** (FSDP2, HSDP, FSDP with tensor parallelism: DTensor weights;
+  DeepSpeed ZeRO-3 partitions, ``partition=True``'s slices): a snapshot is a collective. Every rank first checks that every other rank is in the same
   call at the same step (`agree()`, bounded by
   ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
   raises instead of hanging), then writes its own blocks of every tensor
-  ([`local_block()`][emakit.posthoc.shards.local_block]: no collective, no gathered tensor, one
-  tensor's CPU copy at a time) into temporary files, and the ranks exchange their
+  ([`model_blocks()`][emakit.posthoc.shards.model_blocks]: a DTensor's shard, a ZeRO-3
+  partition's flat range; no collective, no gathered tensor, one tensor's CPU copy at a
+  time) into temporary files, and the ranks exchange their
   outcomes before any rank puts its files in place (a two-phase commit over
   [`atomic_paths()`][emakit._files.atomic.atomic_paths]' ``before_replace``): a rank that
   could not write (disk full) makes every rank raise, naming it, and no rank replaces
@@ -39,12 +40,13 @@ import torch
 from torch import Tensor
 
 from .._dist.collectives import AGREE_TIMEOUT_S, agree
+from .._dist.deepspeed import ZeroPartitions
 from .._dist.dtensor import is_dtensor
-from ..errors import EMAError, EMARuntimeError, EMAWriteError
+from ..errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
 from .karras import KarrasEMA
 from .math import PostHocWarning
 from .runs import FolderLock, first_write_warnings, own_path
-from .shards import SHARD_FORMAT, Block, layout_json, local_block
+from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, layout_json, model_blocks
 from .snapshots import (
     is_writer,
     snapshot_filename,
@@ -53,7 +55,7 @@ from .snapshots import (
     write_snapshots,
 )
 
-__all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "is_sharded"]
+__all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable", "is_sharded"]
 
 #: Seconds the ranks of a sharded snapshot wait for each other to finish writing (writing
 #: a shard can take a while on a slow file system); a rank that died mid-write makes the
@@ -62,30 +64,61 @@ OUTCOME_TIMEOUT_S = 600.0
 
 
 def is_sharded(ema: KarrasEMA) -> bool:
-    """Whether ``ema``'s weights are DTensors (FSDP2 and friends)."""
+    """Whether ``ema``'s weights are DTensors (FSDP2 and friends) or partitions (DeepSpeed
+    ZeRO-3, ``partition=True``)."""
     model = ema.ema_model
+    if isinstance(model, ZeroPartitions):
+        return True
     return model is not None and any(is_dtensor(v) for v in model.state_dict().values())
+
+
+def check_snapshottable(ema: KarrasEMA) -> None:
+    """Refuse, when the [`PostHocEMA`][emakit.PostHocEMA] is built, an EMA whose sharded
+    snapshots could not be put together again: ZeRO-3 partitions cut over a subgroup of
+    the ranks (DeepSpeed's MiCS, whose shard groups are replicated) would be written by
+    every replica, so the rank files of a set would not add up to one model.
+
+    Raises:
+        EMATypeError: the partitions are cut over a subgroup; the message says what works.
+    """
+    model = ema.ema_model
+    dist = torch.distributed
+    if not (isinstance(model, ZeroPartitions) and dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    for name, (_, _, group, _) in model.shapes.items():
+        size = dist.get_world_size(group) if group is not None else world
+        if size != world:
+            raise EMATypeError(
+                f"PostHocEMA cannot snapshot this DeepSpeed model: parameter {name!r} is "
+                f"partitioned over {size} of the {world} ranks (a MiCS or hierarchical "
+                f"partitioning: several ranks hold the same partition), and post-hoc "
+                f"snapshots need each element on one rank. Partition over every rank (plain "
+                f"ZeRO-3), or snapshot with emakit.distributed.save_full_ema_weights"
+            )
 
 
 def _tensors(
     ema: KarrasEMA, dtype: torch.dtype | None, shard: bool
-) -> tuple[dict[str, Tensor], set[str], str | None]:
-    """``(tensors to store, copied names, shard_layout or None)`` of one profile."""
-    if ema.ema_model is None:  # pragma: no cover - checkpoint() requires an update
+) -> tuple[dict[str, Tensor], set[str], dict[str, str]]:
+    """``(tensors to store, copied names, the shard header's layout fields)`` of one
+    profile."""
+    model = ema.ema_model
+    if model is None:  # pragma: no cover - checkpoint() requires an update
         raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-    state = ema.ema_model.state_dict()
-    copied = set(state) - ema.averaged_names()
     if not shard:
+        if isinstance(model, ZeroPartitions):  # one process: the partitions are whole
+            state = {n: model.full(n, None) for n in model.layout()}
+        else:
+            state = model.state_dict()
         out = snapshot_tensors(state, dtype)
-        return out, set(out) - ema.averaged_names(), None
-    local: dict[str, Tensor] = {}
-    blocks: dict[str, Block] = {}
-    for name, value in state.items():
-        held = local_block(value)
-        if held is not None:
-            local[name], blocks[name] = held
-    shapes = {n: tuple(v.shape) for n, v in state.items()}
-    return snapshot_tensors(local, dtype), copied, layout_json(shapes, blocks)
+        return out, set(out) - ema.averaged_names(), {}
+    local, blocks, shapes = model_blocks(model)
+    copied = set(shapes) - ema.averaged_names()
+    fields = {"shard_layout": layout_json(shapes, blocks)}
+    if any(b.flat for b in blocks.values()):  # an emakit without flat ranges refuses it
+        fields["format_version"] = str(FLAT_LAYOUT_VERSION)
+    return snapshot_tensors(local, dtype), copied, fields
 
 
 class SnapshotWriter:
@@ -206,14 +239,14 @@ class SnapshotWriter:
                 copied=copied,
                 run=run,
             )
-            if shard is not None and layout is not None:
+            if shard is not None:
                 header.update(
                     format=SHARD_FORMAT,
                     rank=str(shard[0]),
                     world=str(shard[1]),
-                    shard_layout=layout,
                     shard_set=shard[2],
                 )
+                header.update(layout)
             return tensors, header
 
         return write_snapshots(paths, produce, before_replace=vote)
