@@ -17,7 +17,7 @@ averages every shard as ema-pytorch would, and must agree bit for bit:
 * tied frozen weights are shared in every place; ``skip_nonfinite`` agrees as before, also
   when a load un-shares a frozen shard on one rank only;
 * ``MultiEMA`` shares and equals its ``share_frozen=False`` EMAs; ``KarrasEMA`` and ``BEMA``
-  share.
+  share; ``PostHocEMA``'s snapshots of shared shards synthesize as a plain twin's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from emakit import BEMA, EMA, KarrasEMA, MultiEMA
+from emakit import BEMA, EMA, KarrasEMA, MultiEMA, PostHocEMA
 from emakit._core.sharding import adopt_shard
 from emakit._dist.dtensor import local_tensor
 from emakit.distributed import load_sharded_ema, save_sharded_ema
@@ -260,12 +260,47 @@ def worker(rank: int, out: Path) -> dict:
         lone.update()
     res["one_rank_load"] = (shared(lone, base), loaded, lone.num_skipped_nonfinite)
 
+    # PostHocEMA's snapshots read the shared shards: synthesis equals that of a plain twin.
+    res["posthoc"] = posthoc_part(rank, out, mesh)
+
     # What FSDP2 does with a padded shard it is asked to adopt (why odd.* is not shared).
     probe = lora_like(mesh)
     local = local_tensor(net.odd.weight)
     adopted = adopt_shard(probe, probe.odd.weight, local)
     res["padded_adopt_aliases"] = local_tensor(adopted).data_ptr() == local.data_ptr()
     return res
+
+
+def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` in full (a collective for DTensors)."""
+    return {
+        n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for n, v in model.state_dict().items()
+    }
+
+
+def posthoc_part(rank: int, out: Path, mesh: Any) -> dict[str, float] | None:
+    """The largest difference, per tensor, between a PostHocEMA of the sharded model (frozen
+    shards shared) and one of a plain twin fed the gathered weights (rank 0)."""
+    net = lora_like(mesh)
+    torch.manual_seed(0)
+    twin = LoRALike()
+    twin.base.requires_grad_(False)
+    twin.odd.requires_grad_(False)
+    kw: dict[str, Any] = dict(sigma_rels=(0.05, 0.28), update_every=1, checkpoint_every_num_steps=3)
+    ema = PostHocEMA(net, checkpoint_folder=out / "posthoc", **kw)
+    ref = PostHocEMA(twin, checkpoint_folder=out / "posthoc-ref", **kw)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.2)
+    for i in range(9):
+        train(net, opt, rank, i)
+        twin.load_state_dict(gathered(net))
+        ema.update()
+        ref.update()
+    got = gathered(ema.synthesize_ema_model(sigma_rel=0.1).ema_model)
+    if rank:
+        return None  # the plain twin's snapshots are rank 0's
+    want = ref.synthesize_ema_model(sigma_rel=0.1).ema_model.state_dict()
+    return {k: (got[k] - want[k]).abs().max().item() for k in want}
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +359,16 @@ def test_a_load_that_changes_one_ranks_shard_keeps_the_ranks_agreeing(
         (["bias"], True, 0),
         (["bias", "weight"], True, 0),
     ]
+
+
+def test_posthoc_snapshots_of_shared_shards_synthesize_as_a_plain_twin(
+    results: list[dict],
+) -> None:
+    diffs = results[0]["posthoc"]
+    assert set(diffs) == {
+        f"{m}.{w}" for m in ("base", "odd", "adapter") for w in ("weight", "bias")
+    }
+    assert max(diffs.values()) == 0.0, diffs
 
 
 def test_tied_frozen_weights_are_shared_in_every_place(results: list[dict]) -> None:
