@@ -6,7 +6,9 @@
 * ``forward_method_names=("generate",)`` works whether or not the model's method was
   registered with ``register_fsdp_forward_method``, on every rank: item 5.
 * The copy is built through public torch APIs, and the private FSDP2 state emakit still
-  reads is read in one function, checked here against this torch: item 6.
+  reads is read in one function, checked here against this torch: item 6. So is what
+  ``share_frozen`` relies on (issue 21): FSDP2 all-gathers from a shard given to the copy
+  through ``load_state_dict(..., assign=True)``.
 * FSDP + tensor parallelism is refused by name, once, and works through a factory: item 7.
 
 Every case runs on 4 ranks: the head has 3 rows, so rank 3's shard of it is empty. The
@@ -24,7 +26,7 @@ from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
 from emakit import EMA, EMATypeError
-from emakit._core.sharding import fsdp_layout
+from emakit._core.sharding import adopt_shard, fsdp_layout
 from emakit._dist.dtensor import local_tensor, shard_identity, torch_version
 
 pytestmark = [
@@ -222,6 +224,26 @@ def fsdp_worker(rank: int, out: Path) -> dict:
         res["online_generate"] = (model.generate(x), ref.generate(x))
     model.reshard()
 
+    # share_frozen relies on FSDP2 adopting a shard given through the module's
+    # load_state_dict(..., assign=True) (its reset_sharded_param post-hook) as the storage
+    # it all-gathers from: the copy's forward reads the model's frozen storage.
+    frozen = shard(tower()).requires_grad_(False)
+    sharing = EMA(frozen, **EMA_KW)
+    weight, copied = frozen.block[0].weight, sharing.ema_model.block[0].weight
+    before = sharing(x)
+    with torch.no_grad():
+        local_tensor(weight).mul_(2.0)  # 16 rows over 4 ranks: an unpadded shard
+        want = plain(full(frozen))(x)
+    res["adopted"] = (
+        local_tensor(copied).data_ptr() == local_tensor(weight).data_ptr(),
+        (sharing(x) - want).abs().max().item(),
+        (before - want).abs().max().item(),
+    )
+    # After FSDP2's lazy init (a forward ran), the same route adopts a new shard at once
+    # (what un-sharing does): a clone holding the old values gives the old output back.
+    adopt_shard(sharing.ema_model, copied, local_tensor(copied).clone().mul_(0.5))
+    res["readopted"] = (sharing(x) - before).abs().max().item()
+
     # FSDP2 re-creates a model's shards in place (same DTensors) on to_empty(): the guard
     # (DTensor's inner tensor, by identity) sees it and the next update reads the new ones.
     moved = shard(tower())
@@ -309,6 +331,9 @@ def test_torch_internals_emakit_reads_are_where_it_expects(fsdp_results: list[di
             ["inp.weight", "inp.bias", "norm.weight", "norm.bias", "head.weight", "head.bias"]
         )
         assert r["identity"] and r["alias"] and r["alias_grad_mode"]
+        aliases, error, stale = r["adopted"]  # an in-place change of the model's frozen
+        assert aliases and error <= 1e-6 and stale > 1e-3  # shard is in the copy's forward
+        assert r["readopted"] <= 1e-6
 
 
 def test_new_shards_after_to_empty_are_followed(fsdp_results: list[dict]) -> None:
@@ -393,6 +418,22 @@ def mesh_worker(rank: int, out: Path) -> dict:
             with torch.no_grad():
                 res[f"hsdp/{step}"] = (y, plain(full(ema.ema_model))(x))
 
+    # HSDP with a frozen model: the shards (Replicate, Shard(0)) are shared where unpadded,
+    # and the copy's forward reads them.
+    frozen = tower().requires_grad_(False)
+    fully_shard(frozen.block, mesh=hsdp)
+    fully_shard(frozen, mesh=hsdp)
+    sharing = EMA(frozen, **EMA_KW)
+    online = dict(frozen.named_parameters())
+    res["hsdp_shared"] = sorted(
+        n
+        for n, q in sharing.ema_model.named_parameters()
+        if local_tensor(q).data_ptr() == local_tensor(online[n]).data_ptr()
+    )
+    with torch.no_grad():
+        local_tensor(frozen.inp.weight).mul_(2.0)
+        res["hsdp_frozen"] = (sharing(x), plain(full(frozen))(x))
+
     # FSDP + tensor parallelism: refused by name for a copy; a factory works.
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
@@ -434,6 +475,20 @@ def test_hsdp_copy_forward_sees_the_current_shards(mesh_results: list[dict]) -> 
             got, want = r[f"hsdp/{step}"]
             torch.testing.assert_close(got, want, **EXACT, msg=f"step {step}")
         assert (r[f"hsdp/{EVAL_STEPS[0]}"][0] - r[f"hsdp/{EVAL_STEPS[1]}"][0]).abs().max() > 1e-3
+
+
+def test_hsdp_frozen_shards_are_shared_and_read_by_the_copy(mesh_results: list[dict]) -> None:
+    for r in mesh_results:  # head (3 rows over the 2-rank shard dimension): padded, owned
+        assert r["hsdp_shared"] == [
+            "block.0.bias",
+            "block.0.weight",
+            "inp.bias",
+            "inp.weight",
+            "norm.bias",
+            "norm.weight",
+        ]
+        got, want = r["hsdp_frozen"]
+        torch.testing.assert_close(got, want, **EXACT)
 
 
 def test_fsdp_with_tensor_parallelism_is_refused_by_name_once(mesh_results: list[dict]) -> None:

@@ -357,6 +357,7 @@ def load_sharded_ema(
     target = Path(name)
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
     state = ema.state_dict(include_online_model=False)
+    _unalias(state, ema.model)
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:
@@ -450,6 +451,22 @@ def save_full_ema_weights(
             failure = e
     _export.share_outcome(failure, str(dest))
     return dest
+
+
+def _unalias(state: dict[str, Any], model: object) -> None:
+    """Replace the entries of ``state`` that are ``model``'s own parameters (the frozen
+    weights an EMA shares with it, see ``share_frozen``) by empty tensors like them: DCP
+    loads into the tensors it is given, in place, which would write into the model. The
+    EMA's ``load_state_dict`` then copies them in, copy-on-write."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    own = {local_tensor(p).data_ptr() for p in model.parameters() if local_tensor(p).numel()}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = local_tensor(value)
+        if local.numel() and local.data_ptr() in own:
+            state[key] = torch.empty_like(value)
 
 
 def load_full_ema_weights(

@@ -21,6 +21,16 @@ then on it is averaged like any other weight, which is again what ema-pytorch co
 A frozen value changed in place by the user (``frozen.copy_(new_base)``) is seen by the
 EMA at once, where ema-pytorch's copy would lag; ``share_frozen=False`` copies frozen
 weights as ema-pytorch does.
+
+**FSDP2 shards** follow the same rule. The EMA copy's parameter is a DTensor whose local
+shard is the model's own, adopted by FSDP2 as the storage it all-gathers from
+(`emakit._core.sharding.share_shards`), so ``ema(x)`` reads the model's frozen shards;
+un-sharing gives it a cloned shard through the same route. A parameter whose shards FSDP2
+pads (dim 0 not divisible by the shard world size) is not shared on any rank: the EMA owns
+and averages it (one shard per rank), so every rank's plan holds the same parameters.
+Unfreezing and loads are decided per rank on the local shards, without a collective (so
+ranks may differ in what they share; ``skip_nonfinite``'s agreement counts the shared
+pairs, ``Tracked.shared``, so every rank joins its all-reduce alike).
 """
 
 from __future__ import annotations
@@ -32,21 +42,51 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._dist.dtensor import is_dtensor
+from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from .._engine.pairs import TensorPair
+from ..errors import EMARuntimeError
+from .sharding import adopt_shard, places_of
 
 __all__ = ["FrozenShare", "shared_parameters", "shares"]
 
 
 def shares(p: TensorPair) -> bool:
-    """Whether the pair's shadow is the online tensor's own storage (a shared frozen weight)."""
+    """Whether the pair's shadow is the online tensor's own storage (a shared frozen weight);
+    for DTensors (FSDP2), whether the shadow's local shard is the online one's, with the
+    same mesh and placements."""
     s, o = p.shadow, p.online
+    if is_dtensor(s) or is_dtensor(o):
+        if not (
+            is_dtensor(s)
+            and is_dtensor(o)
+            and s.placements == o.placements  # type: ignore[attr-defined]
+            and s.device_mesh == o.device_mesh  # type: ignore[attr-defined]
+        ):
+            return False
+        s, o = local_tensor(s), local_tensor(o)
     return (
         s.numel() > 0
-        and not is_dtensor(s)
         and s.dtype == o.dtype
         and s.data_ptr() == o.data_ptr()
         and s.stride() == o.stride()
+    )
+
+
+def _same_value(value: Tensor, shadow: Tensor) -> bool:
+    """Whether loading ``value`` would leave ``shadow`` as it is. DTensors compare their
+    local shards (no collective); a value sharded otherwise counts as a change."""
+    if is_dtensor(value) or is_dtensor(shadow):
+        if not (
+            is_dtensor(value)
+            and is_dtensor(shadow)
+            and value.shape == shadow.shape
+            and value.placements == shadow.placements  # type: ignore[attr-defined]
+            and value.device_mesh == shadow.device_mesh  # type: ignore[attr-defined]
+        ):
+            return False
+        value, shadow = local_tensor(value), local_tensor(shadow)
+    return value.shape == shadow.shape and torch.equal(
+        value.to(shadow.device, shadow.dtype), shadow
     )
 
 
@@ -70,15 +110,20 @@ class FrozenShare:
     def __init__(self, on_unshare: Callable[[], None]) -> None:
         self.on_unshare = on_unshare
         self.pairs: list[TensorPair] = []
+        self._root: nn.Module | None = None  # the EMA model (FSDP2: where shards re-register)
         self._by_id: dict[int, TensorPair] = {}
         # optimizer -> (its parameter layout, the shared pairs among its parameters)
         self._overlap: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list]] = (
             weakref.WeakKeyDictionary()
         )
 
-    def watch(self, pairs: Iterable[TensorPair]) -> None:
-        """Watch ``pairs`` (the shared ones of the current pairing) from now on."""
+    def watch(self, pairs: Iterable[TensorPair], root: nn.Module | None = None) -> None:
+        """Watch ``pairs`` (the shared ones of the current pairing) from now on; ``root``:
+        the EMA model holding their shadows (needed to un-share FSDP2 shards; default None:
+        the one given before)."""
         self.pairs = list(pairs)
+        if root is not None:
+            self._root = root
         self._by_id = {id(p.online): p for p in self.pairs}
         self._overlap = weakref.WeakKeyDictionary()
         if self.pairs:
@@ -104,16 +149,30 @@ class FrozenShare:
     def unshare(self, pairs: Iterable[TensorPair]) -> None:
         """Give each pair's shadow its own storage holding its current value (copy-on-write);
         from the next plan on, the pair is averaged like any other."""
-        changed = False
-        with torch.no_grad():
-            for p in pairs:
-                if shares(p):
-                    p.shadow.data = p.shadow.detach().clone()
-                    changed = True
-        if not changed:
+        hits = [p for p in pairs if shares(p)]
+        if not hits:
             return
-        self.watch([p for p in self.pairs if shares(p)])
+        with torch.no_grad():
+            for p in hits:
+                if not is_dtensor(p.shadow):
+                    p.shadow.data = p.shadow.detach().clone()
+            sharded = [p for p in hits if is_dtensor(p.shadow)]
+            if sharded:
+                self._own_shards(sharded)
+        done = {id(p) for p in hits}  # an un-shared DTensor pair's shadow is a new object
+        self.watch([p for p in self.pairs if id(p) not in done and shares(p)])
         self.on_unshare()
+
+    def _own_shards(self, pairs: list[TensorPair]) -> None:
+        """Give FSDP2 shadows a cloned shard each, registered in the EMA model in place of
+        the shared one (`emakit._core.sharding.adopt_shard`, with the copy resharded first)."""
+        root = self._root
+        if root is None:  # pragma: no cover - build() and pairs() always give it
+            raise EMARuntimeError("FrozenShare has no EMA model to un-share FSDP2 shards in")
+        reshard(fsdp_modules(root))
+        places = places_of(root)
+        for p in pairs:
+            adopt_shard(root, p.shadow, local_tensor(p.shadow).clone(), places)
 
     def unshare_changed(self, values: Mapping[str, Any], prefix: str) -> None:
         """Before ``values`` (a state dict, keys ``prefix + name``) are copied into the EMA:
@@ -121,18 +180,19 @@ class FrozenShare:
         hits = []
         for p in self.pairs:
             value = values.get(prefix + p.name)
-            if not isinstance(value, Tensor) or not shares(p):
-                continue
-            same = value.shape == p.shadow.shape and torch.equal(
-                value.to(p.shadow.device, p.shadow.dtype), p.shadow
-            )
-            if not same:
+            if isinstance(value, Tensor) and shares(p) and not _same_value(value, p.shadow):
                 hits.append(p)
         if hits:
             self.unshare(hits)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"on_unshare": self.on_unshare, "pairs": [], "_by_id": {}, "_overlap": None}
+        return {
+            "on_unshare": self.on_unshare,
+            "pairs": [],
+            "_root": None,
+            "_by_id": {},
+            "_overlap": None,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -141,13 +201,11 @@ class FrozenShare:
 
 def shared_parameters(model: nn.Module, eligible: Callable[[str, Tensor], bool]) -> set[int]:
     """The ids of ``model``'s parameters that an EMA should share: frozen (no grad),
-    floating, not sharded, and ``eligible`` (the owner's rule: tracked, same dtype and
-    device as their shadow would have)."""
+    floating, and ``eligible`` (the owner's rule: tracked, same dtype and device as their
+    shadow would have). FSDP2 (DTensor) parameters included: the copy shares those whose
+    shards are unpadded (`emakit._core.sharding.share_shards`)."""
     return {
         id(t)
         for name, t in model.named_parameters()
-        if not t.requires_grad
-        and (t.is_floating_point() or t.is_complex())
-        and not is_dtensor(t)
-        and eligible(name, t)
+        if not t.requires_grad and (t.is_floating_point() or t.is_complex()) and eligible(name, t)
     }

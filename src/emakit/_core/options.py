@@ -105,8 +105,10 @@ KEYWORDS_DOC = """
             a load would change, gets its own copy first and is averaged from then on. A
             frozen value changed in place (new base weights) is seen by the EMA at once;
             ``False`` copies and averages frozen weights as ema-pytorch does (they then
-            lag). Not shared: with ``ema_dtype`` widening them, ``device=`` offload, FSDP2
-            shards. Default True.
+            lag). FSDP2 shards are shared too (the EMA copy's shard is the model's), except
+            a parameter whose shards FSDP2 pads (dim 0 not divisible by the world size),
+            which the EMA owns and averages. Not shared: with ``ema_dtype`` widening them,
+            ``device=`` offload, an ``ema_model=`` given. Default True.
         skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
             (counted in ``num_skipped_nonfinite``, warned once, when the count is read).
             Decided on the device, with no host read in ``update()``: one reduction to

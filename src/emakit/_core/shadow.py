@@ -84,7 +84,9 @@ def copy_model(
 
     Untracked (ignored) tensors get a clone of the model's, since the copy still needs
     them to run. Parameters whose id is in ``shared`` (frozen weights, see
-    `emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage.
+    `emakit._core.frozen`) get a ``Parameter`` aliasing the model's storage (FSDP2
+    shards: a DTensor whose shard is the model's, where it is unpadded; see
+    `emakit._core.sharding.share_shards`).
 
     Args:
         model: the module to copy.
@@ -106,7 +108,7 @@ def copy_model(
         elif type(t) is Tensor:
             memo[id(t)] = empty
     try:
-        copy = copy_module(model, memo, dtype_for=dtype_for)  # FSDP2: sharded
+        copy = copy_module(model, memo, dtype_for=dtype_for, shared=share)  # FSDP2: sharded
     except EMATypeError:
         raise
     except Exception as e:

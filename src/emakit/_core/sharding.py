@@ -4,11 +4,14 @@ FSDP2 modules refuse ``deepcopy``. [`copy_module()`][emakit._core.sharding.copy_
 FSDP's state on the meta device, applies the model's own ``fully_shard`` calls (same mesh,
 placements, grouping, mixed-precision and offload policies) and copies this rank's shards
 of the model's values into it (DTensor to DTensor with the same placements: shard-local,
-no communication), so every rank stores the EMA of exactly the shard it owns.
+no communication), so every rank stores the EMA of exactly the shard it owns. Frozen
+parameters the EMA shares (`share_shards()`) get the model's own shard instead, through
+`adopt_shard()`.
 
 Everything here goes through torch's public API (``fully_shard``,
 ``register_fsdp_forward_method``, ``FSDPModule.reshard``, DTensor ``placements``,
-``device_mesh`` and ``copy_``) except `fsdp_layout()`: torch has no public
+``device_mesh``, ``from_local`` and ``copy_``, ``Module.load_state_dict(assign=True)``)
+except `fsdp_layout()`: torch has no public
 way to ask which ``fully_shard`` call built a module, with which policies, or which
 module attributes and hooks are FSDP's. That one function reads them, and
 ``tests/test_fsdp_copy.py::test_torch_internals_emakit_reads_are_where_it_expects``
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from copy import deepcopy
 from dataclasses import dataclass, field
 from types import MethodType
@@ -29,11 +32,28 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .._dist.dtensor import check_fsdp2_torch, fsdp_module_type, fsdp_modules, is_dtensor, reshard
+from .._dist.dtensor import (
+    check_fsdp2_torch,
+    fsdp_module_type,
+    fsdp_modules,
+    is_dtensor,
+    local_tensor,
+    reshard,
+)
 from .._engine.pairs import TensorPair
 from ..errors import EMATypeError
 
-__all__ = ["FSDPLayout", "ShardGroup", "copy_module", "fsdp_layout", "unsharded_pairs"]
+__all__ = [
+    "FSDPLayout",
+    "ShardGroup",
+    "adopt_shard",
+    "copy_module",
+    "evenly_sharded",
+    "fsdp_layout",
+    "places_of",
+    "share_shards",
+    "unsharded_pairs",
+]
 
 
 def unsharded_pairs(pairs: list[TensorPair], *, device: object = None) -> list[TensorPair]:
@@ -282,7 +302,10 @@ def _check_groups(model: nn.Module, groups: list[ShardGroup]) -> None:
 
 
 def _copy_fsdp(
-    model: nn.Module, memo: dict[int, Any], dtype_for: Callable[[Tensor], torch.dtype | None]
+    model: nn.Module,
+    memo: dict[int, Any],
+    dtype_for: Callable[[Tensor], torch.dtype | None],
+    shared: set[int],
 ) -> nn.Module:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -333,18 +356,116 @@ def _copy_fsdp(
         for name in methods[id(m)]:
             register_fsdp_forward_method(memo[id(m)], name)
     copy.to_empty(device=device)
-    # 3. This rank's shards of the model's values: DTensor copies (same mesh and
-    #    placements, so each is shard-local), cast to the copy's dtype. Not through
-    #    load_state_dict, whose pre-hooks (kept from the model) may rename keys.
+    # 3. Frozen shards shared with the model (their FSDP storage is the model's), then
+    #    this rank's shards of the model's values for the rest.
+    shared_names = share_shards(copy, {n: t for n, t in sharded.items() if id(t) in shared})
+    _fill_shards(copy, online, skip=shared_names)
+    return copy
+
+
+def _fill_shards(copy: nn.Module, online: dict[str, Tensor], skip: set[str]) -> None:
+    """Copy this rank's shards of the model's values into ``copy`` (names in ``skip``
+    aside): DTensor copies (same mesh and placements, so each is shard-local), cast to the
+    copy's dtype. Not through ``load_state_dict``, whose pre-hooks (kept from the model)
+    may rename keys."""
     with torch.no_grad():
         for name, t in (*copy.named_parameters(), *copy.named_buffers()):
             src = online[name]
+            if name in skip:
+                continue
             if is_dtensor(src):
                 t.copy_(src)
             else:
                 # A placeholder again, where the model has it: the EMA fills it later.
                 t.data = torch.empty(0, dtype=t.dtype, device=src.device)
-    return copy
+
+
+# -- frozen shards shared with the model ----------------------------------------------------
+
+
+def evenly_sharded(t: Tensor) -> bool:
+    """Whether every rank's shard of the DTensor ``t`` is unpadded: each sharded dimension
+    divides evenly over its mesh dimension. FSDP2 pads the shards of an uneven parameter
+    (dim 0 not divisible by the world size; the empty shards of a small one) into buffers
+    of its own, which a shard of another module cannot alias. The same answer on every
+    rank, so every rank shares the same parameters (and averages the same others)."""
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    return all(
+        not pl.is_shard() or t.shape[pl.dim] % mesh.size(i) == 0 for i, pl in enumerate(placements)
+    )
+
+
+def places_of(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Where each parameter of ``root`` is registered (tied ones: every place)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in root.modules():
+        for key, t in m.named_parameters(recurse=False):
+            places.setdefault(id(t), []).append((m, key))
+    return places
+
+
+def adopt_shard(
+    root: nn.Module,
+    old: Tensor,
+    local: Tensor,
+    places: dict[int, list[tuple[nn.Module, str]]] | None = None,
+) -> Tensor:
+    """Put a DTensor whose local shard is ``local`` (the mesh, placements, global shape and
+    stride of the DTensor parameter ``old``) in place of ``old`` in every module of the
+    FSDP2 model ``root`` that registers it, and return it.
+
+    Through public API only: ``load_state_dict(..., assign=True)`` of the module that
+    holds it, whose FSDP2 post-hook (``reset_sharded_param``) makes FSDP2 all-gather from
+    ``local`` itself, without a copy, where the shard needs no padding (where it does,
+    FSDP2 copies ``local`` into a padded buffer of its own: compare
+    ``local_tensor(result).data_ptr()`` with ``local``'s).
+
+    ``places``: where ``root``'s parameters are registered, from a caller that resharded
+    ``root``. Default None: ``root``'s FSDP2 modules are resharded (so the registered
+    parameters are the sharded ones) and the places looked up.
+    ``tests/test_fsdp_copy.py::test_torch_internals_emakit_reads_are_where_it_expects``
+    checks that FSDP2's forward then reads ``local``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if places is None:
+        reshard(fsdp_modules(root))
+        places = places_of(root)
+    new = nn.Parameter(
+        DTensor.from_local(
+            local,
+            old.device_mesh,  # type: ignore[attr-defined]
+            old.placements,  # type: ignore[attr-defined]
+            run_check=False,
+            shape=old.shape,
+            stride=old.stride(),
+        ),
+        requires_grad=False,
+    )
+    for m, key in places.get(id(old), []):
+        m.load_state_dict({key: new}, strict=False, assign=True)  # tied: every place
+    return new
+
+
+def share_shards(copy: nn.Module, frozen: dict[str, Tensor]) -> set[str]:
+    """Make the shards of ``copy``'s parameters named in ``frozen`` (name -> the model's
+    frozen DTensor parameter) alias the model's shards (`adopt_shard()`), where every
+    rank's shard is unpadded (`evenly_sharded()`); the names shared. Where FSDP2 still
+    copied (a padded shard), the copy owns a shard holding the model's values."""
+    done: set[str] = set()
+    params = dict(copy.named_parameters())
+    places = places_of(copy)
+    reshard(fsdp_modules(copy))
+    for name, src in frozen.items():
+        if name not in params or not evenly_sharded(src):
+            continue
+        local = local_tensor(src)
+        if local.numel() == 0:
+            continue
+        new = adopt_shard(copy, params[name], local, places)
+        if local_tensor(new).data_ptr() == local.data_ptr():
+            done.add(name)
+    return done
 
 
 def copy_module(
@@ -352,6 +473,7 @@ def copy_module(
     memo: dict[int, Any],
     *,
     dtype_for: Callable[[Tensor], torch.dtype | None] = lambda t: None,
+    shared: Iterable[int] = (),
 ) -> nn.Module:
     """``copy.deepcopy(model, memo)``, except that an FSDP2 model is rebuilt sharded.
 
@@ -363,13 +485,16 @@ def copy_module(
     ``register_fsdp_forward_method`` registered on the copy too), then given this rank's
     shards of the model's values, in ``dtype_for(param)`` where that is not None.
     Parameters and buffers that are not sharded are left as empty placeholders for the
-    caller to fill (as ``memo`` already says for a plain model).
+    caller to fill (as ``memo`` already says for a plain model). The sharded parameters
+    whose id is in ``shared`` (frozen weights, see `emakit._core.frozen`) share the
+    model's shard storage instead (`share_shards()`) where their shards are unpadded.
 
     Args:
         model: the module to copy.
         memo: the ``deepcopy`` memo, pre-filled with placeholders for plain tensors.
         dtype_for: the dtype a sharded parameter's copy should have (None: the same).
             Default: always None.
+        shared: ids of the model's frozen DTensor parameters to share. Default: none.
 
     Returns:
         The copy.
@@ -382,4 +507,4 @@ def copy_module(
     check_fsdp2_torch((*model.parameters(), *model.buffers()), model.modules())
     if not fsdp_modules(model):
         return deepcopy(model, memo)
-    return _copy_fsdp(model, memo, dtype_for)
+    return _copy_fsdp(model, memo, dtype_for, set(shared))

@@ -177,7 +177,7 @@ class ModuleSource(_Source):
         pairs = self.pair(model, ema_model, placeholders=fresh)
         own = [p for p in pairs if not shares(p)]
         layout_shadow(own, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
-        self.frozen.watch([p for p in pairs if shares(p)])
+        self.frozen.watch([p for p in pairs if shares(p)], ema_model)
         return ema_model
 
     def _shareable(self, name: str, t: Tensor) -> bool:
@@ -219,9 +219,9 @@ class ModuleSource(_Source):
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
         shared = [p for p in pairs if shares(p)]
-        self.frozen.watch(shared)
+        self.frozen.watch(shared, ema_model)
         modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return Tracked(tuple(p for p in pairs if not shares(p)), modules)
+        return Tracked(tuple(p for p in pairs if not shares(p)), modules, tuple(shared))
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device

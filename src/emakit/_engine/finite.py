@@ -426,6 +426,7 @@ class _Guardable(Protocol):
     """What `FiniteGuard` needs of a plan."""
 
     pairs: list[TensorPair]
+    shared: list[TensorPair]
 
     def online_tensors(self) -> list[Tensor]: ...
 
@@ -453,7 +454,9 @@ class FiniteGuard:
         if self._plan is not plan:
             self._plan = plan
             self._sources = plan.online_tensors()
-            self._agreement = Agreement.build(plan.pairs)
+            # Shared pairs too: whether a rank shares a frozen shard (a load or unfreezing
+            # decides per rank) must not change whether it joins the all-reduce.
+            self._agreement = Agreement.build([*plan.pairs, *plan.shared])
         flag = local_flag(self._sources)
         if self._agreement is not None:
             return self._agreement.combine(flag, call)

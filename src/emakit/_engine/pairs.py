@@ -59,10 +59,15 @@ class Tracked:
         modules: ids of every module of the online and EMA models; a registration or a
             ``del`` on any of them makes the plan compare the live pairs again. Empty for
             a pytree (nothing registers on one).
+        shared: the pairs left out of ``pairs`` because the shadow is the online storage
+            (frozen weights, see `emakit._core.frozen`): no work, but a sharded EMA's
+            agreement between ranks still counts them, so that every rank agrees alike
+            whichever of them it shares. Default: none.
     """
 
     pairs: tuple[TensorPair, ...]
     modules: frozenset[int] = frozenset()
+    shared: tuple[TensorPair, ...] = ()
 
     @classmethod
     def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:

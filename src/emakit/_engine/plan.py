@@ -74,6 +74,7 @@ class Plan:
     ) -> None:
         tracked = Tracked.of(tracked)
         self.pairs = list(tracked.pairs)
+        self.shared = list(tracked.shared)  # no work; counted by the ranks' agreement
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
         self.guards = Guards(tracked)
