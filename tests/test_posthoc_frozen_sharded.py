@@ -1,6 +1,7 @@
 """Sharded post-hoc snapshots store shared frozen weights once per rank (issue 21): 2 gloo
 ranks, a model whose trainable head is DTensor-sharded and whose frozen base is shared with
-the EMA (``shares()``), snapshotted with side files and with every tensor in every rank
+the EMA (``shares()``), and an FSDP2 model whose frozen base's shards are shared, each
+snapshotted with side files and with every tensor in every rank
 file (``store_frozen_once=False``) in the same run; synthesis on the ranks and in one
 process equals the reference's.
 """
@@ -58,8 +59,7 @@ def ranks(rank: int, out: Path) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,))
     model = seeded(Adapted, 0)
     # The head's weights are DTensors (row shards); the frozen base stays a plain tensor,
-    # shared with the EMA on every rank and stored by rank 0. (On this main, FSDP2 copies
-    # frozen weights rather than sharing them, so fully_shard would share nothing.)
+    # shared with the EMA on every rank and stored by rank 0.
     for name, p in list(model.head.named_parameters()):
         setattr(model.head, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
     once = PostHocEMA(model, checkpoint_folder=out / "once", run_id="sharded", **KW)
@@ -74,6 +74,37 @@ def ranks(rank: int, out: Path) -> dict[str, Any]:
             for p in model.head.parameters():  # a training step, the same on every rank
                 noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
                 p.add_(distribute_tensor(noise, mesh, [Shard(0)]))
+        once.update()
+        every.update()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        res["on_ranks"] = gathered(once.synthesize_ema_model(sigma_rel=0.15).ema_model)
+        res["ref_on_ranks"] = gathered(every.synthesize_ema_model(sigma_rel=0.15).ema_model)
+    res["fsdp"] = fsdp_part(rank, out / "fsdp", mesh)
+    return res
+
+
+def fsdp_part(rank: int, out: Path, mesh: Any) -> dict[str, Any]:
+    """FSDP2: the frozen base's shards are shared (``shares()`` of their local shards), so
+    each rank stores its own shard of the base in its own side file."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(seeded(Adapted, 0), mesh=mesh)
+    once = PostHocEMA(model, checkpoint_folder=out / "once", run_id="fsdp", **KW)
+    every = PostHocEMA(
+        model, checkpoint_folder=out / "every", run_id="fsdp", store_frozen_once=False, **KW
+    )
+    res: dict[str, Any] = {"shared": sorted(once.profiles[0].shared_names())}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(20 + rank)
+    for i in range(9):
+        if i == 5:
+            with torch.no_grad():
+                model.base.bias.to_local().add_(0.5)  # each rank changes its shard in place
+        loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
         once.update()
         every.update()
     with warnings.catch_warnings():
@@ -116,3 +147,27 @@ def test_sharded_synthesis_equals_the_every_tensor_snapshots(job) -> None:
     for name in ref:
         torch.testing.assert_close(one[name], ref[name], rtol=0, atol=0, msg=name)
         torch.testing.assert_close(one[name], results[0]["on_ranks"][name], msg=name)
+
+
+def test_fsdp2_frozen_shards_are_stored_once_per_rank(job) -> None:
+    out, results = job
+    folder = out / "fsdp" / "once"
+    assert all(r["fsdp"]["shared"] == ["base.bias", "base.weight"] for r in results)
+    sides = sorted(p.name for p in folder.iterdir() if is_side_file(p.name))
+    for rank in (0, 1):  # the base's shard before and after the change, on each rank
+        assert sum(f"rank-0000{rank}-of-00002" in n for n in sides) == 2, sides
+    for p in folder.glob("step-*.safetensors"):
+        with SafetensorsFile(p) as f:
+            assert not {"base.weight", "base.bias"} & set(f.keys()), p.name
+    snaps = list_snapshots(folder)
+    assert len(snaps) == 6 and all(len(s.frozen) == 2 for s in snaps)  # a side file per rank
+    for r in results:
+        for name, want in r["fsdp"]["ref_on_ranks"].items():
+            torch.testing.assert_close(r["fsdp"]["on_ranks"][name], want, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        one = synthesize_state_dict(folder, sigma_rel=0.15)
+        ref = synthesize_state_dict(out / "fsdp" / "every", sigma_rel=0.15)
+    for name in ref:
+        torch.testing.assert_close(one[name], ref[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(one["base.bias"], seeded(Adapted, 0).base.bias)  # the change
