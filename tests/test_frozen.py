@@ -126,6 +126,33 @@ def test_a_frozen_value_changed_in_place_is_seen_at_once_unless_copied():
     assert not torch.equal(copied.ema_model[0].weight, net[0].weight)
 
 
+def _replace_data(net: nn.Module) -> None:
+    net[0].weight.data = net[0].weight.detach() + 1.0  # new storage, same Parameter
+
+
+def _assign_load(net: nn.Module) -> None:
+    state = {k: v.clone() + 1.0 for k, v in net[0].state_dict().items()}
+    net[0].load_state_dict(state, assign=True)  # new Parameter objects
+
+
+@pytest.mark.parametrize("replace", [_replace_data, _assign_load], ids=["data", "assign"])
+def test_a_frozen_weight_whose_storage_is_replaced_is_averaged_from_then_on(replace):
+    net = make_net()
+    ref_net = copy.deepcopy(net)
+    ema = EMA(net, **KW)
+    ref = ema_pytorch.EMA(ref_net, **KW)
+    for i in range(8):
+        if i == 4:
+            replace(net)
+            replace(ref_net)
+        ema.update()
+        ref.update()
+        assert_same_as_reference(ema, ref, i)
+    assert "0.weight" not in shared(ema, net)  # the old storage is the EMA's alone now
+    assert not torch.equal(ema.ema_model[0].weight, net[0].weight)  # it lags, averaged
+    assert "0.weight" in {p.name for p in ema.tracker.plan().pairs}
+
+
 def _state_with_other_frozen_values(ema: EMA) -> dict:
     state = {k: v.clone() for k, v in ema.state_dict().items()}
     state["ema_model.0.weight"] += 0.5

@@ -16,7 +16,11 @@ then on it is averaged like any other weight, which is again what ema-pytorch co
   step costs a few attribute reads when no shared weight is in the optimizer (the LoRA
   case), and a loop over the overlap otherwise; ``update()`` pays nothing;
 * **writes into the EMA** that would change a shared value (``load_state_dict``,
-  ``load_ema_weights``): the writer calls `FrozenShare.unshare_changed()` first.
+  ``load_ema_weights``): the writer calls `FrozenShare.unshare_changed()` first;
+* **the online storage replaced** (``p.data = new``, ``load_state_dict(assign=True)``,
+  ``model.to()``): the plan watches the shared weights' storages (their use counts, see
+  `emakit._engine.paths.Pointers`) and goes stale; the next pairing finds the weight no
+  longer shared, and it is averaged from its old value on.
 
 A frozen value changed in place by the user (``frozen.copy_(new_base)``) is seen by the
 EMA at once, where ema-pytorch's copy would lag; ``share_frozen=False`` copies frozen

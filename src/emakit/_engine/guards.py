@@ -146,6 +146,10 @@ class Guards:
                 self.owners.add(owner)
                 target = on_epoch if isinstance(t, nn.Parameter) else always
                 target.append((container, key, t))
+        for p in tracked.shared:  # a shared shard replaced under FSDP2 (``to()``)
+            if is_dtensor(p.online):
+                get = shard_identity_getter(p.online)
+                self.sharded.append((p.online, get(p.online), get))
         self.always = always
         self.on_epoch = on_epoch
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ from .kernels import multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 from .spans import aligned_offsets, runs_both, span, split_runs
 
-__all__ = ["FOREACH", "LOOP", "Group", "Path", "Transfer", "build_groups", "stage"]
+__all__ = ["FOREACH", "LOOP", "Group", "Path", "Pointers", "Transfer", "build_groups", "stage"]
 
 #: ``torch._C._storage_Use_Count`` (private, present in the torch versions emakit
 #: supports); without it every freshness check compares every pointer.
@@ -63,12 +64,17 @@ class Transfer:
 
 
 @dataclass
-class _Pointers:
-    """Pointer guards of the spans made at build time (see `Group.stale()`)."""
+class Pointers:
+    """Pointer guards: of the spans made at build time (see `Group.stale()`), and of the
+    online tensors of a plan's shared frozen weights (see `emakit._engine.plan.Plan`)."""
 
     tensors: list[Tensor] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
-    counts: list[tuple[int, int]] = field(default_factory=list)  # (storage, use count)
+    # The storages under the tensors when sealed, held (so a handle never dangles), their
+    # handles and their use counts then.
+    storages: list[Any] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
 
     def add(self, run: list[int], side: Sequence[Tensor], *, every: bool = True) -> None:
         # A multi-tensor span is a view made now; if the storage of a tensor in it moves
@@ -80,18 +86,27 @@ class _Pointers:
                 self.tensors.append(side[i])
                 self.ptrs.append(side[i].data_ptr())
 
+    def watch(self, tensors: Sequence[Tensor]) -> None:
+        """Guard every one of ``tensors`` (plain tensors, not views made here), sealed."""
+        self.tensors.extend(tensors)
+        self.ptrs.extend(t.data_ptr() for t in tensors)
+        self.seal()
+
     def seal(self) -> None:
         """Record the use counts of the storages under the guarded spans."""
         if _use_count is not None:
-            handles = {t.untyped_storage()._cdata for t in self.tensors}
-            self.counts = [(h, _use_count(h)) for h in handles]
+            self.storages = []  # drop the old references before counting
+            held = {s._cdata: s for s in (t.untyped_storage() for t in self.tensors)}
+            self.storages = list(held.values())
+            self.handles = list(held)
+            self.counts = list(map(_use_count, self.handles))
 
     def moved(self) -> bool:
         # Re-pointing a tensor's .data away from a span's storage drops that storage's use
         # count: if no count moved, nothing moved; if one did (a view was made or freed
         # somewhere), compare every pointer, then accept the new counts.
         counts = self.counts
-        if counts and _use_count is not None and all(_use_count(h) == n for h, n in counts):
+        if counts and _use_count is not None and list(map(_use_count, self.handles)) == counts:
             return False
         moved = list(map(Tensor.data_ptr, self.tensors)) != self.ptrs
         if not moved:
@@ -108,7 +123,7 @@ class Group:
     first: tuple[Tensor, Tensor]  # a (dst, src) pair, to see the group's dtype change
     lerp: Transfer = field(default_factory=Transfer)
     copy: Transfer = field(default_factory=Transfer)
-    pointers: _Pointers = field(default_factory=_Pointers)
+    pointers: Pointers = field(default_factory=Pointers)
 
     def stale(self) -> bool:
         """Whether the group's tensors changed dtype or device, or a span's storage moved."""
@@ -118,7 +133,7 @@ class Group:
         return bool(self.pointers.tensors) and self.pointers.moved()
 
 
-def _spans(flat: Transfer, pointers: _Pointers, dsts: list[Tensor], srcs: list[Tensor]) -> None:
+def _spans(flat: Transfer, pointers: Pointers, dsts: list[Tensor], srcs: list[Tensor]) -> None:
     """Fill ``flat`` with spans of ``dsts`` and ``srcs`` (same dtype and device)."""
     for run in runs_both(dsts, srcs):
         flat.dst.append(span([dsts[i] for i in run]))
@@ -128,7 +143,7 @@ def _spans(flat: Transfer, pointers: _Pointers, dsts: list[Tensor], srcs: list[T
 
 
 def _staged_spans(
-    flat: Transfer, pointers: _Pointers, dsts: list[Tensor], srcs: list[Tensor], pin: bool
+    flat: Transfer, pointers: Pointers, dsts: list[Tensor], srcs: list[Tensor], pin: bool
 ) -> None:
     """Fill ``flat`` through a staging buffer laid out like ``dsts``: online runs are copied
     into it (``stage_*``), then each shadow run is updated from its slice. The buffer is

@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .._dist.dtensor import is_dtensor
 from .finite import GuardedPath
 from .guards import Guards
 from .kernels import Impl
 from .pairs import TensorPair, Tracked
-from .paths import FOREACH, LOOP, Group, build_groups, stage
+from .paths import FOREACH, LOOP, Group, Pointers, build_groups, stage
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -75,6 +76,11 @@ class Plan:
         tracked = Tracked.of(tracked)
         self.pairs = list(tracked.pairs)
         self.shared = list(tracked.shared)  # no work; counted by the ranks' agreement
+        # A shared weight whose online storage is replaced (``.data = ...``, ``.to()``) stops
+        # sharing: the plan is then stale and the next one averages it (DTensor shards are
+        # watched by identity in the guards).
+        self.shared_pointers = Pointers()
+        self.shared_pointers.watch([p.online for p in self.shared if not is_dtensor(p.online)])
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
         self.guards = Guards(tracked)
@@ -116,6 +122,9 @@ class Plan:
         for g in self.groups:
             if g.stale():
                 return "stale"
+        shared = self.shared_pointers
+        if shared.tensors and shared.moved():
+            return "stale"
         return self.guards.check()
 
     def stale(self) -> bool:
