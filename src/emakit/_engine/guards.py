@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from operator import is_not
 from typing import Any
 
 from torch import Tensor, nn
@@ -133,13 +134,13 @@ class Guards:
         self.epoch = registration_epoch()
         always: list[tuple[Any, str, Tensor]] = []
         on_epoch: list[tuple[Any, str, Tensor]] = []
-        self.sharded: list[tuple[Tensor, object, Any]] = []  # (DTensor, shard, getter)
+        # DTensors by their shard getter: (getter, the DTensors, their local shards)
+        self.sharded: dict[Any, tuple[list[Tensor], list[object]]] = {}
         self.owners: set[int] = set(tracked.modules)
         for p in tracked.pairs:
             for slot, t in ((p.online_slot, p.online), (p.shadow_slot, p.shadow)):
                 if is_dtensor(t):
-                    get = shard_identity_getter(t)
-                    self.sharded.append((t, get(t), get))
+                    self._watch_shard(t)
                 if slot is None:
                     continue
                 container, key, owner = slot
@@ -148,8 +149,7 @@ class Guards:
                 target.append((container, key, t))
         for p in tracked.shared:  # a shared shard replaced under FSDP2 (``to()``)
             if is_dtensor(p.online):
-                get = shard_identity_getter(p.online)
-                self.sharded.append((p.online, get(p.online), get))
+                self._watch_shard(p.online)
         self.always = always
         self.on_epoch = on_epoch
 
@@ -162,8 +162,8 @@ class Guards:
         for container, key, t in self.always:
             if container.get(key) is not t:
                 return "stale"
-        for d, local, get in self.sharded:
-            if get(d) is not local:
+        for get, (dtensors, shards) in self.sharded.items():  # one getter, in C, per class
+            if any(map(is_not, map(get, dtensors), shards)):
                 return "stale"
         epoch = _epoch if _hooked else registration_epoch()  # hooks installed by __init__
         if epoch == self.epoch:
@@ -175,6 +175,12 @@ class Guards:
             if container.get(key) is not t:
                 return "stale"
         return "check"
+
+    def _watch_shard(self, t: Tensor) -> None:
+        get = shard_identity_getter(t)
+        dtensors, shards = self.sharded.setdefault(get, ([], []))
+        dtensors.append(t)
+        shards.append(get(t))
 
     def accept(self) -> None:
         """The owner found the live tensors unchanged: stop checking until the next change."""
