@@ -153,6 +153,26 @@ def test_a_frozen_weight_whose_storage_is_replaced_is_averaged_from_then_on(repl
     assert "0.weight" in {p.name for p in ema.tracker.plan().pairs}
 
 
+def test_ema_kinds_sharing_a_replaced_storage_each_average_their_own_copy():
+    net = make_net()
+    ref_net = copy.deepcopy(net)
+    betas = (0.5, 0.9)
+    emas = [EMA(net, **{**KW, "beta": b}) for b in betas]
+    multi = MultiEMA(net, betas=betas, update_after_step=2, update_every=1)
+    refs = [ema_pytorch.EMA(ref_net, **{**KW, "beta": b}) for b in betas]
+    for i in range(8):
+        if i == 4:
+            _replace_data(net)
+            _replace_data(ref_net)
+        for e in (*emas, multi, *refs):
+            e.update()
+        for e, r in zip(emas, refs, strict=True):
+            assert_same_as_reference(e, r, i)
+    for e, r in zip(multi, refs, strict=True):
+        assert torch.equal(e.ema_model[0].weight, r.ema_model[0].weight)
+    assert emas[0].ema_model[0].weight.data_ptr() != emas[1].ema_model[0].weight.data_ptr()
+
+
 def _state_with_other_frozen_values(ema: EMA) -> dict:
     state = {k: v.clone() for k, v in ema.state_dict().items()}
     state["ema_model.0.weight"] += 0.5

@@ -167,6 +167,25 @@ class FrozenShare:
         self.watch([p for p in self.pairs if id(p) not in done and shares(p)])
         self.on_unshare()
 
+    def own_replaced(self, pairs: Iterable[TensorPair]) -> bool:
+        """Of ``pairs`` (a new pairing), give each one that this EMA shared and that no
+        longer shares (the online storage was replaced: ``p.data = new``) a storage of its
+        own holding the old value. Every EMA of the model shared that old storage; from now
+        on each averages its own copy of it, as ema-pytorch's copies would be. Returns
+        whether any pair changed (the caller pairs again)."""
+        was = {p.name for p in self.pairs}
+        hits = [p for p in pairs if p.name in was and not shares(p)]
+        if not hits:
+            return False
+        with torch.no_grad():
+            for p in hits:
+                if not is_dtensor(p.shadow):
+                    p.shadow.data = p.shadow.detach().clone()
+            sharded = [p for p in hits if is_dtensor(p.shadow)]
+            if sharded:
+                self._own_shards(sharded)
+        return True
+
     def _own_shards(self, pairs: list[TensorPair]) -> None:
         """Give FSDP2 shadows a cloned shard each, registered in the EMA model in place of
         the shared one (`emakit._core.sharding.adopt_shard`, with the copy resharded first)."""

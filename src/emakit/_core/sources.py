@@ -218,6 +218,8 @@ class ModuleSource(_Source):
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
+        if self.frozen.own_replaced(pairs):
+            pairs = self.pair(model, ema_model)
         shared = [p for p in pairs if shares(p)]
         self.frozen.watch(shared, ema_model)
         modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
