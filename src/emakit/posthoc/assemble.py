@@ -314,10 +314,10 @@ def weighted_sums(
 
 
 def _read_once(snap: SnapshotInfo) -> frozenset[str]:
-    """The tensors of ``snap`` read once for all the snapshots sharing its side file: its
-    frozen ones, for a whole-model snapshot (a sharded one's rank files may differ in what
-    they keep in their side files, so it is read snapshot by snapshot)."""
-    return snap.frozen_names if snap.frozen and not snap.shards else frozenset()
+    """The tensors of ``snap`` read once for all the snapshots sharing its side files: its
+    frozen ones (of a sharded set, those no rank keeps in its own file, see
+    [`SnapshotInfo`][emakit.posthoc.snapshots.SnapshotInfo])."""
+    return snap.frozen_names if snap.frozen else frozenset()
 
 
 def _refuse_nonfinite(nonfinite: Mapping[str, list[str]], base: SnapshotInfo) -> None:

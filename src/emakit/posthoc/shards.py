@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,7 @@ __all__ = [
     "local_block",
     "model_blocks",
     "parse_layout",
+    "set_frozen_names",
     "shard_fields",
     "shard_suffix",
 ]
@@ -407,6 +408,23 @@ def _gap(entries: list[ShardEntry], world: int) -> str:
         if len(shapes) > 1 or total != math.prod(next(iter(shapes))):
             return f"the files' blocks of {name!r} do not add up to its shape"
     return ""
+
+
+def set_frozen_names(
+    entries: Sequence[ShardEntry], frozen: Sequence[frozenset[str]]
+) -> frozenset[str]:
+    """The frozen tensors of a sharded set (``entries``, with each file's own frozen
+    names in ``frozen``): those that every rank storing a block of them keeps in its side
+    file, so that the side files alone determine them."""
+    names = frozenset().union(*frozen)
+    return frozenset(
+        n
+        for n in names
+        if all(
+            n in own or e.volumes.get(n, ((), 0))[1] == 0
+            for e, own in zip(entries, frozen, strict=True)
+        )
+    )
 
 
 def complete_sets(entries: Iterable[ShardEntry]) -> list[list[ShardEntry]]:

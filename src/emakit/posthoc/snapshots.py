@@ -81,6 +81,7 @@ from .shards import (
     ShardEntry,
     complete_sets,
     parse_layout,
+    set_frozen_names,
     shard_fields,
     shard_suffix,
 )
@@ -150,7 +151,9 @@ class SnapshotInfo:
         frozen: the side files holding its frozen tensors (one per file of the snapshot
             that has one, see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]);
             empty when it stores every tensor itself.
-        frozen_names: the tensors it takes from ``frozen`` (of any of its files).
+        frozen_names: the tensors it takes from ``frozen``; of a sharded set, those that
+            every rank file storing a block of them takes from its side file (what the
+            side files alone determine).
     """
 
     path: Path
@@ -585,7 +588,7 @@ def list_snapshots(
                 first,
                 shards=tuple(e.path for e in group),
                 frozen=tuple(p for i in infos for p in i.frozen),
-                frozen_names=frozenset().union(*(i.frozen_names for i in infos)),
+                frozen_names=set_frozen_names(group, [i.frozen_names for i in infos]),
             )
         )
     found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
