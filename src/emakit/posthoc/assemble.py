@@ -15,8 +15,9 @@ ranges of the flattened tensor.
 Memory is the outputs (one float32 accumulator per target and tensor, of the region's
 size) plus one stored tensor (or one rank's block of it) at a time: one file is open at a
 time (with its side file, see `emakit.posthoc.frozen_files`), and a rank reads only the
-files that overlap its blocks, its own first. Frozen tensors that whole-model snapshots
-share through one side file are read once, with the sum of those snapshots' weights.
+files that overlap its blocks, its own first. Frozen tensors that snapshots share through
+their side files are read once, with the sum of those snapshots' weights (of a sharded set:
+those that no rank keeps in its own file).
 """
 
 from __future__ import annotations
