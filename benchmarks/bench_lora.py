@@ -265,7 +265,7 @@ def hook_costs(
     print(
         f"\noptimizer-step hook (all live EMAs above): {a:.1f} µs per step with the adapters "
         f"in the optimizer, {b:.1f} µs with all {len(params)} parameters in it "
-        f"({frozen} frozen, checked for a gradient); update() itself checks nothing"
+        f"({frozen} frozen, checked for a gradient); update() reads only the shared storages' use counts (in its row above)"
     )
 
 
