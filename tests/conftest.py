@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
@@ -33,3 +35,12 @@ def pytest_unconfigure(config) -> None:
     import _mypy_run
 
     _mypy_run.stop()
+
+
+@pytest.fixture(scope="session")
+def shm_op() -> bool:
+    """Whether DeepSpeed's shm op is built (built here once per session if not; see
+    ``tests/_deepspeed.py``)."""
+    import _deepspeed
+
+    return _deepspeed.build_shm_op()

@@ -15,10 +15,6 @@ torch.distributed for everything, which the EMA does not notice).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +23,16 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _deepspeed import DEEPSPEED_MARKS, start_rank
+from _launch import run_ranks
 from emakit import BEMA, EMA, EMAStateError, EMATypeError, KarrasEMA, MultiEMA
 from emakit.distributed import load_full_ema_weights, save_full_ema_weights
 from emakit.integrations._common import refuse_zero3
 
-pytestmark = [
-    *DIST_MARKS,
-    pytest.mark.timeout(1300),  # the first test waits for the warm-up and the job
-    pytest.mark.skipif(
-        importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
-    ),
-]
+pytestmark = DEEPSPEED_MARKS
 
 WORLD = 2
 STEPS = 4
-WARMUP_S = 900  # building the shm op: minutes on two busy cores, once per machine
 JOB_TIMEOUT_S = 300
 KW: dict[str, Any] = dict(beta=0.9, update_after_step=1, update_every=1)
 
@@ -67,20 +57,6 @@ def config(stage: int) -> dict[str, Any]:
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(STEPS)]
-
-
-@pytest.fixture(scope="session")
-def shm_op() -> bool:
-    """Whether DeepSpeed's shm op is built (built here once if not)."""
-    code = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, timeout=WARMUP_S
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    return done.returncode == 0
 
 
 # -- the job -------------------------------------------------------------------------------
@@ -260,13 +236,7 @@ def zero2_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
 
 
 def worker(rank: int, out: Path, shm: bool) -> dict[str, Any]:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank))
-    os.environ.update(WORLD_SIZE=str(WORLD))
-    import deepspeed
-
-    if not shm:  # the op could not be built here: DeepSpeed then uses torch.distributed
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = start_rank(rank, WORLD, shm)
     return {
         "zero3": zero3_checks(rank, out, deepspeed),
         "zero2": zero2_checks(rank, out, deepspeed),

@@ -12,8 +12,6 @@ leaves it empty. The tests at the end need no launch (one process, ``partition=T
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -26,22 +24,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _deepspeed import DEEPSPEED_MARKS, start_rank
+from _launch import run_ranks
 from _models import seeded
 from emakit import EMAStateError, EMATypeError, PostHocEMA
 from emakit._files.atomic import TEMP_PREFIX
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize_state_dict
 from emakit.posthoc.commands import inspect_cmd, synthesize
 from emakit.posthoc.shards import Block, align, flat_range, parse_layout
-from test_deepspeed import shm_op  # noqa: F401  (the session fixture that builds the op)
-
-needs_deepspeed = [
-    *DIST_MARKS,
-    pytest.mark.timeout(1300),  # the first test may wait for the op's build
-    pytest.mark.skipif(
-        importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
-    ),
-]
 
 WORLD = 2
 STEPS = 6
@@ -171,20 +161,14 @@ def refusals(engine: Any, rank: int, out: Path) -> dict[str, str]:
 
 
 def worker(rank: int, out: Path, shm: bool) -> dict[str, Any]:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank))
-    os.environ.update(WORLD_SIZE=str(WORLD))
-    import deepspeed
-
-    if not shm:  # the op could not be built here: DeepSpeed then uses torch.distributed
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = start_rank(rank, WORLD, shm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PostHocWarning)  # few snapshots: a rough fit
         return zero3_job(rank, out, deepspeed)
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory, shm_op: bool) -> tuple[Path, list[dict]]:  # noqa: F811
+def job(tmp_path_factory: pytest.TempPathFactory, shm_op: bool) -> tuple[Path, list[dict]]:
     import deepspeed  # noqa: F401  (once here, not per rank: importing takes seconds)
 
     out = tmp_path_factory.mktemp("posthoc-zero3")
@@ -207,7 +191,7 @@ def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class TestZero3:
-    pytestmark = needs_deepspeed
+    pytestmark = DEEPSPEED_MARKS
 
     def test_every_rank_writes_its_partitions_with_flat_ranges(self, job) -> None:
         out, results = job

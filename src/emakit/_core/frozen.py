@@ -156,13 +156,7 @@ class FrozenShare:
         hits = [p for p in pairs if shares(p)]
         if not hits:
             return
-        with torch.no_grad():
-            for p in hits:
-                if not is_dtensor(p.shadow):
-                    p.shadow.data = p.shadow.detach().clone()
-            sharded = [p for p in hits if is_dtensor(p.shadow)]
-            if sharded:
-                self._own_shards(sharded)
+        self._own_storage(hits)
         done = {id(p) for p in hits}  # an un-shared DTensor pair's shadow is a new object
         self.watch([p for p in self.pairs if id(p) not in done and shares(p)])
         self.on_unshare()
@@ -177,14 +171,18 @@ class FrozenShare:
         hits = [p for p in pairs if p.name in was and not shares(p)]
         if not hits:
             return False
+        self._own_storage(hits)
+        return True
+
+    def _own_storage(self, pairs: list[TensorPair]) -> None:
+        """Give each pair's shadow a storage of its own holding its current value."""
         with torch.no_grad():
-            for p in hits:
+            for p in pairs:
                 if not is_dtensor(p.shadow):
                     p.shadow.data = p.shadow.detach().clone()
-            sharded = [p for p in hits if is_dtensor(p.shadow)]
+            sharded = [p for p in pairs if is_dtensor(p.shadow)]
             if sharded:
                 self._own_shards(sharded)
-        return True
 
     def _own_shards(self, pairs: list[TensorPair]) -> None:
         """Give FSDP2 shadows a cloned shard each, registered in the EMA model in place of
