@@ -174,3 +174,12 @@ def power_ema(theta: torch.Tensor, gamma: float, upto: int) -> torch.Tensor:
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64."""
     return float((x.double().flatten() - ref).norm() / ref.norm())
+
+
+def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s state dict in full, cloned (a collective for DTensors:
+    call it on every rank)."""
+    return {
+        n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for n, v in model.state_dict().items()
+    }

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from _models import seeded
+from _models import gathered, seeded
 from emakit import EMA, EMARuntimeError, EMAStateError, EMAWriteError, MultiEMA
 from emakit.checkpoint import save_ema_weights
 from emakit.distributed import (
@@ -391,13 +391,6 @@ class Deep(nn.Module):
             x = layer(x)
             x = self.norm(x) if i == 0 else torch.tanh(x)
         return x * self.scale
-
-
-def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-        for n, t in model.state_dict().items()
-    }
 
 
 def export_worker(rank: int, out: Path) -> dict:

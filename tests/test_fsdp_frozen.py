@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
+from _models import gathered
 from emakit import BEMA, EMA, KarrasEMA, MultiEMA, PostHocEMA
 from emakit._core.sharding import adopt_shard
 from emakit._dist.dtensor import local_tensor
@@ -269,14 +270,6 @@ def worker(rank: int, out: Path) -> dict:
     adopted = adopt_shard(probe, probe.odd.weight, local)
     res["padded_adopt_aliases"] = local_tensor(adopted).data_ptr() == local.data_ptr()
     return res
-
-
-def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model`` in full (a collective for DTensors)."""
-    return {
-        n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for n, v in model.state_dict().items()
-    }
 
 
 def posthoc_part(rank: int, out: Path, mesh: Any) -> dict[str, float] | None:

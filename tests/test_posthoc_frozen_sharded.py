@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from _models import seeded
+from _models import gathered, seeded
 from emakit import PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
@@ -43,14 +43,6 @@ class Adapted(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.base(x)))
-
-
-def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, v in model.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        out[name] = v.detach().clone()
-    return out
 
 
 def ranks(rank: int, out: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, run_ranks
-from _models import seeded
+from _models import gathered, seeded
 from emakit import PostHocEMA
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
 
@@ -62,15 +62,6 @@ def shard_all(model: nn.Module, mesh: Any) -> nn.Module:
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model`` in full (a collective for DTensors)."""
-    out = {}
-    for name, v in model.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        out[name] = v.detach().clone()
-    return out
 
 
 def train(
