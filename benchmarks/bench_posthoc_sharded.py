@@ -41,29 +41,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_posthoc_memory import peak_mib, rss_mib  # this folder is sys.path[0]
+from bench_posthoc_memory import reset_peak as clear_peak
+
 WIDTH = 4096
-
-
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def reset_peak() -> float:
     """Reset VmHWM to the current RSS; return the RSS (MiB)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status("VmRSS")
+    clear_peak()
+    return rss_mib()
 
 
 def peak() -> float:
-    return _status("VmHWM")
+    """The peak RSS (MiB) since the last `reset_peak()`."""
+    return peak_mib()
 
 
 class Received:
