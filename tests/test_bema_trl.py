@@ -4,7 +4,6 @@ what TRL lacks (exact resume, PEFT models)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ trl = pytest.importorskip("trl")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from _trainer import quiet_trainer  # noqa: E402
 from emakit.decay import bema_alpha, bema_beta  # noqa: E402
 from emakit.integrations.transformers import BEMA_STATE_NAME, BEMACallback  # noqa: E402
 
@@ -55,31 +55,18 @@ class Tokens(torch.utils.data.Dataset):
 
 def make_trainer(out: Path, callbacks: list, model: Any = None, **kw: Any) -> Any:
     opts: dict[str, Any] = {
-        "output_dir": str(out),
         "per_device_train_batch_size": 4,
         "max_steps": 8,
         "learning_rate": 0.05,
-        "lr_scheduler_type": "constant",
-        "save_strategy": "steps",
         "save_steps": 4,
-        "eval_strategy": "no",
-        "logging_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        "use_cpu": True,
-        "dataloader_num_workers": 0,
-        "seed": 0,
     }
-    opts.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = transformers.TrainingArguments(**opts)
-        return transformers.Trainer(
-            model=make_model() if model is None else model,
-            args=args,
-            train_dataset=Tokens(32),
-            callbacks=callbacks,
-        )
+    return quiet_trainer(
+        out,
+        callbacks,
+        model=make_model() if model is None else model,
+        train_dataset=Tokens(32),
+        **{**opts, **kw},
+    )
 
 
 BEMA_KW = {"update_freq": 2, "lag": 10, "update_after": 0}

@@ -3,7 +3,6 @@ checkpoint folder, exact resume, evaluation on the EMA weights, the final EMA as
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ pytest.importorskip("accelerate")  # the Trainer needs it
 
 from safetensors.torch import load_file  # noqa: E402
 
+from _trainer import quiet_trainer  # noqa: E402
 from emakit import EMAError  # noqa: E402
 from emakit.integrations.transformers import EMA_WEIGHTS_NAME, EMATrainerCallback  # noqa: E402
 
@@ -84,35 +84,22 @@ TRAIN, EVAL, EVAL_B = Rows(32, 1), Rows(16, 2), Rows(16, 3)
 
 def make_trainer(out: Path, callbacks: list, eval_dataset: Any = EVAL, **kw: Any) -> Any:
     opts: dict[str, Any] = {
-        "output_dir": str(out),
         "per_device_train_batch_size": 4,
         "per_device_eval_batch_size": 16,
         "gradient_accumulation_steps": 2,
         "max_steps": 6,
         "learning_rate": 0.1,
-        "lr_scheduler_type": "constant",
         "optim": "sgd",
-        "save_strategy": "steps",
         "save_steps": 3,
-        "eval_strategy": "no",
-        "logging_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        "use_cpu": True,
-        "dataloader_num_workers": 0,
-        "seed": 0,
     }
-    opts.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = transformers.TrainingArguments(**opts)
-        return transformers.Trainer(
-            model=make_model(),
-            args=args,
-            train_dataset=TRAIN,
-            eval_dataset=eval_dataset,
-            callbacks=callbacks,
-        )
+    return quiet_trainer(
+        out,
+        callbacks,
+        model=make_model(),
+        train_dataset=TRAIN,
+        eval_dataset=eval_dataset,
+        **{**opts, **kw},
+    )
 
 
 def ema_weights(cb: EMATrainerCallback) -> dict[str, torch.Tensor]:
