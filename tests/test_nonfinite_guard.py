@@ -17,6 +17,7 @@ import torch
 
 import emakit._engine.finite as finite
 from _models import bn_mlp
+import emakit
 from emakit import EMA
 from emakit._engine.finite import guarded_copy_, guarded_lerp_
 
@@ -163,11 +164,54 @@ def test_the_guard_selects_a_whole_shadow_with_one_where():
     ema.update()
     offsets = [p.storage_offset() for p in ema.ema_model.parameters()]
     assert offsets != sorted(offsets)  # the shadow is not in the model's order
-    guarded = [g for g, *_ in ema.tracker.plan()._guarded.kernels.values()]
+    path = ema.tracker.plan().guarded()
+    guarded = [*path.lerps, *path.copies]
     floats = [g for g in guarded if g.batches and g.batches[0].key[1] == torch.float32]
     averaged = sum(t.numel() for t in ema.ema_model.state_dict().values() if t.is_floating_point())
     assert len(floats) == 1 and len(floats[0].batches) == 1
     batch = floats[0].batches[0]
     assert sum(d.numel() for d in batch.dsts) == averaged
-    assert batch.flat is not None  # one where() for the whole shadow
-    assert batch.numel == batch.flat.numel() > averaged  # the alignment padding too
+    assert batch.run and len(batch.targets) == 1  # one where() for the whole shadow
+    assert batch.numel == batch.targets[0][0].numel() > averaged  # the alignment padding too
+
+
+@pytest.mark.parametrize("use_foreach", [False, True, None])
+def test_the_guard_follows_parameter_data_swaps(use_foreach):
+    """The guard gathers the weights through views made once (one ``cat``); a ``.data``
+    swap is seen at the next update (the views are remade), and a ``.data`` of another
+    shape is named as without the guard."""
+    net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    kw = dict(beta=0.9, update_after_step=0, update_every=1, use_foreach=use_foreach)
+    guarded = EMA(net, skip_nonfinite=True, **kw)
+    plain = EMA(net, **{**kw, "use_foreach": False})
+    train(net, [guarded, plain], calls=3)
+    with torch.no_grad():
+        net[0].weight.data = net[0].weight.data * 2 + 1  # a new storage, same shape
+    train(net, [guarded, plain], calls=3)
+    for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    net[0].weight.data = torch.zeros(3, 4)
+    with pytest.raises(emakit.EMAStateError, match=r"'0\.weight' has shape"):
+        guarded.update()
+
+
+@pytest.mark.parametrize("use_foreach", [False, None])
+def test_a_model_larger_than_the_scratch_is_guarded_batch_by_batch(use_foreach, monkeypatch):
+    """Batches of a few elements, so each device and dtype has many that share one scratch:
+    the flag's gather is redone for the update, bit for bit the plain EMA; NaN skips."""
+    monkeypatch.setattr(finite, "GUARD_CHUNK", 16)
+    net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    kw = dict(beta=0.9, update_after_step=1, update_every=1, use_foreach=use_foreach)
+    guarded = EMA(net, skip_nonfinite=True, **kw)
+    plain = EMA(net, **{**kw, "use_foreach": False})
+    train(net, [guarded, plain], calls=5)
+    batches = [b for g in guarded.tracker.plan().guarded().lerps for b in g.batches]
+    assert len(batches) > 4 and not any(b.alone for b in batches)
+    for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    before = {k: v.clone() for k, v in guarded.ema_model.state_dict().items()}
+    train(net, [guarded], calls=1, nan_at={1})
+    for k, v in guarded.ema_model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.warns(RuntimeWarning, match="skipped an EMA update"):
+        assert guarded.num_skipped_nonfinite == 1

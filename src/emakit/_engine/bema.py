@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
 from .pairs import TensorPair
-from .spans import adjacent, span
+from .spans import span, split_runs
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -63,20 +63,6 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
     return sorted((p for p in pairs if p.average and not held(p)), key=order)
 
 
-def _runs(lists: Sequence[Sequence[Tensor]]) -> list[list[int]]:
-    """Maximal runs of indices whose tensors are memory-adjacent in every list at once."""
-    runs: list[list[int]] = []
-    for i in range(len(lists[0])):
-        j = runs[-1][-1] if runs else -1
-        gaps = {ts[i].storage_offset() - ts[j].storage_offset() for ts in lists}
-        # adjacent in every list, and spaced alike (alignment padding), so spans line up
-        if runs and len(gaps) == 1 and all(adjacent(ts[j], ts[i]) for ts in lists):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
 class _Group:
     """One (device, dtype) group of averaged tensors: spans of out, ema, theta0, source."""
 
@@ -85,7 +71,7 @@ class _Group:
     ) -> None:
         ref = outs[0]
         direct = all(o.dtype == ref.dtype and o.device == ref.device for o in onlines)
-        runs = _runs([outs, emas, theta0s, onlines] if direct else [outs, emas, theta0s])
+        runs = split_runs([outs, emas, theta0s, onlines] if direct else [outs, emas, theta0s])
         self.out = [span([outs[i] for i in r]) for r in runs]
         self.ema = [span([emas[i] for i in r]) for r in runs]
         self.theta0 = [span([theta0s[i] for i in r]) for r in runs]

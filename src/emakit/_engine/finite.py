@@ -2,11 +2,18 @@
 kernels, the guarded path and the skip count; no host sync.
 
 An update is skipped when any online weight holds NaN or Inf. The decision is a 0-dim
-bool tensor that never leaves the device:
+bool tensor that never leaves the device, and the work is a handful of kernels over
+flat buffers, whatever the number of tensors:
 
-1. `local_flag()`: this process's online tensors are all finite. Their extremes
-   (``torch._foreach_norm(..., inf)`` on an accelerator, ``torch.aminmax`` on the CPU: NaN
-   and Inf propagate, finite values cannot overflow), stacked and reduced on the device.
+1. `Guarded`: the pairs of one transfer, prepared once. Each update *gathers* the
+   sources into a scratch buffer laid out like the destinations (one foreach copy, casting
+   to the destination's dtype), takes the scratch's extremes (``torch.aminmax``: NaN and
+   Inf propagate, finite values cannot overflow), averages there
+   (``torch.lerp(dst, scratch, w, out=scratch)``) and selects back
+   (``torch.where(ok, scratch, dst, out=dst)``): one kernel each per run of the shadow,
+   which emakit lays out as one run per device and dtype. `GuardedPath` does this for a
+   plan's groups; its `GuardedPath.flag()` gathers every transfer first and leaves the
+   values in the scratch, so the update that follows for that flag reads them from there.
 2. `Agreement`: for sharded (DTensor) models under ``torch.distributed``, each rank
    sees only its shards, so the flags are combined by **one all-reduce of three int64
    numbers** per update, ``max(bad, call, -call)``, on the process group the shards live
@@ -15,21 +22,24 @@ bool tensor that never leaves the device:
    called ``update()`` more often), the update is skipped everywhere rather than averaged
    from a mismatched flag, and [`emakit.distributed()`][emakit.distributed] saves report the disagreement.
    DDP and single processes need no agreement: every rank holds the same weights.
-3. `Guarded` (and `guarded_lerp_()`): kernels that select on the flag, bit for
-   bit the plain ones where it is true; `GuardedPath` runs a plan's groups through
-   them, a wrapper around the plan's path.
-4. `FiniteGuard`, one per tracker: builds the flag for a plan (caching its sources
-   and agreement), guards an action with it, and counts skips on the device
-   (`SkipCount`, read back, with the warning about the first skip, only when
-   someone asks for the count).
+3. `FiniteGuard`, one per tracker: builds the flag for a plan (caching its
+   agreement), guards an action with it, and counts skips on the device (`SkipCount`,
+   read back, with the warning about the first skip, only when someone asks for the count).
+
+The weights are checked as the shadow receives them (cast to its dtype): a weight beyond
+the range of a narrower shadow dtype counts as Inf, since averaging it in would make the
+shadow Inf. A plan run by a background runner reads its weights on the worker, from a
+snapshot; its flag is taken on the caller's thread straight from the online tensors
+(`local_flag()`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,10 +49,9 @@ from .._dist.deepspeed import is_partition
 from .._dist.dtensor import is_dtensor
 from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
-from .kernels import converted
 from .pairs import TensorPair
-from .paths import Group, Transfer
-from .spans import aligned_offsets, span, split_runs
+from .paths import Group, no_autograd, stage
+from .spans import ALIGN, aligned_offsets, span, split_runs
 
 __all__ = [
     "GUARD_CHUNK",
@@ -51,40 +60,58 @@ __all__ = [
     "Guarded",
     "GuardedPath",
     "SkipCount",
+    "all_finite",
     "guarded_copy_",
     "guarded_lerp_",
     "local_flag",
 ]
 
-#: Elements per batch of a guarded update (`guarded_lerp_()`): the most scratch memory
-#: it holds at once is this many elements of the shadow's dtype (16 MiB in float32).
-GUARD_CHUNK = 1 << 22
+#: Elements per batch of a guarded update: the scratch a `Guarded` holds is two rows of
+#: at most this many elements per device and dtype (16 MiB in float32). A transfer larger
+#: than one batch is gathered again for its update, batch by batch.
+GUARD_CHUNK = 1 << 21
+
+
+def all_finite(extremes: Sequence[Tensor]) -> Tensor | None:
+    """Whether every one of ``extremes`` is finite: a 0-dim bool tensor on the first one's
+    device (None when there are none). No host sync."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for e in extremes:
+        by_device.setdefault(e.device, []).append(e)
+    flag: Tensor | None = None
+    for values in by_device.values():
+        f = torch.stack(values).isfinite().all()
+        flag = f if flag is None else flag & f.to(flag.device, non_blocking=True)
+    return flag
+
+
+def _floating(t: Tensor) -> Tensor | None:
+    """``t`` as real floating values (complex viewed as pairs), or None when it cannot be
+    non-finite (integer, bool or empty)."""
+    if not t.numel() or not (t.is_floating_point() or t.is_complex()):
+        return None
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def local_flag(tensors: Sequence[Tensor]) -> Tensor | None:
     """Whether every tensor in ``tensors`` is free of NaN and Inf, as a 0-dim bool tensor
-    on the first tensor's device (None when there is nothing that could be non-finite).
+    (None when there is nothing that could be non-finite): each tensor's extremes.
 
-    Integer and empty tensors are left out (always finite; an empty one has no max).
     Exact (no overflow: the extremes are compared, nothing is summed). On an accelerator,
-    one ``torch._foreach_norm(..., inf)`` per dtype; on the CPU, where that norm is not
-    vectorized (about 15x slower), one ``torch.aminmax`` per tensor.
+    one ``torch._foreach_norm(..., inf)`` per device and dtype; on the CPU, where that norm
+    is not vectorized (about 15x slower), one ``torch.aminmax`` per tensor.
     """
+    floats = [f for f in map(_floating, tensors) if f is not None]
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        if (t.is_floating_point() or t.is_complex()) and t.numel():
-            if t.is_complex():
-                t = torch.view_as_real(t)
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    flag: Tensor | None = None
+    for f in floats:
+        groups.setdefault((f.device, f.dtype), []).append(f)
+    extremes: list[Tensor] = []
     for (device, _), ts in groups.items():
         if device.type == "cpu":
-            extremes = [v for t in ts for v in torch.aminmax(t)]
+            extremes += [v for t in ts for v in torch.aminmax(t)]
         else:
-            extremes = list(torch._foreach_norm(ts, float("inf")))
-        f = torch.stack(extremes).isfinite().all()
-        flag = f if flag is None else flag & f.to(flag.device, non_blocking=True)
-    return flag
+            extremes += torch._foreach_norm(ts, float("inf"))
+    return all_finite(extremes)
 
 
 def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
@@ -164,73 +191,91 @@ def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor
     out = []
     for d, s in zip(dsts, srcs, strict=True):
         n = d.numel()
-        if n == 0:
-            continue
         if n <= GUARD_CHUNK or not (d.is_contiguous() and s.is_contiguous()):
-            out.append((d, s))
+            out += [(d, s)] if n else []
             continue
         fd, fs = d.view(-1), s.reshape(-1)
-        for at in range(0, n, GUARD_CHUNK):
-            size = min(GUARD_CHUNK, n - at)
-            out.append((fd.narrow(0, at, size), fs.narrow(0, at, size)))
+        out += [(fd[at : at + GUARD_CHUNK], fs[at : at + GUARD_CHUNK]) for at in range(0, n, GUARD_CHUNK)]
     return out
 
 
-def _batches(pieces: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
-    """``pieces`` in consecutive batches of one destination device and dtype and at most
-    about `GUARD_CHUNK` elements."""
-    batches: list[list[tuple[Tensor, Tensor]]] = []
-    size, key = GUARD_CHUNK, None
-    for d, s in pieces:
-        if size + d.numel() > GUARD_CHUNK or (d.device, d.dtype) != key:
-            batches.append([])
-            size, key = 0, (d.device, d.dtype)
-        batches[-1].append((d, s))
-        size += d.numel()
-    return batches
+def _memory_order(pair: tuple[Tensor, Tensor]) -> tuple[str, str, int, int]:
+    d = pair[0]
+    return str(d.device), str(d.dtype), d.untyped_storage().data_ptr(), int(d.storage_offset())
 
 
 class _Batch:
-    """One batch of a `Guarded`: destinations, sources, and scratch views."""
+    """Pairs of one destination device and dtype, at most about `GUARD_CHUNK` elements,
+    and their place in the scratch: laid out like the destinations when these are one run
+    in memory (averaged and selected by one kernel each, alignment padding included), else
+    one after the other."""
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         self.dsts = [d for d, _ in pairs]
         self.srcs = [s for _, s in pairs]
         first = self.dsts[0]
         self.key = (first.device, first.dtype)
-        self.convert = any((s.device, s.dtype) != self.key for s in self.srcs)
-        # one where() over the destinations when they are one run in memory; the scratch
-        # then mirrors their layout, alignment padding included
-        contiguous = first.is_contiguous() and len(split_runs(self.dsts)) == 1
-        self.flat = span(self.dsts).view(-1) if contiguous else None
+        self.run = first.is_contiguous() and len(split_runs([self.dsts])) == 1
+        sizes = [d.numel() for d in self.dsts]
         base = int(first.storage_offset())
-        self.at: list[int] = [
-            int(d.storage_offset()) - base if contiguous else at
-            for d, at in zip(
-                self.dsts, aligned_offsets([d.numel() for d in self.dsts]), strict=True
-            )
-        ]
-        self.numel = self.at[-1] + self.dsts[-1].numel()
-        self.new = first  # set by place(): the scratch as one 1-D view, and per tensor
-        self.views: list[Tensor] = []
+        at = [int(d.storage_offset()) - base for d in self.dsts]
+        self.at = at if self.run else aligned_offsets(sizes)
+        self.numel = self.at[-1] + sizes[-1]
+        self.alone = True  # the only batch of its scratch (see Guarded)
 
-    def place(self, buf: Tensor) -> None:
-        self.new = buf.narrow(0, 0, self.numel)
-        for d, at in zip(self.dsts, self.at, strict=True):
-            self.views.append(buf.narrow(0, at, d.numel()).view(d.shape))
+    def place(self, rows: Tensor) -> None:
+        """Take the first ``numel`` columns of the scratch: row 0 gathers the sources, then
+        holds the new values; row 1 keeps the old ones of a run for the select."""
+        self.rows = rows[:, : self.numel]
+        new = self.rows[0]
+        views = [new[at : at + d.numel()].view(d.shape) for d, at in zip(self.dsts, self.at, strict=True)]
+        self.gather_dst = views
+        # One cat of flat views of the sources, zeros between (about half the cost of a
+        # foreach copy of many small tensors), where every source is contiguous and on the
+        # scratch's device; the views are remade when a source's storage moved.
+        src = self.srcs[0]
+        self.cat = all(
+            s.is_contiguous() and (s.device, s.dtype) == (new.device, src.dtype) for s in self.srcs
+        )
+        self.ptrs: list[int] = []
+        self.pieces: list[Tensor] = []
+        if self.run:
+            self.out = span(self.dsts).view(1, -1)
+        self.targets = [(self.out[0], new)] if self.run else list(zip(self.dsts, views, strict=True))
 
-    def select(self, ok: Tensor) -> None:
-        """``dst = where(ok, scratch, dst)``: every bit of the scratch, or of the old dst."""
-        if self.flat is not None:
-            torch.where(ok, self.new, self.flat, out=self.flat)
+    def gather(self) -> None:
+        """The sources into row 0 (cast to the destination's dtype and device), zeros in
+        between (it is read whole: extremes, spans)."""
+        if self.cat:
+            ptrs = list(map(Tensor.data_ptr, self.srcs))
+            if ptrs != self.ptrs:
+                gap, self.pieces, end = torch.zeros(ALIGN, dtype=self.srcs[0].dtype), [], 0
+                for s, d, at in zip(self.srcs, self.dsts, self.at, strict=True):
+                    if s.shape != d.shape:  # as a copy would (cat would resize instead)
+                        raise RuntimeError(f"shape {tuple(s.shape)} does not match {tuple(d.shape)}")
+                    self.pieces += [gap[: at - end].to(s.device)] if at > end else []
+                    self.pieces.append(s.detach().view(-1))
+                    end = at + s.numel()
+                self.ptrs = ptrs
+            torch.cat(self.pieces, out=self.rows[0])
             return
-        for d, t in zip(self.dsts, self.views, strict=True):
-            torch.where(ok, t, d, out=d)
+        if not self.alone:  # the scratch holds another batch's values
+            self.rows[0].zero_()
+        torch._foreach_copy_(self.gather_dst, self.srcs)
 
-
-def _memory_order(pair: tuple[Tensor, Tensor]) -> tuple[str, str, int, int]:
-    d = pair[0]
-    return str(d.device), str(d.dtype), d.untyped_storage().data_ptr(), int(d.storage_offset())
+    def select(self, ok: Tensor, pick: Tensor, lerp: float | None) -> None:
+        """``dst = lerp(dst, new, lerp)`` (or ``new`` when ``lerp`` is None) where ``ok``
+        holds, else ``dst``, every bit: a run by picking one of two rows (``pick``: 0 or
+        1), whose kernel is a copy, other tensors one ``where`` each."""
+        if self.run:
+            self.rows[1].copy_(self.out[0])
+        for d, new in self.targets:
+            if lerp is not None:
+                torch.lerp(d, new, lerp, out=new)
+            if not self.run:
+                torch.where(ok, new, d, out=d)
+        if self.run:
+            torch.index_select(self.rows, 0, pick, out=self.out)
 
 
 class Guarded:
@@ -240,66 +285,70 @@ class Guarded:
     .. math:: s \\leftarrow \\text{where}(ok,\\ \\text{lerp}(s, o, w),\\ s)
 
     A select, not ``lerp_`` with the weight multiplied by ``ok``: ``s + 0 * (o - s)`` is NaN
-    where ``o`` is NaN or Inf. Each batch of at most `GUARD_CHUNK` elements is copied
-    into a scratch buffer, averaged there by the same ``lerp_`` (one foreach copy, one
-    foreach lerp), then selected back: one ``where`` per batch when the shadows are one run
-    in memory (emakit lays a shadow out so), else one per tensor. With ``ok`` true the
-    result is bit for bit ``shadow.lerp_(online, weight)``; with ``ok`` false every shadow
-    keeps every bit (``-0.0`` included). Large tensors go in chunks. The scratch, held for
-    the object's life, is one buffer per device and dtype of at most
-    `GUARD_CHUNK` elements (16 MiB in float32), less for smaller models.
+    where ``o`` is NaN or Inf. With ``ok`` true the result is bit for bit
+    ``shadow.lerp_(online, weight)``; with ``ok`` false every shadow keeps every bit
+    (``-0.0`` included). See the module docstring for the kernels; the scratch, held for
+    the object's life, is two rows of at most `GUARD_CHUNK` elements per device and
+    dtype (16 MiB in float32), less for smaller models.
 
     Args:
         dsts: tensors updated in place (the shadow).
         srcs: tensors read, paired by position (cast/moved to the destination's dtype and
-            device where they differ, at each call).
+            device where they differ).
     """
 
     def __init__(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
         # In memory order (the pairs are independent): neighbours in a shadow's storage
-        # end up in one batch, updated by one where() whatever order the model lists them.
-        pieces = sorted(_pieces(dsts, srcs), key=_memory_order)
-        self.batches = [_Batch(b) for b in _batches(pieces)]
+        # end up in one batch, updated by one kernel whatever order the model lists them.
+        batches: list[list[tuple[Tensor, Tensor]]] = []
+        size, key = GUARD_CHUNK, None
+        for d, s in sorted(_pieces(dsts, srcs), key=_memory_order):
+            if size + d.numel() > GUARD_CHUNK or (d.device, d.dtype) != key:
+                batches.append([])
+                size, key = 0, (d.device, d.dtype)
+            batches[-1].append((d, s))
+            size += d.numel()
+        self.batches = [_Batch(b) for b in batches]
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
         for b in self.batches:
             sizes[b.key] = max(sizes.get(b.key, 0), b.numel)
-        # zeros: the padding between views is selected into the shadow's padding
-        bufs = {k: torch.zeros(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
+        # zeros: the gaps between tensors are selected into the shadow's (zero) padding
+        bufs = {k: torch.zeros((2, n), dtype=k[1], device=k[0]) for k, n in sizes.items()}
+        shared = Counter(b.key for b in self.batches)
         for b in self.batches:
+            b.alone = shared[b.key] == 1
             b.place(bufs[b.key])
 
-    def lerp(self, weight: float, ok: Tensor) -> None:
-        """``dst.lerp_(src, weight)`` where the 0-dim bool ``ok`` is true, else nothing."""
-        flag = _OnDevice(ok)
-        with torch.no_grad():
-            for b in self.batches:
-                torch._foreach_copy_(b.views, b.dsts)
-                srcs = converted(b.srcs, b.dsts) if b.convert else b.srcs
-                torch._foreach_lerp_(b.views, srcs, weight)
-                b.select(flag(b.key[0]))
+    def gather(self) -> list[Tensor]:
+        """Gather every batch; the extremes of the floating values (a batch that is alone
+        in its scratch keeps its values there for the next `lerp()` / `copy()`)."""
+        extremes: list[Tensor] = []
+        for b in self.batches:
+            b.gather()
+            values = _floating(b.rows[0])
+            if values is not None:
+                extremes += torch.aminmax(values)
+        return extremes
 
-    def copy(self, ok: Tensor) -> None:
+    def lerp(self, weight: float, ok: Tensor, *, gathered: bool = False) -> None:
+        """``dst.lerp_(src, weight)`` where the 0-dim bool ``ok`` is true, else nothing
+        (``gathered``: `gather()` just ran for these values)."""
+        self._update(ok, weight, gathered)
+
+    def copy(self, ok: Tensor, *, gathered: bool = False) -> None:
         """``dst.copy_(src)`` where the 0-dim bool ``ok`` is true, else nothing."""
-        flag = _OnDevice(ok)
-        with torch.no_grad():
-            for b in self.batches:
-                torch._foreach_copy_(b.views, b.srcs)  # casts as copy_ does
-                b.select(flag(b.key[0]))
+        self._update(ok, None, gathered)
 
-
-class _OnDevice:
-    """``ok`` on each destination device, moved once per call (no host sync: a 0-dim copy)."""
-
-    def __init__(self, ok: Tensor) -> None:
-        self.by_device = {ok.device: ok}
-
-    def __call__(self, device: torch.device) -> Tensor:
-        flag = self.by_device.get(device)
-        if flag is None:
-            flag = self.by_device[device] = self.by_device[next(iter(self.by_device))].to(
-                device, non_blocking=True
-            )
-        return flag
+    def _update(self, ok: Tensor, weight: float | None, gathered: bool) -> None:
+        flags: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        for b in self.batches:
+            if not (gathered and b.alone):
+                b.gather()
+            device = b.key[0]
+            if device not in flags:  # ok on this device, and the row it picks: no host sync
+                here = ok.to(device, non_blocking=True)
+                flags[device] = (here, here.logical_not().long().view(1))
+            b.select(*flags[device], weight)
 
 
 def guarded_lerp_(
@@ -322,13 +371,15 @@ def guarded_lerp_(
         >>> s[0]
         tensor([0., 0.])
     """
-    Guarded(shadows, onlines).lerp(weight, ok)
+    with torch.no_grad():
+        Guarded(shadows, onlines).lerp(weight, ok)
 
 
 def guarded_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], ok: Tensor) -> None:
     """``dst.copy_(src)`` for every pair where the 0-dim bool tensor ``ok`` is true; else
     nothing changes (see `guarded_lerp_()`)."""
-    Guarded(dsts, srcs).copy(ok)
+    with torch.no_grad():
+        Guarded(dsts, srcs).copy(ok)
 
 
 # -- around a plan ---------------------------------------------------------------------------
@@ -336,38 +387,62 @@ def guarded_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], ok: Tensor) ->
 
 class GuardedPath:
     """A plan's groups updated only where a device-side flag says so: the same transfers as
-    the plan's path, through `Guarded` kernels (built per transfer on first use).
+    the plan's path, through `Guarded` kernels.
 
-    Staging is not in it: the plan stages first, as for its unguarded path.
+    Args:
+        groups: the plan's groups.
+        background: the plan is run by a background runner: its updates read the staging
+            buffers the runner fills (`finish()`), and its flag is taken on the caller's
+            thread from the online tensors, leaving the worker's scratch alone.
     """
 
-    def __init__(self, groups: Sequence[Group]) -> None:
+    def __init__(self, groups: Sequence[Group], *, background: bool = False) -> None:
         self.groups = groups
-        #: id of a transfer -> (its kernels, the transfer, kept so the id stays its own)
-        self.kernels: dict[int, tuple[Guarded, Transfer]] = {}
+        self.background = background
+        self.lerps = [Guarded(g.lerp.dst, g.lerp.src) for g in groups]
+        self.copies = [Guarded(g.copy.dst, g.copy.src) for g in groups]
+        #: The flag the scratch buffers were last gathered for (see `flag()`).
+        self.ready: Tensor | None = None
 
-    def _of(self, t: Transfer) -> Guarded:
-        entry = self.kernels.get(id(t))
-        if entry is None:
-            entry = self.kernels[id(t)] = (Guarded(t.dst, t.src), t)
-        return entry[0]
+    def flag(self, agreement: Agreement | None = None, call: int = 0) -> Tensor | None:
+        """Whether the online weights are finite (on every rank, with an ``agreement``):
+        a 0-dim bool tensor, or None when nothing could be non-finite. Stages and gathers
+        the values; the next update with this very flag reads them from the scratch."""
+        gathered = not self.background
+        with no_autograd(True):
+            try:
+                if gathered:
+                    stage(self.groups)
+                    local = all_finite([e for k in (*self.lerps, *self.copies) for e in k.gather()])
+            except RuntimeError:  # e.g. a .data of another shape: the update names it
+                gathered = False
+            if not gathered:
+                local = local_flag([t for g in self.groups for x in (g.lerp, g.copy) for t in x.online])
+        ok = local if agreement is None else agreement.combine(local, call)
+        self.ready = ok if gathered else None
+        return ok
 
-    def lerp(self, weights: Sequence[float], ok: Tensor) -> None:
-        """The path's ``lerp`` where ``ok`` holds, else nothing."""
-        for g in self.groups:
-            self._of(g.copy).copy(ok)
-            self._of(g.lerp).lerp(weights[g.decay_group], ok)
-
-    def copy(self, ok: Tensor) -> None:
-        """The path's ``copy`` where ``ok`` holds, else nothing."""
-        for g in self.groups:
-            self._of(g.copy).copy(ok)
-            self._of(g.lerp).copy(ok)
+    def run(self, action: Action, *, staged: bool = False) -> None:
+        """The path's ``lerp`` or ``copy`` where ``action.guard`` holds, else nothing
+        (``staged``: the runner has just filled the staging buffers)."""
+        ok = action.guard
+        gathered = ok is self.ready
+        if not (gathered or staged):
+            stage(self.groups)
+        for g, lerp, copy in zip(self.groups, self.lerps, self.copies, strict=True):
+            copy.copy(ok, gathered=gathered)
+            if action.kind == "lerp":
+                lerp.lerp(action.weights[g.decay_group], ok, gathered=gathered)
+            else:
+                lerp.copy(ok, gathered=gathered)
 
     def copy_unaveraged(self, ok: Tensor) -> None:
-        """The path's ``copy_unaveraged`` where ``ok`` holds, else nothing."""
-        for g in self.groups:
-            self._of(g.copy).copy(ok)
+        """The never-averaged pairs copied where ``ok`` holds, else nothing."""
+        gathered = ok is self.ready
+        if not gathered:
+            stage(self.groups, lerp=False)
+        for copy in self.copies:
+            copy.copy(ok, gathered=gathered)
 
 
 class SkipCount:
@@ -422,47 +497,33 @@ class SkipCount:
         self._device = None
 
 
-class _Guardable(Protocol):
-    """What `FiniteGuard` needs of a plan."""
-
-    pairs: list[TensorPair]
-    shared: list[TensorPair]
-
-    def online_tensors(self) -> list[Tensor]: ...
-
-
 class FiniteGuard:
     """The guard of one tracker: the flag for its plan, and the skip count."""
 
     def __init__(self) -> None:
         self.skips = SkipCount()
-        self._plan: Any = None  # the plan the sources and agreement below are for
-        self._sources: list[Tensor] = []
+        self._plan: Any = None  # the plan the agreement below is for
         self._agreement: Agreement | None = None
 
-    @torch.no_grad()
-    def flag(self, plan: _Guardable, call: int) -> Tensor | None:
-        """Whether every floating online tensor of ``plan`` is free of NaN and Inf, on every
-        rank that holds a shard of them: a 0-dim bool tensor that stays on the device, or
-        None when nothing anywhere could be non-finite.
+    def flag(self, plan: Any, call: int) -> Tensor | None:
+        """Whether every floating online tensor of ``plan`` (a
+        [`Plan`][emakit._engine.plan.Plan]) is free of NaN and Inf, on every rank that
+        holds a shard of them: a 0-dim bool tensor that stays on the device, or None when
+        nothing anywhere could be non-finite.
 
-        One reduction to the tensors' extremes per device and dtype, and for sharded
-        (DTensor) models under ``torch.distributed`` one all-reduce of three numbers with
-        the other ranks (which must be at the same ``call``; a mismatch makes the flag
-        false). No host sync.
+        Computed by the plan's `GuardedPath` (see `GuardedPath.flag()`), and for sharded
+        (DTensor) models under ``torch.distributed`` combined by one all-reduce of three
+        numbers with the other ranks (which must be at the same ``call``; a mismatch makes
+        the flag false). No host sync.
         """
         if self._plan is not plan:
             self._plan = plan
-            self._sources = plan.online_tensors()
             # Shared pairs too: whether a rank shares a frozen shard (a load or unfreezing
             # decides per rank) must not change whether it joins the all-reduce.
             self._agreement = Agreement.build([*plan.pairs, *plan.shared])
-        flag = local_flag(self._sources)
-        if self._agreement is not None:
-            return self._agreement.combine(flag, call)
-        return flag
+        return plan.guarded().flag(self._agreement, call)
 
-    def guard(self, plan: _Guardable, action: Action, call: int) -> Action:
+    def guard(self, plan: Any, action: Action, call: int) -> Action:
         """``action`` guarded by "``plan``'s online weights are finite on every rank" (a
         flag on the device, counted as a skip where false), or `SKIP`
         for a first call on non-finite weights (read on the host: the one call that does,
@@ -482,4 +543,4 @@ class FiniteGuard:
         self.skips.resolve()
         skips = SkipCount()
         skips.resolved = self.skips.resolved
-        return {"skips": skips, "_plan": None, "_sources": [], "_agreement": None}
+        return {"skips": skips, "_plan": None, "_agreement": None}

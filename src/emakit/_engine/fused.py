@@ -27,7 +27,7 @@ from torch import Tensor
 from .._dist.dtensor import local_tensor
 from .finite import Guarded
 from .plan import Plan
-from .spans import span, split_runs
+from .spans import gather_views, span, split_runs
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -49,12 +49,12 @@ class _Group:
         self.src: list[Tensor] = []
         self.dst: list[Tensor] = []
         self.direct = False
-        self.guarded: dict[int, Guarded] = {}  # by EMA, built on first use (skip_nonfinite)
+        self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see lerp()
         ref = self.spans[0]
         # where each tensor sits in the shadows' (one) run, alignment padding included
         base = int(shadows[0][0].storage_offset())
         at = [int(t.storage_offset()) - base for t in shadows[0]]
-        runs = split_runs(onlines, at)
+        runs = split_runs([onlines], at)
         same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
         self.key = (onlines[0].dtype, onlines[0].device)
         self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
@@ -68,11 +68,7 @@ class _Group:
         pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
         # zeros: the padding is averaged with the shadows' (zero) padding
         self.source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
-        for run in runs:
-            n = at[run[-1]] + onlines[run[-1]].numel() - at[run[0]]
-            view = self.source.narrow(0, at[run[0]], n)
-            self.dst.append(view.view(onlines[run[0]].shape) if len(run) == 1 else view)
-            self.src.append(span([onlines[i] for i in run]))
+        self.dst, self.src = gather_views(self.source, at, onlines)
 
     def stale(self) -> bool:
         first = self.onlines[0]
@@ -84,22 +80,16 @@ class _Group:
         if self.src:
             torch._foreach_copy_(self.dst, self.src, non_blocking=non_blocking)
 
-    def _guarded(self, shadows: list[Tensor], span_: Tensor) -> Guarded:
-        key = id(shadows)
-        guarded = self.guarded.get(key)
-        if guarded is None:
-            if self.direct:
-                guarded = Guarded(shadows, self.onlines)
-            else:
-                guarded = Guarded([span_], [self.source])
-            self.guarded[key] = guarded
-        return guarded
-
     def lerp(self, weights: Sequence[float], ok: Tensor | None = None) -> None:
         if ok is not None:  # skip_nonfinite: only where ok holds (see Plan.run)
-            for shadows, span_, w in zip(self.shadows, self.spans, weights, strict=True):
+            if not self.guarded:  # one per EMA, built on first use
+                self.guarded = [
+                    Guarded(shadows, self.onlines) if self.direct else Guarded([s], [self.source])
+                    for shadows, s in zip(self.shadows, self.spans, strict=True)
+                ]
+            for guarded, w in zip(self.guarded, weights, strict=True):
                 if w:
-                    self._guarded(shadows, span_).lerp(w, ok)
+                    guarded.lerp(w, ok)
             return
         if self.direct:
             for shadows, w in zip(self.shadows, weights, strict=True):
@@ -147,7 +137,7 @@ class FusedPlan:
             onlines = [local_tensor(first[i].online) for i in idx]
             shadows = [[s[i] for i in idx] for s in shadow]
             spacing = [int(t.storage_offset()) for t in shadows[0]]  # and all spaced alike
-            if any(len(split_runs(s, spacing)) != 1 for s in shadows):
+            if any(len(split_runs([s], spacing)) != 1 for s in shadows):
                 return None
             groups.append(_Group(onlines, shadows, staged))
         return cls(plans, groups, frozen or [False] * len(plans))

@@ -1,4 +1,4 @@
-"""The fast paths: one function per path, with one signature, picked when a plan is built.
+"""The groups a plan updates, and the paths that update them, picked when a plan is built.
 
 As ``torch.optim`` picks ``_single_tensor_adam`` or ``_multi_tensor_adam`` once, a
 [`Plan`][emakit._engine.plan.Plan] picks one `Path` when it is built and calls it
@@ -13,11 +13,11 @@ on every update, with no branch on the implementation in between:
   laid out flat is averaged by one ``lerp_`` per group.
 
 Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
-lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``,
-``copy_unaveraged(groups)``. What happens around a path is not in it: `stage()` copies
-the online tensors into staging buffers first (flat groups of another dtype or device, and
-every group of a background runner), and the non-finite guard
-(`GuardedPath`) runs the same groups through select kernels.
+lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``. What
+happens around a path is not in it: `stage()` copies the online tensors into staging
+buffers first (flat groups of another dtype or device, and every group of a background
+runner), and the non-finite guard (`GuardedPath`) runs the same groups through select
+kernels.
 """
 
 from __future__ import annotations
@@ -32,9 +32,32 @@ from torch import Tensor
 from .._dist.dtensor import local_tensor
 from .kernels import multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
-from .spans import aligned_offsets, runs_both, span, split_runs
+from .spans import aligned_offsets, gather_views, span, split_runs
 
-__all__ = ["FOREACH", "LOOP", "Group", "Path", "Pointers", "Transfer", "build_groups", "stage"]
+__all__ = [
+    "FOREACH",
+    "LOOP",
+    "Group",
+    "Path",
+    "Pointers",
+    "Transfer",
+    "build_groups",
+    "no_autograd",
+    "stage",
+]
+
+#: The updates of the shadow run in inference mode, the C-level context manager where torch
+#: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below
+#: autograd: no grad, and none of autograd's per-tensor bookkeeping, which for an online
+#: Parameter (``requires_grad=True``) includes a forward-grad lookup behind a mutex, about
+#: a tenth of a 1,200-tensor update on the CPU. Version counters are still bumped for the
+#: shadow (a normal tensor), so autograd still sees it written. Scratch made inside (the
+#: guard's buffers, casts) are inference tensors, used only inside.
+no_autograd = (
+    torch._C._InferenceMode
+    if hasattr(torch._C._InferenceMode, "__enter__")
+    else torch.inference_mode  # pragma: no cover - older torch: a plain guard object
+)
 
 #: ``torch._C._storage_Use_Count`` (private, present in the torch versions emakit
 #: supports); without it every freshness check compares every pointer.
@@ -133,57 +156,33 @@ class Group:
         return bool(self.pointers.tensors) and self.pointers.moved()
 
 
-def _spans(flat: Transfer, pointers: Pointers, dsts: list[Tensor], srcs: list[Tensor]) -> None:
-    """Fill ``flat`` with spans of ``dsts`` and ``srcs`` (same dtype and device)."""
-    for run in runs_both(dsts, srcs):
-        flat.dst.append(span([dsts[i] for i in run]))
-        flat.src.append(span([srcs[i] for i in run]))
-        pointers.add(run, dsts, every=False)
-        pointers.add(run, srcs)
-
-
-def _staged_spans(
-    flat: Transfer, pointers: Pointers, dsts: list[Tensor], srcs: list[Tensor], pin: bool
-) -> None:
-    """Fill ``flat`` through a staging buffer laid out like ``dsts``: online runs are copied
-    into it (``stage_*``), then each shadow run is updated from its slice. The buffer is
-    reused on every update, so nothing is allocated on the hot path."""
+def _flatten(t: Transfer, pointers: Pointers, direct: bool, pin: bool) -> Transfer:
+    """``t`` as spans: runs adjacent on both sides (``direct``), or through a staging
+    buffer laid out like the destinations, into which the online runs are copied first
+    (reused on every update: nothing is allocated on the hot path)."""
+    flat, dsts, srcs = Transfer(), t.dst, t.src
+    if not dsts:
+        return flat
+    if direct:
+        for run in split_runs([dsts, srcs]):
+            flat.dst.append(span([dsts[i] for i in run]))
+            flat.src.append(span([srcs[i] for i in run]))
+            pointers.add(run, dsts, every=False)
+            pointers.add(run, srcs)
+        return flat
     # Laid out as emakit lays out the shadow (aligned, zero padding), so runs of both
     # sides map onto it.
-    offsets = aligned_offsets([t.numel() for t in dsts])
-    total = offsets[-1] + dsts[-1].numel()
-    staging = torch.zeros(total, dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin)
-
-    def view(run: list[int], like: Sequence[Tensor]) -> Tensor:
-        n = offsets[run[-1]] + like[run[-1]].numel() - offsets[run[0]]
-        v = staging.narrow(0, offsets[run[0]], n)
-        return v.view(like[run[0]].shape) if len(run) == 1 else v
-
-    for run in split_runs(srcs, offsets):
-        flat.stage_src.append(span([srcs[i] for i in run]))
-        flat.stage_dst.append(view(run, srcs))
+    at = aligned_offsets([d.numel() for d in dsts])
+    staging = torch.zeros(
+        at[-1] + dsts[-1].numel(), dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin
+    )
+    flat.stage_dst, flat.stage_src = gather_views(staging, at, srcs)
+    flat.src, flat.dst = gather_views(staging, at, dsts)
+    for run in split_runs([srcs], at):
         pointers.add(run, srcs)
-    for run in split_runs(dsts, offsets):
-        flat.dst.append(span([dsts[i] for i in run]))
-        flat.src.append(view(run, dsts))
+    for run in split_runs([dsts], at):
         pointers.add(run, dsts, every=False)
-
-
-def _flatten(g: Group, staged: bool) -> None:
-    """Replace ``g``'s per-tensor lists by spans (the ``"flat"`` form)."""
-    dst, src = g.first
-    direct = not staged and dst.dtype == src.dtype and dst.device == src.device
-    # Pinned when the values arrive from an accelerator, so the copy can be non-blocking.
-    pin = staged and dst.device.type == "cpu" and src.device.type != "cpu"
-    for name in ("lerp", "copy"):
-        tensors: Transfer = getattr(g, name)
-        flat = Transfer()
-        if tensors.dst and direct:
-            _spans(flat, g.pointers, tensors.dst, tensors.src)
-        elif tensors.dst:
-            _staged_spans(flat, g.pointers, tensors.dst, tensors.src, pin)
-        setattr(g, name, flat)
-    g.pointers.seal()
+    return flat
 
 
 def build_groups(
@@ -196,20 +195,24 @@ def build_groups(
         dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
         dst, src = local_tensor(dst), local_tensor(src)  # DTensor: this rank's shard
         key = (dst.device, dst.dtype, src.device, src.dtype)
-        g = groups.get((p.group if p.average else 0, *key))
+        decay_group = p.group if p.average else 0
+        g = groups.get((decay_group, *key))
         if g is None:
-            g = groups[(p.group if p.average else 0, *key)] = Group(
-                p.group if p.average else 0, key, (dst, src)
-            )
+            g = groups[(decay_group, *key)] = Group(decay_group, key, (dst, src))
         transfer = g.lerp if p.average else g.copy
         transfer.dst.append(dst)
         transfer.src.append(src)
         transfer.convert = key[:2] != key[2:]
-    out = list(groups.values())
     if flat or staged:
-        for g in out:
-            _flatten(g, staged)
-    return out
+        for g in groups.values():
+            dst, src = g.first
+            direct = not staged and (dst.dtype, dst.device) == (src.dtype, src.device)
+            # Pinned when the values arrive from an accelerator: non-blocking copies.
+            pin = staged and dst.device.type == "cpu" and src.device.type != "cpu"
+            g.lerp = _flatten(g.lerp, g.pointers, direct, pin)
+            g.copy = _flatten(g.copy, g.pointers, direct, pin)
+            g.pointers.seal()
+    return list(groups.values())
 
 
 def stage(groups: Sequence[Group], *, non_blocking: bool = False, lerp: bool = True) -> None:
@@ -224,70 +227,46 @@ def stage(groups: Sequence[Group], *, non_blocking: bool = False, lerp: bool = T
 # -- the paths -----------------------------------------------------------------------------
 
 
+def _copy_each(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
+
+
 @dataclass(frozen=True)
 class Path:
-    """One implementation: three functions over the same groups (see the module docstring).
+    """One implementation: its kernels, and the two updates of a plan's groups over them.
 
     Attributes:
-        lerp: ``lerp(groups, weights)``: average the averaged pairs with
-            ``weights[group.decay_group]``, copy the others.
-        copy: ``copy(groups)``: copy every pair.
-        copy_unaveraged: ``copy_unaveraged(groups)``: copy the never-averaged pairs only.
+        name: ``"loop"`` or ``"foreach"``.
+        copy_each: copies every pair of two lists (casting where they differ).
+        lerp_same: ``dst.lerp_(src, weight)`` for pairs of one dtype and device.
+        lerp_cast: the same, casting/moving each source to its destination first.
     """
 
     name: str
-    lerp: Callable[[Sequence[Group], Sequence[float]], None]
-    copy: Callable[[Sequence[Group]], None]
-    copy_unaveraged: Callable[[Sequence[Group]], None]
+    copy_each: Callable[[list[Tensor], list[Tensor]], Any]
+    lerp_same: Callable[[list[Tensor], list[Tensor], float], Any]
+    lerp_cast: Callable[[list[Tensor], list[Tensor], float], Any]
 
-
-def _loop_copy_unaveraged(groups: Sequence[Group]) -> None:
-    for g in groups:
-        for d, s in zip(g.copy.dst, g.copy.src, strict=True):
-            d.copy_(s)
-
-
-def _loop_lerp(groups: Sequence[Group], weights: Sequence[float]) -> None:
-    for g in groups:
-        for d, s in zip(g.copy.dst, g.copy.src, strict=True):
-            d.copy_(s)
-        single_tensor_lerp(g.lerp.dst, g.lerp.src, weights[g.decay_group])
-
-
-def _loop_copy(groups: Sequence[Group]) -> None:
-    for g in groups:
-        for t in (g.lerp, g.copy):
-            for d, s in zip(t.dst, t.src, strict=True):
-                d.copy_(s)
-
-
-def _foreach_copy_unaveraged(groups: Sequence[Group]) -> None:
-    for g in groups:
-        if g.copy.dst:
-            torch._foreach_copy_(g.copy.dst, g.copy.src)
-
-
-def _foreach_lerp(groups: Sequence[Group], weights: Sequence[float]) -> None:
-    for g in groups:
-        copy, lerp = g.copy, g.lerp
-        if copy.dst:
-            torch._foreach_copy_(copy.dst, copy.src)
-        if not lerp.dst:
-            continue
-        if lerp.convert:
-            multi_tensor_lerp(lerp.dst, lerp.src, weights[g.decay_group])
-        else:
-            torch._foreach_lerp_(lerp.dst, lerp.src, weights[g.decay_group])
-
-
-def _foreach_copy(groups: Sequence[Group]) -> None:
-    for g in groups:
-        for t in (g.lerp, g.copy):
+    def lerp(self, groups: Sequence[Group], weights: Sequence[float]) -> None:
+        """Average the averaged pairs with ``weights[group.decay_group]``; copy the others."""
+        for g in groups:
+            if g.copy.dst:
+                self.copy_each(g.copy.dst, g.copy.src)
+            t = g.lerp
             if t.dst:
-                torch._foreach_copy_(t.dst, t.src)
+                lerp = self.lerp_cast if t.convert else self.lerp_same
+                lerp(t.dst, t.src, weights[g.decay_group])
+
+    def copy(self, groups: Sequence[Group], *, averaged: bool = True) -> None:
+        """Copy every pair (only the never-averaged ones with ``averaged=False``)."""
+        for g in groups:
+            for t in (g.lerp, g.copy) if averaged else (g.copy,):
+                if t.dst:
+                    self.copy_each(t.dst, t.src)
 
 
 #: The reference path: one kernel per tensor.
-LOOP = Path("loop", _loop_lerp, _loop_copy, _loop_copy_unaveraged)
+LOOP = Path("loop", _copy_each, single_tensor_lerp, single_tensor_lerp)
 #: One multi-tensor kernel per group (of tensors, or of spans for ``"flat"``).
-FOREACH = Path("foreach", _foreach_lerp, _foreach_copy, _foreach_copy_unaveraged)
+FOREACH = Path("foreach", torch._foreach_copy_, torch._foreach_lerp_, multi_tensor_lerp)

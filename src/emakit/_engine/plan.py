@@ -24,35 +24,19 @@ rebuilds itself when the storage under them moved.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .._dist.dtensor import is_dtensor
+from ..decay import COPY, Action
 from .finite import GuardedPath
 from .guards import Guards
 from .kernels import Impl
 from .pairs import TensorPair, Tracked
-from .paths import FOREACH, LOOP, Group, Pointers, build_groups, stage
-
-if TYPE_CHECKING:
-    from ..decay import Action
+from .paths import FOREACH, LOOP, Group, Pointers, build_groups, no_autograd, stage
 
 __all__ = ["Plan", "TensorPair", "build_plan"]
-
-#: The updates of the shadow run in inference mode, the C-level context manager where torch
-#: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below
-#: autograd: no grad, and none of autograd's per-tensor bookkeeping, which for an online
-#: Parameter (``requires_grad=True``) includes a forward-grad lookup behind a mutex, about
-#: a tenth of a 1,200-tensor update on the CPU. Version counters are still bumped for the
-#: shadow (a normal tensor), so autograd still sees it written. Scratch made inside (the
-#: guard's buffers, casts) are inference tensors, used only inside.
-_inference_mode = (
-    torch._C._InferenceMode
-    if hasattr(torch._C._InferenceMode, "__enter__")
-    else torch.inference_mode  # pragma: no cover - older torch: a plain guard object
-)
 
 _MOVES = frozenset(("lerp", "init", "copy"))
 
@@ -107,10 +91,6 @@ class Plan:
         """One more than the highest decay group index among the pairs."""
         return 1 + max((p.group for p in self.pairs), default=0)
 
-    def online_tensors(self) -> list[Tensor]:
-        """The online tensors (or spans of them) the updates read, in group order."""
-        return [t for g in self.groups for t in (*g.lerp.online, *g.copy.online)]
-
     # -- staleness --------------------------------------------------------------------------
 
     def freshness(self) -> str:
@@ -149,6 +129,12 @@ class Plan:
 
     # -- updates ----------------------------------------------------------------------------
 
+    def guarded(self) -> GuardedPath:
+        """The plan's groups behind the non-finite guard (built on first use)."""
+        if self._guarded is None:
+            self._guarded = GuardedPath(self.groups, background=self.staged)
+        return self._guarded
+
     def run(self, action: Action) -> None:
         """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
         nothing (``"hold"``, ``"skip"``).
@@ -158,68 +144,53 @@ class Plan:
         true the result is bit for bit the unguarded one."""
         if action.kind not in _MOVES:
             return
-        with _inference_mode(True):
+        with no_autograd(True):
+            if action.guard is not None:
+                self.guarded().run(action)
+                return
             if self._staging:
                 stage(self.groups)
-            if action.guard is None and action.kind == "lerp":  # the common case, inline
+            if action.kind == "lerp":
                 self.path.lerp(self.groups, action.weights)
             else:
-                self._move(action)
+                self.path.copy(self.groups)
 
     def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
         """Snapshot the online tensors into the staging buffers (staged plans only; the
         snapshot is scratch, so ``guard`` changes nothing here)."""
-        with _inference_mode(True):
+        with no_autograd(True):
             stage(self.groups, non_blocking=non_blocking)
 
     def finish(self, action: Action) -> None:
         """Carry out ``action`` from the staged snapshot (see [`stage()`][emakit._engine.plan.Plan.stage])."""
-        if action.kind in _MOVES:
-            with _inference_mode(True):
-                self._move(action)
-
-    def _move(self, action: Action) -> None:
-        """The path (or the guarded path) on the staged groups."""
-        ok = action.guard
-        if ok is not None:
-            guarded = self._guarded
-            if guarded is None:
-                guarded = self._guarded = GuardedPath(self.groups)
-            if action.kind == "lerp":
-                guarded.lerp(action.weights, ok)
+        if action.kind not in _MOVES:
+            return
+        with no_autograd(True):
+            if action.guard is not None:
+                self.guarded().run(action, staged=True)
+            elif action.kind == "lerp":
+                self.path.lerp(self.groups, action.weights)
             else:
-                guarded.copy(ok)
-        elif action.kind == "lerp":
-            self.path.lerp(self.groups, action.weights)
-        else:
-            self.path.copy(self.groups)
+                self.path.copy(self.groups)
 
     def lerp_shadow(self, weights: Sequence[float]) -> None:
         """``shadow.lerp_(online, weights[group])`` for averaged pairs; copy the others."""
-        with _inference_mode(True):
-            if self._staging:
-                stage(self.groups)
-            self.path.lerp(self.groups, weights)
+        self.run(Action("lerp", tuple(weights)))
+
+    def copy_to_shadow(self) -> None:
+        """Copy every tracked online tensor into its shadow."""
+        self.run(COPY)
 
     def copy_unaveraged(self, guard: Tensor | None = None) -> None:
         """Copy only the pairs that are never averaged (integer buffers, no-EMA names);
         with a ``guard`` only where it holds (see [`run()`][emakit._engine.plan.Plan.run])."""
-        with _inference_mode(True):
+        with no_autograd(True):
+            if guard is not None:
+                self.guarded().copy_unaveraged(guard)
+                return
             if self._staging:
                 stage(self.groups, lerp=False)
-            if guard is None:
-                self.path.copy_unaveraged(self.groups)
-                return
-            if self._guarded is None:
-                self._guarded = GuardedPath(self.groups)
-            self._guarded.copy_unaveraged(guard)
-
-    def copy_to_shadow(self) -> None:
-        """Copy every tracked online tensor into its shadow."""
-        with _inference_mode(True):
-            if self._staging:
-                stage(self.groups)
-            self.path.copy(self.groups)
+            self.path.copy(self.groups, averaged=False)
 
     def _to_online(self) -> list[Group]:
         if self._online_groups is None:
@@ -239,13 +210,8 @@ class Plan:
         self.path.lerp(self._to_online(), [weight] * self.num_decay_groups)
 
 
-def build_plan(
-    tracked: Tracked | Sequence[TensorPair], impl: Impl, *, staged: bool = False
-) -> Plan:
-    """Build the [`Plan`][emakit._engine.plan.Plan] for ``tracked`` (see the module docstring).
-
-    ``staged=True`` routes every online tensor through a reusable staging buffer (pinned
-    when it comes from an accelerator), so an update can be split into a quick snapshot
-    ([`Plan.stage()`][emakit._engine.plan.Plan.stage]) and the arithmetic ([`Plan.finish()`][emakit._engine.plan.Plan.finish]), run later or elsewhere.
-    """
-    return Plan(tracked, impl, staged=staged)
+#: Alias of [`Plan`][emakit._engine.plan.Plan], kept for the callers that build plans
+#: through it (``staged=True`` routes every online tensor through a reusable staging
+#: buffer, pinned when it comes from an accelerator, so an update can be split into a
+#: quick snapshot, `Plan.stage()`, and the arithmetic, `Plan.finish()`).
+build_plan = Plan

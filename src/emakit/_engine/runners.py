@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .plan import Plan, build_plan
+from .plan import Plan
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -160,11 +160,7 @@ class ThreadRunner:
         if split is None or split[0] is not plan:  # the owner rebuilds plans that go stale
             params = [p for p in plan.pairs if not p.buffer]
             buffers = [p for p in plan.pairs if p.buffer]
-            split = self._split = (
-                plan,
-                build_plan(params, plan.impl),
-                build_plan(buffers, plan.impl),
-            )
+            split = self._split = (plan, Plan(params, plan.impl), Plan(buffers, plan.impl))
         split[2].run(action)
         self._run(split[1].run, action)
 
@@ -183,9 +179,6 @@ class ThreadRunner:
     def __getstate__(self) -> dict[str, Any]:
         self.wait()
         return {"live": False, "_pool": None, "_pending": None, "_split": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 def _finish(work: Work, action: Action, event: Any) -> None:
@@ -248,9 +241,6 @@ class StreamRunner:
         if self._pending and self._done is not None:
             self._done.synchronize()
         return {"device": self.device, "_stream": None, "_done": None, "_pending": False}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 class Handles:

@@ -12,16 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "ALIGN",
-    "adjacent",
-    "aligned",
-    "aligned_offsets",
-    "extent",
-    "runs_both",
-    "span",
-    "split_runs",
-]
+__all__ = ["ALIGN", "adjacent", "aligned", "aligned_offsets", "gather_views", "span", "split_runs"]
 
 #: Every tensor of a flat layout emakit makes (the EMA's storage, ``flatten_parameters``,
 #: staging buffers) starts at a multiple of this many elements: at least 64 bytes for every
@@ -61,50 +52,46 @@ def adjacent(a: Tensor, b: Tensor) -> bool:
     return start == end or (start > end and start == aligned(end) and start % ALIGN == 0)
 
 
-def extent(tensors: Sequence[Tensor]) -> int:
-    """Elements from the start of the first of adjacent tensors to the end of the last."""
-    first, last = tensors[0], tensors[-1]
-    return int(last.storage_offset()) + last.numel() - int(first.storage_offset())
-
-
 def span(tensors: Sequence[Tensor]) -> Tensor:
     """One 1-D view covering adjacent contiguous tensors, padding included (the tensor
     itself if alone)."""
     if len(tensors) == 1:
         return tensors[0]
-    first = tensors[0].detach()
-    return torch.as_strided(first, (extent(tensors),), (1,), first.storage_offset())
+    first, last = tensors[0].detach(), tensors[-1]
+    size = int(last.storage_offset()) + last.numel() - int(first.storage_offset())
+    return torch.as_strided(first, (size,), (1,), first.storage_offset())
 
 
-def split_runs(items: Sequence[Tensor], offsets: Sequence[int] | None = None) -> list[list[int]]:
-    """Indices of ``items`` cut into maximal runs of memory-adjacent tensors; with
-    ``offsets``, also spaced as ``offsets`` are (so a run maps onto a buffer laid out by
-    them)."""
+def split_runs(
+    lists: Sequence[Sequence[Tensor]], offsets: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Indices cut into maximal runs whose tensors are memory-adjacent in every one of
+    ``lists`` at once and spaced alike in all of them (and as ``offsets`` are, when given:
+    a run then maps onto a buffer laid out by them), so their spans have one length."""
     runs: list[list[int]] = []
-    for i in range(len(items)):
-        if runs and _follows(items, runs[-1][-1], i, offsets):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    for i in range(len(lists[0])):
+        if runs:
+            j = runs[-1][-1]
+            gaps = {int(ts[i].storage_offset()) - int(ts[j].storage_offset()) for ts in lists}
+            if offsets is not None:
+                gaps.add(offsets[i] - offsets[j])
+            if len(gaps) == 1 and all(adjacent(ts[j], ts[i]) for ts in lists):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
     return runs
 
 
-def _follows(items: Sequence[Tensor], j: int, i: int, offsets: Sequence[int] | None) -> bool:
-    if not adjacent(items[j], items[i]):
-        return False
-    gap = int(items[i].storage_offset()) - int(items[j].storage_offset())
-    return offsets is None or gap == offsets[i] - offsets[j]
-
-
-def runs_both(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[list[int]]:
-    """Maximal runs of pairs that are memory-adjacent on both sides at once, with the same
-    spacing on both sides (so the two spans have the same length)."""
-    offsets = [int(t.storage_offset()) for t in srcs]
-    runs: list[list[int]] = []
-    for i in range(len(dsts)):
-        j = runs[-1][-1] if runs else -1
-        if runs and _follows(dsts, j, i, offsets) and adjacent(srcs[j], srcs[i]):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
+def gather_views(
+    buffer: Tensor, at: Sequence[int], tensors: Sequence[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """``(views, spans)`` such that copying each span of ``tensors`` into its view of the
+    1-D ``buffer`` puts ``tensors[i]`` at ``buffer[at[i]:]``: one pair per run of tensors
+    spaced as ``at`` (a lone tensor keeps its shape)."""
+    views, spans = [], []
+    for run in split_runs([tensors], at):
+        first, last = run[0], run[-1]
+        v = buffer.narrow(0, at[first], at[last] + tensors[last].numel() - at[first])
+        views.append(v.view(tensors[first].shape) if len(run) == 1 else v)
+        spans.append(span([tensors[i] for i in run]))
+    return views, spans
