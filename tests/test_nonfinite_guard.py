@@ -15,14 +15,24 @@ import warnings
 import pytest
 import torch
 
+import emakit
 import emakit._engine.finite as finite
 from _models import bn_mlp
-import emakit
 from emakit import EMA
-from emakit._engine.finite import guarded_copy_, guarded_lerp_
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def guarded_lerp_(dsts, srcs, weight: float, ok: torch.Tensor) -> None:
+    """``dst.lerp_(src, weight)`` where ``ok`` holds: one-off ``Guarded`` kernels."""
+    with torch.no_grad():
+        finite.Guarded(dsts, srcs).update(ok, weight)
+
+
+def guarded_copy_(dsts, srcs, ok: torch.Tensor) -> None:
+    with torch.no_grad():
+        finite.Guarded(dsts, srcs).update(ok)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -164,8 +174,7 @@ def test_the_guard_selects_a_whole_shadow_with_one_where():
     ema.update()
     offsets = [p.storage_offset() for p in ema.ema_model.parameters()]
     assert offsets != sorted(offsets)  # the shadow is not in the model's order
-    path = ema.tracker.plan().guarded()
-    guarded = [*path.lerps, *path.copies]
+    guarded = [k for pair in ema.tracker.plan().guarded().kernels for k in pair]
     floats = [g for g in guarded if g.batches and g.batches[0].key[1] == torch.float32]
     averaged = sum(t.numel() for t in ema.ema_model.state_dict().values() if t.is_floating_point())
     assert len(floats) == 1 and len(floats[0].batches) == 1
@@ -205,7 +214,7 @@ def test_a_model_larger_than_the_scratch_is_guarded_batch_by_batch(use_foreach, 
     guarded = EMA(net, skip_nonfinite=True, **kw)
     plain = EMA(net, **{**kw, "use_foreach": False})
     train(net, [guarded, plain], calls=5)
-    batches = [b for g in guarded.tracker.plan().guarded().lerps for b in g.batches]
+    batches = [b for lerp, _ in guarded.tracker.plan().guarded().kernels for b in lerp.batches]
     assert len(batches) > 4 and not any(b.alone for b in batches)
     for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), k

@@ -30,7 +30,7 @@ The weights are checked as the shadow receives them (cast to its dtype): a weigh
 the range of a narrower shadow dtype counts as Inf, since averaging it in would make the
 shadow Inf. A plan run by a background runner reads its weights on the worker, from a
 snapshot; its flag is taken on the caller's thread straight from the online tensors
-(`local_flag()`).
+(`_local_flag()`).
 """
 
 from __future__ import annotations
@@ -53,18 +53,7 @@ from .pairs import TensorPair
 from .paths import Group, no_autograd, stage
 from .spans import ALIGN, aligned_offsets, span, split_runs
 
-__all__ = [
-    "GUARD_CHUNK",
-    "Agreement",
-    "FiniteGuard",
-    "Guarded",
-    "GuardedPath",
-    "SkipCount",
-    "all_finite",
-    "guarded_copy_",
-    "guarded_lerp_",
-    "local_flag",
-]
+__all__ = ["GUARD_CHUNK", "Agreement", "FiniteGuard", "Guarded", "GuardedPath", "SkipCount"]
 
 #: Elements per batch of a guarded update: the scratch a `Guarded` holds is two rows of
 #: at most this many elements per device and dtype (16 MiB in float32). A transfer larger
@@ -72,15 +61,12 @@ __all__ = [
 GUARD_CHUNK = 1 << 21
 
 
-def all_finite(extremes: Sequence[Tensor]) -> Tensor | None:
+def _all_finite(extremes: Sequence[Tensor]) -> Tensor | None:
     """Whether every one of ``extremes`` is finite: a 0-dim bool tensor on the first one's
     device (None when there are none). No host sync."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for e in extremes:
-        by_device.setdefault(e.device, []).append(e)
     flag: Tensor | None = None
-    for values in by_device.values():
-        f = torch.stack(values).isfinite().all()
+    for device in dict.fromkeys(e.device for e in extremes):
+        f = torch.stack([e for e in extremes if e.device == device]).isfinite().all()
         flag = f if flag is None else flag & f.to(flag.device, non_blocking=True)
     return flag
 
@@ -93,17 +79,13 @@ def _floating(t: Tensor) -> Tensor | None:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def local_flag(tensors: Sequence[Tensor]) -> Tensor | None:
-    """Whether every tensor in ``tensors`` is free of NaN and Inf, as a 0-dim bool tensor
-    (None when there is nothing that could be non-finite): each tensor's extremes.
-
-    Exact (no overflow: the extremes are compared, nothing is summed). On an accelerator,
-    one ``torch._foreach_norm(..., inf)`` per device and dtype; on the CPU, where that norm
-    is not vectorized (about 15x slower), one ``torch.aminmax`` per tensor.
-    """
-    floats = [f for f in map(_floating, tensors) if f is not None]
+def _local_flag(tensors: Sequence[Tensor]) -> Tensor | None:
+    """Whether ``tensors`` are free of NaN and Inf (see `_all_finite()`), from each one's
+    extremes: exact, nothing is summed. On an accelerator one ``torch._foreach_norm(...,
+    inf)`` per device and dtype; on the CPU, where that norm is not vectorized (about 15x
+    slower), one ``torch.aminmax`` per tensor."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for f in floats:
+    for f in [f for f in map(_floating, tensors) if f is not None]:
         groups.setdefault((f.device, f.dtype), []).append(f)
     extremes: list[Tensor] = []
     for (device, _), ts in groups.items():
@@ -111,7 +93,7 @@ def local_flag(tensors: Sequence[Tensor]) -> Tensor | None:
             extremes += [v for t in ts for v in torch.aminmax(t)]
         else:
             extremes += torch._foreach_norm(ts, float("inf"))
-    return all_finite(extremes)
+    return _all_finite(extremes)
 
 
 def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
@@ -195,7 +177,10 @@ def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor
             out += [(d, s)] if n else []
             continue
         fd, fs = d.view(-1), s.reshape(-1)
-        out += [(fd[at : at + GUARD_CHUNK], fs[at : at + GUARD_CHUNK]) for at in range(0, n, GUARD_CHUNK)]
+        out += [
+            (fd[at : at + GUARD_CHUNK], fs[at : at + GUARD_CHUNK])
+            for at in range(0, n, GUARD_CHUNK)
+        ]
     return out
 
 
@@ -228,7 +213,9 @@ class _Batch:
         holds the new values; row 1 keeps the old ones of a run for the select."""
         self.rows = rows[:, : self.numel]
         new = self.rows[0]
-        views = [new[at : at + d.numel()].view(d.shape) for d, at in zip(self.dsts, self.at, strict=True)]
+        views = [
+            new[at : at + d.numel()].view(d.shape) for d, at in zip(self.dsts, self.at, strict=True)
+        ]
         self.gather_dst = views
         # One cat of flat views of the sources, zeros between (about half the cost of a
         # foreach copy of many small tensors), where every source is contiguous and on the
@@ -241,7 +228,9 @@ class _Batch:
         self.pieces: list[Tensor] = []
         if self.run:
             self.out = span(self.dsts).view(1, -1)
-        self.targets = [(self.out[0], new)] if self.run else list(zip(self.dsts, views, strict=True))
+        self.targets = (
+            [(self.out[0], new)] if self.run else list(zip(self.dsts, views, strict=True))
+        )
 
     def gather(self) -> None:
         """The sources into row 0 (cast to the destination's dtype and device), zeros in
@@ -252,7 +241,9 @@ class _Batch:
                 gap, self.pieces, end = torch.zeros(ALIGN, dtype=self.srcs[0].dtype), [], 0
                 for s, d, at in zip(self.srcs, self.dsts, self.at, strict=True):
                     if s.shape != d.shape:  # as a copy would (cat would resize instead)
-                        raise RuntimeError(f"shape {tuple(s.shape)} does not match {tuple(d.shape)}")
+                        raise RuntimeError(
+                            f"shape {tuple(s.shape)} does not match {tuple(d.shape)}"
+                        )
                     self.pieces += [gap[: at - end].to(s.device)] if at > end else []
                     self.pieces.append(s.detach().view(-1))
                     end = at + s.numel()
@@ -330,16 +321,10 @@ class Guarded:
                 extremes += torch.aminmax(values)
         return extremes
 
-    def lerp(self, weight: float, ok: Tensor, *, gathered: bool = False) -> None:
-        """``dst.lerp_(src, weight)`` where the 0-dim bool ``ok`` is true, else nothing
-        (``gathered``: `gather()` just ran for these values)."""
-        self._update(ok, weight, gathered)
-
-    def copy(self, ok: Tensor, *, gathered: bool = False) -> None:
-        """``dst.copy_(src)`` where the 0-dim bool ``ok`` is true, else nothing."""
-        self._update(ok, None, gathered)
-
-    def _update(self, ok: Tensor, weight: float | None, gathered: bool) -> None:
+    def update(self, ok: Tensor, weight: float | None = None, *, gathered: bool = False) -> None:
+        """``dst.lerp_(src, weight)`` (``dst.copy_(src)`` without a ``weight``) where the
+        0-dim bool ``ok`` is true, else nothing (``gathered``: `gather()` just ran for
+        these values)."""
         flags: dict[torch.device, tuple[Tensor, Tensor]] = {}
         for b in self.batches:
             if not (gathered and b.alone):
@@ -349,37 +334,6 @@ class Guarded:
                 here = ok.to(device, non_blocking=True)
                 flags[device] = (here, here.logical_not().long().view(1))
             b.select(*flags[device], weight)
-
-
-def guarded_lerp_(
-    shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float, ok: Tensor
-) -> None:
-    """``shadow.lerp_(online, weight)`` for every pair where the 0-dim bool tensor ``ok`` is
-    true; where it is false every shadow keeps its bits. No host sync: ``ok`` stays on the
-    device. A one-off `Guarded` (build one to update the same tensors often).
-
-    Args:
-        shadows: tensors updated in place.
-        onlines: tensors read, paired by position (cast/moved to the shadow's dtype and
-            device where they differ).
-        weight: ``1 - decay``.
-        ok: 0-dim bool tensor: average (true) or leave every shadow unchanged (false).
-
-    Example:
-        >>> s, o = [torch.zeros(2)], [torch.tensor([1.0, float("nan")])]
-        >>> guarded_lerp_(s, o, 0.5, torch.tensor(False))
-        >>> s[0]
-        tensor([0., 0.])
-    """
-    with torch.no_grad():
-        Guarded(shadows, onlines).lerp(weight, ok)
-
-
-def guarded_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], ok: Tensor) -> None:
-    """``dst.copy_(src)`` for every pair where the 0-dim bool tensor ``ok`` is true; else
-    nothing changes (see `guarded_lerp_()`)."""
-    with torch.no_grad():
-        Guarded(dsts, srcs).copy(ok)
 
 
 # -- around a plan ---------------------------------------------------------------------------
@@ -392,16 +346,17 @@ class GuardedPath:
     Args:
         groups: the plan's groups.
         background: the plan is run by a background runner: its updates read the staging
-            buffers the runner fills (`finish()`), and its flag is taken on the caller's
-            thread from the online tensors, leaving the worker's scratch alone.
+            buffers the runner fills, and its flag is taken on the caller's thread from the
+            online tensors, leaving the worker's scratch alone.
     """
 
     def __init__(self, groups: Sequence[Group], *, background: bool = False) -> None:
         self.groups = groups
         self.background = background
-        self.lerps = [Guarded(g.lerp.dst, g.lerp.src) for g in groups]
-        self.copies = [Guarded(g.copy.dst, g.copy.src) for g in groups]
-        #: The flag the scratch buffers were last gathered for (see `flag()`).
+        self.kernels = [
+            (Guarded(g.lerp.dst, g.lerp.src), Guarded(g.copy.dst, g.copy.src)) for g in groups
+        ]
+        #: The flag the scratch was last gathered for (see `flag()`).
         self.ready: Tensor | None = None
 
     def flag(self, agreement: Agreement | None = None, call: int = 0) -> Tensor | None:
@@ -413,36 +368,30 @@ class GuardedPath:
             try:
                 if gathered:
                     stage(self.groups)
-                    local = all_finite([e for k in (*self.lerps, *self.copies) for e in k.gather()])
+                    local = _all_finite([e for ks in self.kernels for k in ks for e in k.gather()])
             except RuntimeError:  # e.g. a .data of another shape: the update names it
                 gathered = False
             if not gathered:
-                local = local_flag([t for g in self.groups for x in (g.lerp, g.copy) for t in x.online])
+                local = _local_flag(
+                    [t for g in self.groups for x in (g.lerp, g.copy) for t in x.online]
+                )
         ok = local if agreement is None else agreement.combine(local, call)
         self.ready = ok if gathered else None
         return ok
 
-    def run(self, action: Action, *, staged: bool = False) -> None:
+    def run(self, action: Action, *, staged: bool = False, averaged: bool = True) -> None:
         """The path's ``lerp`` or ``copy`` where ``action.guard`` holds, else nothing
-        (``staged``: the runner has just filled the staging buffers)."""
+        (``staged``: the runner has just filled the staging buffers; ``averaged=False``:
+        only the pairs that are never averaged)."""
         ok = action.guard
         gathered = ok is self.ready
         if not (gathered or staged):
-            stage(self.groups)
-        for g, lerp, copy in zip(self.groups, self.lerps, self.copies, strict=True):
-            copy.copy(ok, gathered=gathered)
-            if action.kind == "lerp":
-                lerp.lerp(action.weights[g.decay_group], ok, gathered=gathered)
-            else:
-                lerp.copy(ok, gathered=gathered)
-
-    def copy_unaveraged(self, ok: Tensor) -> None:
-        """The never-averaged pairs copied where ``ok`` holds, else nothing."""
-        gathered = ok is self.ready
-        if not gathered:
-            stage(self.groups, lerp=False)
-        for copy in self.copies:
-            copy.copy(ok, gathered=gathered)
+            stage(self.groups, lerp=averaged)
+        for g, (lerp, copy) in zip(self.groups, self.kernels, strict=True):
+            copy.update(ok, gathered=gathered)
+            if averaged:
+                weight = action.weights[g.decay_group] if action.kind == "lerp" else None
+                lerp.update(ok, weight, gathered=gathered)
 
 
 class SkipCount:

@@ -89,7 +89,7 @@ class _Group:
                 ]
             for guarded, w in zip(self.guarded, weights, strict=True):
                 if w:
-                    guarded.lerp(w, ok)
+                    guarded.update(ok, w)
             return
         if self.direct:
             for shadows, w in zip(self.shadows, weights, strict=True):

@@ -186,7 +186,7 @@ class Plan:
         with a ``guard`` only where it holds (see [`run()`][emakit._engine.plan.Plan.run])."""
         with no_autograd(True):
             if guard is not None:
-                self.guarded().copy_unaveraged(guard)
+                self.guarded().run(Action("copy", guard=guard), averaged=False)
                 return
             if self._staging:
                 stage(self.groups, lerp=False)
