@@ -24,7 +24,7 @@ from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit._core.tracker import Tracker
 from emakit._engine import IMPLS, Plan, ema_copy_, ema_lerp_
-from emakit._engine.spans import aligned_offsets
+from emakit._engine.flat import aligned_offsets
 from emakit.schedules import inverse_gamma_float32
 
 PATHS = [False, True, None]

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
+from .flat import span, split_runs
 from .pairs import TensorPair
-from .spans import span, split_runs
 
 if TYPE_CHECKING:
     from ..decay import Action

@@ -49,9 +49,9 @@ from .._dist.deepspeed import is_partition
 from .._dist.dtensor import is_dtensor
 from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
+from .flat import ALIGN, aligned_offsets, span, split_runs
 from .pairs import TensorPair
 from .paths import Group, no_autograd, stage
-from .spans import ALIGN, aligned_offsets, span, split_runs
 
 __all__ = ["GUARD_CHUNK", "Agreement", "FiniteGuard", "Guarded", "GuardedPath", "SkipCount"]
 

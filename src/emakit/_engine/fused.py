@@ -26,8 +26,8 @@ from torch import Tensor
 
 from .._dist.dtensor import local_tensor
 from .finite import Guarded
+from .flat import gather_views, span, split_runs
 from .plan import Plan
-from .spans import gather_views, span, split_runs
 
 if TYPE_CHECKING:
     from ..decay import Action

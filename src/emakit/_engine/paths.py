@@ -9,7 +9,7 @@ on every update, with no branch on the implementation in between:
 * ``"foreach"`` (`FOREACH`): one ``torch._foreach_lerp_``/``_foreach_copy_`` per
   group of tensors;
 * ``"flat"``: the same foreach functions over groups built from *spans* (runs of
-  memory-adjacent tensors viewed as one tensor, `spans`), so a model
+  memory-adjacent tensors viewed as one tensor, see `emakit._engine.flat`), so a model
   laid out flat is averaged by one ``lerp_`` per group.
 
 Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import local_tensor
+from .flat import aligned_offsets, gather_views, span, split_runs
 from .kernels import multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
-from .spans import aligned_offsets, gather_views, span, split_runs
 
 __all__ = [
     "FOREACH",

@@ -1,7 +1,7 @@
 """Runners: where and when the arithmetic of an update runs, behind one small interface.
 
-A runner takes *work* (a [`Plan`][emakit._engine.plan.Plan], or a
-`FusedPlan` for several EMAs of one model) and an
+A runner takes *work* (a [`Plan`][emakit._engine.plan.Plan], a `FusedPlan` for several
+EMAs of one model, or a `BEMAWork`) and an
 [`Action`][emakit.decay.Action], and carries the action out:
 
 * `SyncRunner` at once, on the caller's thread;
@@ -31,6 +31,13 @@ from .plan import Plan
 
 if TYPE_CHECKING:
     from ..decay import Action
+    from .bema import BEMAWork
+    from .fused import FusedPlan
+
+    #: What a runner runs: all at once (``run(action)``), or as a snapshot
+    #: (``stage(non_blocking=..., guard=...)``) followed by the arithmetic
+    #: (``finish(action)``); ``on_accelerator`` says whether the snapshot may be non-blocking.
+    Work = Plan | FusedPlan | BEMAWork
 
 __all__ = [
     "Handles",
@@ -38,32 +45,8 @@ __all__ = [
     "StreamRunner",
     "SyncRunner",
     "ThreadRunner",
-    "Work",
     "hook_optimizer",
 ]
-
-
-class Work(Protocol):
-    """What a runner runs: all at once (`run()`), or as a snapshot (`stage()`)
-    followed by the arithmetic (`finish()`)."""
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on an accelerator (non-blocking snapshots)."""
-        ...
-
-    def run(self, action: Action) -> None:
-        """Carry out ``action`` now."""
-        ...
-
-    def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
-        """Snapshot the online tensors into the staging buffers (what is copied rather than
-        staged, only where ``guard``, a 0-dim bool tensor, holds)."""
-        ...
-
-    def finish(self, action: Action) -> None:
-        """Carry out ``action`` from the snapshot."""
-        ...
 
 
 class Runner(Protocol):
