@@ -20,7 +20,6 @@ from .._dist.dtensor import is_dtensor
 
 __all__ = [
     "ALIGN",
-    "adjacent",
     "aligned_offsets",
     "flatten_parameters",
     "gather_views",

@@ -16,15 +16,7 @@ from torch import Tensor
 
 from ..errors import EMAValueError
 
-__all__ = [
-    "IMPLS",
-    "Impl",
-    "converted",
-    "ema_copy_",
-    "ema_lerp_",
-    "multi_tensor_lerp",
-    "single_tensor_lerp",
-]
+__all__ = ["IMPLS", "Impl", "ema_copy_", "ema_lerp_", "multi_tensor_lerp", "single_tensor_lerp"]
 
 Impl = Literal["loop", "foreach", "flat"]
 IMPLS: tuple[str, ...] = ("loop", "foreach", "flat")

@@ -34,17 +34,7 @@ from .flat import aligned_offsets, gather_views, span, split_runs
 from .kernels import multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 
-__all__ = [
-    "FOREACH",
-    "LOOP",
-    "Group",
-    "Path",
-    "Pointers",
-    "Transfer",
-    "build_groups",
-    "no_autograd",
-    "stage",
-]
+__all__ = ["FOREACH", "LOOP", "Group", "Path", "Pointers", "build_groups", "no_autograd", "stage"]
 
 #: The updates of the shadow run in inference mode, the C-level context manager where torch
 #: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below

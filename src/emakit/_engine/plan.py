@@ -135,9 +135,12 @@ class Plan:
             self._guarded = GuardedPath(self.groups, background=self.staged)
         return self._guarded
 
-    def run(self, action: Action) -> None:
+    def run(self, action: Action, *, staged: bool = False, averaged: bool = True) -> None:
         """Carry out ``action`` now: copy (``"init"``/``"copy"``), average (``"lerp"``), or
-        nothing (``"hold"``, ``"skip"``).
+        nothing (``"hold"``, ``"skip"``); with ``staged``, from the snapshot the staging
+        buffers hold (see [`stage()`][emakit._engine.plan.Plan.stage]); with
+        ``averaged=False`` only the pairs that are never averaged (integer buffers, no-EMA
+        names) are copied.
 
         An ``action.guard`` (a 0-dim bool tensor, see `emakit._engine.finite`) makes the
         update conditional on the device: where it is false nothing changes, where it is
@@ -146,14 +149,14 @@ class Plan:
             return
         with no_autograd(True):
             if action.guard is not None:
-                self.guarded().run(action)
+                self.guarded().run(action, staged=staged, averaged=averaged)
                 return
-            if self._staging:
-                stage(self.groups)
-            if action.kind == "lerp":
+            if self._staging and not staged:
+                stage(self.groups, lerp=averaged)
+            if action.kind == "lerp" and averaged:
                 self.path.lerp(self.groups, action.weights)
             else:
-                self.path.copy(self.groups)
+                self.path.copy(self.groups, averaged=averaged)
 
     def stage(self, *, non_blocking: bool = False, guard: Tensor | None = None) -> None:
         """Snapshot the online tensors into the staging buffers (staged plans only; the
@@ -163,15 +166,7 @@ class Plan:
 
     def finish(self, action: Action) -> None:
         """Carry out ``action`` from the staged snapshot (see [`stage()`][emakit._engine.plan.Plan.stage])."""
-        if action.kind not in _MOVES:
-            return
-        with no_autograd(True):
-            if action.guard is not None:
-                self.guarded().run(action, staged=True)
-            elif action.kind == "lerp":
-                self.path.lerp(self.groups, action.weights)
-            else:
-                self.path.copy(self.groups)
+        self.run(action, staged=True)
 
     def lerp_shadow(self, weights: Sequence[float]) -> None:
         """``shadow.lerp_(online, weights[group])`` for averaged pairs; copy the others."""
@@ -182,15 +177,8 @@ class Plan:
         self.run(COPY)
 
     def copy_unaveraged(self, guard: Tensor | None = None) -> None:
-        """Copy only the pairs that are never averaged (integer buffers, no-EMA names);
-        with a ``guard`` only where it holds (see [`run()`][emakit._engine.plan.Plan.run])."""
-        with no_autograd(True):
-            if guard is not None:
-                self.guarded().run(Action("copy", guard=guard), averaged=False)
-                return
-            if self._staging:
-                stage(self.groups, lerp=False)
-            self.path.copy(self.groups, averaged=False)
+        """Copy only the pairs that are never averaged, where ``guard`` holds if given."""
+        self.run(Action("copy", guard=guard), averaged=False)
 
     def _to_online(self) -> list[Group]:
         if self._online_groups is None:

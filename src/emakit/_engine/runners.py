@@ -39,14 +39,7 @@ if TYPE_CHECKING:
     #: (``finish(action)``); ``on_accelerator`` says whether the snapshot may be non-blocking.
     Work = Plan | FusedPlan | BEMAWork
 
-__all__ = [
-    "Handles",
-    "Runner",
-    "StreamRunner",
-    "SyncRunner",
-    "ThreadRunner",
-    "hook_optimizer",
-]
+__all__ = ["Runner", "StreamRunner", "SyncRunner", "ThreadRunner", "hook_optimizer"]
 
 
 class Runner(Protocol):
