@@ -16,37 +16,47 @@ from torch import Tensor
 
 from ..errors import EMAValueError
 
-__all__ = ["IMPLS", "Impl", "ema_copy_", "ema_lerp_", "multi_tensor_lerp", "single_tensor_lerp"]
+__all__ = [
+    "IMPLS",
+    "Impl",
+    "copy_each",
+    "ema_copy_",
+    "ema_lerp_",
+    "multi_tensor_lerp",
+    "single_tensor_lerp",
+]
 
 Impl = Literal["loop", "foreach", "flat"]
 IMPLS: tuple[str, ...] = ("loop", "foreach", "flat")
 
 
-def _check_impl(impl: str) -> None:
+def _check(impl: str, names: str, a: Sequence[Tensor], b: Sequence[Tensor]) -> None:
     if impl not in IMPLS:
         raise EMAValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
+    if len(a) != len(b):
+        x, y = names.split()
+        raise EMAValueError(
+            f"{x} and {y} must pair one to one, got len({x})={len(a)} and len({y})={len(b)}"
+        )
 
 
-def converted(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> list[Tensor]:
-    """``srcs`` moved/cast to each destination's device and dtype (no copy when equal)."""
-    return [
-        s if (s.dtype == d.dtype and s.device == d.device) else s.to(d.device, d.dtype)
-        for s, d in zip(srcs, dsts, strict=True)
-    ]
+def copy_each(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    """The reference copy: one ``copy_`` per pair (casting as needed)."""
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
 
 
 def single_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
     """The reference kernel: one ``lerp_`` per pair, exactly as ema-pytorch's loop."""
     for s, o in zip(shadows, onlines, strict=True):
-        if o.dtype != s.dtype or o.device != s.device:
-            o = o.to(s.device, s.dtype)
-        s.lerp_(o, weight)
+        s.lerp_(o.to(s.device, s.dtype), weight)  # .to() is a no-op where they match
 
 
 def multi_tensor_lerp(shadows: Sequence[Tensor], onlines: Sequence[Tensor], weight: float) -> None:
     """One ``torch._foreach_lerp_`` over all pairs (onlines cast/moved where they differ)."""
     if shadows:
-        torch._foreach_lerp_(list(shadows), converted(onlines, shadows), weight)
+        onlines = [o.to(s.device, s.dtype) for s, o in zip(shadows, onlines, strict=True)]
+        torch._foreach_lerp_(list(shadows), onlines, weight)
 
 
 def ema_lerp_(
@@ -75,16 +85,9 @@ def ema_lerp_(
         >>> s[0]
         tensor([0.2500, 0.2500, 0.2500])
     """
-    _check_impl(impl)
-    if len(shadows) != len(onlines):
-        raise EMAValueError(
-            f"shadows and onlines must pair one to one, got {len(shadows)=} and {len(onlines)=}"
-        )
+    _check(impl, "shadows onlines", shadows, onlines)
     with torch.no_grad():
-        if impl == "loop":
-            single_tensor_lerp(shadows, onlines, weight)
-        else:
-            multi_tensor_lerp(shadows, onlines, weight)
+        (single_tensor_lerp if impl == "loop" else multi_tensor_lerp)(shadows, onlines, weight)
 
 
 def ema_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, impl: Impl = "foreach") -> None:
@@ -96,16 +99,7 @@ def ema_copy_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, impl: Impl = "f
         impl: ``"loop"`` for one ``copy_`` per pair, otherwise one ``torch._foreach_copy_``.
             Default ``"foreach"``.
     """
-    _check_impl(impl)
-    if len(dsts) != len(srcs):
-        raise EMAValueError(
-            f"dsts and srcs must pair one to one, got {len(dsts)=} and {len(srcs)=}"
-        )
-    if not dsts:
-        return
-    with torch.no_grad():
-        if impl == "loop":
-            for d, s in zip(dsts, srcs, strict=True):
-                d.copy_(s)
-        else:
-            torch._foreach_copy_(list(dsts), list(srcs))
+    _check(impl, "dsts srcs", dsts, srcs)
+    if dsts:
+        with torch.no_grad():
+            (copy_each if impl == "loop" else torch._foreach_copy_)(list(dsts), list(srcs))

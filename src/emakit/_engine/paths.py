@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .._dist.dtensor import local_tensor
 from .flat import aligned_offsets, gather_views, span, split_runs
-from .kernels import multi_tensor_lerp, single_tensor_lerp
+from .kernels import copy_each, multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 
 __all__ = ["FOREACH", "LOOP", "Group", "Path", "Pointers", "build_groups", "no_autograd", "stage"]
@@ -217,11 +217,6 @@ def stage(groups: Sequence[Group], *, non_blocking: bool = False, lerp: bool = T
 # -- the paths -----------------------------------------------------------------------------
 
 
-def _copy_each(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
-    for d, s in zip(dsts, srcs, strict=True):
-        d.copy_(s)
-
-
 @dataclass(frozen=True)
 class Path:
     """One implementation: its kernels, and the two updates of a plan's groups over them.
@@ -257,6 +252,6 @@ class Path:
 
 
 #: The reference path: one kernel per tensor.
-LOOP = Path("loop", _copy_each, single_tensor_lerp, single_tensor_lerp)
+LOOP = Path("loop", copy_each, single_tensor_lerp, single_tensor_lerp)
 #: One multi-tensor kernel per group (of tensors, or of spans for ``"flat"``).
 FOREACH = Path("foreach", torch._foreach_copy_, torch._foreach_lerp_, multi_tensor_lerp)
