@@ -40,65 +40,55 @@ GATHER_BELOW = 1 << 16
 
 
 class _Group:
-    """One (device, dtype) group of averaged tensors, shared by every EMA of the set."""
+    """One (device, dtype) group of averaged tensors, shared by every EMA of the set: for
+    each EMA, the lists its ``lerp_`` moves (``targets``), and the gather they read from."""
 
     def __init__(self, onlines: list[Tensor], shadows: list[list[Tensor]], staged: bool) -> None:
-        self.spans = [span(s).reshape(-1) for s in shadows]
-        self.shadows = shadows
-        self.onlines = onlines
-        self.src: list[Tensor] = []
-        self.dst: list[Tensor] = []
-        self.direct = False
-        self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see lerp()
-        ref = self.spans[0]
+        spans = [span(s).reshape(-1) for s in shadows]
+        ref = spans[0]
         # where each tensor sits in the shadows' (one) run, alignment padding included
         base = int(shadows[0][0].storage_offset())
         at = [int(t.storage_offset()) - base for t in shadows[0]]
         runs = split_runs([onlines], at)
-        same = onlines[0].dtype == ref.dtype and onlines[0].device == ref.device
+        same = (onlines[0].dtype, onlines[0].device) == (ref.dtype, ref.device)
+        self.onlines = onlines
         self.key = (onlines[0].dtype, onlines[0].device)
-        self.guard = [onlines[i] for r in runs if len(r) > 1 for i in r]
-        self.ptrs = [t.data_ptr() for t in self.guard]
-        if not staged and len(runs) == 1 and same:
-            self.source = span(onlines).reshape(-1)
-            return
-        if not staged and same and ref.numel() / len(onlines) >= GATHER_BELOW:
-            self.direct = True
-            return
-        pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-        # zeros: the padding is averaged with the shadows' (zero) padding
-        self.source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
-        self.dst, self.src = gather_views(self.source, at, onlines)
+        self.watched = [onlines[i] for r in runs if len(r) > 1 for i in r]  # spans made here
+        self.ptrs = [t.data_ptr() for t in self.watched]
+        self.gather_dst: list[Tensor] = []
+        self.gather_src: list[Tensor] = []
+        self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see lerp()
+        if not staged and same and len(runs) == 1:
+            self.targets = [([s], [span(onlines).reshape(-1)]) for s in spans]
+        elif not staged and same and ref.numel() / len(onlines) >= GATHER_BELOW:
+            self.targets = [(s, onlines) for s in shadows]  # a gather would only add a pass
+        else:
+            pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
+            # zeros: the padding is averaged with the shadows' (zero) padding
+            source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
+            self.gather_dst, self.gather_src = gather_views(source, at, onlines)
+            self.targets = [([s], [source]) for s in spans]
 
     def stale(self) -> bool:
         first = self.onlines[0]
         if (first.dtype, first.device) != self.key:
             return True
-        return list(map(Tensor.data_ptr, self.guard)) != self.ptrs
+        return list(map(Tensor.data_ptr, self.watched)) != self.ptrs
 
     def gather(self, non_blocking: bool = False) -> None:
-        if self.src:
-            torch._foreach_copy_(self.dst, self.src, non_blocking=non_blocking)
+        if self.gather_dst:
+            torch._foreach_copy_(self.gather_dst, self.gather_src, non_blocking=non_blocking)
 
     def lerp(self, weights: Sequence[float], ok: Tensor | None = None) -> None:
-        if ok is not None:  # skip_nonfinite: only where ok holds (see Plan.run)
-            if not self.guarded:  # one per EMA, built on first use
-                self.guarded = [
-                    Guarded(shadows, self.onlines) if self.direct else Guarded([s], [self.source])
-                    for shadows, s in zip(self.shadows, self.spans, strict=True)
-                ]
-            for guarded, w in zip(self.guarded, weights, strict=True):
-                if w:
-                    guarded.update(ok, w)
-            return
-        if self.direct:
-            for shadows, w in zip(self.shadows, weights, strict=True):
-                if w:
-                    torch._foreach_lerp_(shadows, self.onlines, w)
-            return
-        for s, w in zip(self.spans, weights, strict=True):
-            if w:
-                s.lerp_(self.source, w)
+        """Each EMA's ``lerp_`` with its weight (0: left alone); only where ``ok`` holds
+        when given (skip_nonfinite, see [`Plan.run()`][emakit._engine.plan.Plan.run])."""
+        if ok is not None and not self.guarded:
+            self.guarded = [Guarded(dst, src) for dst, src in self.targets]
+        for i, ((dst, src), w) in enumerate(zip(self.targets, weights, strict=True)):
+            if w and ok is None:
+                torch._foreach_lerp_(dst, src, w)
+            elif w:
+                self.guarded[i].update(ok, w)
 
 
 class FusedPlan:
