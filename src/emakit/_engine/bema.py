@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
-from .flat import span, split_runs
+from .flat import gather_views, span, split_runs
 from .pairs import TensorPair
 
 if TYPE_CHECKING:
@@ -75,29 +75,28 @@ class _Group:
         self.out = [span([outs[i] for i in r]) for r in runs]
         self.ema = [span([emas[i] for i in r]) for r in runs]
         self.theta0 = [span([theta0s[i] for i in r]) for r in runs]
-        self.gather_dst: list[Tensor] = []  # staging views, one per tensor
-        self.gather_src: list[Tensor] = []  # the online tensors
+        self.gather_dst: list[Tensor] = []  # staging views
+        self.gather_src: list[Tensor] = []  # the online tensors (or spans of them)
         if direct:
             self.src = [span([onlines[i] for i in r]) for r in runs]
             return
         pin = ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-        pin = pin and torch.cuda.is_available()
-        # laid out as the out spans are, alignment padding (zeros) included
-        size = sum(o.numel() for o in self.out)
-        staging = torch.zeros(size, dtype=ref.dtype, device=ref.device)
-        if pin:
-            staging = staging.pin_memory()
-        self.src, base = [], 0
-        for r, out_span in zip(runs, self.out, strict=True):
-            self.src.append(torch.as_strided(staging, out_span.shape, out_span.stride(), base))
-            start = outs[r[0]].storage_offset()
-            for i in r:
-                out = outs[i]  # the same shape and strides as the shadow tensor
-                at = base + out.storage_offset() - start
-                view = torch.as_strided(staging, out.shape, out.stride(), at)
-                self.gather_dst.append(view)
-                self.gather_src.append(onlines[i])
-            base += out_span.numel()
+        # laid out as the out spans are, one after the other, alignment padding included
+        staging = torch.zeros(
+            sum(o.numel() for o in self.out),
+            dtype=ref.dtype,
+            device=ref.device,
+            pin_memory=pin and torch.cuda.is_available(),
+        )
+        at, base = [], 0
+        for r, o in zip(runs, self.out, strict=True):
+            at += [base + int(outs[i].storage_offset() - outs[r[0]].storage_offset()) for i in r]
+            base += o.numel()
+        self.gather_dst, self.gather_src = gather_views(staging, at, onlines)
+        self.src = [
+            staging[at[r[0]] :][: o.numel()].view(o.shape)
+            for r, o in zip(runs, self.out, strict=True)
+        ]
 
     def gather(self, non_blocking: bool) -> None:
         if self.gather_dst:
