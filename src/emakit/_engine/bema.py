@@ -94,7 +94,7 @@ class _Group:
             base += o.numel()
         self.gather_dst, self.gather_src = gather_views(staging, at, onlines)
         self.src = [
-            staging[at[r[0]] :][: o.numel()].view(o.shape)
+            staging.narrow(0, at[r[0]], o.numel()).view(o.shape)
             for r, o in zip(runs, self.out, strict=True)
         ]
 
