@@ -165,9 +165,10 @@ def test_a_first_call_on_nan_weights_leaves_the_ema_uninitialized():
     assert bool(ema.initted) and torch.equal(ema.ema_model[0].weight, net[0].weight)
 
 
-def test_the_guard_selects_a_whole_shadow_with_one_where():
+def test_the_guard_selects_a_whole_shadow_with_one_kernel():
     """emakit lays a shadow out as one run of memory (not in the model's order): the guard
-    sorts the pairs by address, so the averaged tensors are selected by one ``where``."""
+    sorts the pairs by address, so the averaged tensors are selected by one kernel (an
+    ``index_select`` of the new or the old row into the shadow's span)."""
     net = bn_mlp(4, 8, 3, relu=True, seed=0)
     ema = EMA(net, skip_nonfinite=True, update_after_step=0, update_every=1)
     ema.update()
@@ -180,8 +181,8 @@ def test_the_guard_selects_a_whole_shadow_with_one_where():
     assert len(floats) == 1 and len(floats[0].batches) == 1
     batch = floats[0].batches[0]
     assert sum(d.numel() for d in batch.dsts) == averaged
-    assert batch.run and len(batch.targets) == 1  # one where() for the whole shadow
-    assert batch.numel == batch.targets[0][0].numel() > averaged  # the alignment padding too
+    assert batch.run  # one select for the whole shadow, in place
+    assert batch.numel == batch.out.numel() > averaged  # the alignment padding too
 
 
 @pytest.mark.parametrize("use_foreach", [False, True, None])

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .._dist.deepspeed import unwrap_engine
 from .._dist.dtensor import is_dtensor
-from .._engine.flat import rehome_
+from .._engine.flat import memory_order, rehome_
 from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
@@ -145,15 +145,8 @@ def layout_shadow(
     """
     plain = unsharded_pairs(list(pairs), device=device)
 
-    def order(p: TensorPair) -> tuple[bool, int, int, int]:
-        return (
-            not p.average,
-            p.group,
-            p.online.untyped_storage().data_ptr(),
-            int(p.online.storage_offset()),
-        )
-
-    ordered = sorted(plain, key=order)
+    # averaged first, by decay group, then as the online tensors sit in memory
+    ordered = sorted(plain, key=lambda p: (not p.average, p.group, *memory_order(p.online)))
     pin = (
         device is not None
         and device.type == "cpu"

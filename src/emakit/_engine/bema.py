@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
-from .flat import gather_views, span, split_runs
+from .flat import gather_views, memory_order, span, split_runs
 from .pairs import TensorPair
 
 if TYPE_CHECKING:
@@ -54,13 +54,8 @@ def held(p: TensorPair) -> bool:
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
     """The averaged pairs BEMA works on, in the memory order of their shadows, the order
     in which the EMA and ``theta0`` tensors are laid out (so they form the same spans)."""
-
-    def order(p: TensorPair) -> tuple[str, str, int, int]:
-        s = local_tensor(p.shadow)
-        ptr, offset = s.untyped_storage().data_ptr(), int(s.storage_offset())
-        return (str(s.device), str(s.dtype), ptr, offset)
-
-    return sorted((p for p in pairs if p.average and not held(p)), key=order)
+    averaged = [p for p in pairs if p.average and not held(p)]
+    return sorted(averaged, key=lambda p: memory_order(local_tensor(p.shadow)))
 
 
 class _Group:

@@ -49,7 +49,7 @@ from .._dist.deepspeed import is_partition
 from .._dist.dtensor import is_dtensor
 from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
-from .flat import ALIGN, aligned_offsets, span, split_runs
+from .flat import ALIGN, aligned_offsets, memory_order, span, split_runs
 from .pairs import TensorPair
 from .paths import Group, no_autograd, stage
 
@@ -184,16 +184,11 @@ def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor
     return out
 
 
-def _memory_order(pair: tuple[Tensor, Tensor]) -> tuple[str, str, int, int]:
-    d = pair[0]
-    return str(d.device), str(d.dtype), d.untyped_storage().data_ptr(), int(d.storage_offset())
-
-
 class _Batch:
     """Pairs of one destination device and dtype, at most about `GUARD_CHUNK` elements,
     and their place in the scratch: laid out like the destinations when these are one run
-    in memory (averaged and selected by one kernel each, alignment padding included), else
-    one after the other."""
+    in memory (then averaged and selected in place, alignment padding included), else one
+    after the other (gathered and scattered back by foreach copies)."""
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         self.dsts = [d for d, _ in pairs]
@@ -210,27 +205,26 @@ class _Batch:
 
     def place(self, rows: Tensor) -> None:
         """Take the first ``numel`` columns of the scratch: row 0 gathers the sources, then
-        holds the new values; row 1 keeps the old ones of a run for the select."""
+        holds the new values; row 1 the old ones; row 2 (scattered destinations only) the
+        picked ones, copied back."""
         self.rows = rows[:, : self.numel]
-        new = self.rows[0]
-        views = [
-            new[at : at + d.numel()].view(d.shape) for d, at in zip(self.dsts, self.at, strict=True)
+        self.views = [
+            [
+                row[at : at + d.numel()].view(d.shape)
+                for d, at in zip(self.dsts, self.at, strict=True)
+            ]
+            for row in self.rows
         ]
-        self.gather_dst = views
+        self.out = span(self.dsts).view(1, -1) if self.run else self.rows[2:]
         # One cat of flat views of the sources, zeros between (about half the cost of a
         # foreach copy of many small tensors), where every source is contiguous and on the
         # scratch's device; the views are remade when a source's storage moved.
         src = self.srcs[0]
         self.cat = all(
-            s.is_contiguous() and (s.device, s.dtype) == (new.device, src.dtype) for s in self.srcs
+            s.is_contiguous() and (s.device, s.dtype) == (rows.device, src.dtype) for s in self.srcs
         )
         self.ptrs: list[int] = []
         self.pieces: list[Tensor] = []
-        if self.run:
-            self.out = span(self.dsts).view(1, -1)
-        self.targets = (
-            [(self.out[0], new)] if self.run else list(zip(self.dsts, views, strict=True))
-        )
 
     def gather(self) -> None:
         """The sources into row 0 (cast to the destination's dtype and device), zeros in
@@ -252,26 +246,26 @@ class _Batch:
             return
         if not self.alone:  # the scratch holds another batch's values
             self.rows[0].zero_()
-        torch._foreach_copy_(self.gather_dst, self.srcs)
+        torch._foreach_copy_(self.views[0], self.srcs)
 
-    def select(self, ok: Tensor, pick: Tensor, lerp: float | None) -> None:
-        """``dst = lerp(dst, new, lerp)`` (or ``new`` when ``lerp`` is None) where ``ok``
-        holds, else ``dst``, every bit: a run by picking one of two rows (``pick``: 0 or
-        1), whose kernel is a copy, other tensors one ``where`` each."""
+    def select(self, pick: Tensor, weight: float | None) -> None:
+        """``dst = lerp(dst, new, weight)`` (``new`` without a ``weight``), or ``dst``, every
+        bit, as ``pick`` (a 1-element index) says: row 0 or row 1, a copy either way."""
+        old = self.rows[1]
         if self.run:
-            self.rows[1].copy_(self.out[0])
-        for d, new in self.targets:
-            if lerp is not None:
-                torch.lerp(d, new, lerp, out=new)
-            if not self.run:
-                torch.where(ok, new, d, out=d)
-        if self.run:
-            torch.index_select(self.rows, 0, pick, out=self.out)
+            old.copy_(self.out[0])
+        else:
+            torch._foreach_copy_(self.views[1], self.dsts)
+        if weight is not None:
+            torch.lerp(old, self.rows[0], weight, out=self.rows[0])
+        torch.index_select(self.rows[:2], 0, pick, out=self.out)
+        if not self.run:
+            torch._foreach_copy_(self.dsts, self.views[2])
 
 
 class Guarded:
     """Pairs of tensors prepared for updates that happen only where a device-side flag
-    says so (``skip_nonfinite=True``); build once, call `lerp()` / `copy()` often.
+    says so (``skip_nonfinite=True``); build once, call `update()` often.
 
     .. math:: s \\leftarrow \\text{where}(ok,\\ \\text{lerp}(s, o, w),\\ s)
 
@@ -279,8 +273,9 @@ class Guarded:
     where ``o`` is NaN or Inf. With ``ok`` true the result is bit for bit
     ``shadow.lerp_(online, weight)``; with ``ok`` false every shadow keeps every bit
     (``-0.0`` included). See the module docstring for the kernels; the scratch, held for
-    the object's life, is two rows of at most `GUARD_CHUNK` elements per device and
-    dtype (16 MiB in float32), less for smaller models.
+    the object's life, is two rows (three for destinations scattered in memory) of at
+    most `GUARD_CHUNK` elements per device and dtype (16 MiB in float32), less for
+    smaller models.
 
     Args:
         dsts: tensors updated in place (the shadow).
@@ -293,18 +288,19 @@ class Guarded:
         # end up in one batch, updated by one kernel whatever order the model lists them.
         batches: list[list[tuple[Tensor, Tensor]]] = []
         size, key = GUARD_CHUNK, None
-        for d, s in sorted(_pieces(dsts, srcs), key=_memory_order):
+        for d, s in sorted(_pieces(dsts, srcs), key=lambda pair: memory_order(pair[0])):
             if size + d.numel() > GUARD_CHUNK or (d.device, d.dtype) != key:
                 batches.append([])
                 size, key = 0, (d.device, d.dtype)
             batches[-1].append((d, s))
             size += d.numel()
         self.batches = [_Batch(b) for b in batches]
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        shape: dict[tuple[torch.device, torch.dtype], tuple[int, int]] = {}
         for b in self.batches:
-            sizes[b.key] = max(sizes.get(b.key, 0), b.numel)
+            rows, n = shape.get(b.key, (2, 0))
+            shape[b.key] = (rows if b.run else 3, max(n, b.numel))
         # zeros: the gaps between tensors are selected into the shadow's (zero) padding
-        bufs = {k: torch.zeros((2, n), dtype=k[1], device=k[0]) for k, n in sizes.items()}
+        bufs = {k: torch.zeros(rows_n, dtype=k[1], device=k[0]) for k, rows_n in shape.items()}
         shared = Counter(b.key for b in self.batches)
         for b in self.batches:
             b.alone = shared[b.key] == 1
@@ -312,7 +308,7 @@ class Guarded:
 
     def gather(self) -> list[Tensor]:
         """Gather every batch; the extremes of the floating values (a batch that is alone
-        in its scratch keeps its values there for the next `lerp()` / `copy()`)."""
+        in its scratch keeps its values there for the next `update()`)."""
         extremes: list[Tensor] = []
         for b in self.batches:
             b.gather()
@@ -325,15 +321,14 @@ class Guarded:
         """``dst.lerp_(src, weight)`` (``dst.copy_(src)`` without a ``weight``) where the
         0-dim bool ``ok`` is true, else nothing (``gathered``: `gather()` just ran for
         these values)."""
-        flags: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        picks: dict[torch.device, Tensor] = {}
         for b in self.batches:
             if not (gathered and b.alone):
                 b.gather()
             device = b.key[0]
-            if device not in flags:  # ok on this device, and the row it picks: no host sync
-                here = ok.to(device, non_blocking=True)
-                flags[device] = (here, here.logical_not().long().view(1))
-            b.select(*flags[device], weight)
+            if device not in picks:  # the row ok picks, on this device: no host sync
+                picks[device] = ok.to(device, non_blocking=True).logical_not().long().view(1)
+            b.select(picks[device], weight)
 
 
 # -- around a plan ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ __all__ = [
     "aligned_offsets",
     "flatten_parameters",
     "gather_views",
+    "memory_order",
     "rehome_",
     "span",
     "split_runs",
@@ -64,6 +65,11 @@ def adjacent(a: Tensor, b: Tensor) -> bool:
         return False
     end, start = int(a.storage_offset()) + a.numel(), int(b.storage_offset())
     return start == end or (start > end and start == aligned(end) and start % ALIGN == 0)
+
+
+def memory_order(t: Tensor) -> tuple[str, str, int, int]:
+    """A sort key that puts tensors in the order they sit in memory, by device and dtype."""
+    return str(t.device), str(t.dtype), t.untyped_storage().data_ptr(), int(t.storage_offset())
 
 
 def span(tensors: Sequence[Tensor]) -> Tensor:
