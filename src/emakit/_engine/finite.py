@@ -395,17 +395,15 @@ class SkipCount:
 
     def __init__(self) -> None:
         self.resolved = 0
-        self._device: tuple[Tensor, Tensor] | None = None  # (count, call of the first)
+        self._device: Tensor | None = None  # [count, call of the first]
 
     def add_flag(self, ok: Tensor, call: int) -> None:
         """Count a skip on the device where the 0-dim bool ``ok`` is false (no host read)."""
-        bad = ok.logical_not()
-        pending = self._device
-        if pending is None or pending[0].device != ok.device:
+        if self._device is None or self._device.device != ok.device:
             self.resolve()
-            zeros = torch.zeros((2,), dtype=torch.long, device=ok.device)
-            pending = self._device = (zeros[0], zeros[1])
-        count, first = pending
+            self._device = torch.zeros(2, dtype=torch.long, device=ok.device)
+        count, first = self._device
+        bad = ok.logical_not()
         count.add_(bad)
         # the call of the first unread skip: kept once set, else this call if it skipped
         torch.where(first > 0, first, bad * call, out=first)
@@ -413,25 +411,22 @@ class SkipCount:
     def add(self, first: int, n: int = 1) -> None:
         """Count ``n`` skipped updates, the first at call ``first``; warn at the first skip
         of all."""
-        before = self.resolved
-        self.resolved += n
-        if before == 0 and n > 0:
+        if self.resolved == 0 and n > 0:
             warnings.warn(
                 f"skipped an EMA update at step {first}: the model's weights hold NaN or Inf "
                 f"(skip_nonfinite=True; further skips are counted in num_skipped_nonfinite)",
                 RuntimeWarning,
                 stacklevel=5,
             )
+        self.resolved += n
 
     def resolve(self) -> int:
         """Read the device counter back (a host sync, only when the count is asked for);
         the total."""
-        pending = self._device
-        if pending is not None:
-            n, at = torch.stack(pending).tolist()  # one read
+        if self._device is not None:
+            n, at = self._device.tolist()  # one read
             if n:
-                pending[0].zero_()
-                pending[1].zero_()
+                self._device.zero_()
                 self.add(at, n)
         return self.resolved
 
@@ -439,6 +434,9 @@ class SkipCount:
         """Set the total (a loaded state); drops what the device counted."""
         self.resolved = int(value)
         self._device = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"resolved": self.resolve(), "_device": None}
 
 
 class FiniteGuard:
@@ -449,31 +447,25 @@ class FiniteGuard:
         self._plan: Any = None  # the plan the agreement below is for
         self._agreement: Agreement | None = None
 
-    def flag(self, plan: Any, call: int) -> Tensor | None:
-        """Whether every floating online tensor of ``plan`` (a
-        [`Plan`][emakit._engine.plan.Plan]) is free of NaN and Inf, on every rank that
-        holds a shard of them: a 0-dim bool tensor that stays on the device, or None when
-        nothing anywhere could be non-finite.
+    def guard(self, plan: Any, action: Action, call: int) -> Action:
+        """``action`` guarded by "``plan``'s online weights are finite on every rank", or
+        `SKIP` for a first call on non-finite weights (read on the host: the one call that
+        does, so that it leaves the EMA uninitialized).
 
-        Computed by the plan's `GuardedPath` (see `GuardedPath.flag()`), and for sharded
-        (DTensor) models under ``torch.distributed`` combined by one all-reduce of three
-        numbers with the other ranks (which must be at the same ``call``; a mismatch makes
-        the flag false). No host sync.
+        The flag is a 0-dim bool tensor that stays on the device, computed by the plan's
+        `GuardedPath` (see `GuardedPath.flag()`; ``plan`` is a
+        [`Plan`][emakit._engine.plan.Plan]) and, for sharded (DTensor) models under
+        ``torch.distributed``, combined by one all-reduce of three numbers with the other
+        ranks (which must be at the same ``call``; a mismatch makes the flag false). Where
+        it is false, the skip is counted on the device. No host sync.
         """
         if self._plan is not plan:
             self._plan = plan
             # Shared pairs too: whether a rank shares a frozen shard (a load or unfreezing
             # decides per rank) must not change whether it joins the all-reduce.
             self._agreement = Agreement.build([*plan.pairs, *plan.shared])
-        return plan.guarded().flag(self._agreement, call)
-
-    def guard(self, plan: Any, action: Action, call: int) -> Action:
-        """``action`` guarded by "``plan``'s online weights are finite on every rank" (a
-        flag on the device, counted as a skip where false), or `SKIP`
-        for a first call on non-finite weights (read on the host: the one call that does,
-        so that it leaves the EMA uninitialized)."""
-        ok = self.flag(plan, call)
-        if ok is None:
+        ok = plan.guarded().flag(self._agreement, call)
+        if ok is None:  # nothing anywhere could be non-finite
             return action
         if action.kind == "init":
             if not bool(ok):
@@ -484,7 +476,4 @@ class FiniteGuard:
         return dataclasses.replace(action, guard=ok)
 
     def __getstate__(self) -> dict[str, Any]:
-        self.skips.resolve()
-        skips = SkipCount()
-        skips.resolved = self.skips.resolved
-        return {"skips": skips, "_plan": None, "_agreement": None}
+        return {"skips": self.skips, "_plan": None, "_agreement": None}
