@@ -97,18 +97,12 @@ class IOCast:
     model_device: torch.device | None
 
     def _in(self, t: Tensor) -> Tensor:
-        dtype = (
-            self.shadow_dtype if self.shadow_dtype is not None and t.is_floating_point() else None
-        )
-        if dtype is None and self.shadow_device is None:
-            return t
-        return t.to(device=self.shadow_device, dtype=dtype)
+        dtype = self.shadow_dtype if t.is_floating_point() else None
+        return t.to(device=self.shadow_device, dtype=dtype)  # itself when nothing changes
 
     def _out(self, t: Tensor) -> Tensor:
         dtype = self.model_dtype if t.is_floating_point() and t.dtype == self.shadow_dtype else None
         device = self.model_device if t.device == self.shadow_device else None
-        if dtype is None and device is None:
-            return t
         return t.to(device=device, dtype=dtype)
 
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
