@@ -33,7 +33,6 @@ while swapped is an error.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -171,13 +170,8 @@ class Swap:
     def __enter__(self) -> Swap:
         return self.enter()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.exit()
+    def __exit__(self, *exc: object) -> None:
+        self.exit()  # also when the block raised: the original weights come back
 
 
 def _written(held: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:

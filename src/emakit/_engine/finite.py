@@ -5,15 +5,19 @@ An update is skipped when any online weight holds NaN or Inf. The decision is a 
 bool tensor that never leaves the device, and the work is a handful of kernels over
 flat buffers, whatever the number of tensors:
 
-1. `Guarded`: the pairs of one transfer, prepared once. Each update *gathers* the
-   sources into a scratch buffer laid out like the destinations (one foreach copy, casting
-   to the destination's dtype), takes the scratch's extremes (``torch.aminmax``: NaN and
-   Inf propagate, finite values cannot overflow), averages there
-   (``torch.lerp(dst, scratch, w, out=scratch)``) and selects back
-   (``torch.where(ok, scratch, dst, out=dst)``): one kernel each per run of the shadow,
-   which emakit lays out as one run per device and dtype. `GuardedPath` does this for a
-   plan's groups; its `GuardedPath.flag()` gathers every transfer first and leaves the
-   values in the scratch, so the update that follows for that flag reads them from there.
+1. `Guarded`: the pairs of one transfer, prepared once, in batches of at most
+   `GUARD_CHUNK` elements. Each update *gathers* the sources into row 0 of a scratch
+   laid out like the destinations (one ``torch.cat`` of flat views, casting to the
+   destination's dtype; a foreach copy where a source is not contiguous or lives on
+   another device), takes its extremes (``torch.aminmax``: NaN and Inf propagate, finite
+   values cannot overflow), keeps the old values in row 1, averages into row 0
+   (``torch.lerp(old, row0, w, out=row0)``) and picks row 0 or row 1 back into the
+   shadow (``torch.index_select`` on the flag: a copy either way, every bit). That is one
+   kernel each per run of the shadow, which emakit lays out as one run per device and
+   dtype; destinations scattered in memory (FSDP2 shards) are gathered into row 1 and
+   scattered back by foreach copies. `GuardedPath` does this for a plan's groups; its
+   `GuardedPath.flag()` gathers every transfer first and leaves the values in the
+   scratch, so the update that follows for that very flag reads them from there.
 2. `Agreement`: for sharded (DTensor) models under ``torch.distributed``, each rank
    sees only its shards, so the flags are combined by **one all-reduce of three int64
    numbers** per update, ``max(bad, call, -call)``, on the process group the shards live
