@@ -177,13 +177,14 @@ def _pieces(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> list[tuple[Tensor
     out = []
     for d, s in zip(dsts, srcs, strict=True):
         n = d.numel()
+        if s.shape != d.shape:  # as a copy would say (a cat would resize instead)
+            raise RuntimeError(f"shape {tuple(s.shape)} does not match {tuple(d.shape)}")
         if n <= GUARD_CHUNK or not (d.is_contiguous() and s.is_contiguous()):
             out += [(d, s)] if n else []
             continue
-        fd, fs = d.view(-1), s.reshape(-1)
+        fd, fs = d.detach().view(-1), s.detach().view(-1)
         out += [
-            (fd[at : at + GUARD_CHUNK], fs[at : at + GUARD_CHUNK])
-            for at in range(0, n, GUARD_CHUNK)
+            (fd[i : i + GUARD_CHUNK], fs[i : i + GUARD_CHUNK]) for i in range(0, n, GUARD_CHUNK)
         ]
     return out
 
@@ -220,48 +221,50 @@ class _Batch:
             for row in self.rows
         ]
         self.out = span(self.dsts).view(1, -1) if self.run else self.rows[2:]
-        # One cat of flat views of the sources, zeros between (about half the cost of a
-        # foreach copy of many small tensors), where every source is contiguous and on the
-        # scratch's device; the views are remade when a source's storage moved.
+        # The sources as the batch reads them: one span of the destinations' dtype, read in
+        # place (no gather: a large tensor, a flat model); else row 0, filled by one cat of
+        # flat views (about half the cost of a foreach copy of many small tensors), zeros
+        # between, where every source is contiguous and on the scratch's device.
         src = self.srcs[0]
-        self.cat = all(
+        self.source, self.direct = self.rows[0], False
+        self.cat: list[Tensor] | None = None
+        if all(
             s.is_contiguous() and (s.device, s.dtype) == (rows.device, src.dtype) for s in self.srcs
-        )
-        self.ptrs: list[int] = []
-        self.pieces: list[Tensor] = []
+        ):
+            if self.run and src.dtype == rows.dtype and len(split_runs([self.srcs], self.at)) == 1:
+                self.source, self.direct = span(self.srcs).view(-1), True
+                return
+            gap, self.cat, end = torch.zeros(ALIGN, dtype=src.dtype, device=src.device), [], 0
+            for s, at in zip(self.srcs, self.at, strict=True):
+                self.cat += (
+                    [gap[: at - end], s.detach().view(-1)] if at > end else [s.detach().view(-1)]
+                )
+                end = at + s.numel()
 
     def gather(self) -> None:
         """The sources into row 0 (cast to the destination's dtype and device), zeros in
-        between (it is read whole: extremes, spans)."""
-        if self.cat:
-            ptrs = list(map(Tensor.data_ptr, self.srcs))
-            if ptrs != self.ptrs:
-                gap, self.pieces, end = torch.zeros(ALIGN, dtype=self.srcs[0].dtype), [], 0
-                for s, d, at in zip(self.srcs, self.dsts, self.at, strict=True):
-                    if s.shape != d.shape:  # as a copy would (cat would resize instead)
-                        raise RuntimeError(
-                            f"shape {tuple(s.shape)} does not match {tuple(d.shape)}"
-                        )
-                    self.pieces += [gap[: at - end].to(s.device)] if at > end else []
-                    self.pieces.append(s.detach().view(-1))
-                    end = at + s.numel()
-                self.ptrs = ptrs
-            torch.cat(self.pieces, out=self.rows[0])
+        between (it is read whole: extremes, spans); nothing when they are read in place."""
+        if self.cat is not None:
+            torch.cat(self.cat, out=self.rows[0])
+            return
+        if self.direct:
             return
         if not self.alone:  # the scratch holds another batch's values
             self.rows[0].zero_()
         torch._foreach_copy_(self.views[0], self.srcs)
 
     def select(self, pick: Tensor, weight: float | None) -> None:
-        """``dst = lerp(dst, new, weight)`` (``new`` without a ``weight``), or ``dst``, every
-        bit, as ``pick`` (a 1-element index) says: row 0 or row 1, a copy either way."""
-        old = self.rows[1]
+        """``dst = lerp(dst, source, weight)`` (``source`` without a ``weight``), or ``dst``,
+        every bit, as ``pick`` (a 1-element index) says: row 0 or row 1, a copy either way."""
+        new, old = self.rows[0], self.rows[1]
         if self.run:
             old.copy_(self.out[0])
         else:
             torch._foreach_copy_(self.views[1], self.dsts)
         if weight is not None:
-            torch.lerp(old, self.rows[0], weight, out=self.rows[0])
+            torch.lerp(old, self.source, weight, out=new)
+        elif self.direct:
+            new.copy_(self.source)
         torch.index_select(self.rows[:2], 0, pick, out=self.out)
         if not self.run:
             torch._foreach_copy_(self.dsts, self.views[2])
@@ -279,7 +282,8 @@ class Guarded:
     (``-0.0`` included). See the module docstring for the kernels; the scratch, held for
     the object's life, is two rows (three for destinations scattered in memory) of at
     most `GUARD_CHUNK` elements per device and dtype (16 MiB in float32), less for
-    smaller models.
+    smaller models. The views of the sources it reads are made again when a source's
+    storage moved (``param.data = ...``).
 
     Args:
         dsts: tensors updated in place (the shadow).
@@ -288,11 +292,20 @@ class Guarded:
     """
 
     def __init__(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+        self.dsts, self.srcs = list(dsts), list(srcs)
+        self.ptrs: list[int] = []
+        self.batches: list[_Batch] = []
+
+    def _build(self) -> None:
+        """The batches, if not built yet for the sources' storages (see the class docs)."""
+        ptrs = list(map(Tensor.data_ptr, self.srcs))
+        if ptrs == self.ptrs and self.batches:
+            return
         # In memory order (the pairs are independent): neighbours in a shadow's storage
         # end up in one batch, updated by one kernel whatever order the model lists them.
         batches: list[list[tuple[Tensor, Tensor]]] = []
         size, key = GUARD_CHUNK, None
-        for d, s in sorted(_pieces(dsts, srcs), key=lambda pair: memory_order(pair[0])):
+        for d, s in sorted(_pieces(self.dsts, self.srcs), key=lambda pair: memory_order(pair[0])):
             if size + d.numel() > GUARD_CHUNK or (d.device, d.dtype) != key:
                 batches.append([])
                 size, key = 0, (d.device, d.dtype)
@@ -309,14 +322,16 @@ class Guarded:
         for b in self.batches:
             b.alone = shared[b.key] == 1
             b.place(bufs[b.key])
+        self.ptrs = ptrs
 
     def gather(self) -> list[Tensor]:
         """Gather every batch; the extremes of the floating values (a batch that is alone
         in its scratch keeps its values there for the next `update()`)."""
+        self._build()
         extremes: list[Tensor] = []
         for b in self.batches:
             b.gather()
-            values = _floating(b.rows[0])
+            values = _floating(b.source)
             if values is not None:
                 extremes += torch.aminmax(values)
         return extremes
@@ -325,6 +340,8 @@ class Guarded:
         """``dst.lerp_(src, weight)`` (``dst.copy_(src)`` without a ``weight``) where the
         0-dim bool ``ok`` is true, else nothing (``gathered``: `gather()` just ran for
         these values)."""
+        if not gathered:
+            self._build()
         picks: dict[torch.device, Tensor] = {}
         for b in self.batches:
             if not (gathered and b.alone):
