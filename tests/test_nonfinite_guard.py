@@ -185,12 +185,18 @@ def test_the_guard_selects_a_whole_shadow_with_one_kernel():
     assert batch.numel == batch.out.numel() > averaged  # the alignment padding too
 
 
+@pytest.mark.parametrize("chunk", [finite.GUARD_CHUNK, 16])
+@pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("use_foreach", [False, True, None])
-def test_the_guard_follows_parameter_data_swaps(use_foreach):
-    """The guard gathers the weights through views made once (one ``cat``); a ``.data``
-    swap is seen at the next update (the views are remade), and a ``.data`` of another
-    shape is named as without the guard."""
+def test_the_guard_follows_parameter_data_swaps(use_foreach, flatten, chunk, monkeypatch):
+    """The guard reads the weights through views made once (one ``cat``, or the weights'
+    own span for a flattened model or a large tensor, chunk 16); a ``.data`` swap is seen
+    at the next update (the views are remade), and a ``.data`` of another shape is named
+    as without the guard."""
+    monkeypatch.setattr(finite, "GUARD_CHUNK", chunk)
     net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    if flatten:
+        emakit.flatten_parameters(net)
     kw = dict(beta=0.9, update_after_step=0, update_every=1, use_foreach=use_foreach)
     guarded = EMA(net, skip_nonfinite=True, **kw)
     plain = EMA(net, **{**kw, "use_foreach": False})
