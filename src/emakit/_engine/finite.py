@@ -59,9 +59,10 @@ from .paths import Group, no_autograd, stage
 
 __all__ = ["GUARD_CHUNK", "Agreement", "FiniteGuard", "Guarded", "GuardedPath", "SkipCount"]
 
-#: Elements per batch of a guarded update: the scratch a `Guarded` holds is two rows of
-#: at most this many elements per device and dtype (16 MiB in float32). A transfer larger
-#: than one batch is gathered again for its update, batch by batch.
+#: Elements per batch of a guarded update: the scratch a `Guarded` holds is two rows (three
+#: for destinations scattered in memory) of at most this many elements per device and
+#: dtype (16 MiB in float32). A transfer larger than one batch that must be gathered is
+#: gathered again for its update, batch by batch.
 GUARD_CHUNK = 1 << 21
 
 

@@ -85,10 +85,10 @@ class _Group:
         if ok is not None and not self.guarded:
             self.guarded = [Guarded(dst, src) for dst, src in self.targets]
         for i, ((dst, src), w) in enumerate(zip(self.targets, weights, strict=True)):
-            if w and ok is None:
-                torch._foreach_lerp_(dst, src, w)
-            elif w:
+            if w and ok is not None:
                 self.guarded[i].update(ok, w)
+            elif w:
+                torch._foreach_lerp_(dst, src, w)
 
 
 class FusedPlan:

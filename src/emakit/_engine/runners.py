@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     #: What a runner runs: all at once (``run(action)``), or as a snapshot
     #: (``stage(non_blocking=..., guard=...)``) followed by the arithmetic
     #: (``finish(action)``); ``on_accelerator`` says whether the snapshot may be non-blocking.
-    Work = Plan | FusedPlan | BEMAWork
+    Work: TypeAlias = Plan | FusedPlan | BEMAWork
 
 __all__ = ["Runner", "StreamRunner", "SyncRunner", "ThreadRunner", "hook_optimizer"]
 
