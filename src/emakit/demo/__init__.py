@@ -49,34 +49,34 @@ if TYPE_CHECKING:
     from .settings import POSTHOC_TRACKED as POSTHOC_TRACKED
     from .training import evaluate, late_statistics, load_digits_split, make_model, train
 
-# POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are importable from here but not in
-# __all__ (not part of ``from emakit.demo import *``).
-_EXPORTS = {
-    **dict.fromkeys(("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"), "report"),
-    **dict.fromkeys(
-        (
-            "INSTALL_HINT",
-            "PLOT_NAME",
-            "POSTHOC_DIR",
-            "SUMMARY_NAME",
-            "DemoDependencyError",
-            "check_dependencies",
-            "new_output_dir",
-            "run_demo",
-        ),
-        "runner",
+# Each module's exported names (POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are
+# importable from here but not in __all__, so not part of ``from emakit.demo import *``).
+_MODULES = {
+    "report": ("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"),
+    "runner": (
+        "INSTALL_HINT",
+        "PLOT_NAME",
+        "POSTHOC_DIR",
+        "SUMMARY_NAME",
+        "DemoDependencyError",
+        "check_dependencies",
+        "new_output_dir",
+        "run_demo",
     ),
-    **dict.fromkeys(
-        ("DEFAULTS", "MODEL_LABELS", "POSTHOC_SIGMA_REL", "POSTHOC_TRACKED", "DemoSettings"),
-        "settings",
+    "settings": (
+        "DEFAULTS",
+        "MODEL_LABELS",
+        "POSTHOC_SIGMA_REL",
+        "POSTHOC_TRACKED",
+        "DemoSettings",
     ),
-    **dict.fromkeys(
-        ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"), "training"
-    ),
+    "training": ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"),
 }
 
 if not TYPE_CHECKING:  # type checkers see the imports above, not a catch-all __getattr__
-    __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
+    __getattr__, __dir__ = lazy_attributes(
+        __name__, {name: mod for mod, names in _MODULES.items() for name in names}, globals()
+    )
 
 __all__ = [
     "DEFAULTS",
