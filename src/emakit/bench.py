@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import _validate as check
 from ._engine.flat import flatten_parameters
 from .ema import EMA
 from .errors import EMAValueError
@@ -271,19 +272,16 @@ def bench_update(
     Raises:
         EMAValueError: an unknown model or device, no CUDA device, ``repeats < 1``,
             ``threads < 1`` or a non-positive ``sample_ms``.
+        EMATypeError: ``repeats``, ``threads`` or ``sample_ms`` is not a number.
     """
     if device not in ("cpu", "cuda"):
         raise EMAValueError(f"device must be 'cpu' or 'cuda', got {device=!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise EMAValueError("device='cuda' was asked for but torch sees no CUDA device")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise EMAValueError(f"repeats must be an integer >= 1, got {repeats=}")
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise EMAValueError(f"threads must be an integer >= 1 or None, got {threads=}")
-    if not (isinstance(sample_ms, (int, float)) and math.isfinite(sample_ms) and sample_ms > 0):
-        raise EMAValueError(f"sample_ms must be a positive number, got {sample_ms=}")
+    check.integer("repeats", repeats, low=1)
+    if threads is not None:
+        check.integer("threads", threads, low=1)
+    check.real("sample_ms", sample_ms, low=0.0, low_open=True)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -226,6 +226,7 @@ class EMACallback(pl.Callback):
         self._last_global_step = trainer.global_step
 
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
+        """The EMA of ``pl_module`` (created if missing), with a pending loaded state applied."""
         ema = self.ema
         if ema is None or ema.model is not pl_module:
             # The checkpoint holds the module already: the EMA's state leaves it out.
@@ -233,14 +234,18 @@ class EMACallback(pl.Callback):
             ema = self.ema = self.ema_class(pl_module, **kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
-            try:
-                ema.load_state_dict(distribute_like(state, ema.state_dict(keep_vars=True)))
-            except EMAStateError as e:
-                raise EMAStateError(
-                    f"the checkpoint's EMA does not fit this module and EMACallback "
-                    f"keywords ({self.ema_kwargs}): {e}"
-                ) from e
+            self._load_into(ema, distribute_like(state, ema.state_dict(keep_vars=True)))
         return ema
+
+    def _load_into(self, ema: EMA, values: Mapping[str, Any]) -> None:
+        """``ema.load_state_dict(values)``, a mismatch named as the checkpoint's."""
+        try:
+            ema.load_state_dict(values)
+        except EMAStateError as e:
+            raise EMAStateError(
+                f"the checkpoint's EMA does not fit this module and EMACallback keywords "
+                f"({self.ema_kwargs}): {e}"
+            ) from e
 
     # -- updates --------------------------------------------------------------------------
 
@@ -267,7 +272,7 @@ class EMACallback(pl.Callback):
         """Log the skip count (``log_stats`` with ``skip_nonfinite=True``)."""
         ema = self.ema
         if self.log_stats and ema is not None and ema.skip_nonfinite:
-            count = ema_metrics(ema, skips=True)["ema/num_skipped_nonfinite"]
+            count = float(ema.num_skipped_nonfinite)  # waits for the device: once per epoch
             pl_module.log("ema/num_skipped_nonfinite", count, on_step=False, on_epoch=True)
 
     # -- evaluation ---------------------------------------------------------------------
@@ -475,13 +480,7 @@ class EMACallback(pl.Callback):
             ) from e
         values = dict(entry["ema"])
         values.update((k[len(prefix) :], v) for k, v in shards.items())
-        try:
-            ema.load_state_dict(values)
-        except EMAStateError as e:
-            raise EMAStateError(
-                f"the checkpoint's EMA does not fit this module and EMACallback keywords "
-                f"({self.ema_kwargs}): {e}"
-            ) from e
+        self._load_into(ema, values)
 
 
 @contextlib.contextmanager
