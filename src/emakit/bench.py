@@ -33,7 +33,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -149,14 +149,7 @@ class BenchResult:
     rows: tuple[BenchRow, ...]
     load_average: float | None
     cpus: int
-    warnings: tuple[str, ...] = field(default=())
-
-
-def _quartiles(samples: list[float]) -> tuple[float, float, float]:
-    if len(samples) < 2:
-        return samples[0], samples[0], samples[0]
-    q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q1, q2, q3
+    warnings: tuple[str, ...] = ()
 
 
 def _time_side_by_side(
@@ -169,21 +162,17 @@ def _time_side_by_side(
     """Per-call (wall, thread CPU) seconds per round, contenders interleaved round-robin;
     ``progress(done, repeats)`` after each round."""
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def batch_seconds(fn: Callable[[], object], calls: int) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return (time.perf_counter() - wall) / calls, (time.thread_time() - cpu) / calls
 
     batches = {}
     for name, fn in fns.items():
-        fn()  # warm-up: first-call allocations, plan building
-        sync()
+        batch_seconds(fn, 1)  # warm-up: first-call allocations, plan building
         once = min(batch_seconds(fn, 1)[0] for _ in range(3))
         batches[name] = max(1, math.ceil(sample_s / max(once, 1e-7)))
     samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
@@ -313,7 +302,9 @@ def bench_update(
     floor = statistics.median(samples[FLOOR][0])
     rows = []
     for label, (wall, cpu) in samples.items():
-        q1, median, q3 = _quartiles(wall)
+        # quantiles() needs two samples: one round's quartiles are that round's time
+        twice = wall if len(wall) > 1 else wall * 2
+        q1, median, q3 = statistics.quantiles(twice, n=4, method="inclusive")
         rows.append(BenchRow(label, median, q1, q3, statistics.median(cpu), median / floor))
     cpus = os.cpu_count() or 1
     notes = _diagnose(rows, load, cpus, used_threads, device == "cpu" and used_threads == 1)

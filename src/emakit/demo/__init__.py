@@ -28,26 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_attributes
-
-if TYPE_CHECKING:
-    from .report import TABLE_ROWS, plot_history, results_table, summary_metrics
-    from .runner import (
-        INSTALL_HINT,
-        PLOT_NAME,
-        SUMMARY_NAME,
-        DemoDependencyError,
-        check_dependencies,
-        new_output_dir,
-        run_demo,
-    )
-    from .runner import POSTHOC_DIR as POSTHOC_DIR
-    from .settings import DEFAULTS, MODEL_LABELS, DemoSettings
-    from .settings import POSTHOC_SIGMA_REL as POSTHOC_SIGMA_REL
-    from .settings import POSTHOC_TRACKED as POSTHOC_TRACKED
-    from .training import evaluate, late_statistics, load_digits_split, make_model, train
 
 # Each module's exported names (POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are
 # importable from here but not in __all__, so not part of ``from emakit.demo import *``).
@@ -73,10 +54,9 @@ _MODULES = {
     "training": ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"),
 }
 
-if not TYPE_CHECKING:  # type checkers see the imports above, not a catch-all __getattr__
-    __getattr__, __dir__ = lazy_attributes(
-        __name__, {name: mod for mod, names in _MODULES.items() for name in names}, globals()
-    )
+__getattr__, __dir__ = lazy_attributes(
+    __name__, {name: mod for mod, names in _MODULES.items() for name in names}, globals()
+)
 
 __all__ = [
     "DEFAULTS",

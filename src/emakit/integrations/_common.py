@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .._dist.deepspeed import zero3_params
 from .._dist.dtensor import is_dtensor
+from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
 
@@ -102,10 +103,6 @@ class EMAKeywords(TypedDict, total=False):
     min_ema_multiplier: float
 
 
-#: The prefix of every value the callbacks log.
-METRIC_PREFIX = "ema/"
-
-
 def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     """What the framework callbacks log about an EMA, read without waiting for the device.
 
@@ -124,15 +121,11 @@ def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     Returns:
         ``{name: value}``, plain floats.
     """
-    values = {
-        METRIC_PREFIX + "decay": float(ema.get_current_decay()),
-        METRIC_PREFIX + "step": float(ema.tracker.step),
-    }
-    bias = getattr(ema, "bias_weight", None)
-    if bias is not None:
-        values[METRIC_PREFIX + "bias_weight"] = float(bias() if callable(bias) else bias)
+    values = {"ema/decay": float(ema.get_current_decay()), "ema/step": float(ema.step)}
+    if isinstance(ema, BEMA):
+        values["ema/bias_weight"] = ema.bias_weight
     if skips and ema.skip_nonfinite:
-        values[METRIC_PREFIX + "num_skipped_nonfinite"] = float(ema.num_skipped_nonfinite)
+        values["ema/num_skipped_nonfinite"] = float(ema.num_skipped_nonfinite)
     return values
 
 

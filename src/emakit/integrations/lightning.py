@@ -198,7 +198,6 @@ class EMACallback(pl.Callback):
         self._pending: Mapping[str, Any] | None = None
         self._last_global_step = 0
         self._swap: Swap | None = None
-        self._warned_no_ema = False
 
     # -- creation -----------------------------------------------------------------------
 
@@ -277,26 +276,19 @@ class EMACallback(pl.Callback):
 
     # -- evaluation ---------------------------------------------------------------------
 
-    def _ema_for_eval(self, pl_module: pl.LightningModule) -> EMA | None:
+    def _enter_swap(self, pl_module: pl.LightningModule) -> None:
+        """Swap the EMA weights into ``pl_module`` (when the callback holds its EMA)."""
+        if self._swap is not None:
+            return
         if self._pending is not None:
-            return self._ensure_ema(pl_module)
+            self._ensure_ema(pl_module)
         if self.ema is not None and self.ema.model is pl_module:
-            return self.ema
-        if not self._warned_no_ema:
-            self._warned_no_ema = True
-            rank_zero_warn(
+            self._swap = self.ema.swap().enter()
+        else:
+            rank_zero_warn(  # once per process: Python shows a warning once per place
                 "EMACallback has no EMA of this module (it is created by trainer.fit, or "
                 "loaded from a checkpoint passed as ckpt_path=); evaluating the raw weights"
             )
-        return None
-
-    def _enter_swap(self, pl_module: pl.LightningModule) -> None:
-        if self._swap is not None:
-            return
-        ema = self._ema_for_eval(pl_module)
-        if ema is None:
-            return
-        self._swap = ema.swap().enter()
 
     def _leave_swap(self) -> None:
         swap, self._swap = self._swap, None
