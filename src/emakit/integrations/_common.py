@@ -20,9 +20,8 @@ __all__ = [
     "TRAINER_WEIGHTS_NAME",
     "ZERO3_ALTERNATIVE",
     "EMAKeywords",
-    "check_ema_class",
-    "check_ema_kwargs",
     "distribute_like",
+    "ema_keywords",
     "ema_metrics",
     "gather_full",
     "refuse_zero3",
@@ -129,33 +128,30 @@ def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     return values
 
 
-def check_ema_class(owner: str, ema_class: object) -> type[EMA]:
-    """``ema_class`` (the EMA kind an integration builds: [`EMA`][emakit.EMA],
-    [`BEMA`][emakit.BEMA] ...), checked to be an [`EMA`][emakit.EMA] subclass."""
+def ema_keywords(
+    owner: str, ema_kwargs: Mapping[str, Any], ema_class: object = EMA
+) -> dict[str, Any]:
+    """The keywords an integration builds its EMA with, checked up front (not at fit time),
+    ``include_online_model`` defaulting to False (the framework saves the model itself).
+
+    Args:
+        owner: the class or function receiving the keywords, for the messages.
+        ema_kwargs: the keywords meant for ``ema_class``.
+        ema_class: the EMA kind built from them, [`EMA`][emakit.EMA] or a subclass such as
+            [`BEMA`][emakit.BEMA]. Default [`EMA`][emakit.EMA].
+
+    Returns:
+        A new dict: ``{"include_online_model": False, **ema_kwargs}``.
+
+    Raises:
+        EMATypeError: ``ema_class`` is not an EMA kind, a keyword is unknown to it, or a
+            keyword is ``model`` (the integration supplies it).
+    """
     if not (isinstance(ema_class, type) and issubclass(ema_class, EMA)):
         raise EMATypeError(
             f"{owner} ema_class must be emakit.EMA or a subclass such as emakit.BEMA, "
             f"got {ema_class=!r}"
         )
-    return ema_class
-
-
-def check_ema_kwargs(
-    owner: str, ema_kwargs: dict[str, Any], ema_class: type[EMA] = EMA
-) -> dict[str, Any]:
-    """Refuse keywords ``ema_class`` does not take, up front (not at fit time).
-
-    Args:
-        owner: the class or function receiving the keywords, for the message.
-        ema_kwargs: the keywords meant for ``ema_class``.
-        ema_class: the EMA kind built from them. Default [`EMA`][emakit.EMA].
-
-    Returns:
-        ``ema_kwargs`` unchanged.
-
-    Raises:
-        EMATypeError: a keyword is unknown, or is ``model`` (the integration supplies it).
-    """
     if "model" in ema_kwargs:
         raise EMATypeError(
             f"{owner} passes the training model to EMA itself; drop model= from its keywords"
@@ -168,7 +164,7 @@ def check_ema_kwargs(
         raise EMATypeError(
             f"{owner} got keywords emakit.{name} does not take: {unknown}; {name} accepts {known}"
         )
-    return ema_kwargs
+    return {"include_online_model": False, **ema_kwargs}
 
 
 # -- sharded (FSDP2) EMAs in framework checkpoints ------------------------------------------

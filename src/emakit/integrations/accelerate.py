@@ -25,7 +25,7 @@ from torch import nn
 from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import check_ema_class, check_ema_kwargs, refuse_zero3
+from ._common import ema_keywords, refuse_zero3
 
 try:
     from accelerate import Accelerator
@@ -131,21 +131,18 @@ def prepare_ema(
         raise EMATypeError(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
         )
-    gated = {EMA: AcceleratedEMA, BEMA: AcceleratedBEMA}.get(
-        check_ema_class("prepare_ema", ema_class)
-    )
+    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
+    kwargs = ema_keywords("prepare_ema", ema_kwargs, ema_class)
+    gated = {EMA: AcceleratedEMA, BEMA: AcceleratedBEMA}.get(ema_class)
     if gated is None:
         raise EMATypeError(
             f"prepare_ema builds an EMA or a BEMA, got ema_class={ema_class.__name__}; "
             f"build other kinds yourself and call update() when accelerator.sync_gradients"
         )
-    check_ema_kwargs("prepare_ema", ema_kwargs, ema_class)
     # The default keep_fp32_wrapper=True matters: unwrapping without it would strip the
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
     refuse_zero3(unwrapped, "prepare_ema")
-    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
-    ema_kwargs.setdefault("include_online_model", False)
-    ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
+    ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -29,9 +29,8 @@ from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from ._common import (
     LIGHTNING_CHECKPOINT_KEY,
     EMAKeywords,
-    check_ema_class,
-    check_ema_kwargs,
     distribute_like,
+    ema_keywords,
     ema_metrics,
     gather_full,
     sharded_keys,
@@ -186,13 +185,14 @@ class EMACallback(pl.Callback):
         super().__init__()
         self.log_stats = check.boolean("log_stats", log_stats)
         self.also_validate_online = check.boolean("also_validate_online", also_validate_online)
-        self.ema_class = check_ema_class("EMACallback", ema_class)
+        # The checkpoint holds the module already: the EMA's state leaves it out.
+        self.ema_kwargs = ema_keywords("EMACallback", ema_kwargs, ema_class)
+        self.ema_class = ema_class
         self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
         self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
         self.save_ema_weights_as_state_dict = check.boolean(
             "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
         )
-        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs), self.ema_class)
         #: The `EMA`, created when fit starts (None before).
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
@@ -228,9 +228,7 @@ class EMACallback(pl.Callback):
         """The EMA of ``pl_module`` (created if missing), with a pending loaded state applied."""
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            # The checkpoint holds the module already: the EMA's state leaves it out.
-            kwargs = {"include_online_model": False, **self.ema_kwargs}
-            ema = self.ema = self.ema_class(pl_module, **kwargs)
+            ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._load_into(ema, distribute_like(state, ema.state_dict(keep_vars=True)))

@@ -32,7 +32,7 @@ from ..checkpoint import load_ema_weights, save_checkpoint, save_ema_weights
 from ..decay import bema_rule
 from ..ema import EMA, unwrap_model
 from ..errors import EMATypeError
-from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics, refuse_zero3
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, ema_keywords, ema_metrics, refuse_zero3
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -207,7 +207,8 @@ class EMATrainerCallback(TrainerCallback):
         self._online_pass = False  # True while the raw weights are evaluated
         self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
-        self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
+        # The Trainer saves the model: the EMA's files leave it out.
+        self.ema_kwargs = ema_keywords("EMATrainerCallback", ema_kwargs)
         #: The `EMA`, created at ``on_train_begin`` (None before).
         self.ema: EMA | None = None
         #: The file the EMA was restored from at the last resume (None if none).
@@ -218,8 +219,8 @@ class EMATrainerCallback(TrainerCallback):
     # -- what the EMA kind decides (BEMACallback replaces these) ---------------------------
 
     def _build(self, model: nn.Module) -> EMA:
-        """The EMA of ``model``. The Trainer saves the model, so the EMA's files leave it out."""
-        return EMA(model, **{"include_online_model": False, **self.ema_kwargs})
+        """The EMA of ``model``."""
+        return EMA(model, **self.ema_kwargs)
 
     def _load(self, ema: EMA, path: Path) -> None:
         """Restore ``ema`` from a checkpoint's `state_file`."""
