@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 try:
+    from accelerate.utils import send_to_device
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_pt_utils import find_batch_size
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError(
@@ -64,12 +66,9 @@ def _online_loss(model: nn.Module, batches: Any) -> float:
     model.eval()
     with torch.no_grad():
         for batch in batches:
-            batch = {
-                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-            }
-            out = model(**batch)
+            out = model(**send_to_device(batch, device))
             loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
-            size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            size = find_batch_size(batch)
             total += torch.stack([loss.detach().double() * size, loss.new_tensor(size).double()])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
