@@ -10,7 +10,7 @@ scikit-learn is imported only inside `load_digits_split()`.
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,6 +229,5 @@ def late_statistics(history: Mapping[str, Sequence[float]], key: str) -> dict[st
     acc = [a for s, a in zip(steps, history[f"{key}_accuracy"], strict=True) if s > half]
     if not acc:
         return {}
-    mean = sum(acc) / len(acc)
-    std = math.sqrt(sum((a - mean) ** 2 for a in acc) / len(acc))
+    mean, std = statistics.fmean(acc), statistics.pstdev(acc)
     return {"accuracy_late_mean": mean, "accuracy_late_std": std}

@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .._dist.deepspeed import zero3_params
-from .._dist.dtensor import is_dtensor
 from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
@@ -20,12 +19,9 @@ __all__ = [
     "TRAINER_WEIGHTS_NAME",
     "ZERO3_ALTERNATIVE",
     "EMAKeywords",
-    "distribute_like",
     "ema_keywords",
     "ema_metrics",
-    "gather_full",
     "refuse_zero3",
-    "sharded_keys",
 ]
 
 #: Where ``EMACallback`` puts the EMA in a Lightning checkpoint (``emakit inspect`` reads it).
@@ -165,46 +161,3 @@ def ema_keywords(
             f"{owner} got keywords emakit.{name} does not take: {unknown}; {name} accepts {known}"
         )
     return {"include_online_model": False, **ema_kwargs}
-
-
-# -- sharded (FSDP2) EMAs in framework checkpoints ------------------------------------------
-
-
-def sharded_keys(state: Mapping[str, Any]) -> list[str]:
-    """The keys of ``state`` whose values are DTensors (an FSDP2 EMA's shards)."""
-    return [k for k, v in state.items() if is_dtensor(v)]
-
-
-def gather_full(ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` (``ema.state_dict()``) with every DTensor replaced by the full tensor, on
-    the CPU of the first rank; the other ranks get the plain entries only.
-
-    A collective (one gather per tensor): call it on every rank.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(ema.ema_model, options=options)
-    out = {k: v for k, v in state.items() if not is_dtensor(v)}
-    for key in sharded_keys(state):
-        name = key.removeprefix("ema_model.")
-        if name in full:
-            out[key] = full[name]
-    return out
-
-
-def distribute_like(values: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with each full tensor whose ``live`` counterpart is a DTensor cut into
-    this rank's shard of that DTensor's layout (``distribute_tensor``: rank 0's values are
-    scattered, one collective per tensor; call it on every rank). Without DTensors in
-    ``live``, ``values`` as they are."""
-    out = dict(values)
-    for key in sharded_keys(live):
-        value, like = out.get(key), live[key]
-        if isinstance(value, Tensor) and not is_dtensor(value):
-            from torch.distributed.tensor import distribute_tensor
-
-            out[key] = distribute_tensor(
-                value.to(like.device, like.dtype), like.device_mesh, like.placements
-            )
-    return out

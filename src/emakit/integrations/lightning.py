@@ -20,21 +20,14 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from .. import _validate as check
 from .._core.swap import Swap
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
-from ._common import (
-    LIGHTNING_CHECKPOINT_KEY,
-    EMAKeywords,
-    distribute_like,
-    ema_keywords,
-    ema_metrics,
-    gather_full,
-    sharded_keys,
-)
+from ._common import LIGHTNING_CHECKPOINT_KEY, EMAKeywords, ema_keywords, ema_metrics
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -209,8 +202,7 @@ class EMACallback(pl.Callback):
             if reason is not None:
                 raise EMATypeError(f"EMACallback does not support the {name} strategy: {reason}")
         callbacks = getattr(trainer, "callbacks", ())
-        others = [cb for cb in callbacks if isinstance(cb, EMACallback) and cb is not self]
-        if others:
+        if any(isinstance(cb, EMACallback) and cb is not self for cb in callbacks):
             raise EMATypeError(
                 "use one EMACallback per Trainer: both would save under checkpoint['emakit_ema']"
             )
@@ -231,7 +223,7 @@ class EMACallback(pl.Callback):
             ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
-            self._load_into(ema, distribute_like(state, ema.state_dict(keep_vars=True)))
+            self._load_into(ema, _distribute_like(state, ema.state_dict(keep_vars=True)))
         return ema
 
     def _load_into(self, ema: EMA, values: Mapping[str, Any]) -> None:
@@ -368,7 +360,7 @@ class EMACallback(pl.Callback):
             finally:
                 self._enter_swap(pl_module)
         state = ema.state_dict(include_online_model=False)
-        sharded = sharded_keys(state)
+        sharded = _sharded_keys(state)
         weights = checkpoint.get("state_dict", {})
         distributed = bool(sharded) and any(is_dtensor(v) for v in weights.values())
         if self.save_ema_weights_as_state_dict:
@@ -394,7 +386,7 @@ class EMACallback(pl.Callback):
             }
             return
         if sharded:
-            state = gather_full(ema, state)  # one file, written by rank 0: the full EMA
+            state = _gather_full(ema, state)  # one file, written by rank 0: the full EMA
         checkpoint[CHECKPOINT_KEY] = {"version": CHECKPOINT_VERSION, "ema": state}
 
     def on_load_checkpoint(
@@ -459,7 +451,7 @@ class EMACallback(pl.Callback):
         ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
         state = ema.state_dict(include_online_model=False)
         prefix = str(entry.get("shards_in_state_dict", SHARDED_STATE_PREFIX))
-        shards = {prefix + k: state[k] for k in sharded_keys(state)}
+        shards = {prefix + k: state[k] for k in _sharded_keys(state)}
         try:
             dcp.load({"state_dict": shards}, checkpoint_id=path)  # in place, shard by shard
         except Exception as e:
@@ -487,3 +479,46 @@ def _renamed_logs(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
         yield
     finally:
         del pl_module.log  # the class's method again
+
+
+# -- sharded (FSDP2) EMAs in Lightning checkpoints -------------------------------------------
+
+
+def _sharded_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` whose values are DTensors (an FSDP2 EMA's shards)."""
+    return [k for k, v in state.items() if is_dtensor(v)]
+
+
+def _gather_full(ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (``ema.state_dict()``) with every DTensor replaced by the full tensor, on
+    the CPU of the first rank; the other ranks get the plain entries only.
+
+    A collective (one gather per tensor): call it on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(ema.ema_model, options=options)
+    out = {k: v for k, v in state.items() if not is_dtensor(v)}
+    for key in _sharded_keys(state):
+        name = key.removeprefix("ema_model.")
+        if name in full:
+            out[key] = full[name]
+    return out
+
+
+def _distribute_like(values: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each full tensor whose ``live`` counterpart is a DTensor cut into
+    this rank's shard of that DTensor's layout (``distribute_tensor``: rank 0's values are
+    scattered, one collective per tensor; call it on every rank). Without DTensors in
+    ``live``, ``values`` as they are."""
+    out = dict(values)
+    for key in _sharded_keys(live):
+        value, like = out.get(key), live[key]
+        if isinstance(value, Tensor) and not is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor
+
+            out[key] = distribute_tensor(
+                value.to(like.device, like.dtype), like.device_mesh, like.placements
+            )
+    return out
