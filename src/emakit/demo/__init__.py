@@ -11,8 +11,9 @@ tested without the command line. scikit-learn, matplotlib and rich are loaded on
 the demo runs (they are the ``emakit[demo]`` extra); ``import emakit`` never loads them.
 
 This package only re-exports, lazily (``import emakit.demo`` loads neither torch nor an
-extra; each name is imported on first use); the code lives in four modules, imported one
-way (``runner`` -> ``report`` -> ``training`` -> ``settings``):
+extra; each name is imported on first use, so type checkers see these names as ``Any``:
+import them from their module for types); the code lives in four modules, imported one
+way (``runner`` -> ``report`` and ``training`` -> ``settings``):
 
 * `emakit.demo.settings`: the settings and their defaults (no third-party import).
 * `emakit.demo.training`: data, model, evaluation and the training loop.
@@ -30,8 +31,7 @@ from __future__ import annotations
 
 from .._lazy import lazy_attributes
 
-# Each module's exported names (POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are
-# importable from here but not in __all__, so not part of ``from emakit.demo import *``).
+# The names each module exports, imported on first access.
 _MODULES = {
     "report": ("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"),
     "runner": (
@@ -53,29 +53,6 @@ _MODULES = {
     ),
     "training": ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"),
 }
-
-__getattr__, __dir__ = lazy_attributes(
-    __name__, {name: mod for mod, names in _MODULES.items() for name in names}, globals()
-)
-
-__all__ = [
-    "DEFAULTS",
-    "INSTALL_HINT",
-    "MODEL_LABELS",
-    "PLOT_NAME",
-    "SUMMARY_NAME",
-    "TABLE_ROWS",
-    "DemoDependencyError",
-    "DemoSettings",
-    "check_dependencies",
-    "evaluate",
-    "late_statistics",
-    "load_digits_split",
-    "make_model",
-    "new_output_dir",
-    "plot_history",
-    "results_table",
-    "run_demo",
-    "summary_metrics",
-    "train",
-]
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
+__all__ = sorted(_EXPORTS)

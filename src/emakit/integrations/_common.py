@@ -17,7 +17,6 @@ from ..errors import EMATypeError
 __all__ = [
     "LIGHTNING_CHECKPOINT_KEY",
     "TRAINER_WEIGHTS_NAME",
-    "ZERO3_ALTERNATIVE",
     "EMAKeywords",
     "ema_keywords",
     "ema_metrics",
@@ -30,15 +29,6 @@ LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
 TRAINER_WEIGHTS_NAME = "ema.safetensors"
 
 
-#: What to do instead of an integration under DeepSpeed ZeRO-3.
-ZERO3_ALTERNATIVE = (
-    "keep the EMA in the training loop instead: ema = emakit.EMA(engine) and ema.update() "
-    "on every rank, engine.save_checkpoint(dir, client_state={'ema': ema.state_dict()}), "
-    "emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, DeepSpeed); "
-    "ZeRO-1 and 2 work here as they are"
-)
-
-
 def refuse_zero3(model: object, owner: str) -> None:
     """Refuse a DeepSpeed ZeRO-3 model in an integration that saves from one process.
 
@@ -48,8 +38,11 @@ def refuse_zero3(model: object, owner: str) -> None:
     if zero3_params(model):
         raise EMATypeError(
             f"{owner} does not support DeepSpeed ZeRO-3: it writes the EMA from one process, "
-            f"and under ZeRO-3 each process holds only its partitions of it; "
-            f"{ZERO3_ALTERNATIVE}"
+            f"and under ZeRO-3 each process holds only its partitions of it; keep the EMA in "
+            f"the training loop instead: ema = emakit.EMA(engine) and ema.update() on every "
+            f"rank, engine.save_checkpoint(dir, client_state={{'ema': ema.state_dict()}}), "
+            f"emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, "
+            f"DeepSpeed); ZeRO-1 and 2 work here as they are"
         )
 
 
