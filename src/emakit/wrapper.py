@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,14 +38,6 @@ class ModuleKwargSpec:
 
 def _submodule(model: nn.Module, path: str) -> nn.Module:
     return model if path in ("", ".") else model.get_submodule(path)
-
-
-def _is_submodule(model: nn.Module, path: str) -> bool:
-    try:
-        _submodule(model, path)
-    except AttributeError:
-        return False
-    return True
 
 
 def parse_module_kwargs(
@@ -73,9 +66,10 @@ def parse_module_kwargs(
     out = []
     for receiver, value in spec.items():
         if isinstance(value, str):
-            if _is_submodule(model, value):
+            try:  # a submodule path names the EMA submodule, anything else the keyword
+                _submodule(model, value)
                 out.append(ModuleKwargSpec(receiver, value, default_kwarg))
-            else:
+            except AttributeError:
                 out.append(ModuleKwargSpec(receiver, receiver, value))
         elif isinstance(value, (tuple, list)):
             ema_path, kwarg, transform = (*value, None, None, None)[:3]
@@ -203,26 +197,22 @@ class EMAModuleWrapper(nn.Module):
                     f"{spec.ema_path!r}; add it (or **kwargs), or name another keyword"
                 )
             source = _submodule(ema_model, spec.ema_path)
-            self._hook_handles.append(source.register_forward_hook(self._capture(spec)))
+            self._hook_handles.append(source.register_forward_hook(partial(self._capture, spec)))
             self._hook_handles.append(
-                receiver.register_forward_pre_hook(self._inject(spec), with_kwargs=True)
+                receiver.register_forward_pre_hook(partial(self._inject, spec), with_kwargs=True)
             )
 
-    def _capture(self, spec: ModuleKwargSpec) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._captured[spec.ema_path] = (
-                spec.transform(output) if spec.transform is not None else output
-            )
+    def _capture(self, spec: ModuleKwargSpec, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on an EMA submodule: keep its (transformed) output."""
+        self._captured[spec.ema_path] = output if spec.transform is None else spec.transform(output)
 
-        return hook
-
-    def _inject(self, spec: ModuleKwargSpec) -> Callable[..., Any]:
-        def pre_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-            if spec.ema_path in self._captured:
-                kwargs[spec.kwarg_name] = self._captured[spec.ema_path]
-            return args, kwargs
-
-        return pre_hook
+    def _inject(
+        self, spec: ModuleKwargSpec, module: nn.Module, args: Any, kwargs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """Forward pre-hook on an online submodule: pass the kept output as a keyword."""
+        if spec.ema_path in self._captured:
+            kwargs[spec.kwarg_name] = self._captured[spec.ema_path]
+        return args, kwargs
 
     # -- forward -----------------------------------------------------------------------
 
