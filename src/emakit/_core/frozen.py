@@ -53,7 +53,7 @@ from .._engine.pairs import TensorPair
 from ..errors import EMARuntimeError
 from .sharding import adopt_shard, places_of
 
-__all__ = ["FrozenShare", "shared_parameters", "shares"]
+__all__ = ["FrozenShare", "UnfreezeHook", "drop_unfreeze_hooks", "shared_parameters", "shares"]
 
 
 def shares(p: TensorPair) -> bool:
