@@ -39,9 +39,9 @@ from emakit.posthoc import (
     sigma_rel_to_gamma,
     synthesize_state_dict,
 )
-from emakit.posthoc import reading as reading_module
-from emakit.posthoc import snapshots as snapshots_module
-from emakit.posthoc import synthesis as synthesis_module
+from emakit.posthoc.snapshots import format as reading_module
+from emakit.posthoc.snapshots import format as snapshots_module
+from emakit.posthoc.synthesis import plan as synthesis_module
 
 T = 4000  # training steps of the smooth trajectory
 EVERY = 200  # snapshot interval
@@ -485,7 +485,7 @@ def test_snapshots_are_written_atomically(tmp_path: Path, monkeypatch: pytest.Mo
     first = ema.checkpoint()
     before = {p: p.read_bytes() for p in first}
 
-    from emakit.posthoc import snapshots
+    from emakit.posthoc.snapshots import format as snapshots
 
     def crash(f, tensors, metadata, dtype=None):  # a writer dying half-way
         f.write(b"partial")

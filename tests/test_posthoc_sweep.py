@@ -24,7 +24,7 @@ from emakit.posthoc import (
     sweep_lengths,
     synthesize_state_dict,
 )
-from emakit.posthoc import reading as reading_module
+from emakit.posthoc.snapshots import format as reading_module
 
 LENGTHS = [0.07, 0.1, 0.15, 0.2, 0.25]
 X = torch.randn(32, 6, generator=torch.Generator().manual_seed(7))

@@ -2,7 +2,7 @@
 
 ``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
 one entry of ``_LAZY_COMMANDS`` for a command defined in a module that imports torch
-(``synthesize`` and ``inspect``). This module imports only click and torch-free parts of
+(``synthesize``, ``sweep`` and ``inspect``). This module imports only click and torch-free parts of
 emakit: torch, the extras (scikit-learn, matplotlib, rich) and the post-hoc commands are
 imported when a command runs, so ``emakit --help`` and ``--version`` answer in about the
 time Python and click take to start, and a missing extra becomes a one-line error with the
@@ -47,7 +47,7 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
     ),
     "sweep": (
-        "emakit.posthoc.sweep_cli",
+        "emakit.posthoc.commands",
         "sweep_cmd",
         "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
     ),
@@ -246,7 +246,7 @@ def bench(model: str, device: str, repeats: int, threads: int, progress: bool) -
 
     from .bench import MODELS, bench_update
     from .errors import EMAError
-    from .posthoc._cli import progress_bar
+    from .posthoc.commands import progress_bar
 
     try:
         with progress_bar(progress, unit="rounds") as start:

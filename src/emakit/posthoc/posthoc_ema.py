@@ -17,33 +17,39 @@ negative); they come from the latest snapshot at or before the target step.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
 
+from .._core.forward import eval_call
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
 from .._dist.collectives import AGREE_TIMEOUT_S
+from .._dist.deepspeed import ZeroPartitions
+from .._dist.ranks import dist_ready, is_rank_zero
 from .._files.reading import writable_folder
 from .._validate import boolean
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
-from .karras import KarrasEMA, profile_time, resolve_profiles
-from .math import PostHocWarning
-from .runs import check_run_id, new_run_id, run_to_continue
-from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
-from .synthesizing import SynthesisMethods
-from .writing import SnapshotWriter, check_snapshottable
+from .karras import KarrasEMA, profile_time, resolve_profile
+from .math import PostHocWarning, check_gamma, check_sigma_rel
+from .snapshots.folder import check_run_id, list_snapshots, new_run_id, run_to_continue, runs_in
+from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
+from .snapshots.legacy import LegacyProfiles
+from .snapshots.shards import is_sharded
+from .snapshots.writer import SnapshotWriter, check_snapshottable
+from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args, synthesize_into
+from .synthesis.sweep import SweepResult, run_sweep
 
-__all__ = [
-    "POSTHOC_STATE_VERSION",
-    "PostHocEMA",
-]
+__all__ = ["POSTHOC_STATE_VERSION", "PostHocEMA"]
+
+T = TypeVar("T")
 
 #: Version of the layout `PostHocEMA.state_dict()` writes.
 POSTHOC_STATE_VERSION = 2
@@ -54,26 +60,52 @@ _CODEC = StateCodec(
     legacy_version_key="version",
 )
 
-_KARRAS_KWARGS = frozenset(
-    {
-        "frozen",
-        "param_or_buffer_names_no_ema",
-        "ignore_names",
-        "ignore_startswith_names",
-        "allow_different_devices",
-        "move_ema_to_online_device",
-        "use_foreach",
-        "ema_dtype",
-        "skip_nonfinite",
-        "device",
-        "async_update",
-        "share_frozen",
-        "partition",
-    }
-)
+#: The keywords PostHocEMA passes on to each KarrasEMA: all of KarrasEMA's but those it
+#: sets itself.
+_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA.__init__).parameters) - {
+    "self",
+    "model",
+    "sigma_rel",
+    "gamma",
+    "ema_model",
+    "update_every",
+}
 
 
-class PostHocEMA(nn.Module, SynthesisMethods):
+def resolve_profiles(
+    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
+) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
+    """The profiles of a PostHocEMA: ``(sigma_rels or Nones, gammas)`` from one of
+    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and distinct.
+    """
+    if sigma_rels is not None and gammas is not None:
+        raise EMAValueError(
+            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
+        )
+    if sigma_rels is None and gammas is None:
+        sigma_rels = (0.05, 0.28)
+    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
+    values = tuple(values)
+    if not values:
+        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
+    if name == "sigma_rels":
+        srs: tuple[float | None, ...] = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
+        resolved = [resolve_profile(s, None) for s in srs]
+    else:
+        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
+        srs = tuple(None for _ in values)
+    gs = tuple(g for _, g in resolved)
+    names = [snapshot_filename(0, s, g) for s, g in resolved]
+    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
+        raise EMAValueError(
+            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
+        )
+    return srs, gs
+
+
+class PostHocEMA(nn.Module):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
     Karras et al. 2024 (arXiv:2312.02696, §3): track a few [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] profiles
@@ -208,7 +240,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
         self._writer = SnapshotWriter(store_frozen_once)
         self._loaded_run: str | None = None
-        if is_writer():
+        if is_rank_zero():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
 
     def _new_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
@@ -361,6 +393,173 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
         return paths
 
+    # -- synthesis ------------------------------------------------------------------------
+
+    def _on_rank_zero(self, fn: Callable[[], T]) -> T:
+        """``fn()``: for a sharded model under ``torch.distributed``, computed by rank 0
+        and broadcast (a collective: the folder is listed once, not by every rank, and
+        every rank uses the same snapshots; an error raises on every rank)."""
+        if not (dist_ready() and is_sharded(self.profiles[0].ema_model)):
+            return fn()
+        box: list[Any] = [None]
+        if torch.distributed.get_rank() == 0:
+            try:
+                box[0] = fn()
+            except EMAError as e:
+                box[0] = e
+        torch.distributed.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return cast(T, box[0])
+
+    def _snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots a synthesis uses: this run's when the folder holds any, else the
+        folder's only run's, and ema-pytorch's files read as this PostHocEMA's profiles."""
+        folder, legacy = self.checkpoint_folder, self.legacy_profiles()
+        run = self.run_id if self.run_id in runs_in(list_snapshots(folder)) else None
+        return pick_snapshots(folder, legacy, run)
+
+    def _synthesized(self, sigma_rel: float | None, gamma: float | None) -> KarrasEMA:
+        """A KarrasEMA of the model with this profile, to load a reconstruction into
+        (built as the profiles are: sharded like them)."""
+        return KarrasEMA(
+            self.model,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            ema_model=self._new_ema_model(),
+            update_every=self.update_every,
+            **self._karras_kwargs,
+        )
+
+    def synthesize_ema_model(
+        self,
+        gamma: float | None = None,
+        sigma_rel: float | None = None,
+        step: int | None = None,
+    ) -> KarrasEMA:
+        """Reconstruct the power-function EMA with ``gamma`` (or ``sigma_rel``) at ``step``.
+
+        ema-pytorch's name and argument order: ``synthesize_ema_model(7.0)`` is
+        ``gamma=7.0``; pass ``sigma_rel=`` by keyword. The same synthesis as
+        [`emakit.posthoc.synthesize()`][emakit.posthoc.synthesis.plan.synthesize] from the
+        folder alone, into a model.
+
+        Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
+        before ``step`` only), then a streamed weighted sum of the snapshots (see
+        [`SynthesisPlan`][emakit.posthoc.synthesis.plan.SynthesisPlan]): emakit's and, read as this
+        PostHocEMA's profiles, ema-pytorch's (see `legacy_profiles()`). Buffers come
+        from the latest snapshot at or before ``step``. The snapshots are this run's
+        (`run_id`) when the folder holds any, else the folder's only run's; a folder
+        of several other runs is refused (build with ``run_id=`` to pick one).
+
+        Args:
+            gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382). Give this or
+                ``sigma_rel``.
+            sigma_rel: the target relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028;
+                above ``1/sqrt(12)`` gamma < 0: more weight on early iterates).
+            step: the target step. Default None: the latest snapshot's step.
+
+        Returns:
+            A [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] of the model with that profile, whose ``ema_model`` holds
+            the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
+            use ``synth.ema_model``. For a sharded model it is sharded alike, on every
+            rank (call this on every rank): under FSDP2 its ``ema_model`` holds this
+            rank's shards; under DeepSpeed ZeRO-3 (or ``partition=True``) this rank's
+            partitions, used as an [`EMA`][emakit.EMA]'s are: ``synth(x)`` and
+            ``synth.swap()`` run the engine's module on them,
+            [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] writes
+            the whole model. The snapshots may come from any number of ranks.
+
+        Raises:
+            EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
+                first snapshot.
+            EMAStateError: the snapshots do not match the model, or changed since they
+                were listed; several runs and none of them this one; an ema-pytorch file
+                whose profile index is out of range or that ``torch.load(weights_only=True)``
+                refuses.
+
+        Warns:
+            PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
+                (its value is lost): the model's current value is kept, as ema-pytorch does.
+        """
+        plan = self._on_rank_zero(
+            lambda: plan_synthesis(
+                self.checkpoint_folder,
+                sigma_rel=sigma_rel,
+                gamma=gamma,
+                step=step,
+                snapshots=self._snapshots(),
+            )
+        )
+        synth = self._synthesized(sigma_rel, gamma)
+        synthesize_into(cast(nn.Module, synth.ema_model), plan, where=self.checkpoint_folder)
+        synth.tracker.reset(plan.step)
+        return synth
+
+    def sweep(
+        self,
+        evaluate: Callable[[nn.Module], Any],
+        sigma_rels: Sequence[float] | str,
+        *,
+        step: int | None = None,
+        mode: Literal["min", "max"] = "min",
+        lengths_per_pass: int = 8,
+        plot: str | os.PathLike[str] | None = None,
+    ) -> SweepResult:
+        """Synthesize the EMA at each of ``sigma_rels`` and score it with ``evaluate``.
+
+        The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
+        is read once per ``lengths_per_pass`` lengths and added into all of them (see
+        `emakit.posthoc.synthesis.sweep`), each reconstruction is loaded into one EMA model
+        (sharded like the model, for FSDP2: then call it on every rank) and
+        ``evaluate(model) -> float`` scores it. Under DeepSpeed ZeRO-3 (or
+        ``partition=True``) ``model`` is the engine's module with the reconstruction's
+        partitions swapped in (as in ``synth.swap()``), on every rank.
+
+        Args:
+            evaluate: scores the synthesized EMA model (in eval mode, under no_grad).
+            sigma_rels: the lengths to try, each in ``(0, SIGMA_REL_MAX]``, or a spec
+                such as ``"0.05:0.25:9"`` (see [`sweep()`][emakit.posthoc.synthesis.sweep.sweep]).
+            step: the step to synthesize at. Default None: the latest snapshot's.
+            mode: ``"min"`` if lower scores are better (a loss, FID), else ``"max"``.
+                Default ``"min"``.
+            lengths_per_pass: lengths held in memory at once (one float32 model each).
+                Default 8.
+            plot: write the score against ``sigma_rel`` to this PNG, the tracked profiles
+                marked (needs matplotlib). Default None.
+
+        Returns:
+            A [`SweepResult`][emakit.posthoc.SweepResult]: ``(sigma_rel, score)`` pairs
+            in order, ``.best``, ``.plot(path)``, ``.table()``.
+
+        Example:
+            >>> result = posthoc.sweep(val_loss, sigma_rels=[0.05, 0.1, 0.15, 0.2])  # doctest: +SKIP
+            >>> result.best  # doctest: +SKIP
+            (0.1, 0.0123)
+        """
+        folder = self.checkpoint_folder
+
+        def scorer() -> tuple[Callable[[dict[str, torch.Tensor]], Any], dict[str, Any]]:
+            synth = self._synthesized(self.sigma_rels[0], None)
+            model = cast(nn.Module, synth.ema_model).eval()
+
+            def score(out: dict[str, torch.Tensor]) -> Any:
+                load_into(model, out, where=folder)
+                return _evaluated(synth, evaluate)
+
+            return score, region_args(model)
+
+        return run_sweep(
+            folder,
+            sigma_rels,
+            step=step,
+            mode=mode,
+            lengths_per_pass=lengths_per_pass,
+            plot=plot,
+            snapshots=lambda: self._on_rank_zero(self._snapshots),
+            scorer=scorer,
+        )
+
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -458,7 +657,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     def _folder_run(self) -> str | None:
         """The run to continue after loading a state without a run id (on rank 0)."""
-        if not (is_writer() and self.checkpoint_folder.is_dir()):
+        if not (is_rank_zero() and self.checkpoint_folder.is_dir()):
             return None
         run = run_to_continue(self.checkpoint_folder, self.run_id)
         if run is not None:
@@ -495,3 +694,16 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             f"update_every={self.update_every}, checkpoint_every_num_steps={every!r}, "
             f"checkpoint_folder={str(self.checkpoint_folder)!r}"
         )
+
+
+def _evaluated(synth: KarrasEMA, fn: Callable[[nn.Module], Any]) -> Any:
+    """``fn`` of the module that computes with ``synth``'s weights, in eval mode without
+    grad: its EMA model, or for a partitioned EMA (DeepSpeed ZeRO-3, ``partition=True``,
+    whose EMA model holds only this rank's partitions) the online model with the EMA
+    partitions swapped in (a collective, as ``synth(x)`` is)."""
+    model = cast(nn.Module, synth.ema_model)
+    if isinstance(model, ZeroPartitions):
+        online = synth.model
+        return synth.swap().run(eval_call, online, fn, (online,), {})
+    with torch.no_grad():
+        return fn(model)
