@@ -31,9 +31,9 @@ from emakit import EMAError, PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
 from emakit.errors import EMAStateError, EMATypeError
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
-from emakit.posthoc.snapshots import frozen as frozen_module
-from emakit.posthoc.snapshots import format as snapshots_module
 from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.snapshots import format as snapshots_module
+from emakit.posthoc.snapshots import frozen as frozen_module
 from emakit.posthoc.snapshots.frozen import collect_frozen_files, is_side_file
 
 SIGMAS = (0.05, 0.28)
