@@ -32,13 +32,13 @@ reported on one line (``Error: ...``), never as a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import os
 import re
 import stat
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -189,36 +189,7 @@ def open_folder(
         f"({', '.join(sorted(copied)[:4]) or 'none'}{', ...' if len(copied) > 4 else ''}) "
         f"and averaging the other {len(names) - len(copied)} tensors"
     )
-    guessed = LegacyProfiles(
-        legacy.gammas,
-        sigma_rels=legacy.sigma_rels,
-        update_every=update_every,
-        copied=copied,
-        exact_dtypes=exact,
-    )
-    return found, guessed, note
-
-
-def _refuse_legacy(folder: Path) -> None:
-    files = list_legacy_files(folder) if folder.is_dir() else []
-    if files:
-        shown = ", ".join(f.path.name for f in files[:4]) + (", ..." if len(files) > 4 else "")
-        raise click.ClickException(
-            f"{folder} holds {len(files)} ema-pytorch snapshot file(s) ({shown}), which do not "
-            f"record their profiles; emakit will not ignore them: {LEGACY_HINT}, or move them "
-            f"out of the folder"
-        )
-
-
-@contextmanager
-def echoed_warnings() -> Iterator[None]:
-    """Collect the warnings raised in the block, then print each message once, as one
-    ``Warning: ...`` line on stderr."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    for message in dict.fromkeys(str(w.message) for w in caught):
-        click.echo(f"Warning: {message}", err=True)
+    return found, dataclasses.replace(legacy, copied=copied, exact_dtypes=exact), note
 
 
 @contextmanager
@@ -277,13 +248,6 @@ SYNTHESIZED_FORMAT_VERSION = 1
 
 #: Output suffixes ``emakit synthesize --out`` writes, and the format of each.
 OUTPUT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 
 
 def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
@@ -382,7 +346,7 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
 @click.option("--force", is_flag=True, help="Replace existing output files.")
 @click.option(
     "--dtype",
-    type=click.Choice(sorted(_DTYPES)),
+    type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
     default="float32",
     show_default=True,
     help="dtype of the averaged tensors written (buffers keep theirs).",
@@ -431,23 +395,22 @@ def synthesize(
         folder, legacy, note = open_folder(
             folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
         )
-        if legacy is None:
-            _refuse_legacy(folder)
-        with echoed_warnings():
-            plans = [
-                plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
-                for v in values
-            ]
-            inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.files]
-            inputs += [f.path for f in list_legacy_files(folder)]
-            used = [f for p in plans for s in p.snapshots for f in s.files]
-            _check_outputs(paths, inputs + used, force)
-            if note and any(s.is_legacy for p in plans for s in p.snapshots):
-                click.echo(note, err=True)
+        plans = [
+            plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
+            for v in values
+        ]
+        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.files]
+        inputs += [f.path for f in list_legacy_files(folder)]
+        used = [f for p in plans for s in p.snapshots for f in s.files]
+        _check_outputs(paths, inputs + used, force)
+        if note and any(s.is_legacy for p in plans for s in p.snapshots):
+            click.echo(note, err=True)
         with progress_bar(progress) as start:
             for plan, path in zip(plans, paths, strict=True):
                 label = f"sigma_rel={fmt(plan.sigma_rel)} step={plan.step}"
-                state = plan.run(dtype=_DTYPES[dtype], progress=start(label, len(plan.snapshots)))
+                state = plan.run(
+                    dtype=getattr(torch, dtype), progress=start(label, len(plan.snapshots))
+                )
                 _write_output(path, state, plan)
                 del state
     except (EMAError, OSError) as e:
@@ -557,18 +520,17 @@ def sweep_cmd(
         folder, legacy, _ = open_folder(
             folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
         )
-        with echoed_warnings():
-            result = sweep(
-                folder,
-                evaluate,
-                lengths,
-                step=step,
-                mode="max" if maximize else "min",
-                lengths_per_pass=lengths_per_pass,
-                run=run,
-                legacy=legacy,
-                plot=plot,
-            )
+        result = sweep(
+            folder,
+            evaluate,
+            lengths,
+            step=step,
+            mode="max" if maximize else "min",
+            lengths_per_pass=lengths_per_pass,
+            run=run,
+            legacy=legacy,
+            plot=plot,
+        )
     except (EMAError, OSError) as e:
         raise fail(e) from e
     click.echo(result.table())
@@ -763,8 +725,9 @@ def _inspect_safetensors(path: Path) -> None:
         click.echo(f"  ... and {len(tensors) - 12} more")
 
 
-def _ema_state_in(obj: Any) -> tuple[str, Mapping[str, Any]] | None:
-    """``(what holds it, the EMA's state dict)`` in a loaded torch object, or None.
+def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
+    """``(what holds it, the EMA's state dict)`` in a loaded torch object, or ``(None,
+    obj)`` for anything else.
 
     A Lightning checkpoint holds ``EMACallback``'s entry under ``"emakit_ema"`` (layout
     version 1: ``{"version": 1, "ema": state}``; version 2 keeps an FSDP2 EMA's shards in
@@ -772,7 +735,7 @@ def _ema_state_in(obj: Any) -> tuple[str, Mapping[str, Any]] | None:
     ``torch.save(ema.state_dict())`` is the state itself.
     """
     if not isinstance(obj, Mapping):
-        return None
+        return None, obj
     entry = obj.get(LIGHTNING_CHECKPOINT_KEY)
     if isinstance(entry, Mapping) and isinstance(entry.get("ema"), Mapping):
         where = (
@@ -784,35 +747,7 @@ def _ema_state_in(obj: Any) -> tuple[str, Mapping[str, Any]] | None:
         return where, entry["ema"]
     if "step" in obj and "initted" in obj and any(str(k).startswith("ema_model.") for k in obj):
         return "EMA state_dict", obj
-    return None
-
-
-def _describe_ema_state(state: Mapping[str, Any], limit: int = 12) -> None:
-    """Print an EMA ``state_dict()``: step, initted, emakit's metadata (layout version,
-    skip count), and the EMA's tensors (and the online model's, if saved)."""
-    for key in ("step", "initted"):
-        value = state.get(key)
-        if isinstance(value, torch.Tensor):
-            click.echo(f"  {key}: {value.tolist()}")
-    meta = getattr(state, "_metadata", None) or {}
-    for key, value in sorted((meta.get("") or {}).items()):
-        click.echo(f"  {key}: {value}")
-    for prefix, label in (("ema_model.", "EMA"), ("online_model.", "online model")):
-        tensors = {
-            k[len(prefix) :]: v
-            for k, v in state.items()
-            if isinstance(k, str) and k.startswith(prefix) and isinstance(v, torch.Tensor)
-        }
-        if not tensors:
-            continue
-        floats = sum(v.numel() for v in tensors.values() if v.is_floating_point())
-        dtypes = ", ".join(sorted({_dtype(v) for v in tensors.values()}))
-        click.echo(f"{label}: {len(tensors)} tensors, {floats:,} floating values, {dtypes}")
-        if label == "EMA":
-            for name, v in list(tensors.items())[:limit]:
-                click.echo(f"  {name}  {_dtype(v)}  {list(v.shape)}")
-            if len(tensors) > limit:
-                click.echo(f"  ... and {len(tensors) - limit} more")
+    return None, obj
 
 
 def _not_a_checkpoint(path: Path) -> None:
@@ -836,38 +771,48 @@ def _not_a_checkpoint(path: Path) -> None:
     raise click.ClickException(f"{path} is {what}, not a checkpoint; {READS}")
 
 
-def _inspect_torch(path: Path) -> None:
+def _inspect_torch(path: Path, limit: int = 12) -> None:
+    """A torch file: an EMA state (alone, or inside a framework's checkpoint) with its
+    counters, emakit's metadata and its tensors; any other dict's counters and sizes."""
     _not_a_checkpoint(path)  # summary.json, a text file: say what it is
     obj = torch_load(path, "checkpoint file")  # weights_only=True; never advises otherwise
     click.echo(f"torch checkpoint {path} ({_size(path.stat().st_size)})")
-    found = _ema_state_in(obj)
-    if found is not None:  # an EMA state, alone or inside a framework's checkpoint
-        click.echo(f"{found[0]}:")
-        _describe_ema_state(found[1])
-        return
-    m = LEGACY_NAME.match(path.name)
-    if m:
+    where, state = _ema_state_in(obj)
+    if where is not None:
+        click.echo(f"{where}:")
+    elif m := LEGACY_NAME.match(path.name):
         click.echo(
             f"named like an ema-pytorch post-hoc snapshot: profile index {m.group(1)}, step "
             f"{m.group(2)} (values stored in its checkpoint_dtype)"
         )
-    if not isinstance(obj, dict):
-        click.echo(f"holds a {type(obj).__name__}")
+    if not isinstance(state, Mapping):
+        click.echo(f"holds a {type(state).__name__}")
         return
-    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     for key in ("version", "karras_version", "step", "initted", "gammas", "gamma", "t"):
-        v = tensors.get(key)
-        if v is not None:
-            click.echo(f"  {key}: {v.tolist()}")
-    for key, value in getattr(obj, "_metadata", {}).get("", {}).items():  # emakit's extras
-        click.echo(f"  {key} (metadata): {value}")
-    others = sorted(k for k in obj if k not in tensors)
-    floating = [v for v in tensors.values() if v.is_floating_point()]
-    dtypes = sorted({_dtype(v) for v in tensors.values()})
-    click.echo(
-        f"{len(tensors)} tensors, {sum(v.numel() for v in floating):,} floating values, "
-        f"dtypes {', '.join(dtypes) or '-'}" + (f"; other entries: {others[:10]}" if others else "")
-    )
+        if key in tensors:
+            click.echo(f"  {key}: {tensors[key].tolist()}")
+    for key, value in sorted((getattr(state, "_metadata", None) or {}).get("", {}).items()):
+        click.echo(f"  {key}: {value}")  # emakit's extras (layout version, run, skips...)
+    if where is None:
+        others = sorted(str(k) for k in state if k not in tensors)
+        floating = sum(v.numel() for v in tensors.values() if v.is_floating_point())
+        dtypes = ", ".join(sorted({_dtype(v) for v in tensors.values()})) or "-"
+        click.echo(
+            f"{len(tensors)} tensors, {floating:,} floating values, dtypes {dtypes}"
+            + (f"; other entries: {others[:10]}" if others else "")
+        )
+        return
+    for prefix, label in (("ema_model.", "EMA"), ("online_model.", "online model")):
+        group = {k[len(prefix) :]: v for k, v in tensors.items() if str(k).startswith(prefix)}
+        if group:
+            floating = sum(v.numel() for v in group.values() if v.is_floating_point())
+            dtypes = ", ".join(sorted({_dtype(v) for v in group.values()}))
+            click.echo(f"{label}: {len(group)} tensors, {floating:,} floating values, {dtypes}")
+        for name, v in list(group.items())[:limit] if label == "EMA" else ():
+            click.echo(f"  {name}  {_dtype(v)}  {list(v.shape)}")
+        if label == "EMA" and len(group) > limit:
+            click.echo(f"  ... and {len(group) - limit} more")
 
 
 def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
@@ -876,12 +821,9 @@ def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
     folder (its ``custom_checkpoint_<i>.pkl`` files), else None."""
     if (folder / TRAINER_WEIGHTS_NAME).is_file():
         return "Transformers Trainer checkpoint folder", [folder / TRAINER_WEIGHTS_NAME]
-    custom = {
-        int(m.group(1)): p
-        for p in folder.iterdir()
-        if (m := ACCELERATE_FILE.fullmatch(p.name)) and p.is_file()
-    }
-    return ("Accelerate save_state folder", [custom[i] for i in sorted(custom)]) if custom else None
+    found = [(ACCELERATE_FILE.fullmatch(p.name), p) for p in folder.iterdir() if p.is_file()]
+    custom = sorted((int(m.group(1)), p) for m, p in found if m)
+    return ("Accelerate save_state folder", [p for _, p in custom]) if custom else None
 
 
 @click.command("inspect")

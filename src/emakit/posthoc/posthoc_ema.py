@@ -35,7 +35,7 @@ from .._dist.collectives import AGREE_TIMEOUT_S
 from .._dist.deepspeed import ZeroPartitions
 from .._dist.ranks import dist_ready, is_rank_zero
 from .._files.reading import writable_folder
-from .._validate import boolean
+from .._validate import boolean, floating_dtype
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
@@ -75,34 +75,31 @@ _KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA.__init__).parameters) - {
 def resolve_profiles(
     sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
 ) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
-    """The profiles of a PostHocEMA: ``(sigma_rels or Nones, gammas)`` from one of
-    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and distinct.
-    """
+    """The profiles of a PostHocEMA: ``(sigma_rels, gammas)`` from one of
+    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and
+    distinct; the sigma_rels are None when gammas are given (each KarrasEMA then derives
+    its own from its gamma)."""
     if sigma_rels is not None and gammas is not None:
         raise EMAValueError(
             f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
         )
-    if sigma_rels is None and gammas is None:
-        sigma_rels = (0.05, 0.28)
-    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
+    name, values = ("gammas", gammas) if gammas is not None else ("sigma_rels", sigma_rels)
+    values = (0.05, 0.28) if values is None else values
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
     values = tuple(values)
     if not values:
         raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
     if name == "sigma_rels":
-        srs: tuple[float | None, ...] = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
-        resolved = [resolve_profile(s, None) for s in srs]
+        resolved = [resolve_profile(check_sigma_rel(v, name), None) for v in values]
     else:
-        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
-        srs = tuple(None for _ in values)
+        resolved = [resolve_profile(None, check_gamma(v, name)) for v in values]
     gs = tuple(g for _, g in resolved)
-    names = [snapshot_filename(0, s, g) for s, g in resolved]
-    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
+    if len(set(gs)) != len(gs) or len({snapshot_filename(0, *p) for p in resolved}) != len(gs):
         raise EMAValueError(
             f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
         )
-    return srs, gs
+    return tuple(s if name == "sigma_rels" else None for s, _ in resolved), gs
 
 
 class PostHocEMA(nn.Module):
@@ -203,13 +200,6 @@ class PostHocEMA(nn.Module):
                 f"checkpoint_every_num_steps={every!r}"
             )
         checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
-        if checkpoint_dtype is not None and not (
-            isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
-        ):
-            raise EMATypeError(
-                f"checkpoint_dtype must be a floating torch.dtype (e.g. torch.float16) or None, "
-                f"got {checkpoint_dtype=!r}"
-            )
         if ema_model is not None and not (isinstance(ema_model, nn.Module) or callable(ema_model)):
             raise EMATypeError(
                 f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
@@ -236,7 +226,7 @@ class PostHocEMA(nn.Module):
         self.sigma_rels = tuple(m.sigma_rel for m in self.profiles)
         self.checkpoint_every_num_steps = every
         self.checkpoint_folder = Path(checkpoint_folder)
-        self.checkpoint_dtype = checkpoint_dtype
+        self.checkpoint_dtype = floating_dtype("checkpoint_dtype", checkpoint_dtype)
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
         self._writer = SnapshotWriter(store_frozen_once)
         self._loaded_run: str | None = None
@@ -492,7 +482,7 @@ class PostHocEMA(nn.Module):
             )
         )
         synth = self._synthesized(sigma_rel, gamma)
-        synthesize_into(cast(nn.Module, synth.ema_model), plan, where=self.checkpoint_folder)
+        synthesize_into(cast(nn.Module, synth.ema_model), plan)
         synth.tracker.reset(plan.step)
         return synth
 
@@ -544,7 +534,7 @@ class PostHocEMA(nn.Module):
             model = cast(nn.Module, synth.ema_model).eval()
 
             def score(out: dict[str, torch.Tensor]) -> Any:
-                load_into(model, out, where=folder)
+                load_into(model, out)
                 return _evaluated(synth, evaluate)
 
             return score, region_args(model)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..._files.reading import open_regular, refusal_reason
+from ..._validate import integer
 from ...errors import EMAStateError, EMATypeError, EMAValueError
 from ..math import check_gamma, check_sigma_rel, gamma_to_sigma_rel, sigma_rel_to_gamma
 
@@ -97,9 +98,7 @@ class LegacyProfiles:
                 f"gammas must hold one value per profile index (and sigma_rels, if given, "
                 f"as many), got gammas={self.gammas!r}, sigma_rels={srs!r}"
             )
-        every = self.update_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise EMAValueError(f"update_every must be an int >= 1, got update_every={every!r}")
+        integer("update_every", self.update_every, low=1)
         set_ = object.__setattr__  # a frozen dataclass: its fields normalized once, here
         set_(self, "gammas", gammas)
         if srs is not None:

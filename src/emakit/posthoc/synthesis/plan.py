@@ -150,8 +150,10 @@ def pick_snapshots(
             f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
             f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
             f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
-            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
-            f"move them out of the folder"
+            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does; on the "
+            f"command line: --legacy-sigma-rels S,S, the sigma_rels of the ema-pytorch "
+            f"PostHocEMA in its order, or --legacy-gammas G,G, with --legacy-update-every N), "
+            f"or move them out of the folder"
         )
     return snaps
 
@@ -362,58 +364,43 @@ def synthesize_state_dict(folder: str | os.PathLike[str], **kwargs: Any) -> dict
 
 def region_args(model: nn.Module) -> dict[str, Any]:
     """The keywords of [`SynthesisPlan.run()`][emakit.posthoc.synthesis.plan.SynthesisPlan.run]
-    (and of a sweep's pass) that build ``model``'s tensors: for a sharded model (DTensor
-    weights: FSDP2, HSDP, FSDP with tensor parallelism; the `ZeroPartitions` of a
-    DeepSpeed ZeRO-3 EMA) the block or flat range of every tensor this rank holds
-    ([`model_blocks()`][emakit.posthoc.snapshots.shards.model_blocks]), their global shapes
-    and the rank; for a model held whole, its current state as ``fill`` (for the integer
-    tensors an ema-pytorch file lost)."""
-    if not is_sharded(model):
-        return {"fill": model.state_dict()}
+    (and of a sweep's pass) that build ``model``'s tensors: the block of every tensor this
+    rank holds ([`model_blocks()`][emakit.posthoc.snapshots.shards.model_blocks]: whole
+    tensors, a DTensor's shard under FSDP2, HSDP or FSDP with tensor parallelism, the flat
+    range of a DeepSpeed ZeRO-3 partition), their global shapes (checked against the
+    snapshots') and the rank; for a model held whole, also its state as ``fill`` (for the
+    integer tensors an ema-pytorch file lost)."""
     _, regions, shapes = model_blocks(model, empty=True)
     rank = torch.distributed.get_rank() if dist_ready() else None
-    return {"regions": regions, "shapes": shapes, "rank": rank}
+    fill = None if is_sharded(model) else model.state_dict()
+    return {"regions": regions, "shapes": shapes, "rank": rank, "fill": fill}
 
 
-def load_into(
-    model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
-) -> None:
-    """Copy a synthesized state (whole tensors, or this rank's blocks, see
-    `region_args()`) into ``model``'s tensors, in place."""
-    if not is_sharded(model):
-        try:
-            model.load_state_dict(out, strict=True)
-        except RuntimeError as e:
-            raise EMAStateError(
-                f"the snapshots in {str(where)!r} do not match the model: {e}"
-            ) from e
-        return
+def synthesize_into(model: nn.Module, plan: SynthesisPlan) -> None:
+    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
+
+    Each rank gets the block or partition of every tensor it holds (`region_args()`; all
+    of every tensor for a model held whole), cut out of whichever snapshot files overlap
+    it (the rank's own first): the snapshots may come from any number of ranks, or from
+    one process, sharded either way. No collective is run; memory is the rank's blocks in
+    float32 plus one stored tensor (or block) at a time.
+
+    Args:
+        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
+        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]).
+
+    Raises:
+        EMAStateError: the snapshots do not match the model (names or shapes).
+    """
+    load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
+
+
+def load_into(model: nn.Module, out: Mapping[str, Tensor]) -> None:
+    """Copy a synthesized state (this rank's blocks of every tensor, see `region_args()`)
+    into ``model``'s tensors, in place."""
     state = model.state_dict()
     with torch.no_grad():
         for name, value in out.items():
             local = local_tensor(state[name])
             if local.numel():
                 local.copy_(value.reshape(local.shape))
-
-
-def synthesize_into(
-    model: nn.Module, plan: SynthesisPlan, *, where: str | os.PathLike[str] = "the folder"
-) -> None:
-    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
-
-    A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
-    model gets, on each rank, the block or partition of every tensor that rank holds
-    (`region_args()`), cut out of whichever snapshot files overlap it (the rank's own
-    first): the snapshots may come from any number of ranks, or from one process, sharded
-    either way. No collective is run; memory is the rank's blocks in float32 plus one
-    stored tensor (or block) at a time.
-
-    Args:
-        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
-        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]).
-        where: the snapshot folder, for messages.
-
-    Raises:
-        EMAStateError: the snapshots do not match the model (names or shapes).
-    """
-    load_into(model, plan.run(dtype=torch.float32, **region_args(model)), where=where)
