@@ -257,7 +257,7 @@ class KarrasEMA(EMA):
         """Names of the EMA model's parameters that are the model's own storage (frozen
         weights shared with it, see ``share_frozen``): their value is the model's, so a
         post-hoc snapshot stores them once for all the steps they stay the same (see
-        [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files])."""
+        [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen])."""
         online = dict(self.model.named_parameters(remove_duplicate=False))
         return frozenset(
             n

@@ -118,7 +118,7 @@ class PostHocEMA(nn.Module):
 
     A drop-in for a run that used ema-pytorch: its snapshot files
     (``<profile index>.<step>.pt``) in ``checkpoint_folder`` are read as snapshots of this
-    PostHocEMA's profiles (``gammas[index]``, see [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]) and used with
+    PostHocEMA's profiles (``gammas[index]``, see [`legacy_profiles()`][emakit.posthoc.posthoc_ema.PostHocEMA.legacy_profiles]) and used with
     emakit's own.
 
     Args:
@@ -132,7 +132,7 @@ class PostHocEMA(nn.Module):
             or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
         gammas: profile exponents to track, each ``>= GAMMA_MIN`` (~ -0.382).
         checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
-            ``"manual"`` to write only on [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint]. Default 1000.
+            ``"manual"`` to write only on [`checkpoint()`][emakit.posthoc.posthoc_ema.PostHocEMA.checkpoint]. Default 1000.
         checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
             writing to it. Default ``"./post-hoc-ema-checkpoints"``.
         checkpoint_dtype: dtype floating tensors are stored in; None keeps the EMA's.
@@ -141,11 +141,11 @@ class PostHocEMA(nn.Module):
             Default 100.
         run_id: keyword-only; the id recorded in every snapshot of this run (1 to 64
             letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
-            resumes. Default None: a fresh random id (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+            resumes. Default None: a fresh random id (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]).
         store_frozen_once: keyword-only; frozen weights shared with the model
             (``share_frozen=True``, the default) are written once per distinct value, into
             a side file that the snapshots refer to (see
-            [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]), instead of into every
+            [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]), instead of into every
             snapshot; synthesis gives the same weights. ``False`` writes every tensor into
             every snapshot (files that other tools can read alone). Default True.
         **kwargs: passed to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: ``frozen``,
@@ -300,7 +300,7 @@ class PostHocEMA(nn.Module):
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The snapshots in `checkpoint_folder`, sorted by step: emakit's and
-        ema-pytorch's ``<profile index>.<step>.pt`` files (read with [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]).
+        ema-pytorch's ``<profile index>.<step>.pt`` files (read with [`legacy_profiles()`][emakit.posthoc.posthoc_ema.PostHocEMA.legacy_profiles]).
 
         Raises:
             EMAStateError: an ema-pytorch file's profile index is not one of this
@@ -333,7 +333,7 @@ class PostHocEMA(nn.Module):
     def release_folder(self) -> None:
         """Release the lock on `checkpoint_folder` that this run holds while it
         writes snapshots (also released when the object is garbage-collected or the
-        process ends); the next [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint] takes it again."""
+        process ends); the next [`checkpoint()`][emakit.posthoc.posthoc_ema.PostHocEMA.checkpoint] takes it again."""
         self._writer.release()
 
     def checkpoint(self, *, timeout_s: float = AGREE_TIMEOUT_S) -> list[Path]:
@@ -344,15 +344,15 @@ class PostHocEMA(nn.Module):
         profile ends at its step. The step's files are written as one set, atomically (all
         of them or none, see `write_snapshots()`), named like
         ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``, and record this run's
-        id. The first write takes the folder's lock (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+        id. The first write takes the folder's lock (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]).
 
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
         sharded model (FSDP2, HSDP, FSDP with tensor parallelism, DeepSpeed ZeRO-3,
         ``partition=True``) is written by every rank: each rank its own blocks (or
         partitions) of every tensor, into its own files (``...rank-00003-of-
-        00004.safetensors``, see [`emakit.posthoc.shards`][emakit.posthoc.shards]), so **call it on every
+        00004.safetensors``, see [`emakit.posthoc.snapshots.shards`][emakit.posthoc.snapshots.shards]), so **call it on every
         rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
-        (see `emakit.posthoc.writing`).
+        (see `emakit.posthoc.snapshots.writer`).
 
         Args:
             timeout_s: keyword-only; for a sharded model, seconds a rank waits for the
@@ -362,7 +362,7 @@ class PostHocEMA(nn.Module):
             The files this rank wrote (empty on ranks other than 0 for a whole model).
 
         Raises:
-            EMARuntimeError: called before the first [`update()`][emakit.posthoc.posthoc.PostHocEMA.update]; another run is
+            EMARuntimeError: called before the first [`update()`][emakit.posthoc.posthoc_ema.PostHocEMA.update]; another run is
                 writing to the folder; for a sharded model, some ranks did not call it.
             EMAWriteError: a file could not be written (disk full...): an ``OSError``
                 naming the files; none of the step's files was written.
@@ -598,7 +598,7 @@ class PostHocEMA(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Resume from a state written by [`state_dict()`][emakit.posthoc.posthoc.PostHocEMA.state_dict] (or by ema-pytorch 0.8.3).
+        """Resume from a state written by [`state_dict()`][emakit.posthoc.posthoc_ema.PostHocEMA.state_dict] (or by ema-pytorch 0.8.3).
 
         Snapshots already in `checkpoint_folder` stay and are used; the resumed run
         keeps writing there under the run id the state records. A state without one (a

@@ -37,7 +37,7 @@ Header metadata (format version 1), all values strings::
     }
 
 Version 2 adds ``frozen_file``, ``frozen_digest`` and ``frozen_names``: the shared frozen
-tensors are in a side file (see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]).
+tensors are in a side file (see [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]).
 
 **ema-pytorch's snapshots** (``<profile index>.<step>.pt``, ``torch.save`` of a
 ``KarrasEMA.state_dict()`` with every value in float16 by default) record no gamma; given

@@ -40,7 +40,7 @@ DeepSpeed's padding (``param.ds_tensor``'s first elements, see
 ranks) is not stored. So the shards of a set partition every tensor: the set holds one
 model's bytes, whatever the mesh.
 
-Readers combine both kinds ([`align()`][emakit.posthoc.shards.align]): a rectangular block that
+Readers combine both kinds ([`align()`][emakit.posthoc.snapshots.shards.align]): a rectangular block that
 is a contiguous range of the flattened tensor (FSDP2's row blocks, a whole tensor) is
 that range, so a ZeRO-3 folder synthesizes into an FSDP2 model, a whole model or another
 number of ranks, and the reverse.

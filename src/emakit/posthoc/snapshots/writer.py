@@ -9,7 +9,7 @@ one writer, or every rank's shard files at once.
   Every rank first checks that every other rank is in the same call at the same step
   (`agree()`, bounded by ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
   raises instead of hanging), then writes its own blocks of every tensor
-  ([`model_blocks()`][emakit.posthoc.shards.model_blocks]: a DTensor's shard, a ZeRO-3
+  ([`model_blocks()`][emakit.posthoc.snapshots.shards.model_blocks]: a DTensor's shard, a ZeRO-3
   partition's flat range; no collective, no gathered tensor, one tensor's CPU copy at a
   time) into temporary files, and the ranks exchange their
   outcomes before any rank puts its files in place (a two-phase commit over
@@ -21,10 +21,10 @@ one writer, or every rank's shard files at once.
   the last moment, after every rank has written and voted, leaves some ranks' files in
   place and others not: such files never make a set with another write's (each write's
   files carry its id, ``shard_set``), so listing skips them with a warning
-  ([`complete_sets()`][emakit.posthoc.shards.complete_sets]), and the earlier steps stay
+  ([`complete_sets()`][emakit.posthoc.snapshots.shards.complete_sets]), and the earlier steps stay
   usable.
 
-The folder's lock ([`FolderLock`][emakit.posthoc.runs.FolderLock]) is held by rank 0.
+The folder's lock ([`FolderLock`][emakit.posthoc.snapshots.folder.FolderLock]) is held by rank 0.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class Piece:
         src: the index of the part in ``stored`` (flattened when ``flat``).
         dst: the index of the part in the region's tensor (flattened when ``flat``).
         flat: whether both indices are into the flattened tensors (a flat range on one
-            side, see [`align()`][emakit.posthoc.shards.align]).
+            side, see [`align()`][emakit.posthoc.snapshots.shards.align]).
         whole: whether the part is the whole stored tensor and the whole region.
     """
 
