@@ -24,7 +24,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
 
 import click
 
@@ -90,15 +89,8 @@ def _plain_warnings() -> Iterator[None]:
     that warned, which mean nothing to someone running a command.
     """
 
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        click.echo(f"Warning: {message}", err=True)
+    def show(message: Warning | str, *where: object, **more: object) -> None:
+        click.echo(f"Warning: {message}", err=True)  # not where it was raised
 
     previous = warnings.showwarning
     warnings.showwarning = show
@@ -129,7 +121,7 @@ def main(ctx: click.Context) -> None:
 @main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")
 @click.option(
     "--out",
-    type=click.Path(file_okay=False, dir_okay=True, writable=True, path_type=Path),
+    type=click.Path(file_okay=False, writable=True, path_type=Path),
     default=None,
     help="Folder for summary.json, demo.png and the post-hoc snapshots (its "
     "posthoc-snapshots/ subfolder); created if missing. If it exists, the demo's own files "
@@ -162,7 +154,6 @@ def main(ctx: click.Context) -> None:
 @click.option(
     "--no-plot",
     is_flag=True,
-    default=False,
     help="Do not write demo.png (matplotlib is then not needed); an old one in --out is removed.",
 )
 def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) -> None:

@@ -262,6 +262,14 @@ class FrozenJoin:
         return self._of(name).get(name)
 
 
+def _side_error(path: Path, ref: FrozenRef, why: str) -> EMAStateError:
+    return EMAStateError(
+        f"snapshot {path} takes its frozen weights from {ref.file.name}, which {why}; the "
+        f"snapshot cannot be read without it (the side files of a snapshot folder must stay "
+        f"next to its snapshots: copy or move the folder as a whole)"
+    )
+
+
 def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
     """The side file ``ref`` of the snapshot file ``path`` (storing ``own``), open, checked.
 
@@ -270,33 +278,25 @@ def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
             or does not hold the names the snapshot takes from it (or the snapshot holds
             them too).
     """
-    why = ""
     try:
         side = SafetensorsFile(ref.file, "frozen weights file")
     except EMAError as e:
-        why, error = f"cannot be read ({e})", e
+        raise _side_error(path, ref, f"cannot be read ({e})") from e
+    missing, twice = sorted(ref.names - set(side.keys())), sorted(ref.names & own)
+    if side.metadata.get("format") != FROZEN_FORMAT or side.metadata.get("digest") != ref.digest:
+        why = "records another digest (it was replaced)"
     else:
-        meta, error = side.metadata, None
-        missing, twice = sorted(ref.names - set(side.keys())), sorted(ref.names & own)
-        if meta.get("format") != FROZEN_FORMAT or meta.get("digest") != ref.digest:
-            why = "records another digest (it was replaced)"
-        elif missing or twice:
-            why = f"lacks {missing[:5]}" if missing else f"repeats {twice[:5]}"
-        if why:
-            side.close()
+        why = f"lacks {missing[:5]}" if missing else f"repeats {twice[:5]}" if twice else ""
     if why:
-        raise EMAStateError(
-            f"snapshot {path} takes its frozen weights from {ref.file.name}, which {why}; the "
-            f"snapshot cannot be read without it (the side files of a snapshot folder must "
-            f"stay next to its snapshots: copy or move the folder as a whole)"
-        ) from error
+        side.close()
+        raise _side_error(path, ref, why)
     return side
 
 
 @contextlib.contextmanager
 def join_frozen(f: Any) -> Iterator[Any]:
     """``f`` (an open snapshot file) joined with its side file, if its header names one
-    (a [`FrozenJoin`][emakit.posthoc.snapshots.frozen.FrozenJoin]); ``f`` itself
+    (a `FrozenJoin`); ``f`` itself
     otherwise (an ema-pytorch file, a snapshot that stores every tensor).
 
     Raises:

@@ -95,7 +95,7 @@ class SynthesisPlan:
         shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
-        [`weighted_sums()`][emakit.posthoc.synthesis.weighted_sum.weighted_sums]).
+        `emakit.posthoc.synthesis.weighted_sum.weighted_sums()`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 

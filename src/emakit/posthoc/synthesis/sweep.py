@@ -10,7 +10,7 @@ and ``emakit sweep FOLDER --sigma-rel A:B:N --eval module:function`` from the sh
 
 Each snapshot is read **once** for a whole batch of lengths: its tensors are added, one at
 a time, into the accumulator of every length of the batch
-([`weighted_sums()`][emakit.posthoc.synthesis.weighted_sum.weighted_sums]). Memory is one float32 model per length
+(`emakit.posthoc.synthesis.weighted_sum.weighted_sums()`). Memory is one float32 model per length
 of a batch (``lengths_per_pass``, default 8; more lengths take more passes) plus one
 stored tensor; each length is evaluated, then dropped, before the next batch.
 """
