@@ -399,10 +399,8 @@ def synthesize(
             plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
             for v in values
         ]
-        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.files]
-        inputs += [f.path for f in list_legacy_files(folder)]
-        used = [f for p in plans for s in p.snapshots for f in s.files]
-        _check_outputs(paths, inputs + used, force)
+        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in (*s.files, *s.frozen)]
+        _check_outputs(paths, inputs + [f.path for f in list_legacy_files(folder)], force)
         if note and any(s.is_legacy for p in plans for s in p.snapshots):
             click.echo(note, err=True)
         with progress_bar(progress) as start:
