@@ -43,7 +43,7 @@ from .errors import (
     EMATypeError,
     EMAValueError,
 )
-from .posthoc.frozen_files import frozen_tensors
+from .posthoc.snapshots.frozen import frozen_tensors
 
 __all__ = [
     "WEIGHTS_FORMAT",

@@ -1,6 +1,6 @@
 """Rank agreement before emakit's collective saves, loads and exports.
 
-Imported by [`emakit.distributed`][emakit.distributed] and `emakit.posthoc.writing` only.
+Imported by [`emakit.distributed`][emakit.distributed] and `emakit.posthoc.snapshots.writer` only.
 `agree()` is a bounded arrival check and one all-gather of a few int64 numbers per call, on
 every rank of the process group:
 
