@@ -124,7 +124,22 @@ def names(name: str, value: object) -> frozenset[str]:
     return frozenset(items)
 
 
+def device(name: str, value: object) -> torch.device | None:
+    """``value`` as a ``torch.device`` (a str naming one, or a device; None stays None)."""
+    if value is None or isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise EMATypeError(f"{name} must be a str or torch.device, got {name}={value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as e:
+        raise EMAValueError(
+            f"{name} must name a torch device such as 'cpu', got {name}={value!r}"
+        ) from e
+
+
 def floating_dtype(name: str, value: object) -> torch.dtype | None:
+    """``value`` if it is a floating ``torch.dtype`` or None."""
     if value is None:
         return None
     if not isinstance(value, torch.dtype) or not value.is_floating_point:

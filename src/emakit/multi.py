@@ -141,11 +141,9 @@ class MultiEMA(nn.Module):
             fused = self._fused_for(plans)
             if fused is not None:
                 weights = tuple(a.weights[0] if a.kind == "lerp" else 0.0 for a in actions)
-                if any(weights):
+                if any(weights):  # advance() has counted every member's averaging call
                     action = Action("lerp", weights, actions[0].call, guard=guard)
                     trackers[0].runner.submit(fused, action)
-                for t, a in zip(trackers, actions, strict=True):
-                    t.record(a)
                 return
         for t, a in zip(trackers, actions, strict=True):
             t.apply(a)  # an action guarded above is not guarded (or counted) again
