@@ -18,6 +18,7 @@ read the evaluated weights ``theta_hat``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -38,15 +39,6 @@ __all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
 #: Version of what `BEMA.state_dict()` adds to EMA's: the ``bema_ema.*`` and
 #: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
 BEMA_STATE_VERSION = 1
-_SETTINGS = (
-    "update_freq",
-    "ema_power",
-    "bias_power",
-    "lag",
-    "update_after",
-    "multiplier",
-    "min_ema_multiplier",
-)
 _CODEC = StateCodec(
     BEMA_STATE_VERSION,
     [
@@ -231,7 +223,9 @@ class BEMA(EMA):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode({k: getattr(self.rule, k) for k in _SETTINGS}, destination, prefix)
+        _CODEC.encode(
+            {f.name: getattr(self.rule, f.name) for f in fields(self.rule)}, destination, prefix
+        )
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
         for key, store in ((_EMA_KEY, self._ema), (_THETA0_KEY, self._theta0)):
             for name, t in store.items():

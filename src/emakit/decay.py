@@ -26,7 +26,7 @@ A plain [`DecayRule`][emakit.decay.DecayRule] takes decays ``(call, last) -> dec
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from . import _validate as check
@@ -331,6 +331,7 @@ def bema_alpha(t: int, *, lag: float, multiplier: float, bias_power: float) -> f
     return (lag + multiplier * t) ** (-bias_power)
 
 
+@dataclass(repr=False, eq=False)
 class BEMARule(DecayRule):
     """The rule of a BEMA (bias-corrected EMA, Block et al. 2025, arXiv:2508.00180), with
     TRL's ``BEMACallback`` timing: ``t`` is the 1-based call number (the Trainer's
@@ -345,35 +346,23 @@ class BEMARule(DecayRule):
 
     A ``"lerp"`` carries ``weights=(beta_t,)`` and ``bias=alpha_t`` (see [`bema_beta`][emakit.decay.bema_beta]
     and [`bema_alpha`][emakit.decay.bema_alpha]). Build it with [`bema_rule`][emakit.decay.bema_rule],
-    which validates the numbers.
+    which validates the numbers; its settings are its fields.
     """
 
-    def __init__(
-        self,
-        *,
-        update_freq: int,
-        ema_power: float,
-        bias_power: float,
-        lag: float,
-        update_after: int,
-        multiplier: float,
-        min_ema_multiplier: float,
-    ) -> None:
+    update_freq: int
+    ema_power: float
+    bias_power: float
+    lag: float
+    update_after: int
+    multiplier: float
+    min_ema_multiplier: float
+
+    def __post_init__(self) -> None:
         super().__init__([None], update_every=1, update_after_step=0)
-        self.update_freq = update_freq
-        self.ema_power = ema_power
-        self.bias_power = bias_power
-        self.lag = lag
-        self.update_after = update_after
-        self.multiplier = multiplier
-        self.min_ema_multiplier = min_ema_multiplier
 
     def __repr__(self) -> str:
-        return (
-            f"bema(update_freq={self.update_freq}, ema_power={self.ema_power}, "
-            f"bias_power={self.bias_power}, lag={self.lag}, update_after={self.update_after}, "
-            f"multiplier={self.multiplier}, min_ema_multiplier={self.min_ema_multiplier})"
-        )
+        settings = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"bema({settings})"
 
     def beta(self, t: int) -> float:
         """``beta_t`` (see [`bema_beta`][emakit.decay.bema_beta])."""
@@ -440,13 +429,12 @@ def bema_rule(
             f"beta_t = (lag + multiplier * t) ** -ema_power stays <= 1, got {lag=} and "
             f"{multiplier=}; raise lag (TRL's default is 10)"
         )
-    rule = BEMARule(
+    return BEMARule(
         update_freq=update_freq,
         ema_power=ema_power,
         bias_power=bias_power,
-        lag=int(lag) if float(lag).is_integer() else lag,
+        lag=int(lag) if lag.is_integer() else lag,
         update_after=update_after,
         multiplier=multiplier,
         min_ema_multiplier=min_ema_multiplier,
     )
-    return rule

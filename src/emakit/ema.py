@@ -22,7 +22,14 @@ from ._core.forward import ForwardMethod, eval_call, io_cast
 from ._core.options import check_names, make_runner, refuse_for_pytree
 from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
-from ._core.state import StateCodec, check_loadable, flag, integer
+from ._core.state import (
+    StateCodec,
+    check_loadable,
+    flag,
+    integer,
+    load_or_restore,
+    refuse_load_arguments,
+)
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
@@ -30,7 +37,7 @@ from ._dist.deepspeed import ZeroPartitions, zero3_params
 from ._engine.pairs import Tracked
 from ._engine.runners import hook_optimizer
 from .decay import INIT, SKIP, ema_rule
-from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 
@@ -53,6 +60,13 @@ _IMPLS = {None: "flat", True: "foreach", False: "loop"}
 
 def _floating(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def _named_tensors(model: Any) -> dict[str, Tensor]:
+    """A module's parameters and buffers, or a pytree's leaves, by name."""
+    if isinstance(model, nn.Module):
+        return dict((*model.named_parameters(), *model.named_buffers()))
+    return leaves(model)
 
 
 class EMA(nn.Module):
@@ -601,25 +615,18 @@ class EMA(nn.Module):
 
     # -- state ---------------------------------------------------------------------------
 
-    def _counters(self) -> dict[str, Any]:
-        t = self.tracker
-        t.sync_views()  # a client may have written ema.step / ema.initted in place
-        skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
-        return {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
-
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         self.tracker.runner.wait()
         if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
             self._modules["ema_model"].agree(self.tracker)  # every rank at the same step
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode(self._counters(), destination, prefix)
+        t = self.tracker
+        t.sync_views()  # a client may have written ema.step / ema.initted in place
+        skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
+        counters = {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
+        _CODEC.encode(counters, destination, prefix)
         if self._tree is not None:
             TreeSource.save(self._tree[1], destination, prefix, keep_vars)
-
-    def _load_counters(self, values: Mapping[str, Any]) -> None:
-        t = self.tracker
-        t.set_counters(step=values.get("step"), initted=values.get("initted"))
-        t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
 
     def _load_from_state_dict(
         self,
@@ -640,7 +647,10 @@ class EMA(nn.Module):
             and any(k.startswith(prefix + "ema_model.") for k in state_dict)
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
-        self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
+        t = self.tracker
+        t.set_counters(step=values.get("step"), initted=values.get("initted"))
+        t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
         self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -699,14 +709,7 @@ class EMA(nn.Module):
         (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
         """
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError(
-                "assign=True is not supported: the EMA keeps its own shadow storage"
-            )
+        refuse_load_arguments(state_dict, assign)
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
@@ -715,16 +718,9 @@ class EMA(nn.Module):
         # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
         mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
         check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
-        saved = self.tracker.snapshot()
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as e:
-            self.tracker.restore(saved)
-            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
-                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
-            raise
-        self.tracker.invalidate()
-        return result
+        return load_or_restore(
+            lambda: super(EMA, self).load_state_dict(state_dict, strict=strict), [self.tracker]
+        )
 
     # -- the rest of ema-pytorch's surface --------------------------------------------------
 
@@ -759,16 +755,12 @@ class EMA(nn.Module):
     def get_params_iter(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of ``model`` for the names in `parameter_names`."""
         names = self.parameter_names
-        for name, param in model.named_parameters():
-            if name in names:
-                yield name, param
+        return ((n, p) for n, p in model.named_parameters() if n in names)
 
     def get_buffers_iter(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """``(name, buffer)`` of ``model`` for the names in `buffer_names`."""
         names = self.buffer_names
-        for name, buffer in model.named_buffers():
-            if name in names:
-                yield name, buffer
+        return ((n, b) for n, b in model.named_buffers() if n in names)
 
     def _aligned(self, tgt: Tensor, src: Tensor) -> Tensor:
         if self.allow_different_devices:
@@ -816,15 +808,22 @@ class EMA(nn.Module):
         if ma_model is self.model and current_model is self.ema_model:
             self.update_model_with_ema(decay)
             return
-        current = dict((*current_model.named_parameters(), *current_model.named_buffers()))
-        for name, tgt in (*ma_model.named_parameters(), *ma_model.named_buffers()):
-            src = current.get(name)
+        self._average_by_name(ma_model, current_model, decay)
+
+    @torch.no_grad()
+    def _average_by_name(self, ma: Any, current: Any, decay: float) -> None:
+        """``ma <- decay * ma + (1 - decay) * current`` for the floating tensors of two
+        modules (parameters and buffers) or two pytrees (leaves) that share a name; other
+        tensors of the same name are copied."""
+        sources = _named_tensors(current)
+        for name, tgt in _named_tensors(ma).items():
+            src = sources.get(name)
             if src is None:
                 continue
             if _floating(tgt):
-                self.inplace_lerp(tgt.data, src.data, 1.0 - decay)
+                self.inplace_lerp(tgt.data, src.detach(), 1.0 - decay)
             else:
-                self.inplace_copy(tgt.data, src.data)
+                self.inplace_copy(tgt.data, src.detach())
 
     def __getstate__(self) -> dict:
         self.tracker.runner.wait()

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from ._core.state import check_loadable
+from ._core.state import check_loadable, load_or_restore, refuse_load_arguments
 from ._engine.fused import FusedPlan
 from ._engine.plan import Plan
 from .decay import SKIP, Action
 from .ema import EMA
-from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]
 
@@ -165,30 +165,15 @@ class MultiEMA(nn.Module):
     ) -> Any:
         """Load every member's state (``emas.<i>.*``); a state that does not fit is refused
         before anything is loaded, so a failed load leaves every member as it was."""
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError("assign=True is not supported: each EMA keeps its own storage")
+        refuse_load_arguments(state_dict, assign)
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = [e.tracker.snapshot() for e in self]
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as error:
-            for member, counters in zip(self, saved, strict=True):
-                member.tracker.restore(counters)
-            if isinstance(error, RuntimeError) and not isinstance(error, EMAStateError):
-                raise EMAStateError(
-                    f"{error}\nloading failed; the counters were restored"
-                ) from error
-            raise
-        for e in self:
-            e.tracker.invalidate()
         self._plans_seen = []
-        return result
+        return load_or_restore(
+            lambda: super(MultiEMA, self).load_state_dict(state_dict, strict=strict),
+            [e.tracker for e in self],
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run every EMA model (eval mode, no grad); returns their outputs in order."""

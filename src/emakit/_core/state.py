@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._validate import not_newer, stored_count, stored_flag, stored_real
-from ..errors import EMAStateError
+from ..errors import EMAStateError, EMATypeError, EMAValueError
 
 __all__ = [
     "Field",
@@ -33,9 +33,11 @@ __all__ = [
     "flag",
     "integer",
     "kind_problem",
+    "load_or_restore",
     "metadata_of",
     "real",
     "reals",
+    "refuse_load_arguments",
     "text",
 ]
 
@@ -260,6 +262,38 @@ def check_loadable(
         raise EMAStateError(
             "state_dict does not fit this EMA (nothing was loaded): " + "; ".join(problems)
         )
+
+
+def refuse_load_arguments(state_dict: object, assign: bool) -> None:
+    """Refuse what no EMA's ``load_state_dict()`` takes: a ``state_dict`` that is not a
+    mapping, and ``assign=True`` (an EMA keeps its own storage)."""
+    if not isinstance(state_dict, Mapping):
+        raise EMATypeError(
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+        )
+    if assign:
+        raise EMAValueError(
+            "assign=True is not supported: an EMA keeps its own storage (values are copied in)"
+        )
+
+
+def load_or_restore(load: Callable[[], Any], trackers: Sequence[Any]) -> Any:
+    """Run ``load`` (torch's ``load_state_dict``, after `check_loadable()` refused what does
+    not fit) and rebuild every tracker's plan; if it fails anyway, put every tracker's
+    counters back first and raise (torch's RuntimeError as an
+    [`EMAStateError`][emakit.errors.EMAStateError]), so a failed load changes nothing."""
+    saved = [t.snapshot() for t in trackers]
+    try:
+        result = load()
+    except Exception as e:
+        for tracker, counters in zip(trackers, saved, strict=True):
+            tracker.restore(counters)
+        if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+            raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
+        raise
+    for tracker in trackers:
+        tracker.invalidate()
+    return result
 
 
 def _kind(dtype: torch.dtype) -> str:
