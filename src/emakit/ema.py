@@ -11,6 +11,8 @@ ema-pytorch 0.8.3's members (``get_params_iter``, ``inplace_lerp``,
 
 from __future__ import annotations
 
+import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +21,6 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._core.forward import ForwardMethod, eval_call, io_cast
-from ._core.options import check_names, make_runner, refuse_for_pytree
 from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
 from ._core.state import (
@@ -35,7 +36,7 @@ from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
 from ._dist.deepspeed import ZeroPartitions, zero3_params
 from ._engine.pairs import Tracked
-from ._engine.runners import hook_optimizer
+from ._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner, hook_optimizer
 from .decay import INIT, SKIP, ema_rule
 from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
@@ -56,6 +57,19 @@ _CODEC = StateCodec(
 #: The online model's child name, as in ema-pytorch: keys ``online_model.<model's names>``.
 _ONLINE = "online_model"
 _IMPLS = {None: "flat", True: "foreach", False: "loop"}
+#: Keywords that only mean something for a module, with their defaults (a pytree EMA
+#: refuses any other value).
+_MODULE_ONLY: dict[str, object] = {
+    "param_or_buffer_names_no_ema": frozenset(),
+    "ignore_names": frozenset(),
+    "ignore_startswith_names": frozenset(),
+    "update_model_with_ema_every": None,
+    "forward_method_names": (),
+    "move_ema_to_online_device": False,
+    "lazy_init_ema": False,
+    "stream": False,
+    "partition": False,
+}
 
 
 def _floating(t: Tensor) -> bool:
@@ -245,7 +259,9 @@ class EMA(nn.Module):
             check.boolean("allow_different_devices", allow_different_devices)
             or self.device is not None
         )
-        self.use_foreach = check.optional_boolean("use_foreach", use_foreach)
+        self.use_foreach = (
+            None if use_foreach is None else check.boolean("use_foreach", use_foreach)
+        )
         self.coerce_dtype = check.boolean("coerce_dtype", coerce_dtype)
         self.ema_dtype = check.floating_dtype("ema_dtype", ema_dtype)
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
@@ -285,7 +301,7 @@ class EMA(nn.Module):
         self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
         tree = not isinstance(model, nn.Module)
         if tree:
-            refuse_for_pytree(self, self._group_patterns)
+            self._refuse_for_pytree()
             if not leaves(model):
                 raise EMATypeError(
                     f"pytree must be a tensor or a nested dict/list/tuple holding tensors, "
@@ -294,7 +310,7 @@ class EMA(nn.Module):
             online_tree, model = model, nn.Module()  # a stand-in: nothing is registered on it
         else:
             model = unwrap_model(model)
-            check_names(self, model, self._group_patterns)
+            self._check_names(model)
         #: The bookkeeping (rule, plan, runner, counters, non-finite guard) that emakit's
         #: EMA kinds share. **Unstable internals:** it may change in any release; the
         #: public API (``step``, ``swap()`` ...) is what stays compatible.
@@ -302,7 +318,7 @@ class EMA(nn.Module):
             rule,
             self._tracked,
             impl=_IMPLS[self.use_foreach],
-            runner=make_runner(model, self.async_update, self.stream),
+            runner=_make_runner(model, self.async_update, self.stream),
             skip_nonfinite=self.skip_nonfinite,
         )
         self._online = [model]  # a list hides it from the module tree and state_dict
@@ -321,16 +337,8 @@ class EMA(nn.Module):
             self._source = TreeSource(**common)
             self._tree = [online_tree, self._source.build(online_tree, ema_model)]
             return
-        self._source = ModuleSource(
-            ignore_names=self.ignore_names,
-            ignore_prefixes=tuple(self.ignore_startswith_names),
-            no_ema=self.param_or_buffer_names_no_ema,
-            group_patterns=self._group_patterns,
-            move_to_online=self.move_ema_to_online_device,
-            share_frozen=self.share_frozen,
-            on_unshare=self.tracker.invalidate,
-            partition=self.partition,
-            **common,
+        self._source = ModuleSource.for_ema(  # from the checked keywords, by name
+            vars(self), self._group_patterns, self.tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -341,6 +349,67 @@ class EMA(nn.Module):
                 "lazy_init_ema=True creates the EMA copy at the first update(); "
                 "do not also pass ema_model (or set lazy_init_ema=False)"
             )
+
+    # -- the keywords that need more than their value ------------------------------------
+
+    def _refuse_for_pytree(self) -> None:
+        """Raise for keywords that only apply to a module (see `_MODULE_ONLY`)."""
+        for name, default in _MODULE_ONLY.items():
+            value = getattr(self, name)
+            if value != default:
+                raise EMAValueError(
+                    f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
+                    f"pytree; leave it at its default ({default!r}) for a pytree"
+                )
+        if self._group_patterns:
+            raise EMAValueError(
+                "decay_groups applies to an EMA of a module; give each pytree its own EMA"
+            )
+
+    def _check_names(self, model: nn.Module) -> None:
+        """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
+        raise for methods and ``decay_groups`` patterns that match nothing."""
+        known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        # Names that match nothing *yet* are common in real trainers (a submodule that
+        # cannot be deep-copied is removed while the EMA is built, then put back): warn.
+        for arg in ("param_or_buffer_names_no_ema", "ignore_names"):
+            unknown = sorted(getattr(self, arg) - known)
+            if unknown:
+                warnings.warn(
+                    f"{arg} names tensors the model does not have (yet): {unknown}; they "
+                    f"apply if such tensors appear later. Check the spelling against "
+                    f"model.named_parameters()/named_buffers()",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        prefixes = self.ignore_startswith_names
+        unmatched = sorted(p for p in prefixes if not any(n.startswith(p) for n in known))
+        if unmatched:
+            warnings.warn(
+                f"ignore_startswith_names has {unmatched}, which start no tensor name of the "
+                f"model (yet); they apply if such tensors appear later",
+                UserWarning,
+                stacklevel=4,
+            )
+        names = self.forward_method_names
+        if names and (self.partition or zero3_params(model)):
+            raise EMAValueError(
+                f"forward_method_names={names!r} needs an EMA model of its own, which a "
+                f"partitioned EMA (DeepSpeed ZeRO-3, or partition=True) does not have: call "
+                f"the method on the online model inside ema.swap() instead, e.g. "
+                f"with ema.swap(): model.{names[0]}(...)"
+            )
+        for method in names:
+            if not callable(getattr(model, method, None)):
+                raise EMAValueError(
+                    f"forward_method_names has {method!r}, which is not a method of the model"
+                )
+        for pattern in self._group_patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
+                raise EMAValueError(
+                    f"decay_groups pattern {pattern!r} matches no tensor name of the model; "
+                    f"patterns are fnmatch globs over named_parameters()/named_buffers() names"
+                )
 
     # -- the models ----------------------------------------------------------------------
 
@@ -356,10 +425,6 @@ class EMA(nn.Module):
     def online_model(self) -> nn.Module | Any:
         """The online model (ema-pytorch's name); saved with ``include_online_model``."""
         return self.model
-
-    @online_model.setter
-    def online_model(self, model: nn.Module) -> None:
-        self._modules["online_model"] = model
 
     @property
     def ema_model(self) -> nn.Module | Any:
@@ -846,3 +911,19 @@ def _keep_online_model(module: nn.Module, incompatible: Any) -> None:
         incompatible.missing_keys[:] = [
             k for k in incompatible.missing_keys if not k.startswith(ours)
         ]
+
+
+def _make_runner(model: Any, async_update: bool, stream: bool) -> Runner:
+    """The runner the keywords ask for: CUDA side stream, background thread, or inline."""
+    if stream:
+        tensors = [*model.parameters(), *model.buffers()] if isinstance(model, nn.Module) else []
+        first = next((t for t in tensors if t.is_cuda), None)
+        if first is None or not torch.cuda.is_available():
+            raise EMAValueError(
+                "stream=True needs a model on a CUDA device (got one with no CUDA tensors); "
+                "leave stream=False on CPU"
+            )
+        return StreamRunner(first.device)
+    if async_update:
+        return ThreadRunner()
+    return SyncRunner()

@@ -77,7 +77,6 @@ class MultiEMA(nn.Module):
             raise EMAValueError(
                 "MultiEMA needs at least one EMA: give a non-empty betas= or schedules="
             )
-        ema_kwargs.pop("ema_model", None)
         # N EMAs of one model: the model is saved once, by whoever owns it.
         ema_kwargs.setdefault("include_online_model", False)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
@@ -101,7 +100,7 @@ class MultiEMA(nn.Module):
     @property
     def step(self) -> int:
         """Number of [`update()`][emakit.multi.MultiEMA.update] calls so far."""
-        return int(self[0].step)
+        return self[0].tracker.step
 
     def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
         if self._plans_seen != [id(p) for p in plans] or (

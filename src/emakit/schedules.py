@@ -114,11 +114,11 @@ def inverse_gamma(
     beta = check.real("beta", beta, low=0.0, high=1.0)
     inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
     power = check.real("power", power, low=0.0, low_open=True)
-    if isinstance(min_value, (int, float)) and not isinstance(min_value, bool) and min_value > beta:
+    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
+    if min_value > beta:
         raise EMAValueError(
             f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
         )
-    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
 
     return _InverseGamma(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
 

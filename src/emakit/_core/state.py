@@ -34,7 +34,6 @@ __all__ = [
     "integer",
     "kind_problem",
     "load_or_restore",
-    "metadata_of",
     "real",
     "reals",
     "refuse_load_arguments",
@@ -123,15 +122,6 @@ def text(key: str, *, meta: bool = True) -> Field:
     return Field(key, str, decode, False, meta)
 
 
-def metadata_of(destination: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
-    """The metadata dict torch keeps for the module saved under ``prefix`` (None when the
-    destination keeps none, e.g. a plain dict passed to ``state_dict(destination=...)``)."""
-    metadata = getattr(destination, "_metadata", None)
-    if metadata is None:
-        return None
-    return metadata.setdefault(prefix[:-1], {})  # type: ignore[no-any-return]
-
-
 class StateCodec:
     """Writes and reads a kind's fields under a state-dict prefix.
 
@@ -168,7 +158,8 @@ class StateCodec:
     def encode(self, values: Mapping[str, Any], destination: dict[str, Any], prefix: str) -> None:
         """Write every field whose value is not None: keys into ``destination``,
         metadata into its ``_metadata`` for ``prefix`` (with the version)."""
-        meta = metadata_of(destination, prefix)
+        metadata = getattr(destination, "_metadata", None)  # None for a plain dict
+        meta = None if metadata is None else metadata.setdefault(prefix[:-1], {})
         if meta is not None and self.version_name != "version":
             meta[self.version_name] = self.version
         for f in self.fields:
@@ -242,12 +233,9 @@ def check_loadable(
     if strict:
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected and not owned(k)]
-        if missing:
-            problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unexpected:
-            problems.append(
-                f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
-            )
+        for what, keys in (("missing", missing), ("unexpected", unexpected)):
+            if keys:
+                problems.append(f"{what} keys {keys[:10]}{' ...' if len(keys) > 10 else ''}")
     for key, value in state_dict.items():
         mine = expected.get(key)
         if mine is None:
