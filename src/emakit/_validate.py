@@ -37,14 +37,9 @@ def real(
     v = float(value)
     low_open = low_open or math.isinf(low)
     high_open = high_open or math.isinf(high)
-    bad = (
-        not math.isfinite(v)
-        or v < low
-        or v > high
-        or (low_open and v == low)
-        or (high_open and v == high)
-    )
-    if bad:
+    above = low < v if low_open else low <= v
+    below = v < high if high_open else v <= high
+    if not (math.isfinite(v) and above and below):
         lb, hb = "(" if low_open else "[", ")" if high_open else "]"
         raise EMAValueError(
             f"{name} must be a finite number in {lb}{low:g}, {high:g}{hb}, got {name}={value!r}"

@@ -140,13 +140,7 @@ class BEMA(EMA):
         include_online_model: bool = False,
     ) -> None:
         rule = bema_rule(
-            update_freq=update_freq,
-            ema_power=ema_power,
-            bias_power=bias_power,
-            lag=lag,
-            update_after=update_after,
-            multiplier=multiplier,
-            min_ema_multiplier=min_ema_multiplier,
+            update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
         )
         super().__init__(
             model,
@@ -200,10 +194,6 @@ class BEMA(EMA):
         """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
         last = self.tracker.last
         return self.rule.decay(last) if last > 0 else 0.0
-
-    def current_decays(self) -> dict[str, float]:
-        """``{"default": get_current_decay()}`` (a BEMA has one group)."""
-        return {"default": self.get_current_decay()}
 
     @property
     def bias_weight(self) -> float:

@@ -255,7 +255,6 @@ def ema_rule(
     Raises:
         EMAValueError, EMATypeError: a keyword out of range or of the wrong type.
     """
-    groups = [] if decay_groups is None else _decay_groups(decay_groups)
     beta = check.real("beta", beta, low=0.0, high=1.0)
     update_after_step = check.integer("update_after_step", update_after_step, low=0)
     update_every = check.integer("update_every", update_every, low=1)
@@ -278,31 +277,23 @@ def ema_rule(
         return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
 
     decays = [warmup(beta) if schedule is None else checked(schedule)]
-    for rule in groups:  # a frozen group (beta 1) is None: weight 0
-        decays.append(checked(rule) if callable(rule) else None if rule == 1.0 else warmup(rule))
+    if decay_groups is not None and not isinstance(decay_groups, Mapping):
+        raise EMATypeError(
+            f"decay_groups must map name patterns to a beta or a schedule, e.g. "
+            f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(decay_groups).__name__}'
+        )
+    for pattern, rule in (decay_groups or {}).items():
+        if not isinstance(pattern, str):
+            raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
+        if callable(rule):
+            decays.append(checked(rule))
+        else:  # a frozen group (beta 1) is None: weight 0
+            ceiling = check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
+            decays.append(None if ceiling == 1.0 else warmup(ceiling))
     frozen = beta == 1.0 and schedule is None and all(d is None for d in decays[1:])
     return ScheduleRule(
         decays, update_every=update_every, update_after_step=update_after_step, frozen=frozen
     )
-
-
-def _decay_groups(groups: object) -> list[float | Callable[[int], float]]:
-    """The values of ``decay_groups`` checked (str patterns to a beta in [0, 1] or a schedule)."""
-    if not isinstance(groups, Mapping):
-        raise EMATypeError(
-            f"decay_groups must map name patterns to a beta or a schedule, e.g. "
-            f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(groups).__name__}'
-        )
-    rules: list[float | Callable[[int], float]] = []
-    for pattern, rule in groups.items():
-        if not isinstance(pattern, str):
-            raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
-        rules.append(
-            rule
-            if callable(rule)
-            else check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
-        )
-    return rules
 
 
 # -- BEMA ------------------------------------------------------------------------------------
@@ -399,7 +390,6 @@ class BEMARule(DecayRule):
 
 
 def bema_rule(
-    *,
     update_freq: int = 400,
     ema_power: float = 0.5,
     bias_power: float = 0.2,
@@ -429,12 +419,7 @@ def bema_rule(
             f"beta_t = (lag + multiplier * t) ** -ema_power stays <= 1, got {lag=} and "
             f"{multiplier=}; raise lag (TRL's default is 10)"
         )
+    lag = int(lag) if lag.is_integer() else lag  # as TRL shows it: 10, not 10.0
     return BEMARule(
-        update_freq=update_freq,
-        ema_power=ema_power,
-        bias_power=bias_power,
-        lag=int(lag) if lag.is_integer() else lag,
-        update_after=update_after,
-        multiplier=multiplier,
-        min_ema_multiplier=min_ema_multiplier,
+        update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
     )

@@ -236,7 +236,7 @@ class EMA(nn.Module):
         partition: bool = False,
     ) -> None:
         super().__init__()
-        rule = ema_rule(  # checks beta ... min_value, schedule and decay_groups
+        rule = ema_rule(  # checks the numbers, schedule and decay_groups
             beta=beta,
             update_after_step=update_after_step,
             update_every=update_every,
@@ -536,8 +536,8 @@ class EMA(nn.Module):
     def current_decays(self) -> dict[str, float]:
         """The decay of every decay group at the current step: ``{"default": d, pattern: d}``."""
         t = self.tracker
-        labels = ["default", *self._group_patterns]
-        return {label: t.rule.decay(t.step, t.last, g) for g, label in enumerate(labels)}
+        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self._group_patterns, 1)}
+        return {"default": self.get_current_decay(), **groups}
 
     # -- the update ------------------------------------------------------------------------
 

@@ -135,7 +135,7 @@ class MultiEMA(nn.Module):
                 guard = trackers[0].guard(plans[0], actions[0]).guard
                 if guard is not None:
                     for t in trackers[1:]:
-                        t.count_flag(guard)
+                        t.finite.skips.add_flag(guard, t.step)
                     actions = [dataclasses.replace(a, guard=guard) for a in actions]
             fused = self._fused_for(plans)
             if fused is not None:
@@ -150,14 +150,10 @@ class MultiEMA(nn.Module):
     def owns_state_key(self, key: str) -> bool:
         """Whether a state key (relative to this MultiEMA) is one a member reads or ignores
         beyond its tensors (see [`emakit.EMA.owns_state_key()`][emakit.EMA.owns_state_key])."""
-        head, _, rest = key.partition(".")
-        index, _, rest = rest.partition(".")
-        return (
-            head == "emas"
-            and index.isdigit()
-            and int(index) < len(self)
-            and (self[int(index)].owns_state_key(rest))
-        )
+        for i, member in enumerate(self):
+            if key.startswith(head := f"emas.{i}."):
+                return member.owns_state_key(key[len(head) :])
+        return False
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

@@ -242,26 +242,17 @@ class Tracker:
         step, last = self.step, self.last
         if not self.initted or step <= last:
             return
-        self.runner.wait()
-        plan = self.plan()
         if self.rule.frozen:
-            action = Action("hold", call=step)
+            self.apply(Action("hold", call=step))
         else:
-            action = Action("lerp", self.rule.weights(step, last), step)
-        if self.skip_nonfinite:
-            action = self.guard(plan, action)
-        plan.run(action)
+            self.apply(Action("lerp", self.rule.weights(step, last), step))
+        self.runner.wait()
         self.last, self.gap = step, step - last
 
     def guard(self, plan: Plan, action: Action) -> Action:
         """``action`` guarded by the non-finite flag of ``plan`` at this call (see
         `FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>()`)."""
         return self.finite.guard(plan, action, self.step)
-
-    def count_flag(self, ok: Tensor) -> None:
-        """Count a skip at this call on the device where the 0-dim bool ``ok`` is false
-        (a flag computed for another tracker of the same model)."""
-        self.finite.skips.add_flag(ok, self.step)
 
     def __getstate__(self) -> dict:
         self.runner.wait()
