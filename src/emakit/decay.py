@@ -135,11 +135,10 @@ class ScheduleDecay:
                 f"the decay schedule {self.schedule!r} returned {decay!r} at t={t}; "
                 f"a decay must be in [0, 1]"
             )
-        if self.power != 1:
-            decay **= self.power
-        return min(max(decay, self.floor), 1.0)
+        return min(max(decay**self.power, self.floor), 1.0)
 
 
+@dataclass(frozen=True, repr=False)
 class PowerDecay:
     """The power-function decay (arXiv:2312.02696, Eq. 1 generalized to a gap ``dt``).
 
@@ -152,9 +151,8 @@ class PowerDecay:
             [`emakit.posthoc.math.power_function_beta()`][emakit.posthoc.math.power_function_beta]).
     """
 
-    def __init__(self, gamma: float, beta: Callable[[float, float, float], float]) -> None:
-        self.gamma = gamma
-        self.beta = beta
+    gamma: float
+    beta: Callable[[float, float, float], float]
 
     def __repr__(self) -> str:
         return f"power_function(gamma={self.gamma!r})"
@@ -276,7 +274,9 @@ def ema_rule(
     def checked(schedule: Callable[[int], float]) -> Callable[[int], float]:
         return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
 
-    decays = [warmup(beta) if schedule is None else checked(schedule)]
+    decays: list[Callable[[int], float] | None] = [
+        warmup(beta) if schedule is None else checked(schedule)
+    ]
     if decay_groups is not None and not isinstance(decay_groups, Mapping):
         raise EMATypeError(
             f"decay_groups must map name patterns to a beta or a schedule, e.g. "

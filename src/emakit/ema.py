@@ -35,6 +35,7 @@ from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
 from ._dist.deepspeed import ZeroPartitions, zero3_params
+from ._engine.kernels import Impl
 from ._engine.pairs import Tracked
 from ._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner, hook_optimizer
 from .decay import INIT, SKIP, ema_rule
@@ -56,7 +57,7 @@ _CODEC = StateCodec(
 )
 #: The online model's child name, as in ema-pytorch: keys ``online_model.<model's names>``.
 _ONLINE = "online_model"
-_IMPLS = {None: "flat", True: "foreach", False: "loop"}
+_IMPLS: dict[bool | None, Impl] = {None: "flat", True: "foreach", False: "loop"}
 #: Keywords that only mean something for a module, with their defaults (a pytree EMA
 #: refuses any other value).
 _MODULE_ONLY: dict[str, object] = {
@@ -265,11 +266,9 @@ class EMA(nn.Module):
         self.coerce_dtype = check.boolean("coerce_dtype", coerce_dtype)
         self.ema_dtype = check.floating_dtype("ema_dtype", ema_dtype)
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
-        self.async_update = (
-            self.device is not None
-            if async_update is None
-            else check.boolean("async_update", async_update)
-        )
+        if async_update is None:  # default: on for an offloaded EMA
+            async_update = self.device is not None
+        self.async_update = check.boolean("async_update", async_update)
         self.stream = check.boolean("stream", stream)
         self.share_frozen = check.boolean("share_frozen", share_frozen)
         self.param_or_buffer_names_no_ema = check.names(
@@ -300,6 +299,8 @@ class EMA(nn.Module):
         self._group_patterns = list(decay_groups or {})
         self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
         tree = not isinstance(model, nn.Module)
+        #: ``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree.
+        self.kind = "pytree" if tree else "module"
         if tree:
             self._refuse_for_pytree()
             if not leaves(model):
@@ -323,7 +324,7 @@ class EMA(nn.Module):
         )
         self._online = [model]  # a list hides it from the module tree and state_dict
         if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
-            self.online_model = model  # registered: saved under online_model.*
+            self._modules[_ONLINE] = model  # a child (past the property): saved as online_model.*
         self._modules["ema_model"] = None
         self.register_load_state_dict_post_hook(_keep_online_model)
         common: dict[str, Any] = {
@@ -433,11 +434,6 @@ class EMA(nn.Module):
         self.tracker.runner.wait()
         return self._tree[1] if self._tree is not None else self._modules["ema_model"]
 
-    @property
-    def kind(self) -> str:
-        """``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree."""
-        return "module" if self._tree is None else "pytree"
-
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
 
@@ -448,21 +444,17 @@ class EMA(nn.Module):
             raise EMATypeError("init_ema() builds the EMA of a module; this EMA tracks a pytree")
         ema_model = self._source.build(self.model, ema_model)
         self._modules["ema_model"] = ema_model
-        first = next((t for t in (*ema_model.parameters(), *ema_model.buffers())), None)
+        first = next(iter(all_tensors(ema_model)), None)
         self._home = self.device or (first.device if first is not None else None)
         for name in self.forward_method_names:  # FSDP2: registered, run on fresh shards
             setattr(self, name, ForwardMethod(ema_model, name, self.tracker.runner.wait))
         self.tracker.invalidate()
 
     def _tracked(self) -> Tracked:
-        """The current pairs (see `_LivePairs`); creates a lazy EMA model first."""
-        if self._tree is not None and isinstance(self._source, TreeSource):
-            return self._source.pairs(*self._tree)
-        if self._modules["ema_model"] is None:
+        """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
+        if self._tree is None and self._modules["ema_model"] is None:
             self.init_ema()
-        ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
-        assert isinstance(self._source, ModuleSource)
-        return self._source.pairs(self.model, ema_model)
+        return self._source.pairs(self.model, self.ema_model)
 
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
@@ -916,8 +908,7 @@ def _keep_online_model(module: nn.Module, incompatible: Any) -> None:
 def _make_runner(model: Any, async_update: bool, stream: bool) -> Runner:
     """The runner the keywords ask for: CUDA side stream, background thread, or inline."""
     if stream:
-        tensors = [*model.parameters(), *model.buffers()] if isinstance(model, nn.Module) else []
-        first = next((t for t in tensors if t.is_cuda), None)
+        first = next((t for t in all_tensors(model) if t.is_cuda), None)
         if first is None or not torch.cuda.is_available():
             raise EMAValueError(
                 "stream=True needs a model on a CUDA device (got one with no CUDA tensors); "

@@ -395,9 +395,7 @@ def half_life(steps: float) -> Callable[[int], float]:
         >>> round(s(0), 7), s.per_optimizer_step
         (0.9990003, True)
     """
-    return _HalfLife(
-        check.real("steps", steps, low=0.0, high=math.inf, low_open=True, high_open=True)
-    )
+    return _HalfLife(check.real("steps", steps, low=0.0, low_open=True))  # finite: (0, inf)
 
 
 def linear_ramp(beta0: float, beta1: float, steps: int) -> Callable[[int], float]:
@@ -473,10 +471,8 @@ def power_function(gamma: float, update_every: int = 1) -> Callable[[int], float
         >>> s(1), s(3)
         (0.5, 0.75)
     """
-    return _PowerFunction(
-        check.real("gamma", gamma, low=-1.0, high=math.inf, low_open=True, high_open=True),
-        _steps("update_every", update_every),
-    )
+    gamma = check.real("gamma", gamma, low=-1.0, low_open=True)  # finite: (-1, inf)
+    return _PowerFunction(gamma, _steps("update_every", update_every))
 
 
 def cumulative_average(update_every: int = 1) -> Callable[[int], float]:

@@ -95,7 +95,7 @@ def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
 
     def decode(t: Any, where: str) -> tuple[float, ...]:
         if isinstance(t, torch.Tensor):  # a key (float64 vector)
-            values = list(t.reshape(-1)) if not t.is_complex() else [t]
+            values = t.reshape(-1).tolist()
         elif isinstance(t, (list, tuple)):  # metadata: Python floats, exact
             values = list(t)
         else:

@@ -257,8 +257,5 @@ class Tracker:
     def __getstate__(self) -> dict:
         self.runner.wait()
         self.sync_views()
-        state = self.__dict__.copy()
-        state["_plan"] = None  # rebuilt on first use; it only holds references
-        state["swapped"] = False
-        state["views_held"] = False
-        return state
+        # the plan is rebuilt on first use (it only holds references)
+        return {**self.__dict__, "_plan": None, "swapped": False, "views_held": False}
