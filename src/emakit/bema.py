@@ -277,7 +277,7 @@ class BEMA(EMA):
 class BEMARunner:
     """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
     handed a ``BEMAWork`` (`emakit._engine.bema`) for each plan it is given, so the
-    tracker's one update path (``Tracker.update()``) drives BEMA too.
+    tracker's update path (``Tracker.advance()`` then ``apply()``) drives BEMA too.
 
     Args:
         inner: the runner the EMA's keywords asked for.

@@ -91,8 +91,9 @@ class EMA(nn.Module):
     numbers for the same sequence of calls. Call [`update()`][emakit.ema.EMA.update] after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
     use [`swap()`][emakit.ema.EMA.swap] to evaluate the online model on the EMA weights in place.
-    Every keyword is kept as an attribute of the same name (``ema.beta``, ``ema.device``
-    ...), checked and normalized (names as frozensets, ``device`` as a ``torch.device``).
+    Every keyword but ``model``, ``ema_model`` and ``decay_groups`` is kept as an attribute
+    of the same name (``ema.beta``, ``ema.device`` ...), checked and normalized (names as
+    frozensets, ``device`` as a ``torch.device``).
 
     Args:
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
@@ -188,6 +189,12 @@ class EMA(nn.Module):
             full export gather the slices on demand (collectives: every rank); the state is
             per rank, as under ZeRO-3. Buffers stay whole. A ZeRO-3 model is partitioned
             anyway. Default False (every rank keeps the whole EMA).
+
+    Attributes:
+        kind: ``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree.
+        tracker: the bookkeeping (counters, rule, plan, runner, non-finite guard) that
+            emakit's EMA kinds share. **Unstable internals:** it may change in any release;
+            the public API (``step``, ``swap()`` ...) is what stays compatible.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -299,7 +306,6 @@ class EMA(nn.Module):
         self._group_patterns = list(decay_groups or {})
         self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
         tree = not isinstance(model, nn.Module)
-        #: ``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree.
         self.kind = "pytree" if tree else "module"
         if tree:
             self._refuse_for_pytree()
@@ -312,10 +318,7 @@ class EMA(nn.Module):
         else:
             model = unwrap_model(model)
             self._check_names(model)
-        #: The bookkeeping (rule, plan, runner, counters, non-finite guard) that emakit's
-        #: EMA kinds share. **Unstable internals:** it may change in any release; the
-        #: public API (``step``, ``swap()`` ...) is what stays compatible.
-        self.tracker = Tracker(
+        self.tracker = Tracker(  # see the class docstring
             rule,
             self._tracked,
             impl=_IMPLS[self.use_foreach],

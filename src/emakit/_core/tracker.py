@@ -195,7 +195,9 @@ class Tracker:
 
     def advance(self) -> Action:
         """Count one call and return what it does (then `apply()` it unless it is
-        `SKIP`), touching no tensor. An averaging call moves ``last`` and ``gap`` now."""
+        `SKIP`), touching no tensor. An averaging call moves ``last`` and ``gap`` now, so
+        it counts as one even when its update is then skipped (non-finite weights) or
+        refused (a model change that no longer pairs)."""
         if self.swapped:
             raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
         if self.views_held:
