@@ -20,6 +20,7 @@ save sees exactly one of them.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,7 +37,7 @@ from ._dist.dtensor import fsdp_module_type, is_dtensor
 from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
-from ._files.safetensors_file import SafetensorsFile, write_safetensors
+from ._files.safetensors_file import SafetensorsFile, out_dtype, write_safetensors
 from ._validate import not_newer, stored_count
 from .ema import EMA
 from .errors import (
@@ -77,7 +78,8 @@ OTHER_EMAKIT_FORMATS = frozenset(
 #: Header entries only emakit's files have.
 _EMAKIT_ENTRIES = ("format_version", "emakit_version")
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: DDP's, torch.compile's and AveragedModel's prefixes, however nested.
+_WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
 #: ``(name, dtype) -> the tensor whole on rank 0`` (None elsewhere): a collective.
 Gather = Callable[[str, torch.dtype | None], Tensor | None]
@@ -147,7 +149,7 @@ def weights_header(
     else:  # the model's own class, not FSDP2's generated FSDP<Name> subclass
         fsdp = fsdp_module_type() or ()
         model_class = next(c for c in type(inner).__mro__ if not issubclass(c, fsdp)).__name__
-    return {
+    header = {
         "format": WEIGHTS_FORMAT,
         "format_version": str(WEIGHTS_FORMAT_VERSION),
         "emakit_version": __version__,
@@ -156,22 +158,13 @@ def weights_header(
         "step": str(int(ema.step)),
         "initted": "true" if bool(ema.initted) else "false",
         "decay": repr(float(ema.get_current_decay())),
-        "beta": repr(ema.beta),
-        "update_after_step": str(ema.update_after_step),
-        "update_every": str(ema.update_every),
-        "inv_gamma": repr(ema.inv_gamma),
-        "power": repr(ema.power),
-        "min_value": repr(ema.min_value),
-        "schedule": repr(ema.tracker.rule.decays[0]),
-        "dtypes": ",".join(
-            sorted(
-                {
-                    str(dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                    for t in tensors.values()
-                }
-            )
-        ).replace("torch.", ""),
     }
+    for key in ("beta", "update_after_step", "update_every", "inv_gamma", "power", "min_value"):
+        header[key] = repr(getattr(ema, key))
+    header["schedule"] = repr(ema.tracker.rule.decays[0])
+    dtypes = {str(out_dtype(t, dtype)).replace("torch.", "") for t in tensors.values()}
+    header["dtypes"] = ",".join(sorted(dtypes))
+    return header
 
 
 def save_ema_weights(
@@ -575,23 +568,13 @@ def _few(items: list[str], n: int = 10) -> str:
     return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
 
 
-def _strip(key: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if key.startswith(p):
-                key, changed = key[len(p) :], True
-    return key
-
-
 def _align_keys(weights: Mapping[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
     """``weights`` as is, or with DDP/compile/AveragedModel prefixes stripped when that
     matches the model's names better (a model may own a submodule called ``module``)."""
     raw = dict(weights)
     if set(raw) == expected:
         return raw
-    stripped = {_strip(k): v for k, v in raw.items()}
+    stripped = {_WRAPPER_PREFIXES.sub("", k): v for k, v in raw.items()}
     if len(stripped) == len(raw) and len(set(stripped) & expected) > len(set(raw) & expected):
         return stripped
     return raw

@@ -57,6 +57,7 @@ from .reading import open_regular
 __all__ = [
     "ST_DTYPES",
     "SafetensorsFile",
+    "out_dtype",
     "read_safetensors",
     "safetensors_layout",
     "write_safetensors",
@@ -85,7 +86,8 @@ ST_DTYPES: dict[torch.dtype, str] = {
 _TORCH_DTYPES = {code: dtype for dtype, code in ST_DTYPES.items()}
 
 
-def _out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+def out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is written in: ``dtype`` for a floating tensor when given."""
     return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
 
@@ -109,7 +111,7 @@ def safetensors_layout(
     """
     if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
         raise EMARuntimeError("emakit writes safetensors files on little-endian hosts only")
-    out = {name: _out_dtype(t, dtype) for name, t in tensors.items()}
+    out = {name: out_dtype(t, dtype) for name, t in tensors.items()}
     for name, dt in out.items():
         if dt not in ST_DTYPES:
             raise EMATypeError(f"tensor {name!r} has dtype {dt}, which safetensors cannot store")
@@ -133,7 +135,7 @@ def write_tensor(f: IO[bytes], t: Tensor, dtype: torch.dtype | None = None) -> N
     """Append ``t``'s bytes (cast to ``dtype`` when floating and given, moved to the CPU)
     to a file whose header `safetensors_layout()` wrote."""
     t = t.detach()
-    t = t.to("cpu", _out_dtype(t, dtype)).contiguous().reshape(-1)
+    t = t.to("cpu", out_dtype(t, dtype)).contiguous().reshape(-1)
     if t.numel():
         f.write(t.view(torch.uint8).numpy().data)
 
