@@ -150,7 +150,7 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
 
 def _agree(
     ema: EMA, operation: str, group: Any, timeout_s: float, *, counts: bool = True, extra: int = 0
-) -> Any:
+) -> int:
     """Every rank of ``group`` is in ``operation`` with the same step and skip count (one
     bounded all-gather, see `emakit._dist.collectives`); ``extra``: 64 bits from rank 0."""
     return agree(
@@ -263,7 +263,7 @@ def save_sharded_ema(
     version = _dcp.new_version()
     if distributed:  # the coordinator's version name rides along with the check
         agreed = _agree(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
-        version = f"v-{agreed.extra:016x}"
+        version = f"v-{agreed:016x}"
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -351,7 +351,7 @@ def load_sharded_ema(
     if distributed:
         extra = 0 if current is None else int(current[2:], 16)
         agreed = _agree(ema, "load_sharded_ema", group, timeout_s, counts=False, extra=extra)
-        current = f"v-{agreed.extra:016x}" if agreed.extra else None
+        current = f"v-{agreed:016x}" if agreed else None
     target = folder if current is None else folder / current
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
     state = ema.state_dict(include_online_model=False)

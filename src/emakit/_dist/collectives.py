@@ -24,8 +24,8 @@ every rank of the process group:
   raises the same [`EMAStateError`][emakit.errors.EMAStateError], naming the ranks and their steps: one
   rank called ``update()`` more often than the others, so a checkpoint would record one
   rank's step for shards that were averaged a different number of times.
-* ``extra`` carries 64 bits from the first rank to all (the version folder of a sharded
-  save), so the check costs no collective of its own.
+* ``extra`` carries 64 bits from the first rank to all, returned by `agree()` (the
+  version folder of a sharded save or load), so the check costs no collective of its own.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from .arrival import default_store, missing_ranks
 __all__ = [
     "AGREE_TIMEOUT_S",
     "OPERATIONS",
-    "Agreed",
     "agree",
     "collective_device",
     "dist_ready",
@@ -108,25 +107,6 @@ def _global_rank(group: Any, index: int) -> int:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-class Agreed:
-    """What every rank brought to `agree()`.
-
-    Attributes:
-        ranks: the global rank of each row.
-        rows: ``[MAGIC, op, step, skips, extra_hi, extra_lo]`` per rank.
-    """
-
-    def __init__(self, ranks: list[int], rows: list[list[int]]) -> None:
-        self.ranks = ranks
-        self.rows = rows
-
-    @property
-    def extra(self) -> int:
-        """The first rank's ``extra`` (64 bits)."""
-        row = self.rows[0]
-        return (row[4] << 32) | row[5]
 
 
 def _missing_by_collective(group: Any, timeout_s: float) -> list[int] | None:
@@ -197,7 +177,7 @@ def agree(
     timeout_s: float = AGREE_TIMEOUT_S,
     check_counts: bool = True,
     extra: int = 0,
-) -> Agreed:
+) -> int:
     """One bounded all-gather: every rank of ``group`` is in ``operation`` with the same
     ``step`` and ``skips`` (see the module docstring).
 
@@ -208,10 +188,10 @@ def agree(
         group: the process group (default: the default group).
         timeout_s: seconds to wait for the other ranks.
         check_counts: compare ``step`` and ``skips`` (False: only that every rank came).
-        extra: 64 bits that every rank receives from the first rank (`Agreed.extra`).
+        extra: 64 bits that every rank receives from the first rank.
 
     Returns:
-        Every rank's row.
+        The first rank's ``extra``.
 
     Raises:
         EMARuntimeError: the other ranks did not arrive within ``timeout_s`` (or the
@@ -291,4 +271,4 @@ def agree(
                     f"{operation}: the EMA differs across ranks ({parts}; {done}): {why}; "
                     f"to recover, load the last checkpoint saved before the ranks diverged"
                 )
-    return Agreed(ranks, table)
+    return (table[0][4] << 32) | table[0][5]

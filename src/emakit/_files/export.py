@@ -64,7 +64,7 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     local = _cast_local(d, dtype)
     mesh = d.device_mesh
     shape = tuple(d.shape)
-    if _rows_sharded(mesh, d.placements, shape):
+    if mesh.ndim == 1 and _rows_dim(mesh, d.placements, shape, writer=False) == 0:
         return cast(Tensor, _gather_rows(local, shape, mesh))
     return DTensor.from_local(
         local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
@@ -110,10 +110,12 @@ def _cast_local(d: Any, dtype: torch.dtype | None) -> Tensor:
     return local
 
 
-def _rows_dim(mesh: Any, placements: Any, shape: tuple[int, ...]) -> int | None:
+def _rows_dim(
+    mesh: Any, placements: Any, shape: tuple[int, ...], *, writer: bool = True
+) -> int | None:
     """The mesh dimension a tensor's rows are split along, when every other mesh dimension
-    replicates it, rank 0 sits at coordinate 0 of those, and the ranks along it are in
-    order (the same answer on every rank); else None."""
+    replicates it, the ranks along it are in order and (with ``writer``) rank 0 sits at
+    coordinate 0 of the others (the same answer on every rank); else None."""
     if not shape or len(placements) != mesh.ndim:
         return None
     rows = [i for i, p in enumerate(placements) if p.is_shard(0)]
@@ -123,18 +125,9 @@ def _rows_dim(mesh: Any, placements: Any, shape: tuple[int, ...]) -> int | None:
         return None
     ranks = mesh.mesh
     line = ranks[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
-    if 0 not in line or line != sorted(line):
+    if (writer and 0 not in line) or line != sorted(line):
         return None
     return rows[0]
-
-
-def _rows_sharded(mesh: Any, placements: Any, shape: tuple[int, ...]) -> bool:
-    """Whether the tensor is split by rows over a 1-D mesh whose ranks are in order (the
-    same answer on every rank)."""
-    if mesh.ndim != 1 or len(placements) != 1 or not shape:
-        return False
-    ranks = mesh.mesh.tolist()
-    return bool(placements[0].is_shard(0)) and ranks == sorted(ranks)
 
 
 def _gather_rows(

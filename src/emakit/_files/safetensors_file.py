@@ -45,7 +45,6 @@ import struct
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import torch
@@ -257,12 +256,7 @@ class SafetensorsFile:
     def __enter__(self) -> SafetensorsFile:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -203,7 +203,7 @@ class SnapshotWriter:
             voted = True
             _share(None, folder, step)
 
-        mine = (rank, world, f"{agreed.extra:016x}")  # and this write's id
+        mine = (rank, world, f"{agreed:016x}")  # and this write's id
         try:
             if rank == 0:
                 self._take_folder(folder, run, step)
