@@ -402,6 +402,7 @@ def load_foreign_state(
     source, what = "the checkpoint", ""
     st_step: int | None = None
     folder = Path(obj) if isinstance(obj, (str, os.PathLike)) and Path(obj).is_dir() else None
+    fmt: str | None
     if folder is not None:
         if format not in ("auto", "diffusers"):
             raise EMAValueError(
@@ -410,16 +411,16 @@ def load_foreign_state(
                 f"or 'diffusers', or the path of the checkpoint file inside it"
             )
         source, fmt, what = str(folder), "diffusers", " (diffusers EMAModel.save_pretrained folder)"
-    elif isinstance(obj, (str, os.PathLike)):
-        source = str(obj)
-        obj, metadata = _load_file(Path(obj))
-        header = None if metadata is None else emakit_header(metadata, source)
-        if header is not None:
-            st_step = header[0]
-    elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
-        source = f"{type(obj).__name__}.state_dict()"
-        obj = obj.state_dict()
-    if folder is None:
+    else:
+        if isinstance(obj, (str, os.PathLike)):
+            source = str(obj)
+            obj, metadata = _load_file(Path(obj))
+            header = None if metadata is None else emakit_header(metadata, source)
+            if header is not None:
+                st_step = header[0]
+        elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
+            source = f"{type(obj).__name__}.state_dict()"
+            obj = obj.state_dict()
         fmt = detect_format(obj) if format == "auto" else format
     if fmt is None:
         raise EMAStateError(
@@ -442,6 +443,7 @@ def load_foreign_state(
             raise EMAStateError(f"{source} ({fmt}): {e}") from e
         return fmt
 
+    found: int | None
     if folder is not None:
         weights, found = _diffusers_folder(folder)
     else:
