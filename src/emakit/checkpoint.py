@@ -1,10 +1,18 @@
-"""EMA weights on disk: safetensors export and import.
+"""EMA files: the weights file of any EMA, and crash-safe training checkpoints.
 
-* [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes the EMA model's weights as a safetensors file that loads
-  straight into the model class (``model.load_state_dict(load_file(path))``), with the EMA
-  settings in the header. The file is streamed tensor by tensor (no second copy of the
-  model in memory) and written atomically.
-* [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads such a file back into an EMA, keeping the shadow dtype.
+One verb family (the sharded DCP checkpoint pair is in [`emakit.distributed`][emakit.distributed]):
+
+* [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes the EMA model's weights
+  as one safetensors file that loads straight into the model class
+  (``model.load_state_dict(load_file(path))``), with the EMA settings in the header,
+  streamed tensor by tensor (no second copy of the model in memory) and atomically. For
+  a sharded EMA (FSDP2, DeepSpeed ZeRO-3, ``partition=True``) it is a collective: rank 0
+  writes the whole model, gathered one tensor at a time (`emakit._files.export`).
+* [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads such a file back into
+  any EMA, keeping the shadow dtype (a partitioned EMA: a collective, each rank keeping
+  its own partition, on any number of ranks).
+* [`save_checkpoint()`][emakit.checkpoint.save_checkpoint] is ``torch.save`` made
+  crash-safe, for the training checkpoint that holds ``ema.state_dict()``.
 
 Checkpoints of other EMA libraries load with [`emakit.foreign.load_foreign_state()`][emakit.foreign.load_foreign_state].
 
@@ -13,8 +21,8 @@ Every failure (missing, truncated or corrupt file, a checkpoint of another model
 safetensors carries no checksum: truncation and damage to the header are caught (the header
 is validated in full, and a header that has emakit's entries but a damaged ``format`` is
 refused rather than read as a plain state dict without its step), a flipped bit inside
-tensor data is not. A file is read through one open descriptor, so a load that races a
-save sees exactly one of them.
+tensor data is not. A file is read from the one file emakit opened
+(`emakit._files.safetensors_file`), so a load that races a save sees exactly one of them.
 """
 
 from __future__ import annotations
