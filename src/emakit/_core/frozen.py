@@ -42,7 +42,7 @@ pairs, ``Tracked.shared``, so every rank joins its all-reduce alike).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,9 +112,11 @@ class UnfreezeHook:
     pre-hook call ``hook(module, args)`` answers with ``args``: inputs unchanged, and a
     model saved whole with ``torch.save`` loads where emakit is not installed."""
 
-    def __init__(self, share: FrozenShare | None = None, params: list[Tensor] | None = None):
+    def __init__(
+        self, share: FrozenShare | None = None, params: Sequence[Tensor] = ()
+    ) -> None:
         self.share = weakref.ref(share) if share is not None else None
-        self.params = params or []
+        self.params = list(params)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         for p in self.params:
@@ -174,7 +176,7 @@ class FrozenShare:
             return
         shared = {id(p.online) for p in self.pairs}
         for module in self._model.modules():
-            params = [t for t in module._parameters.values() if id(t) in shared]
+            params = [t for t in module._parameters.values() if t is not None and id(t) in shared]
             if params:
                 hook = UnfreezeHook(self, params)
                 self._handles.append(module.register_forward_pre_hook(hook))

@@ -34,10 +34,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .._dist.collectives import collective_device
+from .._dist.collectives import collective_device, dist_ready
 from .._dist.deepspeed import is_partition
 from .._dist.dtensor import is_dtensor
-from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
 from .kernels import converted
 from .pairs import TensorPair

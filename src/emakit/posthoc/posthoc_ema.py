@@ -31,9 +31,8 @@ from torch import nn
 from .._core.forward import eval_call
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
-from .._dist.collectives import AGREE_TIMEOUT_S
+from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
 from .._dist.deepspeed import ZeroPartitions
-from .._dist.ranks import dist_ready, is_rank_zero
 from .._files.reading import writable_folder
 from .._validate import boolean, floating_dtype
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError

@@ -66,9 +66,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..._dist.collectives import is_rank_zero
 from ..._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ..._dist.dtensor import is_dtensor
-from ..._dist.ranks import is_rank_zero
 from ...errors import EMAStateError
 from ..math import PostHocWarning
 

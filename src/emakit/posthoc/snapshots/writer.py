@@ -39,9 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..._dist.collectives import AGREE_TIMEOUT_S, agree
+from ..._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
 from ..._dist.deepspeed import ZeroPartitions
-from ..._dist.ranks import dist_ready, is_rank_zero
 from ...errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
 from ..karras import KarrasEMA
 from ..math import PostHocWarning
@@ -164,7 +163,7 @@ class SnapshotWriter:
                 self._take_folder(folder, run, step)
             else:
                 folder.mkdir(parents=True, exist_ok=True)
-            return self._files(profiles, folder, step, dtype, run, shard, agreed.extra, vote)
+            return self._files(profiles, folder, step, dtype, run, shard, agreed, vote)
         except (OSError, EMAError) as e:
             if voted:  # the vote failed (nothing replaced), or a rename after it did
                 raise

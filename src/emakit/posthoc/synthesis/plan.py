@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..._dist.collectives import dist_ready
 from ..._dist.dtensor import local_tensor
-from ..._dist.ranks import dist_ready
 from ..._validate import optional_integer
 from ...errors import EMAStateError, EMAValueError
 from ..karras import resolve_profile
