@@ -383,6 +383,9 @@ def _rewrite(model: nn.Module, folder: Path, res: dict[str, Any]) -> None:
     first = PostHocEMA(model, run_id=RUN, **kw, **KW)
     first.update()
     first.checkpoint()
+    # checkpoint() returns on each rank once its own files are in place: wait for the
+    # other rank's renames before listing the folder
+    torch.distributed.barrier()
     res["rewrite_before"] = _digests(folder)
     with torch.no_grad():
         for p in model.parameters():
