@@ -112,9 +112,7 @@ class UnfreezeHook:
     pre-hook call ``hook(module, args)`` answers with ``args``: inputs unchanged, and a
     model saved whole with ``torch.save`` loads where emakit is not installed."""
 
-    def __init__(
-        self, share: FrozenShare | None = None, params: Sequence[Tensor] = ()
-    ) -> None:
+    def __init__(self, share: FrozenShare | None = None, params: Sequence[Tensor] = ()) -> None:
         self.share = weakref.ref(share) if share is not None else None
         self.params = list(params)
 
