@@ -239,12 +239,7 @@ class EMACallback(pl.Callback):
     # -- updates --------------------------------------------------------------------------
 
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
         """Update the EMA when this batch ended with an optimizer step."""
         step = trainer.global_step

@@ -229,15 +229,10 @@ class EMATrainerCallback(TrainerCallback):
     # -- creation and resume ------------------------------------------------------------
 
     def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Create the EMA of ``model``; on a resumed run load the checkpoint's EMA."""
-        owner = type(self).__name__
+        owner, model = type(self).__name__, kwargs.get("model")
         if not isinstance(model, nn.Module):
             raise EMATypeError(f"{owner} needs the Trainer's model, got {type(model).__name__}")
         refuse_zero3(model, owner)
@@ -269,14 +264,10 @@ class EMATrainerCallback(TrainerCallback):
             self.ema.update()
 
     def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Add the EMA's values to the entry the Trainer is logging (``log_stats``)."""
+        """Add the EMA's values to the entry the Trainer is logging (``logs``; ``log_stats``)."""
+        logs = kwargs.get("logs")
         if not self.log_stats or self.ema is None or logs is None:
             return
         values = ema_metrics(self.ema, skips=True)
