@@ -105,8 +105,8 @@ class EMAModuleWrapper(nn.Module):
         default_ema_kwarg: the keyword name when a spec gives none. Default
             ``"ema_output"``.
         forward_online_during_train: while the model trains and specs exist, ``wrapper(x)``
-            runs the EMA then the online model ([`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online]); otherwise it runs
-            the EMA model. Default True.
+            runs the EMA then the online model (see [`forward()`][emakit.wrapper.EMAModuleWrapper.forward]);
+            otherwise it runs the EMA model. Default True.
         **ema_kwargs: keywords of [`EMA`][emakit.EMA].
 
     Example:
@@ -216,9 +216,10 @@ class EMAModuleWrapper(nn.Module):
 
     # -- forward -----------------------------------------------------------------------
 
-    def forward_online(
+    def forward(
         self,
         *args: Any,
+        forward_online: bool | None = None,
         only_online: bool = False,
         only_ema: bool = False,
         ema_args: Any = None,
@@ -226,15 +227,23 @@ class EMAModuleWrapper(nn.Module):
         auto_normalize_ema_args: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """Run the EMA model (no grad, eval mode) to capture its outputs, then the online
-        model, which receives them. ``only_online``/``only_ema`` run just one of them;
-        ``ema_args``/``ema_kwargs`` give the EMA other inputs (a dict for ``ema_args``
-        means keywords; one non-tuple value one positional argument)."""
+        """While the model trains and specs exist (``forward_online=None``, the default),
+        or with ``forward_online=True``: run the EMA model (no grad, eval mode) to capture
+        its outputs, then the online model, which receives them. ``only_online``/
+        ``only_ema`` run just one of them; ``ema_args``/``ema_kwargs`` give the EMA other
+        inputs (a dict for ``ema_args`` means keywords; one non-tuple value one positional
+        argument). Otherwise: the EMA model."""
+        if forward_online is None:
+            forward_online = (
+                self.ema_module_kwargs is not None
+                and self.model.training
+                and self.forward_online_during_train
+            )
         if only_online and only_ema:
             raise EMAValueError("only_online and only_ema cannot both be True")
         if (only_online or only_ema) and (ema_args is not None or ema_kwargs is not None):
             raise EMAValueError("ema_args/ema_kwargs apply only when both models run")
-        if only_ema:
+        if only_ema or not (only_online or forward_online):
             return self.ema.ema_model(*args, **kwargs)
         self._captured.clear()
         if only_online:
@@ -262,33 +271,7 @@ class EMAModuleWrapper(nn.Module):
         finally:
             self._captured.clear()
 
-    def forward(
-        self,
-        *args: Any,
-        forward_online: bool | None = None,
-        only_online: bool = False,
-        only_ema: bool = False,
-        ema_args: Any = None,
-        ema_kwargs: dict[str, Any] | None = None,
-        auto_normalize_ema_args: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """[`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online] while training with specs (or when asked), else the EMA
-        model."""
-        if forward_online is None:
-            forward_online = (
-                self.ema_module_kwargs is not None
-                and self.model.training
-                and self.forward_online_during_train
-            )
-        if only_online or only_ema or forward_online:
-            return self.forward_online(
-                *args,
-                only_online=only_online,
-                only_ema=only_ema,
-                ema_args=ema_args,
-                ema_kwargs=ema_kwargs,
-                auto_normalize_ema_args=auto_normalize_ema_args,
-                **kwargs,
-            )
-        return self.ema.ema_model(*args, **kwargs)
+    def forward_online(self, *args: Any, **kwargs: Any) -> Any:
+        """[`forward(..., forward_online=True)`][emakit.wrapper.EMAModuleWrapper.forward]:
+        the EMA model, then the online model fed its outputs (same keywords)."""
+        return self.forward(*args, forward_online=True, **kwargs)

@@ -161,23 +161,16 @@ def run_demo(
         # run's snapshots.
         shutil.rmtree(posthoc_dir)
 
+    import rich.progress as bars
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     columns = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
+        bars.TextColumn("[progress.description]{task.description}"),
+        bars.BarColumn(),
+        bars.MofNCompleteColumn(),
+        bars.TimeElapsedColumn(),
+        bars.TimeRemainingColumn(),
+        bars.TextColumn("{task.fields[status]}"),
     )
     console = console or Console()
     start = time.perf_counter()
@@ -186,7 +179,7 @@ def run_demo(
     torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
     try:
         data = load_digits_split(settings.seed, settings.test_fraction, settings.label_noise)
-        with Progress(*columns, console=console, disable=not progress) as bar:
+        with bars.Progress(*columns, console=console, disable=not progress) as bar:
             task = bar.add_task("training", total=settings.steps, status="")
 
             def on_eval(step: int, metrics: Mapping[str, Mapping[str, float]]) -> None:

@@ -161,20 +161,10 @@ def train(
     opt = torch.optim.SGD(net.parameters(), lr=settings.lr)
     g = torch.Generator().manual_seed(settings.seed + 2)
 
-    def online(x: Tensor) -> Tensor:
-        net.eval()
-        try:
-            logits: Tensor = net(x)
-        finally:
-            net.train()
-        return logits
-
     # evaluated during training; the post-hoc EMA only at the end
-    evaluators: dict[str, Callable[[Tensor], Tensor]] = {"online": online, "ema": ema}
+    evaluators: dict[str, Callable[[Tensor], Tensor]] = {"online": net, "ema": ema}
     history: dict[str, list[float]] = {"step": [], "decay": []}
-    for key in evaluators:
-        history[f"{key}_accuracy"] = []
-        history[f"{key}_loss"] = []
+    history.update((f"{key}_{name}", []) for key in evaluators for name in ("accuracy", "loss"))
     n = len(y_train)
     perm = torch.randperm(n, generator=g)
     cursor = 0
@@ -196,7 +186,9 @@ def train(
         if on_step is not None:
             on_step(step)
         if step % settings.eval_every == 0 or step == settings.steps:
+            net.eval()  # the online model evaluated as the EMA's is, in eval mode
             metrics = {key: evaluate(f, x_test, y_test) for key, f in evaluators.items()}
+            net.train()
             history["step"].append(step)
             for key, m in metrics.items():
                 history[f"{key}_accuracy"].append(m["accuracy"])

@@ -239,20 +239,13 @@ class EMACallback(pl.Callback):
     # -- updates --------------------------------------------------------------------------
 
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
         """Update the EMA when this batch ended with an optimizer step."""
         step = trainer.global_step
         if step > self._last_global_step:
             self._last_global_step = step
-            ema = self.ema
-            if ema is None:  # pragma: no cover - on_fit_start always runs first
-                ema = self._ensure_ema(pl_module)
+            ema = self._ensure_ema(pl_module)  # created at on_fit_start: a lookup here
             ema.update()
             if self.log_stats:
                 pl_module.log_dict(ema_metrics(ema), on_step=True, on_epoch=False)
@@ -280,19 +273,20 @@ class EMACallback(pl.Callback):
                 "loaded from a checkpoint passed as ckpt_path=); evaluating the raw weights"
             )
 
-    def _leave_swap(self) -> None:
+    def _leave_swap(self, *args: Any, **kwargs: Any) -> None:
+        """Put the raw weights back (a no-op unless the EMA's are swapped in); also the
+        hooks ``on_validation_end``, ``on_test_end``, ``on_exception`` (a loop raised
+        inside the swap) and ``teardown``."""
         swap, self._swap = self._swap, None
         if swap is not None:
             swap.exit()
+
+    on_validation_end = on_test_end = on_exception = teardown = _leave_swap
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Swap the EMA weights into the module (``validate_with_ema``)."""
         if self.validate_with_ema:
             self._enter_swap(pl_module)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the raw weights back."""
-        self._leave_swap()
 
     def on_validation_batch_end(
         self,
@@ -323,20 +317,6 @@ class EMACallback(pl.Callback):
         """Swap the EMA weights into the module (``test_with_ema``)."""
         if self.test_with_ema:
             self._enter_swap(pl_module)
-
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the raw weights back."""
-        self._leave_swap()
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        """Put the raw weights back when a loop raised inside the swap."""
-        self._leave_swap()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Put the raw weights back (a no-op unless a loop ended inside the swap)."""
-        self._leave_swap()
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -371,8 +351,7 @@ class EMACallback(pl.Callback):
                     "False), or export the EMA with emakit.distributed.save_full_ema_weights"
                 )
             checkpoint[ONLINE_STATE_DICT_KEY] = checkpoint["state_dict"]
-            ctx = ema.swap() if self._swap is None else contextlib.nullcontext()
-            with ctx:
+            with ema.swap() if self._swap is None else contextlib.nullcontext():
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
         if distributed:
             # The strategy writes state_dict with DCP, shard by shard, and pickles the rest
@@ -422,13 +401,13 @@ class EMACallback(pl.Callback):
                 f"checkpoint[{CHECKPOINT_KEY!r}] has version={version}, newer than this "
                 f"emakit's {SHARDED_CHECKPOINT_VERSION}; upgrade emakit to load it"
             )
+        if self._swap is not None:
+            raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         if version == SHARDED_CHECKPOINT_VERSION:
             self._load_shards(trainer, pl_module, entry)
             return
         self._pending = entry["ema"]
         if self.ema is not None and self.ema.model is pl_module:
-            if self._swap is not None:
-                raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
             self._ensure_ema(pl_module)
 
     def _load_shards(
@@ -445,8 +424,6 @@ class EMACallback(pl.Callback):
                 f"folder, but the trainer does not say which folder it loaded (ckpt_path); "
                 f"pass ckpt_path= to fit, validate or test"
             )
-        if self._swap is not None:
-            raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         self._pending = None
         ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
         state = ema.state_dict(include_online_model=False)

@@ -15,8 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,19 +85,13 @@ def _resume_file(args: TrainingArguments, state: TrainerState, name: str) -> Pat
     loop's frame; then ``args.resume_from_checkpoint``; then
     ``output_dir/checkpoint-<global_step>``.
     """
-    candidates: list[Any] = []
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame.f_code.co_name == "_inner_training_loop":
-            candidates.append(frame.f_locals.get("resume_from_checkpoint"))
-            break
-        if frame.f_back is None:
-            break
-        frame = frame.f_back
-    candidates.append(getattr(args, "resume_from_checkpoint", None))
-    candidates.append(
-        os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    )
+    frames = itertools.islice(traceback.walk_stack(sys._getframe(1)), 8)
+    loop = next((f for f, _ in frames if f.f_code.co_name == "_inner_training_loop"), None)
+    candidates = [
+        None if loop is None else loop.f_locals.get("resume_from_checkpoint"),
+        getattr(args, "resume_from_checkpoint", None),
+        os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+    ]
     for folder in candidates:
         if isinstance(folder, (str, os.PathLike)) and (Path(folder) / name).is_file():
             return Path(folder) / name
@@ -233,15 +229,10 @@ class EMATrainerCallback(TrainerCallback):
     # -- creation and resume ------------------------------------------------------------
 
     def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Create the EMA of ``model``; on a resumed run load the checkpoint's EMA."""
-        owner = type(self).__name__
+        owner, model = type(self).__name__, kwargs.get("model")
         if not isinstance(model, nn.Module):
             raise EMATypeError(f"{owner} needs the Trainer's model, got {type(model).__name__}")
         refuse_zero3(model, owner)
@@ -264,12 +255,6 @@ class EMATrainerCallback(TrainerCallback):
 
     # -- updates --------------------------------------------------------------------------
 
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """Make sure the step trains the raw weights."""
-        self._leave_swap()
-
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -279,14 +264,10 @@ class EMATrainerCallback(TrainerCallback):
             self.ema.update()
 
     def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Add the EMA's values to the entry the Trainer is logging (``log_stats``)."""
+        """Add the EMA's values to the entry the Trainer is logging (``logs``; ``log_stats``)."""
+        logs = kwargs.get("logs")
         if not self.log_stats or self.ema is None or logs is None:
             return
         values = ema_metrics(self.ema, skips=True)
@@ -308,10 +289,16 @@ class EMATrainerCallback(TrainerCallback):
         ):
             self._swap = self.ema.swap().enter()
 
-    def _leave_swap(self) -> None:
+    def _leave_swap(self, *args: Any, **kwargs: Any) -> None:
+        """Put the raw weights back (a no-op unless the EMA's are swapped in); also the
+        hooks ``on_step_begin`` (a step trains the raw weights), ``on_predict`` (a
+        prediction run is over) and ``on_epoch_end`` (something evaluated outside the
+        Trainer's loop)."""
         swap, self._swap = self._swap, None
         if swap is not None:
             swap.exit()
+
+    on_step_begin = on_predict = on_epoch_end = _leave_swap
 
     def _stop(self) -> None:
         """Put the raw weights back and stop watching the model's forwards."""
@@ -326,11 +313,9 @@ class EMATrainerCallback(TrainerCallback):
         """Put the raw weights back once an evaluation is over (before any checkpoint);
         with ``also_evaluate_online``, evaluate the raw weights too."""
         self._leave_swap()
-        metrics, model = kwargs.get("metrics"), kwargs.get("model")
-        data = kwargs.get("eval_dataloader")
-        if not (self.also_evaluate_online and self.eval_with_ema and self.ema is not None):
-            return
-        if metrics is None or not isinstance(model, nn.Module) or data is None:
+        metrics, model, data = (kwargs.get(k) for k in ("metrics", "model", "eval_dataloader"))
+        wanted = self.also_evaluate_online and self.eval_with_ema and self.ema is not None
+        if not wanted or metrics is None or not isinstance(model, nn.Module) or data is None:
             return
         prefixes = [k[: -len("_loss")] for k in metrics if k.endswith("_loss")]
         if len(prefixes) != 1:
@@ -343,23 +328,6 @@ class EMATrainerCallback(TrainerCallback):
         entry = {f"{prefixes[0]}_online_loss": value}
         metrics.update(entry)
         state.log_history.append({**entry, "epoch": state.epoch, "step": state.global_step})
-
-    def on_predict(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        metrics: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        """Put the raw weights back once a prediction run is over."""
-        self._leave_swap()
-
-    def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """Put the raw weights back (a no-op unless something evaluated outside the Trainer's loop)."""
-        self._leave_swap()
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -380,12 +348,7 @@ class EMATrainerCallback(TrainerCallback):
         self._save(self.ema, folder / self.state_file)
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Stop swapping; load the best checkpoint's EMA when the Trainer loaded the best
         model; with ``save_final_as_model``, make the EMA weights the model and save it."""
@@ -398,7 +361,7 @@ class EMATrainerCallback(TrainerCallback):
             load_ema_weights(ema, Path(best) / EMA_WEIGHTS_NAME)
         if self.save_final_as_model:
             ema.copy_params_from_ema_to_model()
-            if args.should_save and model is not None:
+            if args.should_save and (model := kwargs.get("model")) is not None:
                 _save_model(model, ema, Path(args.output_dir or "."))
 
 
@@ -495,12 +458,7 @@ class BEMACallback(EMATrainerCallback):
         save_checkpoint(ema.state_dict(), path)
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Write the BEMA model to ``output_dir/bema`` (``save_pretrained``, as TRL does;
         ``model.safetensors`` for a model without it), from the main process."""
