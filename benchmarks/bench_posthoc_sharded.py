@@ -187,7 +187,7 @@ def read_job(rank: int, world: int, args: argparse.Namespace, folder: Path) -> d
     import warnings
 
     from emakit.posthoc import KarrasEMA
-    from emakit.posthoc.synthesis import plan_synthesis, synthesize_into
+    from emakit.posthoc.synthesis.plan import plan_synthesis, synthesize_into
 
     warnings.simplefilter("ignore")
     model = shard(build(args.params), world)

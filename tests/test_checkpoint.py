@@ -239,6 +239,51 @@ def test_pytree_export_round_trip(tmp_path):
         load_ema_weights(EMA(Net()), path)
 
 
+def test_a_partitioned_ema_saves_and_loads_whole_tensors(tmp_path):
+    """One verb for every EMA: save_ema_weights of EMA(partition=True) writes the model's
+    own shapes (not the flat partitions), and load_ema_weights reads them back into a
+    partitioned EMA; the `_full_` names do the same."""
+    from emakit.distributed import load_full_ema_weights, save_full_ema_weights
+
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    ema = EMA(net, partition=True, update_after_step=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        net(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+        ema.update()
+    path = save_ema_weights(ema, tmp_path / "parted.safetensors")
+    loaded = safetensors.torch.load_file(path)
+    assert {k: tuple(v.shape) for k, v in loaded.items() if k.endswith("weight")} == {
+        "0.weight": (3, 4),
+        "1.weight": (3,),
+    }
+    plain = EMA(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    load_ema_weights(plain, path)
+    for name, t in plain.ema_model.state_dict().items():
+        assert torch.equal(t, loaded[name]), name
+    again = EMA(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), partition=True)
+    assert load_full_ema_weights(again, path)["step"] == "3" and int(again.step) == 3
+    resaved = safetensors.torch.load_file(save_full_ema_weights(again, tmp_path / "b.st"))
+    assert_same(resaved, loaded)
+
+
+def test_swap_in_place_is_swap_in_place():
+    from emakit.distributed import swap_in_place
+
+    net = nn.Linear(2, 2)
+    ema = EMA(net, beta=0.5, update_after_step=0)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    ema.update()
+    before = net.weight.detach().clone()
+    with swap_in_place(ema) as swap:
+        assert torch.equal(net.weight, ema.ema_model.weight) and swap is not None
+    assert torch.equal(net.weight, before)
+    with pytest.raises(TypeError, match="ema must be an emakit EMA"):
+        swap_in_place(net)
+
+
 def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
     net = Net()
     ema = EMA(net)

@@ -174,7 +174,7 @@ def test_step_writes_are_saved_and_do_not_cost_a_skipped_call_later():
     ema.step += 41
     assert int(ema.state_dict()["step"]) == 41
     ema.update()
-    assert not ema.tracker.counters.held  # nobody holds the views: no more checks per call
+    assert not ema.tracker.views_held  # nobody holds the views: no more checks per call
 
 
 # -- the rest of the surface ------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch import nn
 from emakit import EMA, EMAStateError, PostHocEMA
 from emakit.checkpoint import WEIGHTS_FORMAT, load_ema_weights, save_ema_weights
 from emakit.foreign import load_foreign_state
-from emakit.posthoc.snapshots import list_snapshots, read_snapshot_info
+from emakit.posthoc import list_snapshots, read_snapshot_info
 
 
 def bn_net() -> nn.Sequential:

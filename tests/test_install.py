@@ -129,3 +129,72 @@ def test_the_peer_extra_is_what_pins_torch():
     assert "torchvision" in found
     assert any("(from torchvision)" in text for text in _refusing_torch(found)), found["torch"]
     assert f'".[{PEER_EXTRA}]"' in README
+
+
+# -- the runtime dependencies ------------------------------------------------------------------
+
+#: Modules the library imports only on a path that needs an extra: the extra that brings
+#: each, and the distribution that provides it.
+OPTIONAL_IMPORTS = {
+    "accelerate": ("accelerate", "accelerate"),
+    "lightning": ("lightning", "lightning"),
+    "pytorch_lightning": ("lightning", "lightning"),
+    "matplotlib": ("demo", "matplotlib"),
+    "rich": ("demo", "rich"),
+    "sklearn": ("demo", "scikit-learn"),
+    "torchvision": ("bench", "torchvision"),
+    "transformers": ("transformers", "transformers"),
+}
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Third-party top-level modules imported anywhere in src/emakit (inside functions
+    too, not under ``if TYPE_CHECKING:``): {module: files}."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "src" / "emakit").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top != "emakit" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(path.name)
+    return found
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.stdlib_module_names")
+def test_every_runtime_import_is_declared():
+    """What the library imports is in ``[project] dependencies``, or, on a path that needs
+    an extra, in that extra; numpy is declared too: ``Tensor.numpy()`` (the safetensors
+    writer) needs it without an import."""
+    project = _pyproject()["project"]
+    declared = {_norm(packaging_requirements.Requirement(r).name) for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    undeclared = {}
+    for module, files in _runtime_imports().items():
+        if module in OPTIONAL_IMPORTS:
+            extra, dist = OPTIONAL_IMPORTS[module]
+            names = {_norm(packaging_requirements.Requirement(r).name) for r in extras[extra]}
+            assert _norm(dist) in names, f"{module} ({sorted(files)}) is not in emakit[{extra}]"
+        elif _norm(module) not in declared:
+            undeclared[module] = sorted(files)
+    assert not undeclared, f"imported but not in [project] dependencies: {undeclared}"
+    uses_numpy = any(
+        ".numpy()" in p.read_text(encoding="utf-8") for p in (ROOT / "src" / "emakit").rglob("*.py")
+    )
+    assert not uses_numpy or "numpy" in declared, "Tensor.numpy() needs numpy declared"

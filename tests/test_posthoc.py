@@ -39,9 +39,9 @@ from emakit.posthoc import (
     sigma_rel_to_gamma,
     synthesize_state_dict,
 )
-from emakit.posthoc import reading as reading_module
-from emakit.posthoc import snapshots as snapshots_module
-from emakit.posthoc import synthesis as synthesis_module
+from emakit.posthoc.snapshots import format as reading_module
+from emakit.posthoc.snapshots import format as snapshots_module
+from emakit.posthoc.synthesis import plan as synthesis_module
 
 T = 4000  # training steps of the smooth trajectory
 EVERY = 200  # snapshot interval
@@ -485,7 +485,7 @@ def test_snapshots_are_written_atomically(tmp_path: Path, monkeypatch: pytest.Mo
     first = ema.checkpoint()
     before = {p: p.read_bytes() for p in first}
 
-    from emakit.posthoc import snapshots
+    from emakit.posthoc.snapshots import format as snapshots
 
     def crash(f, tensors, metadata, dtype=None):  # a writer dying half-way
         f.write(b"partial")
@@ -908,3 +908,20 @@ def test_gammas_and_frozen_profiles(tmp_path: Path):
     for _ in range(3):
         ema.update()
     assert torch.equal(ema.profiles[0].ema_model.weight, start)  # frozen after the first copy
+
+
+def test_snapshots_of_another_model_are_refused_by_name_and_by_shape(tmp_path: Path):
+    """A model held whole is filled as a sharded one is, by regions checked against the
+    snapshots first: other names or other shapes raise before any tensor is summed."""
+    kw = {"update_every": 1, "checkpoint_every_num_steps": 2, "run_id": "one"}
+    ema = PostHocEMA(nn.Linear(3, 3), checkpoint_folder=tmp_path, **kw)
+    for _ in range(4):
+        ema.update()
+    ema.release_folder()
+    for other, why in ((nn.Linear(3, 4), "has shape"), (nn.Sequential(nn.Linear(3, 3)), "lacks")):
+        reader = PostHocEMA(other, checkpoint_folder=tmp_path, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PostHocWarning)
+            with pytest.raises(EMAStateError, match=why) as e:
+                reader.synthesize_ema_model(sigma_rel=0.1)
+        assert "do not match the model" in str(e.value)

@@ -31,7 +31,7 @@ from emakit import EMAStateError, EMATypeError, PostHocEMA
 from emakit._files.atomic import TEMP_PREFIX
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize_state_dict
 from emakit.posthoc.commands import inspect_cmd, synthesize
-from emakit.posthoc.shards import Block, align, flat_range, parse_layout
+from emakit.posthoc.snapshots.shards import Block, align, flat_range, parse_layout
 
 WORLD = 2
 STEPS = 6
@@ -140,7 +140,7 @@ def zero3_job(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
 
 def refusals(engine: Any, rank: int, out: Path) -> dict[str, str]:
     from emakit import KarrasEMA
-    from emakit.posthoc.writing import check_snapshottable
+    from emakit.posthoc.snapshots.writer import check_snapshottable
 
     r = {}
     try:
@@ -218,7 +218,7 @@ class TestZero3:
             assert r["local_numel"] <= 67 // WORLD + 3  # its partitions only
 
     def test_an_emakit_without_flat_ranges_refuses_the_files(self, job, monkeypatch) -> None:
-        from emakit.posthoc import snapshots
+        from emakit.posthoc.snapshots import format as snapshots
 
         out, _ = job
         monkeypatch.setattr(snapshots, "FLAT_LAYOUT_VERSION", 1)  # what emakit read before

@@ -31,10 +31,10 @@ from emakit import EMAError, PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
 from emakit.errors import EMAStateError, EMATypeError
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
-from emakit.posthoc import frozen_files as frozen_module
-from emakit.posthoc import snapshots as snapshots_module
 from emakit.posthoc.commands import inspect_cmd, synthesize
-from emakit.posthoc.frozen_files import collect_frozen_files, is_side_file
+from emakit.posthoc.snapshots import format as snapshots_module
+from emakit.posthoc.snapshots import frozen as frozen_module
+from emakit.posthoc.snapshots.frozen import collect_frozen_files, is_side_file
 
 SIGMAS = (0.05, 0.28)
 KW: dict[str, Any] = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4)
@@ -427,7 +427,7 @@ def test_a_sigkill_during_the_side_file_write_leaves_the_previous_set_usable(
 
 
 def synthesize_state_dict_of(snaps: list) -> None:
-    from emakit.posthoc.reading import open_snapshot
+    from emakit.posthoc.snapshots.format import open_snapshot
 
     with open_snapshot(snaps[0]) as f:
         f.get("base.weight")

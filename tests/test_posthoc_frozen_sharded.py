@@ -21,8 +21,8 @@ from _models import gathered, seeded
 from emakit import PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
-from emakit.posthoc.frozen_files import is_side_file
-from emakit.posthoc.shards import ShardEntry, set_frozen_names
+from emakit.posthoc.snapshots.frozen import is_side_file
+from emakit.posthoc.snapshots.shards import ShardEntry, set_frozen_names
 
 pytestmark = DIST_MARKS
 

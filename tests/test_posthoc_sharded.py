@@ -279,7 +279,8 @@ def test_a_snapshot_on_rank_zero_alone_fails_fast_naming_the_others(four) -> Non
 def two_ranks(rank: int, out: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from emakit.posthoc import snapshots, writing
+    from emakit.posthoc.snapshots import format as snapshots
+    from emakit.posthoc.snapshots import writer as writing
 
     res: dict[str, Any] = {}
     mesh = init_device_mesh("cpu", (2,))
@@ -375,13 +376,16 @@ def _digests(folder: Path) -> dict[str, str]:
 def _rewrite(model: nn.Module, folder: Path, res: dict[str, Any]) -> None:
     """A resumed run (the same run id) snapshots step 1 again, and the rewrite fails on rank
     1: its disk is full; then its rename fails after every rank has voted."""
-    from emakit.posthoc import snapshots
+    from emakit.posthoc.snapshots import format as snapshots
 
     rank = torch.distributed.get_rank()
     kw: dict[str, Any] = dict(checkpoint_every_num_steps="manual", checkpoint_folder=folder)
     first = PostHocEMA(model, run_id=RUN, **kw, **KW)
     first.update()
     first.checkpoint()
+    # checkpoint() returns on each rank once its own files are in place: wait for the
+    # other rank's renames before listing the folder
+    torch.distributed.barrier()
     res["rewrite_before"] = _digests(folder)
     with torch.no_grad():
         for p in model.parameters():

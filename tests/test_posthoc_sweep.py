@@ -22,9 +22,10 @@ from emakit.posthoc import (
     list_snapshots,
     sweep,
     sweep_lengths,
+    synthesize,
     synthesize_state_dict,
 )
-from emakit.posthoc import reading as reading_module
+from emakit.posthoc.snapshots import format as reading_module
 
 LENGTHS = [0.07, 0.1, 0.15, 0.2, 0.25]
 X = torch.randn(32, 6, generator=torch.Generator().manual_seed(7))
@@ -116,6 +117,20 @@ def test_sweep_from_a_folder_matches_synthesize_state_dict(trained: PostHocEMA) 
         want = synthesize_state_dict(trained.checkpoint_folder, sigma_rel=s, step=30)
         assert state.keys() == want.keys()
         assert all(torch.equal(state[n], want[n]) for n in want)
+
+
+def test_one_verb_per_job_and_a_spec_for_the_lengths(trained: PostHocEMA) -> None:
+    """``synthesize()`` is the folder's synthesis (``synthesize_state_dict`` its old name,
+    the same result); both sweeps take the lengths as a list or as an ``A:B:N`` / ``A,B``
+    spec, with the same scores."""
+    folder = trained.checkpoint_folder
+    new, old = synthesize(folder, sigma_rel=0.15), synthesize_state_dict(folder, sigma_rel=0.15)
+    assert new.keys() == old.keys() and all(torch.equal(new[n], old[n]) for n in new)
+    lengths = sweep_lengths("0.1:0.2:3")
+    assert list(sweep(folder, state_loss, "0.1:0.2:3")) == list(sweep(folder, state_loss, lengths))
+    assert list(trained.sweep(loss, "0.1,0.2")) == list(trained.sweep(loss, [0.1, 0.2]))
+    with pytest.raises(EMAValueError, match="A:B:N"):
+        trained.sweep(loss, "0.1:0.2")
 
 
 def test_sweep_plot_and_table(trained: PostHocEMA, tmp_path: Path) -> None:

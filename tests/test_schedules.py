@@ -430,12 +430,52 @@ def test_torch_ema_warmup_matches_torch_ema():
         torch.testing.assert_close(p, shadow, rtol=0, atol=1e-12)
 
 
-def test_float32_warmup_emulation_matches_torch_ops_bit_for_bit():
-    """The fast path of the default decay (Python floats rounded as torch rounds) gives
-    the bits of ema-pytorch's own torch ops, over warm-up and late steps and odd settings."""
+def _ema_pytorch_decay(t: int, beta: float, inv_gamma: float, power: float, min_value: float):
+    """ema-pytorch 0.8.3's ``get_current_decay`` expression, op for op, at ``epoch = t``."""
+    epoch = torch.tensor(t).clamp(min=0.0)  # an int64 step clamped with a float
+    value = 1 - (1 + epoch / inv_gamma) ** -power
+    return 0.0 if epoch.item() <= 0 else value.clamp(min=min_value, max=beta).item()
+
+
+WARMUP_SETTINGS = [  # (power, inv_gamma, min_value, beta): every combination of the issue's
+    (power, inv_gamma, min_value, beta)
+    for power in (2 / 3, 0.5, 1.0, 2.0, 3 / 4)  # 0.5, 1, 2: torch's special-cased exponents
+    for inv_gamma in (1.0, 0.5, 7.0)
+    for min_value in (0.0, 0.3)
+    for beta in (0.9999, 0.999)
+]
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
+def test_default_warmup_decay_is_ema_pytorchs_bit_for_bit(default_dtype):
+    """The default decay against the real ema-pytorch package: ``get_current_decay()`` of
+    both at the same step, over the warm-up and large steps up to 2**26, for every setting
+    above, in float32 and (set as torch's default dtype) float64, as ema-pytorch computes."""
     import random
 
-    from emakit import _warmup32 as W
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    rng = random.Random(26)
+    steps = [*range(0, 400), *(rng.randint(400, 1 << 26) for _ in range(300)), 1 << 26]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        for power, inv_gamma, min_value, beta in WARMUP_SETTINGS:
+            kw = dict(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
+            net = nn.Linear(1, 1)
+            theirs = ema_pytorch.EMA(net, update_after_step=3, include_online_model=False, **kw)
+            ours = EMA(net, update_after_step=3, include_online_model=False, **kw)
+            for step in steps:
+                theirs.step.fill_(step)
+                ours.step = step
+                assert ours.get_current_decay() == theirs.get_current_decay(), (step, kw)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_inverse_gamma_float32_is_ema_pytorchs_expression_for_odd_settings():
+    """The schedule's value against ema-pytorch's own torch ops, over the warm-up and steps
+    up to 2**31, for settings far from the defaults."""
+    import random
 
     rng = random.Random(7)
     configs = [
@@ -450,17 +490,8 @@ def test_float32_warmup_emulation_matches_torch_ops_bit_for_bit():
         (0.99, 0.5, 2.0, 0.0),  # by -2 is 1 / (x * x)
     ]
     for beta, inv_gamma, power, min_value in configs:
-        steps = [*range(1, 400), *(rng.randint(1, 1 << 31) for _ in range(400))]
-        for t in steps:
-            args = (t, beta, inv_gamma, power, min_value)
-            assert W.decay_emulated(*args) == W.decay_torch(*args), args
-
-
-def test_float32_warmup_falls_back_to_torch_when_the_self_check_fails(monkeypatch):
-    from emakit import _warmup32 as W
-
-    calls = []
-    monkeypatch.setitem(W._verified, (0.9, 1.0, 1.0, 0.0), False)
-    monkeypatch.setattr(W, "decay_torch", lambda *a: calls.append(a) or 0.5)
-    assert S.inverse_gamma_float32(10, beta=0.9, inv_gamma=1.0, power=1.0, min_value=0.0) == 0.5
-    assert calls == [(10, 0.9, 1.0, 1.0, 0.0)]
+        s = S.inverse_gamma(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
+        for t in [*range(0, 400), *(rng.randint(1, 1 << 31) for _ in range(400))]:
+            expected = _ema_pytorch_decay(t, beta, inv_gamma, power, min_value)
+            kw = dict(beta=beta, inv_gamma=inv_gamma, power=power, min_value=min_value)
+            assert s(t) == S.inverse_gamma_float32(t, **kw) == expected, (t, kw)

@@ -21,7 +21,8 @@ from _models import bn_mlp
 from emakit import EMARuntimeError, EMAStateError, PostHocEMA, PostHocWarning
 from emakit.posthoc import plan_synthesis
 from emakit.posthoc.commands import inspect_cmd, synthesize
-from emakit.posthoc.snapshots import list_snapshots, read_snapshot_info, write_snapshot
+from emakit.posthoc.snapshots.folder import list_snapshots
+from emakit.posthoc.snapshots.format import read_snapshot_info, write_snapshot
 
 STEPS = 12
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -36,14 +37,9 @@ def real(
     v = float(value)
     low_open = low_open or math.isinf(low)
     high_open = high_open or math.isinf(high)
-    bad = (
-        not math.isfinite(v)
-        or v < low
-        or v > high
-        or (low_open and v == low)
-        or (high_open and v == high)
-    )
-    if bad:
+    above = low < v if low_open else low <= v
+    below = v < high if high_open else v <= high
+    if not (math.isfinite(v) and above and below):
         lb, hb = "(" if low_open else "[", ")" if high_open else "]"
         raise EMAValueError(
             f"{name} must be a finite number in {lb}{low:g}, {high:g}{hb}, got {name}={value!r}"
@@ -85,13 +81,7 @@ def count(name: str, value: object) -> int:
 
 def optional_integer(name: str, value: object, *, low: int) -> int | None:
     """``value`` as an int >= ``low``, or None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise EMATypeError(
-            f"{name} must be an int or None, got {name}={value!r} ({type(value).__name__})"
-        )
-    return integer(name, value, low=low)
+    return None if value is None else integer(name, value, low=low)
 
 
 def boolean(name: str, value: object) -> bool:
@@ -101,11 +91,6 @@ def boolean(name: str, value: object) -> bool:
             f"{name} must be True or False, got {name}={value!r} ({type(value).__name__})"
         )
     return value
-
-
-def optional_boolean(name: str, value: object) -> bool | None:
-    """``value`` if it is a bool or None."""
-    return None if value is None else boolean(name, value)
 
 
 def names(name: str, value: object) -> frozenset[str]:
@@ -124,7 +109,22 @@ def names(name: str, value: object) -> frozenset[str]:
     return frozenset(items)
 
 
+def device(name: str, value: object) -> torch.device | None:
+    """``value`` as a ``torch.device`` (a str naming one, or a device; None stays None)."""
+    if value is None or isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise EMATypeError(f"{name} must be a str or torch.device, got {name}={value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as e:
+        raise EMAValueError(
+            f"{name} must name a torch device such as 'cpu', got {name}={value!r}"
+        ) from e
+
+
 def floating_dtype(name: str, value: object) -> torch.dtype | None:
+    """``value`` if it is a floating ``torch.dtype`` or None."""
     if value is None:
         return None
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
@@ -158,23 +158,33 @@ def _count_value(value: object, text: bool) -> int:
     value = _stored_number(value)
     if isinstance(value, bool):
         raise ValueError("a bool, not a count")
-    if isinstance(value, str) and not text:
-        raise ValueError("text, not a number")
     if isinstance(value, str):
         digits = value.strip()
-        if not digits or not (digits.isdigit() or (digits[0] in "+-" and digits[1:].isdigit())):
-            raise ValueError("not a whole number")
-        if len(digits) > 40:
-            raise ValueError("far too large")
+        if not (text and digits.lstrip("+-").isdigit() and len(digits) <= 40):
+            raise ValueError("not a whole number" if text else "text, not a number")
         return int(digits)
     if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
+        if not value.is_integer():
             raise ValueError("not a whole number")
         return int(value)
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise ValueError(f"a {type(value).__name__}, not a whole number") from None
+
+
+def _stored(source: str, field: str, value: object, what: str, parse: Callable[[], Any]) -> Any:
+    """``parse()``, or an [`EMAStateError`][emakit.errors.EMAStateError] naming ``source``,
+    ``field``, what it must be, the value and why (the error ``parse`` raised)."""
+    try:
+        return parse()
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        text = repr(value)
+        text = text if len(text) <= 80 else text[:77] + "..."
+        raise EMAStateError(
+            f"{source}: {field} must be {what}, got {field}={text} ({e}); the file or state "
+            f"is corrupt or was not written by an EMA library"
+        ) from None
 
 
 def stored_count(
@@ -197,60 +207,44 @@ def stored_count(
         EMAStateError: anything else (negative, huge, fractional, NaN, a vector, a bool,
             text), naming ``source``, ``field`` and the value.
     """
-    try:
+
+    def parse() -> int:
         count = _count_value(value, text)
         if not low <= count <= MAX_COUNT:
             raise ValueError(f"outside [{low}, 2**53]")
-    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
-        raise EMAStateError(
-            f"{source}: {field} must be a whole number in [{low}, 2**53], got "
-            f"{field}={_short(value)} ({e}); the file or state is corrupt or was not written "
-            f"by an EMA library"
-        ) from None
-    return count
+        return count
+
+    return _stored(source, field, value, f"a whole number in [{low}, 2**53]", parse)  # type: ignore[no-any-return]
 
 
 def stored_real(source: str, field: str, value: object) -> float:
     """A real number read from a file or a state (e.g. a gamma), finite; or an
     [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
-    try:
+
+    def parse() -> float:
         number = _stored_number(value)
         if isinstance(number, (bool, str)) or not isinstance(number, (int, float)):
             raise ValueError(f"a {type(number).__name__}, not a number")
-        x = float(number)
-        if not math.isfinite(x):
+        if not math.isfinite(number):
             raise ValueError("not finite")
-    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
-        raise EMAStateError(
-            f"{source}: {field} must be a finite number, got {field}={_short(value)} ({e}); "
-            f"the file or state is corrupt"
-        ) from None
-    return x
+        return float(number)
+
+    return _stored(source, field, value, "a finite number", parse)  # type: ignore[no-any-return]
 
 
 def stored_flag(source: str, field: str, value: object) -> bool:
     """A flag read from a file or a state (``initted``): a bool, or 0/1 as a number or a
     1-element tensor; or an [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
-    try:
-        numel = getattr(value, "numel", None)
-        if callable(numel) and getattr(value, "dtype", None) == torch.bool and numel() == 1:
+
+    def parse() -> bool:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
             return bool(value)
         number = _stored_number(value)
-        if isinstance(number, bool):
-            return number
-        if isinstance(number, (int, float)) and number in (0, 1):
+        if isinstance(number, (bool, int, float)) and number in (0, 1):
             return bool(number)
         raise ValueError("not True/False or 0/1")
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise EMAStateError(
-            f"{source}: {field} must be True or False, got {field}={_short(value)} ({e}); "
-            f"the file or state is corrupt"
-        ) from None
 
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return _stored(source, field, value, "True or False", parse)  # type: ignore[no-any-return]
 
 
 def not_newer(what: str, field: str, version: object, supported: int) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import _validate as check
 from .ema import EMA, unwrap_model
 from .errors import EMAStateError, EMATypeError, EMAValueError
 
@@ -72,13 +73,10 @@ def _weights(weights: object, n: int, normalize: bool) -> list[float]:
             f"weights must hold one number per model: {n} models but {len(values)} weights, "
             f"got {weights=!r}"
         )
-    out = []
-    for w in values:
-        if isinstance(w, bool) or not isinstance(w, numbers.Real):
-            raise EMATypeError(f"weights must be real numbers, got {w!r} in {weights=!r}")
-        if not math.isfinite(w) or w < 0:
-            raise EMAValueError(f"weights must be finite and >= 0, got {w!r} in {weights=!r}")
-        out.append(float(w))
+    real = [
+        float(w) if isinstance(w, numbers.Real) and not isinstance(w, bool) else w for w in values
+    ]
+    out = [check.real(f"weights[{i}]", w, low=0.0) for i, w in enumerate(real)]
     total = math.fsum(out)
     if normalize:
         if total == 0:
@@ -162,8 +160,7 @@ def interpolate(
     sources = list(models_or_state_dicts)
     if not sources:
         raise EMAValueError("models_or_state_dicts is empty; pass at least one model")
-    if not isinstance(normalize, bool):
-        raise EMATypeError(f"normalize must be True or False, got {normalize=!r}")
+    check.boolean("normalize", normalize)
     states = [_as_state_dict(i, s) for i, s in enumerate(sources)]
     w = _weights(weights, len(states), normalize)
     _check_keys(states)

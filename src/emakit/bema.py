@@ -18,6 +18,7 @@ read the evaluated weights ``theta_hat``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -38,29 +39,11 @@ __all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
 #: Version of what `BEMA.state_dict()` adds to EMA's: the ``bema_ema.*`` and
 #: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
 BEMA_STATE_VERSION = 1
-_SETTINGS = (
-    "update_freq",
-    "ema_power",
-    "bias_power",
-    "lag",
-    "update_after",
-    "multiplier",
-    "min_ema_multiplier",
-)
-_CODEC = StateCodec(
+_CODEC = StateCodec(  # BEMARule's settings, in the metadata
     BEMA_STATE_VERSION,
-    [
-        integer("update_freq", meta=True),
-        real("ema_power", meta=True),
-        real("bias_power", meta=True),
-        real("lag", meta=True),
-        integer("update_after", meta=True),
-        real("multiplier", meta=True),
-        real("min_ema_multiplier", meta=True),
-    ],
+    [(integer if f.type == "int" else real)(f.name, meta=True) for f in fields(BEMARule)],
     version_name="bema_version",
 )
-_EMA_KEY, _THETA0_KEY = "bema_ema.", "bema_theta0."
 
 
 class BEMA(EMA):
@@ -148,13 +131,7 @@ class BEMA(EMA):
         include_online_model: bool = False,
     ) -> None:
         rule = bema_rule(
-            update_freq=update_freq,
-            ema_power=ema_power,
-            bias_power=bias_power,
-            lag=lag,
-            update_after=update_after,
-            multiplier=multiplier,
-            min_ema_multiplier=min_ema_multiplier,
+            update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
         )
         super().__init__(
             model,
@@ -172,10 +149,10 @@ class BEMA(EMA):
             async_update=async_update,
         )
         self.tracker.rule = rule
-        self._ema: dict[str, Tensor] = {}
-        self._theta0: dict[str, Tensor] = {}
+        #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
+        self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
         self._lay_out_state()
-        self._runner = BEMARunner(self.tracker.runner, self._ema, self._theta0)
+        self._runner = BEMARunner(self.tracker.runner, *self._state.values())
         self.tracker.runner = self._runner
         self.copy_params_from_model_to_ema()  # theta0 = ema = output = the model now
         self.tracker.set_counters(initted=True)
@@ -190,7 +167,7 @@ class BEMA(EMA):
         pairs = self.tracker.plan().pairs
         order = state_order(pairs)
         shadows = [local_tensor(p.shadow) for p in order]
-        for store in (self._ema, self._theta0):
+        for store in self._state.values():
             tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
             rehome_(tensors, sources=shadows)
             by_name = {p.name: t for p, t in zip(order, tensors, strict=True)}
@@ -209,10 +186,6 @@ class BEMA(EMA):
         last = self.tracker.last
         return self.rule.decay(last) if last > 0 else 0.0
 
-    def current_decays(self) -> dict[str, float]:
-        """``{"default": get_current_decay()}`` (a BEMA has one group)."""
-        return {"default": self.get_current_decay()}
-
     @property
     def bias_weight(self) -> float:
         """``alpha_t`` of the most recent BEMA update (0 before the first)."""
@@ -224,25 +197,25 @@ class BEMA(EMA):
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         out = super()._apply(fn, recurse)
         with torch.no_grad():
-            for store in (getattr(self, "_ema", {}), getattr(self, "_theta0", {})):
+            for store in getattr(self, "_state", {}).values():
                 for name, t in store.items():
                     store[name] = fn(t)
         return out
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode({k: getattr(self.rule, k) for k in _SETTINGS}, destination, prefix)
+        _CODEC.encode(
+            {f.name: getattr(self.rule, f.name) for f in fields(self.rule)}, destination, prefix
+        )
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
-        for key, store in ((_EMA_KEY, self._ema), (_THETA0_KEY, self._theta0)):
+        for key, store in self._state.items():
             for name, t in store.items():
                 value = _like_shadow(t, shadows[name])
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
         return (
-            key.startswith((_EMA_KEY, _THETA0_KEY))
-            or key in _CODEC.keys
-            or super().owns_state_key(key)
+            key.startswith(tuple(self._state)) or key in _CODEC.keys or super().owns_state_key(key)
         )
 
     def _load_from_state_dict(
@@ -267,7 +240,7 @@ class BEMA(EMA):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         with torch.no_grad():
-            for key, store in ((_EMA_KEY, self._ema), (_THETA0_KEY, self._theta0)):
+            for key, store in self._state.items():
                 for name, t in store.items():
                     value = state_dict.get(prefix + key + name)
                     if value is None:
@@ -304,7 +277,7 @@ class BEMA(EMA):
 class BEMARunner:
     """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
     handed a ``BEMAWork`` (`emakit._engine.bema`) for each plan it is given, so the
-    tracker's one update path (``Tracker.update()``) drives BEMA too.
+    tracker's update path (``Tracker.advance()`` then ``apply()``) drives BEMA too.
 
     Args:
         inner: the runner the EMA's keywords asked for.

@@ -33,11 +33,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from . import _validate as check
 from ._engine.flat import flatten_parameters
 from .ema import EMA
 from .errors import EMAValueError
@@ -148,14 +149,7 @@ class BenchResult:
     rows: tuple[BenchRow, ...]
     load_average: float | None
     cpus: int
-    warnings: tuple[str, ...] = field(default=())
-
-
-def _quartiles(samples: list[float]) -> tuple[float, float, float]:
-    if len(samples) < 2:
-        return samples[0], samples[0], samples[0]
-    q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q1, q2, q3
+    warnings: tuple[str, ...] = ()
 
 
 def _time_side_by_side(
@@ -168,21 +162,17 @@ def _time_side_by_side(
     """Per-call (wall, thread CPU) seconds per round, contenders interleaved round-robin;
     ``progress(done, repeats)`` after each round."""
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def batch_seconds(fn: Callable[[], object], calls: int) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return (time.perf_counter() - wall) / calls, (time.thread_time() - cpu) / calls
 
     batches = {}
     for name, fn in fns.items():
-        fn()  # warm-up: first-call allocations, plan building
-        sync()
+        batch_seconds(fn, 1)  # warm-up: first-call allocations, plan building
         once = min(batch_seconds(fn, 1)[0] for _ in range(3))
         batches[name] = max(1, math.ceil(sample_s / max(once, 1e-7)))
     samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
@@ -271,19 +261,16 @@ def bench_update(
     Raises:
         EMAValueError: an unknown model or device, no CUDA device, ``repeats < 1``,
             ``threads < 1`` or a non-positive ``sample_ms``.
+        EMATypeError: ``repeats``, ``threads`` or ``sample_ms`` is not a number.
     """
     if device not in ("cpu", "cuda"):
         raise EMAValueError(f"device must be 'cpu' or 'cuda', got {device=!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise EMAValueError("device='cuda' was asked for but torch sees no CUDA device")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise EMAValueError(f"repeats must be an integer >= 1, got {repeats=}")
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise EMAValueError(f"threads must be an integer >= 1 or None, got {threads=}")
-    if not (isinstance(sample_ms, (int, float)) and math.isfinite(sample_ms) and sample_ms > 0):
-        raise EMAValueError(f"sample_ms must be a positive number, got {sample_ms=}")
+    check.integer("repeats", repeats, low=1)
+    if threads is not None:
+        check.integer("threads", threads, low=1)
+    check.real("sample_ms", sample_ms, low=0.0, low_open=True)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -315,7 +302,9 @@ def bench_update(
     floor = statistics.median(samples[FLOOR][0])
     rows = []
     for label, (wall, cpu) in samples.items():
-        q1, median, q3 = _quartiles(wall)
+        # quantiles() needs two samples: one round's quartiles are that round's time
+        twice = wall if len(wall) > 1 else wall * 2
+        q1, median, q3 = statistics.quantiles(twice, n=4, method="inclusive")
         rows.append(BenchRow(label, median, q1, q3, statistics.median(cpu), median / floor))
     cpus = os.cpu_count() or 1
     notes = _diagnose(rows, load, cpus, used_threads, device == "cpu" and used_threads == 1)

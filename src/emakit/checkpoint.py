@@ -1,10 +1,18 @@
-"""EMA weights on disk: safetensors export and import.
+"""EMA files: the weights file of any EMA, and crash-safe training checkpoints.
 
-* [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes the EMA model's weights as a safetensors file that loads
-  straight into the model class (``model.load_state_dict(load_file(path))``), with the EMA
-  settings in the header. The file is streamed tensor by tensor (no second copy of the
-  model in memory) and written atomically.
-* [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads such a file back into an EMA, keeping the shadow dtype.
+One verb family (the sharded DCP checkpoint pair is in [`emakit.distributed`][emakit.distributed]):
+
+* [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes the EMA model's weights
+  as one safetensors file that loads straight into the model class
+  (``model.load_state_dict(load_file(path))``), with the EMA settings in the header,
+  streamed tensor by tensor (no second copy of the model in memory) and atomically. For
+  a sharded EMA (FSDP2, DeepSpeed ZeRO-3, ``partition=True``) it is a collective: rank 0
+  writes the whole model, gathered one tensor at a time (`emakit._files.export`).
+* [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads such a file back into
+  any EMA, keeping the shadow dtype (a partitioned EMA: a collective, each rank keeping
+  its own partition, on any number of ranks).
+* [`save_checkpoint()`][emakit.checkpoint.save_checkpoint] is ``torch.save`` made
+  crash-safe, for the training checkpoint that holds ``ema.state_dict()``.
 
 Checkpoints of other EMA libraries load with [`emakit.foreign.load_foreign_state()`][emakit.foreign.load_foreign_state].
 
@@ -13,15 +21,16 @@ Every failure (missing, truncated or corrupt file, a checkpoint of another model
 safetensors carries no checksum: truncation and damage to the header are caught (the header
 is validated in full, and a header that has emakit's entries but a damaged ``format`` is
 refused rather than read as a plain state dict without its step), a flipped bit inside
-tensor data is not. A file is read through one open descriptor, so a load that races a
-save sees exactly one of them.
+tensor data is not. A file is read from the one file emakit opened
+(`emakit._files.safetensors_file`), so a load that races a save sees exactly one of them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +39,13 @@ from torch import Tensor
 
 from . import _validate as check
 from ._core.tree import leaves
+from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready
+from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
+from ._dist.dtensor import fsdp_module_type, is_dtensor
+from ._files import export
 from ._files.atomic import atomic_path, atomic_write
-from ._files.reading import writable_path, write_errors
-from ._files.safetensors_file import read_safetensors, write_safetensors
+from ._files.reading import as_path, writable_path, write_errors
+from ._files.safetensors_file import SafetensorsFile, out_dtype, write_safetensors
 from ._validate import not_newer, stored_count
 from .ema import EMA
 from .errors import (
@@ -43,7 +56,7 @@ from .errors import (
     EMATypeError,
     EMAValueError,
 )
-from .posthoc.frozen_files import frozen_tensors
+from .posthoc.snapshots.frozen import frozen_tensors
 
 __all__ = [
     "WEIGHTS_FORMAT",
@@ -73,17 +86,11 @@ OTHER_EMAKIT_FORMATS = frozenset(
 #: Header entries only emakit's files have.
 _EMAKIT_ENTRIES = ("format_version", "emakit_version")
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: DDP's, torch.compile's and AveragedModel's prefixes, however nested.
+_WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
-
-def as_path(name: str, value: object) -> Path:
-    """``value`` as a `Path`, or an error naming the argument ``name``."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise EMATypeError(
-            f"{name} must be a str or os.PathLike file name, got {name}={value!r} "
-            f"({type(value).__name__})"
-        )
-    return Path(value)
+#: ``(name, dtype) -> the tensor whole on rank 0`` (None elsewhere): a collective.
+Gather = Callable[[str, torch.dtype | None], Tensor | None]
 
 
 def check_ema(ema: object) -> EMA:
@@ -96,15 +103,27 @@ def check_ema(ema: object) -> EMA:
     return ema
 
 
-def _shadow_tensors(ema: EMA) -> dict[str, Tensor]:
-    """The EMA weights by the names the model class uses."""
+def _full_tensors(ema: EMA) -> tuple[dict[str, Tensor], Gather | None]:
+    """The EMA weights by the names the model class uses and, for a sharded EMA, the
+    collective that brings each one whole to rank 0 (None: they are whole here).
+
+    A DTensor is described by its global shape; a partitioned EMA (DeepSpeed ZeRO-3,
+    ``partition=True``) by meta tensors of the full shapes
+    ([`ZeroPartitions.layout()`][emakit._dist.deepspeed.ZeroPartitions.layout]).
+    """
     if ema.kind == "pytree":
-        return leaves(ema.ema_pytree)
-    if ema.ema_model is None:
+        return leaves(ema.ema_pytree), None
+    model = ema.ema_model
+    if model is None:
         raise EMARuntimeError(
             "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
         )
-    return ema.ema_model.state_dict()
+    if isinstance(model, ZeroPartitions):
+        return model.layout(), model.full
+    tensors = model.state_dict()
+    if not any(is_dtensor(t) for t in tensors.values()):
+        return tensors, None
+    return tensors, lambda name, dtype: export.tensor_for_writer(tensors[name], dtype)
 
 
 def _check_fits(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> None:
@@ -133,31 +152,27 @@ def weights_header(
     from ._version import __version__
 
     inner = ema.ema_pytree if ema.kind == "pytree" else ema.ema_model
-    return {
+    if isinstance(inner, ZeroPartitions):
+        model_class = inner.model_class
+    else:  # the model's own class, not FSDP2's generated FSDP<Name> subclass
+        fsdp = fsdp_module_type() or ()
+        model_class = next(c for c in type(inner).__mro__ if not issubclass(c, fsdp)).__name__
+    header = {
         "format": WEIGHTS_FORMAT,
         "format_version": str(WEIGHTS_FORMAT_VERSION),
         "emakit_version": __version__,
         "kind": "pytree" if ema.kind == "pytree" else "module",
-        "model_class": type(inner).__name__,
+        "model_class": model_class,
         "step": str(int(ema.step)),
         "initted": "true" if bool(ema.initted) else "false",
         "decay": repr(float(ema.get_current_decay())),
-        "beta": repr(ema.beta),
-        "update_after_step": str(ema.update_after_step),
-        "update_every": str(ema.update_every),
-        "inv_gamma": repr(ema.inv_gamma),
-        "power": repr(ema.power),
-        "min_value": repr(ema.min_value),
-        "schedule": repr(ema.tracker.rule.decays[0]),
-        "dtypes": ",".join(
-            sorted(
-                {
-                    str(dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                    for t in tensors.values()
-                }
-            )
-        ).replace("torch.", ""),
     }
+    for key in ("beta", "update_after_step", "update_every", "inv_gamma", "power", "min_value"):
+        header[key] = repr(getattr(ema, key))
+    header["schedule"] = repr(ema.tracker.rule.decays[0])
+    dtypes = {str(out_dtype(t, dtype)).replace("torch.", "") for t in tensors.values()}
+    header["dtypes"] = ",".join(sorted(dtypes))
+    return header
 
 
 def save_ema_weights(
@@ -167,14 +182,29 @@ def save_ema_weights(
     dtype: torch.dtype | None = None,
     metadata: Mapping[str, str] | None = None,
     tied_once: bool = False,
+    timeout_s: float = AGREE_TIMEOUT_S,
 ) -> Path:
-    """Write the EMA weights to ``path`` as safetensors, atomically.
+    """Write the EMA weights to ``path`` as safetensors, atomically: one file of the whole
+    model, for every EMA.
 
-    The file holds the EMA model's ``state_dict()`` under the model's own names (integer
-    buffers included; tied weights stored under each of their names), so it loads straight
-    into the model class::
+    The file holds the EMA model's ``state_dict()`` under the model's own names and full
+    shapes (integer buffers included; tied weights stored under each of their names), so
+    it loads straight into the model class::
 
         model.load_state_dict(safetensors.torch.load_file(path))
+
+    The file is streamed, one tensor in host memory at a time (no second copy of the
+    model). **A sharded EMA** (FSDP2/DTensor, DeepSpeed ZeRO-3, ``partition=True``) is
+    written by a collective: call it on every rank, not inside ``if is_rank_zero():``.
+    The ranks first check that they agree (every rank in this call, every EMA at the same
+    ``step`` and skip count: one small all-gather bounded by ``timeout_s``), then each
+    tensor in turn is cast to ``dtype`` on every rank, gathered to rank 0, written by rank
+    0 and dropped (`emakit._files.export`): rank 0's extra memory is about twice the
+    largest tensor, whatever the model's size. Every rank returns once the file is
+    complete, or raises rank 0's error. Any other EMA is written by the process that
+    calls it (guard it with [`is_rank_zero()`][emakit.distributed.is_rank_zero] under
+    DDP, or call [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] on
+    every rank).
 
     With ``tied_once=True`` a tied tensor (input and output embeddings) is stored once, under
     its first name, as ``save_pretrained`` and ``safetensors.torch.save_model`` store it:
@@ -183,28 +213,37 @@ def save_ema_weights(
     in), ``safetensors.torch.load_model(model, path)`` or ``from_pretrained``.
 
     The header metadata records ``format`` (``"emakit.ema_weights"``), ``format_version``,
-    ``emakit_version``, ``step``, ``initted``, the current ``decay`` and the decay settings
-    (``beta``, ``update_after_step``, ``update_every``, ``inv_gamma``, ``power``,
-    ``min_value``, ``schedule``). A crash during the save leaves any previous file whole.
+    ``emakit_version``, ``model_class`` (the model's own class, not FSDP2's), ``step``,
+    ``initted``, the current ``decay`` and the decay settings (``beta``,
+    ``update_after_step``, ``update_every``, ``inv_gamma``, ``power``, ``min_value``,
+    ``schedule``). A crash during the save leaves any previous file whole.
 
     Args:
         ema: the [`EMA`][emakit.EMA] (or [`EMAPytree`][emakit.EMAPytree], saved under its leaf
             paths) to export.
         path: the destination file; its folder is created if missing.
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
-            for deployment). Default None keeps the shadow dtype. A cast that would turn a
+            for deployment; for a sharded EMA, before they are gathered). Default None
+            keeps the shadow dtype. When the EMA is whole here, a cast that would turn a
             finite value into ``inf`` (above 65504 in float16) raises ``EMAValueError``
             naming the tensor and its largest magnitude; nothing is written.
         metadata: extra ``str -> str`` header entries; they may not reuse emakit's keys.
         tied_once: keyword-only; store each tied tensor once. Default False.
+        timeout_s: keyword-only; for a collective save, seconds a rank waits for the
+            others at the agreement step before it raises. Default 30.
 
     Returns:
-        ``path`` as a `Path`.
+        ``path`` as a `Path` (on every rank).
 
     Raises:
         EMAValueError: ``path`` is not a valid UTF-8 name (it could not be read back).
         EMAWriteError: the file could not be written (disk full, read-only folder); an
-            ``OSError`` with the original ``errno``. Any previous file is left whole.
+            ``OSError`` with the original ``errno`` (on every rank of a collective save).
+            Any previous file is left whole.
+        EMARuntimeError: a collective save that some ranks did not call within
+            ``timeout_s``, or that meets another emakit collective.
+        EMAStateError: a collective save of ranks whose EMAs are at different steps or
+            skip counts (on every rank; nothing is written).
 
     Example:
         >>> import tempfile, safetensors.torch
@@ -213,11 +252,30 @@ def save_ema_weights(
         >>> path = save_ema_weights(ema, tempfile.mkdtemp() + "/ema.safetensors")
         >>> _ = net.load_state_dict(safetensors.torch.load_file(path))
     """
+    return write_weights(
+        ema, path, dtype=dtype, metadata=metadata, tied_once=tied_once, timeout_s=timeout_s
+    )
+
+
+def write_weights(
+    ema: EMA,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: Mapping[str, str] | None = None,
+    tied_once: bool = False,
+    timeout_s: float = AGREE_TIMEOUT_S,
+    operation: str = "save_ema_weights",
+    every_rank: bool = False,
+) -> Path:
+    """[`save_ema_weights()`][emakit.checkpoint.save_ema_weights], named ``operation`` in
+    the ranks' agreement; with ``every_rank`` a collective for every EMA under
+    ``torch.distributed`` (the whole EMA written by rank 0), not only for a sharded one."""
     ema = check_ema(ema)
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
-    tensors = _shadow_tensors(ema)
-    _check_fits(tensors, dtype)
+    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    tensors, gather = _full_tensors(ema)
     if check.boolean("tied_once", tied_once) and ema.kind == "module":
         aliases = {n for names in _tied_names(ema) for n in names[1:]}
         tensors = {k: v for k, v in tensors.items() if k not in aliases}
@@ -231,8 +289,17 @@ def save_ema_weights(
         if clash:
             raise EMAValueError(f"metadata may not override emakit's header keys, got {clash}")
         header.update(metadata)
-    with write_errors([dest], "EMA weights file"):
-        atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
+    if gather is None:
+        _check_fits(tensors, dtype)
+        if not (every_rank and dist_ready()):
+            with write_errors([dest], "EMA weights file"):
+                atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
+            return dest
+        gather = lambda name, _: tensors[name]  # noqa: E731 - whole on every rank
+    if dist_ready():
+        agree(operation, step=int(ema.step), skips=ema.num_skipped_nonfinite, timeout_s=timeout_s)
+    failure = export.write_sharded(dest, tensors, header, dtype, gather)
+    export.share_outcome(failure, str(dest))
     return dest
 
 
@@ -328,16 +395,24 @@ def load_ema_weights(
     *,
     strict: bool = True,
     restore_step: bool = True,
+    timeout_s: float = AGREE_TIMEOUT_S,
 ) -> dict[str, str]:
-    """Load EMA weights written by [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] (or any safetensors file of the
-    model's ``state_dict``) into ``ema``.
+    """Load EMA weights written by [`save_ema_weights()`][emakit.checkpoint.save_ema_weights]
+    (or any safetensors file of the model's ``state_dict``) into ``ema``, for every EMA.
 
     Values are copied into the existing shadow tensors, so the shadow keeps its dtype (an
-    fp32 shadow stays fp32 when the file holds bf16). Names are paired strictly.
+    fp32 shadow stays fp32 when the file holds bf16). Names are paired strictly. An EMA
+    sharded by FSDP2 keeps the shard of each tensor it owns. **A partitioned EMA**
+    (DeepSpeed ZeRO-3, ``partition=True``) loads in a collective: call it on every rank;
+    the ranks first check that every one is in this call (bounded by ``timeout_s``), then
+    each rank reads the file itself and keeps its own partition of each tensor (the slice
+    of the flattened tensor its ``ds_tensor`` holds), so the file loads on any number of
+    ranks: this is how a partitioned EMA moves to another world size (its per-rank
+    ``state_dict`` is refused on another one).
 
     Args:
         ema: the [`EMA`][emakit.EMA] or [`EMAPytree`][emakit.EMAPytree] to load into.
-        path: the safetensors file.
+        path: the safetensors file (readable by every rank, for a partitioned EMA).
         strict: with True (default) a missing or extra tensor name is an error listing
             them; with False, tensors absent from the file keep their values, and a
             ``UserWarning`` names the extra and the missing ones.
@@ -346,6 +421,8 @@ def load_ema_weights(
             EMA keeps its step and counts as initialized, so the next ``update()`` does not
             re-initialize it from the model (a step still inside the warm-up,
             ``step <= update_after_step``, copies the model as usual).
+        timeout_s: keyword-only; for a partitioned EMA, seconds a rank waits for the
+            others at the agreement step. Default 30.
 
     Returns:
         The header metadata (``{}`` for a file without any).
@@ -358,13 +435,40 @@ def load_ema_weights(
             that has emakit's entries), or it holds another model's weights or tensors of
             another kind (integers into a floating tensor, ...); the message names the
             file and the mismatch.
+        EMARuntimeError: a partitioned EMA's load that some ranks did not call within
+            ``timeout_s``.
     """
+    return read_weights(ema, path, strict=strict, restore_step=restore_step, timeout_s=timeout_s)
+
+
+def read_weights(
+    ema: EMA,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    restore_step: bool = True,
+    timeout_s: float = AGREE_TIMEOUT_S,
+    operation: str = "load_ema_weights",
+) -> dict[str, str]:
+    """[`load_ema_weights()`][emakit.checkpoint.load_ema_weights], named ``operation`` in
+    the ranks' agreement."""
     ema = check_ema(ema)
     src = as_path("path", path)
     check.boolean("strict", strict)
     check.boolean("restore_step", restore_step)
-    tensors, metadata = read_safetensors(src)
+    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    parts = ema.ema_model if isinstance(ema.ema_model, ZeroPartitions) else None
+    if parts is not None and dist_ready():
+        skips = ema.num_skipped_nonfinite
+        agree(operation, step=int(ema.step), skips=skips, timeout_s=timeout_s, check_counts=False)
+    with SafetensorsFile(src, "checkpoint file") as f:
+        # mapped from the file: a partition keeps only its own pages
+        tensors = {name: f.get(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+        metadata = dict(f.metadata)
     tensors.update(frozen_tensors(src, metadata, tensors))  # a post-hoc snapshot's, stored once
+    if parts is not None:
+        tensors = {name: parts.own_part(name, t) for name, t in tensors.items()}
+        tensors[WORLD_KEY] = parts.layout_tensor()
     step: int | None = None
     initted = True
     header = emakit_header(metadata, str(src))
@@ -393,13 +497,12 @@ def load_weights(
 ) -> None:
     """Copy ``weights`` (model names) into the shadow, set step/initted, pairing strictly."""
     if ema.kind == "pytree":
-        expected = set(leaves(ema.ema_pytree))
-        prefix = "ema."
+        current, prefix = leaves(ema.ema_pytree), "ema."
     else:
         if ema.ema_model is None:
             ema.init_ema()
-        expected = set(ema.ema_model.state_dict())
-        prefix = "ema_model."
+        current, prefix = ema.ema_model.state_dict(), "ema_model."
+    expected = set(current)
     weights = _align_keys(weights, expected)
     if ema.kind == "module":
         weights = _fill_tied(ema, weights)
@@ -418,10 +521,14 @@ def load_weights(
             UserWarning,
             stacklevel=3,
         )
-    bad = [
-        f"{k}: {tuple(v.shape)} in the checkpoint vs {tuple(cur.shape)} in the model"
-        for k, v, cur in _shapes(ema, weights, expected, f"{source}{what}")
-    ]
+    bad = []
+    for k in sorted(expected & set(weights)):
+        if not isinstance(weights[k], Tensor):
+            kind = type(weights[k]).__name__
+            raise EMAStateError(f"{source}{what}: entry {k!r} is a {kind}, not a tensor")
+        if weights[k].shape != current[k].shape:
+            have, want = tuple(weights[k].shape), tuple(current[k].shape)
+            bad.append(f"{k}: {have} in the checkpoint vs {want} in the model")
     if bad:
         raise EMAStateError(
             f"{source}{what} has tensors of other shapes than the model: {_few(bad)}"
@@ -465,32 +572,8 @@ def _tied_names(ema: EMA) -> list[list[str]]:
     return list(groups.values())
 
 
-def _shapes(
-    ema: EMA, weights: Mapping[str, Tensor], expected: set[str], source: str
-) -> list[tuple[str, Tensor, Tensor]]:
-    current = _shadow_tensors(ema)
-    out = []
-    for k in sorted(expected & set(weights)):
-        v = weights[k]
-        if not isinstance(v, Tensor):
-            raise EMAStateError(f"{source}: entry {k!r} is a {type(v).__name__}, not a tensor")
-        if v.shape != current[k].shape:
-            out.append((k, v, current[k]))
-    return out
-
-
 def _few(items: list[str], n: int = 10) -> str:
     return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
-
-
-def _strip(key: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if key.startswith(p):
-                key, changed = key[len(p) :], True
-    return key
 
 
 def _align_keys(weights: Mapping[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
@@ -499,7 +582,7 @@ def _align_keys(weights: Mapping[str, Tensor], expected: set[str]) -> dict[str, 
     raw = dict(weights)
     if set(raw) == expected:
         return raw
-    stripped = {_strip(k): v for k, v in raw.items()}
+    stripped = {_WRAPPER_PREFIXES.sub("", k): v for k, v in raw.items()}
     if len(stripped) == len(raw) and len(set(stripped) & expected) > len(set(raw) & expected):
         return stripped
     return raw

@@ -2,7 +2,7 @@
 
 ``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
 one entry of ``_LAZY_COMMANDS`` for a command defined in a module that imports torch
-(``synthesize`` and ``inspect``). This module imports only click and torch-free parts of
+(``synthesize``, ``sweep`` and ``inspect``). This module imports only click and torch-free parts of
 emakit: torch, the extras (scikit-learn, matplotlib, rich) and the post-hoc commands are
 imported when a command runs, so ``emakit --help`` and ``--version`` answer in about the
 time Python and click take to start, and a missing extra becomes a one-line error with the
@@ -24,7 +24,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
 
 import click
 
@@ -47,7 +46,7 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
     ),
     "sweep": (
-        "emakit.posthoc.sweep_cli",
+        "emakit.posthoc.commands",
         "sweep_cmd",
         "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
     ),
@@ -90,15 +89,8 @@ def _plain_warnings() -> Iterator[None]:
     that warned, which mean nothing to someone running a command.
     """
 
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        click.echo(f"Warning: {message}", err=True)
+    def show(message: Warning | str, *where: object, **more: object) -> None:
+        click.echo(f"Warning: {message}", err=True)  # not where it was raised
 
     previous = warnings.showwarning
     warnings.showwarning = show
@@ -129,7 +121,7 @@ def main(ctx: click.Context) -> None:
 @main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")
 @click.option(
     "--out",
-    type=click.Path(file_okay=False, dir_okay=True, writable=True, path_type=Path),
+    type=click.Path(file_okay=False, writable=True, path_type=Path),
     default=None,
     help="Folder for summary.json, demo.png and the post-hoc snapshots (its "
     "posthoc-snapshots/ subfolder); created if missing. If it exists, the demo's own files "
@@ -162,7 +154,6 @@ def main(ctx: click.Context) -> None:
 @click.option(
     "--no-plot",
     is_flag=True,
-    default=False,
     help="Do not write demo.png (matplotlib is then not needed); an old one in --out is removed.",
 )
 def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) -> None:
@@ -246,7 +237,7 @@ def bench(model: str, device: str, repeats: int, threads: int, progress: bool) -
 
     from .bench import MODELS, bench_update
     from .errors import EMAError
-    from .posthoc._cli import progress_bar
+    from .posthoc.commands import progress_bar
 
     try:
         with progress_bar(progress, unit="rounds") as start:

@@ -15,20 +15,21 @@ increment), ``ℓ`` the call number of the last update that averaged (or of the 
 initializing copy), and ``d_g`` the decay of decay group ``g``. The first call of all is
 always the initializing copy; the owner handles it before asking the rule.
 
-A decay is a callable ``(call, last) -> decay``. [`ScheduleDecay`][emakit.decay.ScheduleDecay] adapts a
-``t -> decay`` schedule (see [`emakit.schedules`][emakit.schedules]; the inverse-gamma warm-up is just
-the default schedule), [`PowerDecay`][emakit.decay.PowerDecay] is the power-function decay of Karras et al.
+An EMA's rule is a [`ScheduleRule`][emakit.decay.ScheduleRule]: each group follows a
+``t -> decay`` schedule (see [`emakit.schedules`][emakit.schedules]; the inverse-gamma warm-up
+is just the default schedule, and any other is checked by [`ScheduleDecay`][emakit.decay.ScheduleDecay]).
+A plain [`DecayRule`][emakit.decay.DecayRule] takes decays ``(call, last) -> decay``, such as
+[`PowerDecay`][emakit.decay.PowerDecay], the power-function decay of Karras et al.
 (arXiv:2312.02696), which depends on the gap to the last averaging update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from . import _validate as check
-from . import _warmup32 as warmup32
 from .errors import EMATypeError, EMAValueError
 from .schedules import describe, inverse_gamma
 
@@ -43,7 +44,7 @@ __all__ = [
     "DecayRule",
     "PowerDecay",
     "ScheduleDecay",
-    "WarmupDecay",
+    "ScheduleRule",
     "bema_alpha",
     "bema_beta",
     "bema_rule",
@@ -91,40 +92,32 @@ class Decay(Protocol):
 
 
 class ScheduleDecay:
-    """A ``t -> decay`` schedule as a [`Decay`][emakit.decay.Decay], ema-pytorch's way.
+    """A user's ``t -> decay`` schedule, checked, as a decay group of a
+    [`ScheduleRule`][emakit.decay.ScheduleRule].
 
-    .. math:: t = \\max(\\text{call} - \\text{update\\_after\\_step} - 1, 0), \\quad
-       d = \\text{clamp}(\\text{schedule}(t), \\text{floor}, 1), \\quad d(t \\le 0) = 0
+    .. math:: d(t) = \\text{clamp}(\\text{schedule}(t), \\text{floor}, 1), \\quad d(t \\le 0) = 0
 
     A schedule with ``per_optimizer_step = True`` is raised to the power
-    ``update_every``. A decay outside ``[0, 1]`` (or NaN) raises.
+    ``update_every``. A decay outside ``[0, 1]`` (or NaN), or a value that is not a real
+    number, raises, naming the schedule and ``t``.
 
     Args:
         schedule: the ``t -> decay`` callable.
-        update_after_step: the warm-up length in calls.
         update_every: calls between updates.
-        floor: the lowest decay (``min_value``); 0 leaves the schedule's value alone,
-            so the default inverse-gamma schedule keeps ema-pytorch's float32 bits.
+        floor: the lowest decay (``min_value``). Default 0.
     """
 
     def __init__(
-        self,
-        schedule: Callable[[int], float],
-        *,
-        update_after_step: int,
-        update_every: int,
-        floor: float = 0.0,
+        self, schedule: Callable[[int], float], *, update_every: int, floor: float = 0.0
     ) -> None:
         self.schedule = schedule
-        self.update_after_step = update_after_step
         self.power = update_every if getattr(schedule, "per_optimizer_step", False) else 1
         self.floor = floor
 
     def __repr__(self) -> str:
         return describe(self.schedule)
 
-    def __call__(self, call: int, last: int = 0) -> float:
-        t = call - self.update_after_step - 1
+    def __call__(self, t: int) -> float:
         if t <= 0:
             return 0.0
         value = self.schedule(t)
@@ -142,44 +135,10 @@ class ScheduleDecay:
                 f"the decay schedule {self.schedule!r} returned {decay!r} at t={t}; "
                 f"a decay must be in [0, 1]"
             )
-        if self.power != 1:
-            decay **= self.power
-        if self.floor:
-            decay = min(max(decay, self.floor), 1.0)
-        return decay
+        return min(max(decay**self.power, self.floor), 1.0)
 
 
-class WarmupDecay:
-    """The default decay: ema-pytorch's inverse-gamma warm-up as a [`Decay`][emakit.decay.Decay], in one
-    call to the float32 warm-up (`emakit._warmup32`).
-
-    .. math:: t = \\text{call} - \\text{update\\_after\\_step} - 1, \\quad
-       d = \\text{clamp}\\big(1 - (1 + t / \\text{inv\\_gamma})^{-\\text{power}},
-       \\text{floor}, \\beta\\big), \\quad d(t \\le 0) = 0
-
-    The offset (``t``), the clamp to ``[floor, beta]`` and the float32 rounding all happen
-    here and in `emakit._warmup32.decay()`, which this calls directly: the same bits as
-    [`ScheduleDecay`][emakit.decay.ScheduleDecay] over [`inverse_gamma()`][emakit.schedules.inverse_gamma], two calls fewer.
-
-    Args:
-        beta: the ceiling. inv_gamma, power: the warm-up's shape.
-        floor: the lowest decay (``min(min_value, beta)``).
-        update_after_step: the warm-up length in calls.
-    """
-
-    def __init__(
-        self, beta: float, inv_gamma: float, power: float, floor: float, update_after_step: int
-    ) -> None:
-        self.settings = (beta, inv_gamma, power, floor)
-        self.update_after_step = update_after_step
-
-    def __repr__(self) -> str:
-        return describe(inverse_gamma(*self.settings))
-
-    def __call__(self, call: int, last: int = 0) -> float:
-        return warmup32.decay(call - self.update_after_step - 1, *self.settings)
-
-
+@dataclass(frozen=True, repr=False)
 class PowerDecay:
     """The power-function decay (arXiv:2312.02696, Eq. 1 generalized to a gap ``dt``).
 
@@ -192,9 +151,8 @@ class PowerDecay:
             [`emakit.posthoc.math.power_function_beta()`][emakit.posthoc.math.power_function_beta]).
     """
 
-    def __init__(self, gamma: float, beta: Callable[[float, float, float], float]) -> None:
-        self.gamma = gamma
-        self.beta = beta
+    gamma: float
+    beta: Callable[[float, float, float], float]
 
     def __repr__(self) -> str:
         return f"power_function(gamma={self.gamma!r})"
@@ -216,7 +174,7 @@ class DecayRule:
 
     def __init__(
         self,
-        decays: Sequence[Decay | None],
+        decays: Sequence[Any],
         *,
         update_every: int,
         update_after_step: int,
@@ -247,6 +205,30 @@ class DecayRule:
         return 1.0 if d is None else d(call, last)
 
 
+class ScheduleRule(DecayRule):
+    """The rule of an [`EMA`][emakit.EMA]: every decay group follows a ``t -> decay``
+    schedule, ema-pytorch's way.
+
+    .. math:: t = \\text{call} - \\text{update\\_after\\_step} - 1
+
+    ``decays`` holds the schedules (``None`` for a frozen group): the default inverse-gamma
+    warm-up is the [`inverse_gamma()`][emakit.schedules.inverse_gamma] schedule itself (0 for
+    ``t <= 0``, float32 as in ema-pytorch), any other is a [`ScheduleDecay`][emakit.decay.ScheduleDecay].
+    Built by [`ema_rule()`][emakit.decay.ema_rule].
+    """
+
+    def weights(self, call: int, last: int) -> tuple[float, ...]:
+        t = call - self.update_after_step - 1
+        weights = []
+        for schedule in self.decays:  # a loop, not a generator: no Python call per group
+            weights.append(0.0 if schedule is None else 1.0 - schedule(t))
+        return tuple(weights)
+
+    def decay(self, call: int, last: int = 0, group: int = 0) -> float:
+        schedule = self.decays[group]
+        return 1.0 if schedule is None else schedule(call - self.update_after_step - 1)
+
+
 def ema_rule(
     *,
     beta: float,
@@ -256,16 +238,17 @@ def ema_rule(
     power: float,
     min_value: float,
     schedule: Callable[[int], float] | None = None,
-    groups: Sequence[float | Callable[[int], float]] = (),
-) -> DecayRule:
+    decay_groups: Mapping[str, float | Callable[[int], float]] | None = None,
+) -> ScheduleRule:
     """The rule of an [`EMA`][emakit.EMA] from its keywords, each validated here.
 
     Without ``schedule`` the default group follows the inverse-gamma warm-up
     ([`inverse_gamma()`][emakit.schedules.inverse_gamma] with ``beta``, ``inv_gamma``, ``power``,
-    ``min_value``); with it, ``schedule`` floored at ``min_value``. Each entry of
-    ``groups`` is another decay group: a beta (the same warm-up with that ceiling; 1
-    freezes the group) or a schedule. The EMA is frozen (averaging calls hold) when
-    ``beta == 1`` without a schedule and every extra group is frozen too.
+    ``min_value``); with it, ``schedule`` floored at ``min_value``. Each value of
+    ``decay_groups`` (name patterns to a beta or a schedule) is another decay group, in
+    order: a beta (the same warm-up with that ceiling; 1 freezes the group) or a
+    schedule. The EMA is frozen (averaging calls hold) when ``beta == 1`` without a
+    schedule and every extra group is frozen too.
 
     Raises:
         EMAValueError, EMATypeError: a keyword out of range or of the wrong type.
@@ -280,31 +263,37 @@ def ema_rule(
         raise EMATypeError(
             f"schedule must be a callable t -> decay (see emakit.schedules), got {schedule=!r}"
         )
-    timing = {"update_after_step": update_after_step, "update_every": update_every}
+    if schedule is None and min_value > beta:
+        raise EMAValueError(
+            f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
+        )
 
-    def warmup(ceiling: float) -> WarmupDecay:
-        floor = min(min_value, ceiling)
-        return WarmupDecay(ceiling, inv_gamma, power, floor, update_after_step)
+    def warmup(ceiling: float) -> Callable[[int], float]:
+        return inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
 
-    if schedule is None:
-        if min_value > beta:
-            raise EMAValueError(
-                f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
-            )
-        decays: list[Decay | None] = [warmup(beta)]
-    else:
-        decays = [ScheduleDecay(schedule, **timing, floor=min_value)]
-    frozen = beta == 1.0 and schedule is None
-    for rule in groups:
+    def checked(schedule: Callable[[int], float]) -> Callable[[int], float]:
+        return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
+
+    decays: list[Callable[[int], float] | None] = [
+        warmup(beta) if schedule is None else checked(schedule)
+    ]
+    if decay_groups is not None and not isinstance(decay_groups, Mapping):
+        raise EMATypeError(
+            f"decay_groups must map name patterns to a beta or a schedule, e.g. "
+            f'{{"backbone.*": 0.999, "head.*": 0.99}}, got {type(decay_groups).__name__}'
+        )
+    for pattern, rule in (decay_groups or {}).items():
+        if not isinstance(pattern, str):
+            raise EMATypeError(f"decay_groups keys must be str patterns, got {pattern!r}")
         if callable(rule):
-            decays.append(ScheduleDecay(rule, **timing, floor=min_value))
-            frozen = False
-        elif rule == 1.0:
-            decays.append(None)
-        else:
-            decays.append(warmup(rule))
-            frozen = False
-    return DecayRule(decays, frozen=frozen, **timing)
+            decays.append(checked(rule))
+        else:  # a frozen group (beta 1) is None: weight 0
+            ceiling = check.real(f"decay_groups[{pattern!r}]", rule, low=0.0, high=1.0)
+            decays.append(None if ceiling == 1.0 else warmup(ceiling))
+    frozen = beta == 1.0 and schedule is None and all(d is None for d in decays[1:])
+    return ScheduleRule(
+        decays, update_every=update_every, update_after_step=update_after_step, frozen=frozen
+    )
 
 
 # -- BEMA ------------------------------------------------------------------------------------
@@ -333,6 +322,7 @@ def bema_alpha(t: int, *, lag: float, multiplier: float, bias_power: float) -> f
     return (lag + multiplier * t) ** (-bias_power)
 
 
+@dataclass(repr=False, eq=False)
 class BEMARule(DecayRule):
     """The rule of a BEMA (bias-corrected EMA, Block et al. 2025, arXiv:2508.00180), with
     TRL's ``BEMACallback`` timing: ``t`` is the 1-based call number (the Trainer's
@@ -347,35 +337,23 @@ class BEMARule(DecayRule):
 
     A ``"lerp"`` carries ``weights=(beta_t,)`` and ``bias=alpha_t`` (see [`bema_beta`][emakit.decay.bema_beta]
     and [`bema_alpha`][emakit.decay.bema_alpha]). Build it with [`bema_rule`][emakit.decay.bema_rule],
-    which validates the numbers.
+    which validates the numbers; its settings are its fields.
     """
 
-    def __init__(
-        self,
-        *,
-        update_freq: int,
-        ema_power: float,
-        bias_power: float,
-        lag: float,
-        update_after: int,
-        multiplier: float,
-        min_ema_multiplier: float,
-    ) -> None:
+    update_freq: int
+    ema_power: float
+    bias_power: float
+    lag: float
+    update_after: int
+    multiplier: float
+    min_ema_multiplier: float
+
+    def __post_init__(self) -> None:
         super().__init__([None], update_every=1, update_after_step=0)
-        self.update_freq = update_freq
-        self.ema_power = ema_power
-        self.bias_power = bias_power
-        self.lag = lag
-        self.update_after = update_after
-        self.multiplier = multiplier
-        self.min_ema_multiplier = min_ema_multiplier
 
     def __repr__(self) -> str:
-        return (
-            f"bema(update_freq={self.update_freq}, ema_power={self.ema_power}, "
-            f"bias_power={self.bias_power}, lag={self.lag}, update_after={self.update_after}, "
-            f"multiplier={self.multiplier}, min_ema_multiplier={self.min_ema_multiplier})"
-        )
+        settings = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"bema({settings})"
 
     def beta(self, t: int) -> float:
         """``beta_t`` (see [`bema_beta`][emakit.decay.bema_beta])."""
@@ -412,7 +390,6 @@ class BEMARule(DecayRule):
 
 
 def bema_rule(
-    *,
     update_freq: int = 400,
     ema_power: float = 0.5,
     bias_power: float = 0.2,
@@ -442,13 +419,7 @@ def bema_rule(
             f"beta_t = (lag + multiplier * t) ** -ema_power stays <= 1, got {lag=} and "
             f"{multiplier=}; raise lag (TRL's default is 10)"
         )
-    rule = BEMARule(
-        update_freq=update_freq,
-        ema_power=ema_power,
-        bias_power=bias_power,
-        lag=int(lag) if float(lag).is_integer() else lag,
-        update_after=update_after,
-        multiplier=multiplier,
-        min_ema_multiplier=min_ema_multiplier,
+    lag = int(lag) if lag.is_integer() else lag  # as TRL shows it: 10, not 10.0
+    return BEMARule(
+        update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
     )
-    return rule

@@ -20,9 +20,13 @@
   one file per rank, loadable into another world size (DCP reshards) or into a
   non-distributed EMA. A save goes into a fresh version folder and is switched to
   atomically, so a crash mid-save leaves the previous checkpoint loadable; a load never
-  unpickles code (see `emakit._files.dcp`). [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] streams the
-  full EMA into one safetensors file that loads straight into the model class, one
-  tensor gathered and written at a time (`emakit._files.export`).
+  unpickles code (see `emakit._files.dcp`).
+* **Weights files**: [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] of a sharded
+  EMA streams the full EMA into one safetensors file that loads straight into the model
+  class, one tensor gathered and written at a time (`emakit._files.export`);
+  [`load_ema_weights()`][emakit.checkpoint.load_ema_weights] reads it back, into any world
+  size. Both are collectives for a sharded EMA; `save_full_ema_weights()` and
+  `load_full_ema_weights()` are their older names, kept.
 * **DeepSpeed** (``EMA(engine)`` or ``EMA(engine.module)``): under ZeRO-1 and 2 the
   parameters are whole on every rank, so the EMA is as under DDP. Under ZeRO-3 each rank
   keeps the EMA of its own partitions (``param.ds_tensor``, `emakit._dist.deepspeed`):
@@ -30,10 +34,8 @@
   ``swap()`` and ``ema(x)`` copy the EMA partitions into ``ds_tensor`` and let DeepSpeed's
   own gather do the rest (collectives: every rank); ``ema.state_dict()`` is this rank's
   part, saved through ``engine.save_checkpoint(dir, client_state={"ema": ...})`` (every
-  rank at the same step, checked);
-  [`save_full_ema_weights`][emakit.distributed.save_full_ema_weights] streams the full
-  EMA and [`load_full_ema_weights`][emakit.distributed.load_full_ema_weights] reads it
-  back into any world size.
+  rank at the same step, checked); ``save_ema_weights`` streams the full EMA and
+  ``load_ema_weights`` reads it back into any world size.
 * **Collectives, checked**: the saves, the load and the export are collectives (call them
   on every rank, never inside ``if is_rank_zero():``). Each starts with a bounded
   agreement step (`emakit._dist.collectives`): ranks missing after ``timeout_s``, ranks in
@@ -49,8 +51,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +58,13 @@ import torch
 
 from . import _validate as check
 from ._core.sharding import copy_module
-from ._dist.collectives import AGREE_TIMEOUT_S
-from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
+from ._core.swap import Swap
+from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
-from ._dist.ranks import dist_ready, is_rank_zero
-from ._files.reading import writable_folder, writable_path
-from .checkpoint import save_ema_weights
+from ._files.reading import writable_folder
+from .checkpoint import check_ema, read_weights, write_weights
 from .ema import EMA
-from .errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMAStateError, EMAValueError
 
 __all__ = [
     "copy_module",
@@ -82,19 +81,13 @@ __all__ = [
 ]
 
 
-@contextmanager
-def swap_in_place(ema: EMA) -> Iterator[None]:
-    """Like ``ema.swap()``, but the EMA values are copied into the model's tensors in place.
+def swap_in_place(ema: EMA) -> Swap:
+    """Alias of [`ema.swap(in_place=True)`][emakit.EMA.swap], kept for code written before
+    ``swap()`` took ``in_place``.
 
-    ``swap()`` re-points ``.data``, which frameworks that read their own storage do not
-    see (it already copies for FSDP2 shards and DeepSpeed ZeRO-3 partitions). Use this for
-    them: whatever reads the model's storage then reads the EMA weights. The model's
-    values are stashed (one copy of each tracked tensor, a shard where sharded) and copied
-    back on exit, also when the block raises; ``update()`` inside the block is an error,
-    as in ``swap()``. Same as ``ema.swap(in_place=True)``.
-
-    Args:
-        ema: an [`EMA`][emakit.EMA] (of a module or a pytree).
+    Inside the block the model's own tensors hold the EMA values, copied in (a shard
+    where sharded), so frameworks that read their own storage see them; the model's
+    values come back on exit, also when the block raises.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -103,34 +96,48 @@ def swap_in_place(ema: EMA) -> Iterator[None]:
         >>> with swap_in_place(ema):
         ...     _ = net(torch.zeros(1, 2))  # runs on the EMA weights
     """
-    if not isinstance(ema, EMA):
-        raise EMATypeError(f"ema must be an emakit EMA or EMAPytree, got {type(ema).__name__}")
-    with ema.swap(in_place=True):
-        yield
+    return check_ema(ema).swap(in_place=True)
 
 
-# -- checkpoints ------------------------------------------------------------------------------
+def save_full_ema_weights(
+    ema: EMA,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    timeout_s: float = AGREE_TIMEOUT_S,
+) -> Path:
+    """Alias of [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] as a collective
+    for every EMA, kept for code written before ``save_ema_weights`` wrote sharded EMAs.
+
+    It writes the same file. The one difference: under ``torch.distributed`` it is a
+    collective also for an EMA that every rank holds whole (DDP): **every rank must call
+    it**; the ranks agree (same call, same ``step`` and skip count, bounded by
+    ``timeout_s``) and rank 0 writes.
+
+    Example:
+        >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
+        >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
+    """
+    return write_weights(
+        ema,
+        path,
+        dtype=dtype,
+        timeout_s=timeout_s,
+        operation="save_full_ema_weights",
+        every_rank=True,
+    )
 
 
-def _ema_module(ema: object) -> EMA:
-    if not isinstance(ema, EMA):
-        raise EMATypeError(
-            f"ema must be an emakit EMA of a module, got ema={type(ema).__name__}; "
-            f"wrap the model first: ema = emakit.EMA(model)"
-        )
-    if ema.ema_model is None:
-        ema.init_ema()
-    return ema
+def load_full_ema_weights(
+    ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
+) -> dict[str, str]:
+    """Alias of [`load_ema_weights()`][emakit.checkpoint.load_ema_weights], kept for code
+    written before ``load_ema_weights`` read a file into a partitioned EMA (DeepSpeed
+    ZeRO-3, ``partition=True``: a collective, every rank calls it)."""
+    return read_weights(ema, path, timeout_s=timeout_s, operation="load_full_ema_weights")
 
 
-def _checkpoint_folder(checkpoint_id: object) -> Path:
-    if isinstance(checkpoint_id, str) and "://" in checkpoint_id:
-        raise EMAValueError(
-            f"checkpoint_id must be a file-system folder, got checkpoint_id={checkpoint_id!r}; "
-            f"emakit switches sharded checkpoints over atomically with a pointer file, which "
-            f"needs a (shared) file system: save to a local or mounted folder and copy it"
-        )
-    return writable_folder("checkpoint_id", checkpoint_id)
+# -- sharded checkpoints (DCP) ------------------------------------------------------------------
 
 
 def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
@@ -141,30 +148,12 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
     return True, group, torch.distributed.get_rank(group=group) == 0
 
 
-def _agree(name: str, distributed: bool, group: Any) -> str:
-    """The coordinator's ``name`` on every rank of ``group``."""
-    if not distributed:
-        return name
-    box = [name]
-    source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
-    torch.distributed.broadcast_object_list(box, src=source, group=group)
-    return str(box[0])
-
-
-def _check_ranks(
-    ema: EMA,
-    operation: str,
-    group: Any,
-    timeout_s: float,
-    *,
-    counts: bool = True,
-    extra: int = 0,
-) -> Any:
-    """Every rank is in ``operation`` with the same step and skip count (one bounded
-    all-gather; see `emakit._dist.collectives`)."""
-    from ._dist import collectives as _collectives
-
-    return _collectives.agree(
+def _agree(
+    ema: EMA, operation: str, group: Any, timeout_s: float, *, counts: bool = True, extra: int = 0
+) -> int:
+    """Every rank of ``group`` is in ``operation`` with the same step and skip count (one
+    bounded all-gather, see `emakit._dist.collectives`); ``extra``: 64 bits from rank 0."""
+    return agree(
         operation,
         step=int(ema.step),
         skips=ema.num_skipped_nonfinite,
@@ -173,10 +162,6 @@ def _check_ranks(
         check_counts=counts,
         extra=extra,
     )
-
-
-def _timeout(timeout_s: float) -> float:
-    return check.real("timeout_s", timeout_s, low=0.0, low_open=True)
 
 
 def _failures(e: BaseException) -> str:
@@ -263,14 +248,22 @@ def save_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = _ema_module(ema)
-    timeout_s = _timeout(timeout_s)
-    folder = _checkpoint_folder(checkpoint_id)
+    ema = check_ema(ema)
+    if ema.ema_model is None:
+        ema.init_ema()
+    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    if isinstance(checkpoint_id, str) and "://" in checkpoint_id:
+        raise EMAValueError(
+            f"checkpoint_id must be a file-system folder, got checkpoint_id={checkpoint_id!r}; "
+            f"emakit switches sharded checkpoints over atomically with a pointer file, which "
+            f"needs a (shared) file system: save to a local or mounted folder and copy it"
+        )
+    folder = writable_folder("checkpoint_id", checkpoint_id)
     distributed, group, coordinator = _group(kwargs)
     version = _dcp.new_version()
     if distributed:  # the coordinator's version name rides along with the check
-        agreed = _check_ranks(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
-        version = f"v-{agreed.extra:016x}"
+        agreed = _agree(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
+        version = f"v-{agreed:016x}"
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -347,14 +340,19 @@ def load_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = _ema_module(ema)
-    timeout_s = _timeout(timeout_s)
+    ema = check_ema(ema)
+    if ema.ema_model is None:
+        ema.init_ema()
+    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
     distributed, group, coordinator = _group(kwargs)
-    if distributed:
-        _check_ranks(ema, "load_sharded_ema", group, timeout_s, counts=False)
     folder = Path(os.fspath(checkpoint_id))
-    name = _agree(str(_dcp.resolve(folder)) if coordinator else "", distributed, group)
-    target = Path(name)
+    # the coordinator's current version (0: a plain DCP folder) rides along with the check
+    current = _dcp.read_pointer(folder) if coordinator else None
+    if distributed:
+        extra = 0 if current is None else int(current[2:], 16)
+        agreed = _agree(ema, "load_sharded_ema", group, timeout_s, counts=False, extra=extra)
+        current = f"v-{agreed:016x}" if agreed else None
+    target = folder if current is None else folder / current
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
     state = ema.state_dict(include_online_model=False)
     _unalias(state, ema.model)
@@ -366,91 +364,7 @@ def load_sharded_ema(
         ) from None
     ema.load_state_dict(state)
     if distributed:
-        _check_ranks(ema, "load_sharded_ema (after loading)", group, timeout_s)
-
-
-def save_full_ema_weights(
-    ema: EMA,
-    path: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    timeout_s: float = AGREE_TIMEOUT_S,
-) -> Path:
-    """Write the full EMA weights to one safetensors file (a collective: call on every rank).
-
-    **Every rank must call it**, not only rank 0: do not put it inside
-    ``if is_rank_zero():``. Rank 0 writes the file; the others take part in gathering the
-    shards and return once the file is complete. Under ``torch.distributed`` the ranks
-    first check that they agree (one small all-gather): a call that only some ranks make
-    raises [`EMARuntimeError`][emakit.errors.EMARuntimeError] after ``timeout_s`` seconds instead of hanging,
-    and EMAs at different steps or skip counts raise [`EMAStateError`][emakit.errors.EMAStateError] on
-    every rank.
-
-    For an FSDP2 EMA, and for an EMA of a DeepSpeed ZeRO-3 model (gathered from the
-    ranks' partitions), the file is streamed: tensor by tensor, each rank casts its shard to
-    ``dtype``, the shards are gathered to rank 0 (for FSDP2's and HSDP's rows a gather, not
-    an all-gather: the other ranks receive nothing), rank 0 appends the tensor to the file
-    and drops it. Rank 0's extra memory is about twice the largest tensor in the export
-    dtype (the gathered tensor and its CPU copy), whatever the model's size; every other
-    rank holds its padded shard of one tensor at a time (a ZeRO-3 gather: one gathered
-    tensor). Otherwise (DDP, one process) every rank already holds
-    the full EMA and rank 0 writes it with [`save_ema_weights()`][emakit.checkpoint.save_ema_weights].
-    Either way the file has ``save_ema_weights``'s layout and header (the model's own class
-    name), is written atomically, and loads straight into the model class::
-
-        model.load_state_dict(safetensors.torch.load_file(path))
-
-    Args:
-        ema: the EMA to export.
-        path: the destination file; its folder is created if missing.
-        dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``),
-            before they are gathered. Default None keeps the shadow dtype.
-        timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 30.
-
-    Returns:
-        ``path`` as a `Path`, on every rank.
-
-    Raises:
-        EMARuntimeError: some ranks did not call it within ``timeout_s`` (the process group
-            is unusable afterwards), or they are in another emakit collective.
-        EMAStateError: the ranks' EMAs are at different steps or skip counts.
-        OSError: rank 0 could not write the file: an ``EMAWriteError`` (also an
-            [`EMAError`][emakit.errors.EMAError]), raised on every rank; any previous file is left
-            whole.
-
-    Example:
-        >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
-        >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
-    """
-    from ._files import export as _export
-
-    ema = _ema_module(ema)
-    dest = writable_path("path", path)
-    dtype = check.floating_dtype("dtype", dtype)
-    timeout_s = _timeout(timeout_s)
-    if dist_ready():
-        _check_ranks(ema, "save_full_ema_weights", None, timeout_s)
-    failure: BaseException | None = None
-    model = ema.ema_model
-    if isinstance(model, ZeroPartitions):  # DeepSpeed ZeRO-3: gathered from the partitions
-        failure = _export.write_sharded(
-            ema,
-            dest,
-            dtype,
-            tensors=model.layout(),
-            gather=model.full,
-            model_name=model.model_class,
-        )
-    elif any(is_dtensor(t) for t in model.state_dict().values()):
-        failure = _export.write_sharded(ema, dest, dtype)
-    elif is_rank_zero():
-        try:
-            save_ema_weights(ema, dest, dtype=dtype)
-        except (OSError, EMAError) as e:  # reported on every rank below
-            failure = e
-    _export.share_outcome(failure, str(dest))
-    return dest
+        _agree(ema, "load_sharded_ema (after loading)", group, timeout_s)
 
 
 def _unalias(state: dict[str, Any], model: object) -> None:
@@ -467,58 +381,3 @@ def _unalias(state: dict[str, Any], model: object) -> None:
         local = local_tensor(value)
         if local.numel() and local.data_ptr() in own:
             state[key] = torch.empty_like(value)
-
-
-def load_full_ema_weights(
-    ema: EMA, path: str | os.PathLike[str], *, timeout_s: float = AGREE_TIMEOUT_S
-) -> dict[str, str]:
-    """Load a full EMA file
-    ([`save_full_ema_weights`][emakit.distributed.save_full_ema_weights]) into a
-    partitioned EMA (of a DeepSpeed ZeRO-3 model, or ``partition=True``; a collective:
-    call on every rank), on any number of ranks.
-
-    Each rank reads the file, one tensor at a time, and keeps its own partition of each
-    (the slice of the flattened tensor that DeepSpeed's ``ds_tensor`` holds on this rank);
-    ``step`` and ``initted`` come from the header. This is how an EMA moves to another
-    world size: a per-rank ``ema.state_dict()`` holds partitions cut for one world size
-    and is refused on another. Any other EMA loads the file with
-    [`load_ema_weights()`][emakit.checkpoint.load_ema_weights].
-
-    Args:
-        ema: a partitioned EMA (``EMA(engine)`` of a ZeRO-3 engine, or ``partition=True``).
-        path: the safetensors file, readable by every rank.
-        timeout_s: keyword-only; seconds a rank waits for the others at the agreement step.
-            Default 30.
-
-    Returns:
-        The file's header metadata.
-
-    Raises:
-        EMATypeError: ``ema`` is not a partitioned EMA.
-        EMAStateError: the file does not fit the model (names, shapes), or is damaged.
-        EMARuntimeError: some ranks did not call it within ``timeout_s``.
-    """
-    from ._files.safetensors_file import SafetensorsFile
-    from .checkpoint import as_path, emakit_header, load_weights
-
-    ema = _ema_module(ema)
-    model = ema.ema_model
-    if not isinstance(model, ZeroPartitions):
-        raise EMATypeError(
-            "load_full_ema_weights loads into a partitioned EMA (DeepSpeed ZeRO-3, or "
-            "partition=True); load a full file into any other EMA with "
-            "emakit.checkpoint.load_ema_weights(ema, path)"
-        )
-    src = as_path("path", path)
-    timeout_s = _timeout(timeout_s)
-    if dist_ready():
-        _check_ranks(ema, "load_full_ema_weights", None, timeout_s, counts=False)
-    weights: dict[str, torch.Tensor] = {WORLD_KEY: model.layout_tensor()}
-    with SafetensorsFile(src, "EMA weights file") as f:
-        metadata = dict(f.metadata)
-        for name in f.keys():  # noqa: SIM118 (a file, not a dict)
-            weights[name] = model.own_part(name, f.get(name))
-    header = emakit_header(metadata, str(src))
-    step, initted = header if header is not None else (None, True)
-    load_weights(ema, weights, step=step, initted=initted, strict=True, source=str(src))
-    return metadata

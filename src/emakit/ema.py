@@ -1,36 +1,45 @@
 """``EMA``: an exponential moving average of a module's weights, ema-pytorch compatible.
 
-The class is a facade: it validates the keywords and wires the parts that do the work, a
-`Tracker` (counters, the pure [`decay`][emakit.decay] rule, the
-engine's plan and a runner), the shadow copy (`shadow`), the state
-codec (`state`) and `Swap`. A tensor or a
-nested dict/list/tuple of tensors is tracked the same way (see [`EMAPytree`][emakit.EMAPytree]).
+The class is a facade: it checks the keywords and wires the parts that do the work, a
+`Tracker` (counters, the pure [`decay`][emakit.decay] rule, the engine's plan and a
+runner), the source of the tracked tensors and its shadow copy (`sources`, `shadow`), the
+state codec (`state`) and `Swap`. A tensor or a nested dict/list/tuple of tensors is
+tracked the same way (see [`EMAPytree`][emakit.EMAPytree]). It also has the rest of
+ema-pytorch 0.8.3's members (``get_params_iter``, ``inplace_lerp``,
+``update_moving_average`` ...) for code written against it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import fnmatch
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._core import online
 from ._core.forward import ForwardMethod, eval_call, io_cast
-from ._core.options import KEYWORDS_DOC, EMAOptions, make_runner
 from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
-from ._core.state import StateCodec, check_loadable, flag, integer
+from ._core.state import (
+    StateCodec,
+    check_loadable,
+    flag,
+    integer,
+    load_or_restore,
+    refuse_load_arguments,
+)
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
 from ._dist.deepspeed import ZeroPartitions, zero3_params
+from ._engine.kernels import Impl
 from ._engine.pairs import Tracked
-from ._engine.runners import hook_optimizer
-from .compat import EMAPytorchSurface
-from .decay import INIT
-from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from ._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner, hook_optimizer
+from .decay import INIT, SKIP, ema_rule
+from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 
@@ -46,15 +55,146 @@ _CODEC = StateCodec(
     ],
     legacy_version_key="version",
 )
+#: The online model's child name, as in ema-pytorch: keys ``online_model.<model's names>``.
+_ONLINE = "online_model"
+_IMPLS: dict[bool | None, Impl] = {None: "flat", True: "foreach", False: "loop"}
+#: Keywords that only mean something for a module, with their defaults (a pytree EMA
+#: refuses any other value).
+_MODULE_ONLY: dict[str, object] = {
+    "param_or_buffer_names_no_ema": frozenset(),
+    "ignore_names": frozenset(),
+    "ignore_startswith_names": frozenset(),
+    "update_model_with_ema_every": None,
+    "forward_method_names": (),
+    "move_ema_to_online_device": False,
+    "lazy_init_ema": False,
+    "stream": False,
+    "partition": False,
+}
 
 
-class EMA(EMAPytorchSurface, nn.Module):
+def _floating(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _named_tensors(model: Any) -> dict[str, Tensor]:
+    """A module's parameters and buffers, or a pytree's leaves, by name."""
+    if isinstance(model, nn.Module):
+        return dict((*model.named_parameters(), *model.named_buffers()))
+    return leaves(model)
+
+
+class EMA(nn.Module):
     """An exponential moving average of a module's parameters and buffers.
 
     Keyword-compatible with ``ema_pytorch.EMA`` 0.8.3: the same names, defaults and
     numbers for the same sequence of calls. Call [`update()`][emakit.ema.EMA.update] after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
     use [`swap()`][emakit.ema.EMA.swap] to evaluate the online model on the EMA weights in place.
+    Every keyword but ``model``, ``ema_model`` and ``decay_groups`` is kept as an attribute
+    of the same name (``ema.beta``, ``ema.device`` ...), checked and normalized (names as
+    frozensets, ``device`` as a ``torch.device``).
+
+    Args:
+        model: the online (training) module. DDP/DataParallel and ``torch.compile``
+            wrappers are unwrapped. A tensor or a nested dict/list/tuple of tensors is
+            tracked leaf by leaf, as [`EMAPytree`][emakit.EMAPytree] does: ``ema_model`` is
+            then the EMA pytree, the online pytree is never saved, and module-only
+            keywords (names, ``decay_groups``, ``update_model_with_ema_every``,
+            ``forward_method_names``, ``move_ema_to_online_device``, ``lazy_init_ema``,
+            ``stream``) are refused.
+        ema_model: a module to hold the EMA weights, or a zero-argument factory returning
+            one. Default None: a copy of ``model`` (parameters and buffers only; gradients
+            are not copied).
+        beta: the ceiling of the decay, in [0, 1]; ``1.0`` freezes the EMA (a frozen
+            teacher). Default 0.9999.
+        update_after_step: while ``step <= update_after_step`` an update copies the model
+            instead of averaging. Default 100.
+        update_every: only every ``update_every``-th call does work. Default 10.
+        inv_gamma: warm-up scale, > 0. Default 1.0.
+        power: warm-up exponent, > 0. Default 2/3.
+        min_value: the floor of the decay. Default 0.0.
+        param_or_buffer_names_no_ema: names copied from the model on every update instead
+            of averaged. Default ().
+        ignore_names: names never touched by any path. Default ().
+        ignore_startswith_names: name prefixes never touched by any path. Default ().
+        include_online_model: also save the online model in `state_dict()` (keys
+            ``online_model.*``), as ema-pytorch does, so checkpoints load both ways.
+            Default True. ``False`` gives smaller checkpoints; states with or without
+            ``online_model.*`` load either way. emakit's own checkpoints (integrations,
+            sharded saves, exports, snapshots) never hold the online model.
+        allow_different_devices: allow EMA tensors on another device than the model's
+            (e.g. a CPU shadow of a GPU model). Default False.
+        use_foreach: ``False`` the reference per-tensor loop, ``True`` one foreach call
+            per group, ``None`` the fastest correct path (coalesced flat spans). Default None.
+        update_model_with_ema_every: every N calls that averaged, pull the model toward
+            the EMA (see `update_model_with_ema()`). Default None (never).
+        update_model_with_ema_beta: fraction of the model kept when doing so; 0 copies the
+            EMA into the model. Default 0.0.
+        forward_method_names: methods of the EMA model exposed on the wrapper (e.g.
+            ``("generate",)``). Default ().
+        move_ema_to_online_device: move the EMA model to the model's device at update
+            time when they differ. Default False.
+        coerce_dtype: allow EMA tensors of another dtype than the model's; online values
+            are cast before averaging. Default False.
+        lazy_init_ema: create the EMA copy at the first `update()` instead of now.
+            Default False.
+        ema_dtype: keyword-only; keep floating EMA tensors in at least this dtype, e.g.
+            ``torch.float32`` for a bf16 model, so small updates at beta 0.9999 are not
+            rounded away (a wider tensor, e.g. a float64 buffer, keeps its own dtype).
+            Default None (the model's dtypes).
+        schedule: keyword-only; a callable ``t -> decay`` (see [`emakit.schedules`][emakit.schedules])
+            replacing the beta/inv_gamma/power warm-up (``beta``, ``inv_gamma`` and
+            ``power`` are then unused; ``min_value`` still floors the decay). A decay
+            outside [0, 1] (or NaN) raises. Default None.
+        decay_groups: keyword-only; "layered EMA": fnmatch patterns over tensor names
+            mapped to a beta (the same warm-up with that ceiling) or a schedule, e.g.
+            ``{"backbone.*": 0.999, "head.*": 0.99}``. The first matching pattern wins;
+            unmatched names use ``beta``/``schedule``. Each group is laid out contiguously,
+            so it is still updated in as few kernels as its tensors allow. Default None.
+        stream: keyword-only; for a GPU model with a GPU shadow: snapshot the weights on the
+            current stream and average on a CUDA side stream ordered by events, with no
+            host sync; readers wait on the GPU. Not for CUDA-graph capture: the decay is a
+            Python float, so a captured update would replay the decay of the capture.
+            Default False.
+        device: keyword-only; keep the EMA on this device, e.g. ``"cpu"`` for a GPU model
+            (offload: pinned memory, non-blocking copies). Implies
+            ``allow_different_devices=True``. Default None (the model's device).
+        async_update: keyword-only; run the arithmetic of each update on a background
+            thread, overlapping the next forward/backward: ``update()`` only snapshots the
+            weights into a reusable staging buffer. Everything that reads the EMA waits for
+            the pending update first. Default None: True when ``device`` is given.
+        share_frozen: keyword-only; parameters with ``requires_grad=False`` (a LoRA base,
+            a frozen encoder) are shared with the model instead of copied and averaged:
+            no memory, no update work, the same numbers as ema-pytorch while they stay
+            frozen. A weight that an ``optimizer.step()`` is about to train again, or that
+            a load would change, gets its own copy first and is averaged from then on. A
+            frozen value changed in place (new base weights) is seen by the EMA at once;
+            ``False`` copies and averages frozen weights as ema-pytorch does (they then
+            lag). FSDP2 shards are shared too (the EMA copy's shard is the model's), except
+            a parameter whose shards FSDP2 pads (dim 0 not divisible by the world size),
+            which the EMA owns and averages. Not shared: with ``ema_dtype`` widening them,
+            ``device=`` offload, an ``ema_model=`` given. Default True.
+        skip_nonfinite: keyword-only; skip any update whose model weights hold NaN or Inf
+            (counted in ``num_skipped_nonfinite``, warned once, when the count is read).
+            Decided on the device, with no host read in ``update()``: one reduction to
+            the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
+            all-reduce of three numbers per update so every rank skips alike (update()
+            becomes a collective: call it on every rank). Default False.
+        partition: keyword-only; for a model replicated over the ranks of a
+            ``torch.distributed`` job (DDP, DeepSpeed ZeRO-1 and 2): each rank keeps the
+            EMA of one slice of every parameter (ZeRO-3's split: the flattened parameter cut
+            into ``world`` chunks of ``ceil(numel / world)``), 1/world of the EMA's memory,
+            updated with no communication. ``swap()``, ``ema(x)``, the state check and the
+            full export gather the slices on demand (collectives: every rank); the state is
+            per rank, as under ZeRO-3. Buffers stay whole. A ZeRO-3 model is partitioned
+            anyway. Default False (every rank keeps the whole EMA).
+
+    Attributes:
+        kind: ``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree.
+        tracker: the bookkeeping (counters, rule, plan, runner, non-finite guard) that
+            emakit's EMA kinds share. **Unstable internals:** it may change in any release;
+            the public API (``step``, ``swap()`` ...) is what stays compatible.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -69,31 +209,6 @@ class EMA(EMAPytorchSurface, nn.Module):
     """
 
     _version = STATE_VERSION
-    beta: float
-    update_after_step: int
-    update_every: int
-    inv_gamma: float
-    power: float
-    min_value: float
-    schedule: Callable[[int], float] | None
-    param_or_buffer_names_no_ema: frozenset[str]
-    ignore_names: frozenset[str]
-    ignore_startswith_names: frozenset[str]
-    include_online_model: bool
-    allow_different_devices: bool
-    use_foreach: bool | None
-    update_model_with_ema_every: int | None
-    update_model_with_ema_beta: float
-    forward_method_names: tuple[str, ...]
-    move_ema_to_online_device: bool
-    coerce_dtype: bool
-    lazy_init_ema: bool
-    ema_dtype: torch.dtype | None
-    skip_nonfinite: bool
-    device: torch.device | None
-    async_update: bool
-    stream: bool
-    share_frozen: bool
 
     def __init__(
         self,
@@ -129,31 +244,92 @@ class EMA(EMAPytorchSurface, nn.Module):
         partition: bool = False,
     ) -> None:
         super().__init__()
-        opts = EMAOptions.parse(locals())
-        self.__dict__.update(opts.attributes())
+        rule = ema_rule(  # checks the numbers, schedule and decay_groups
+            beta=beta,
+            update_after_step=update_after_step,
+            update_every=update_every,
+            inv_gamma=inv_gamma,
+            power=power,
+            min_value=min_value,
+            schedule=schedule,
+            decay_groups=decay_groups,
+        )
+        self.beta = float(beta)
+        self.update_after_step = update_after_step
+        self.update_every = update_every
+        self.inv_gamma = float(inv_gamma)
+        self.power = float(power)
+        self.min_value = float(min_value)
+        # set past nn.Module's __setattr__: a schedule that is a Module is no part of the state
+        self.__dict__["schedule"] = schedule
+        self.device = check.device("device", device)
+        self.allow_different_devices = (
+            check.boolean("allow_different_devices", allow_different_devices)
+            or self.device is not None
+        )
+        self.use_foreach = (
+            None if use_foreach is None else check.boolean("use_foreach", use_foreach)
+        )
+        self.coerce_dtype = check.boolean("coerce_dtype", coerce_dtype)
+        self.ema_dtype = check.floating_dtype("ema_dtype", ema_dtype)
+        self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
+        if async_update is None:  # default: on for an offloaded EMA
+            async_update = self.device is not None
+        self.async_update = check.boolean("async_update", async_update)
+        self.stream = check.boolean("stream", stream)
+        self.share_frozen = check.boolean("share_frozen", share_frozen)
+        self.param_or_buffer_names_no_ema = check.names(
+            "param_or_buffer_names_no_ema", param_or_buffer_names_no_ema
+        )
+        self.ignore_names = check.names("ignore_names", ignore_names)
+        self.ignore_startswith_names = check.names(
+            "ignore_startswith_names", ignore_startswith_names
+        )
+        self.include_online_model = check.boolean("include_online_model", include_online_model)
+        self.update_model_with_ema_every = check.optional_integer(
+            "update_model_with_ema_every", update_model_with_ema_every, low=1
+        )
+        self.update_model_with_ema_beta = check.real(
+            "update_model_with_ema_beta", update_model_with_ema_beta, low=0.0, high=1.0
+        )
+        self.move_ema_to_online_device = check.boolean(
+            "move_ema_to_online_device", move_ema_to_online_device
+        )
+        self.lazy_init_ema = check.boolean("lazy_init_ema", lazy_init_ema)
+        self.partition = check.boolean("partition", partition)
+        self.forward_method_names = tuple(check.names("forward_method_names", forward_method_names))
+        if self.stream and (self.device is not None or async_update):
+            raise EMAValueError(
+                "stream=True keeps the EMA on the model's GPU and updates it on a side stream; "
+                "it cannot be combined with device= or async_update=True (use one or the other)"
+            )
+        self._group_patterns = list(decay_groups or {})
+        self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
         tree = not isinstance(model, nn.Module)
+        self.kind = "pytree" if tree else "module"
         if tree:
-            opts.refuse_for_pytree()
-            online_tree, shadow_tree = model, ema_model
-            if not leaves(online_tree):
+            self._refuse_for_pytree()
+            if not leaves(model):
                 raise EMATypeError(
                     f"pytree must be a tensor or a nested dict/list/tuple holding tensors, "
-                    f"got {type(online_tree).__name__}"
+                    f"got {type(model).__name__}"
                 )
-            model = nn.Module()  # a stand-in: nothing is registered on it
+            online_tree, model = model, nn.Module()  # a stand-in: nothing is registered on it
         else:
             model = unwrap_model(model)
-            opts.check_names(model)
-        self._tree: list[Any] | None = [online_tree, None] if tree else None
-        self._group_patterns = list(opts.decay_groups)
-        runner = make_runner(model, self.device, self.async_update, self.stream)
-        self._tracker = Tracker(
-            opts.rule,
-            _LivePairs(self),
-            impl=opts.impl,
-            runner=runner,
-            skip_nonfinite=skip_nonfinite,
+            self._check_names(model)
+        self.tracker = Tracker(  # see the class docstring
+            rule,
+            self._tracked,
+            impl=_IMPLS[self.use_foreach],
+            runner=_make_runner(model, self.async_update, self.stream),
+            skip_nonfinite=self.skip_nonfinite,
         )
+        self._online = [model]  # a list hides it from the module tree and state_dict
+        if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
+            self._modules[_ONLINE] = model  # a child (past the property): saved as online_model.*
+        self._modules["ema_model"] = None
+        self.register_load_state_dict_post_hook(_keep_online_model)
         common: dict[str, Any] = {
             "ema_dtype": self.ema_dtype,
             "cast": self.coerce_dtype or self.ema_dtype is not None,
@@ -161,28 +337,83 @@ class EMA(EMAPytorchSurface, nn.Module):
             "device": self.device,
         }
         self._source: ModuleSource | TreeSource
-        self._online = [model]  # a list hides it from the module tree and state_dict
-        if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
-            self.online_model = model  # registered: saved under online_model.*
-        self._modules["ema_model"] = None
-        self.register_load_state_dict_post_hook(online.keep_online_model)
-        if self._tree is not None:
+        if tree:
             self._source = TreeSource(**common)
-            self._tree[1] = self._source.build(online_tree, shadow_tree)
+            self._tree = [online_tree, self._source.build(online_tree, ema_model)]
             return
-        self._source = ModuleSource.for_ema(
-            opts.values, list(opts.decay_groups), self._tracker.invalidate, **common
+        self._source = ModuleSource.for_ema(  # from the checked keywords, by name
+            vars(self), self._group_patterns, self.tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
-        if lazy_init_ema:
-            if ema_model is not None:
-                raise EMAValueError(
-                    "lazy_init_ema=True creates the EMA copy at the first update(); "
-                    "do not also pass ema_model (or set lazy_init_ema=False)"
-                )
-        else:
+        if not self.lazy_init_ema:
             self.init_ema(ema_model)
+        elif ema_model is not None:
+            raise EMAValueError(
+                "lazy_init_ema=True creates the EMA copy at the first update(); "
+                "do not also pass ema_model (or set lazy_init_ema=False)"
+            )
+
+    # -- the keywords that need more than their value ------------------------------------
+
+    def _refuse_for_pytree(self) -> None:
+        """Raise for keywords that only apply to a module (see `_MODULE_ONLY`)."""
+        for name, default in _MODULE_ONLY.items():
+            value = getattr(self, name)
+            if value != default:
+                raise EMAValueError(
+                    f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
+                    f"pytree; leave it at its default ({default!r}) for a pytree"
+                )
+        if self._group_patterns:
+            raise EMAValueError(
+                "decay_groups applies to an EMA of a module; give each pytree its own EMA"
+            )
+
+    def _check_names(self, model: nn.Module) -> None:
+        """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
+        raise for methods and ``decay_groups`` patterns that match nothing."""
+        known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        # Names that match nothing *yet* are common in real trainers (a submodule that
+        # cannot be deep-copied is removed while the EMA is built, then put back): warn.
+        for arg in ("param_or_buffer_names_no_ema", "ignore_names"):
+            unknown = sorted(getattr(self, arg) - known)
+            if unknown:
+                warnings.warn(
+                    f"{arg} names tensors the model does not have (yet): {unknown}; they "
+                    f"apply if such tensors appear later. Check the spelling against "
+                    f"model.named_parameters()/named_buffers()",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        prefixes = self.ignore_startswith_names
+        unmatched = sorted(p for p in prefixes if not any(n.startswith(p) for n in known))
+        if unmatched:
+            warnings.warn(
+                f"ignore_startswith_names has {unmatched}, which start no tensor name of the "
+                f"model (yet); they apply if such tensors appear later",
+                UserWarning,
+                stacklevel=4,
+            )
+        names = self.forward_method_names
+        if names and (self.partition or zero3_params(model)):
+            raise EMAValueError(
+                f"forward_method_names={names!r} needs an EMA model of its own, which a "
+                f"partitioned EMA (DeepSpeed ZeRO-3, or partition=True) does not have: call "
+                f"the method on the online model inside ema.swap() instead, e.g. "
+                f"with ema.swap(): model.{names[0]}(...)"
+            )
+        for method in names:
+            if not callable(getattr(model, method, None)):
+                raise EMAValueError(
+                    f"forward_method_names has {method!r}, which is not a method of the model"
+                )
+        for pattern in self._group_patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
+                raise EMAValueError(
+                    f"decay_groups pattern {pattern!r} matches no tensor name of the model; "
+                    f"patterns are fnmatch globs over named_parameters()/named_buffers() names"
+                )
 
     # -- the models ----------------------------------------------------------------------
 
@@ -199,21 +430,12 @@ class EMA(EMAPytorchSurface, nn.Module):
         """The online model (ema-pytorch's name); saved with ``include_online_model``."""
         return self.model
 
-    @online_model.setter
-    def online_model(self, model: nn.Module) -> None:
-        self._modules["online_model"] = model
-
     @property
     def ema_model(self) -> nn.Module | Any:
         """The EMA model (None before the first update with ``lazy_init_ema=True``); waits
         for a background update in flight first."""
-        self._tracker.runner.wait()
+        self.tracker.runner.wait()
         return self._tree[1] if self._tree is not None else self._modules["ema_model"]
-
-    @property
-    def kind(self) -> str:
-        """``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree."""
-        return "module" if self._tree is None else "pytree"
 
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
@@ -225,21 +447,17 @@ class EMA(EMAPytorchSurface, nn.Module):
             raise EMATypeError("init_ema() builds the EMA of a module; this EMA tracks a pytree")
         ema_model = self._source.build(self.model, ema_model)
         self._modules["ema_model"] = ema_model
-        first = next((t for t in (*ema_model.parameters(), *ema_model.buffers())), None)
+        first = next(iter(all_tensors(ema_model)), None)
         self._home = self.device or (first.device if first is not None else None)
         for name in self.forward_method_names:  # FSDP2: registered, run on fresh shards
-            setattr(self, name, ForwardMethod(ema_model, name, self._tracker.runner.wait))
-        self._tracker.invalidate()
+            setattr(self, name, ForwardMethod(ema_model, name, self.tracker.runner.wait))
+        self.tracker.invalidate()
 
     def _tracked(self) -> Tracked:
-        """The current pairs (see `_LivePairs`); creates a lazy EMA model first."""
-        if self._tree is not None and isinstance(self._source, TreeSource):
-            return self._source.pairs(*self._tree)
-        if self._modules["ema_model"] is None:
+        """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
+        if self._tree is None and self._modules["ema_model"] is None:
             self.init_ema()
-        ema_model: nn.Module = self._modules["ema_model"]  # type: ignore[assignment]
-        assert isinstance(self._source, ModuleSource)
-        return self._source.pairs(self.model, ema_model)
+        return self._source.pairs(self.model, self.ema_model)
 
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
@@ -248,13 +466,13 @@ class EMA(EMAPytorchSurface, nn.Module):
         home = getattr(self, "_home", None)
         if ema_model is None or home is None or not isinstance(self._source, ModuleSource):
             return
-        self._tracker.runner.wait()
+        self.tracker.runner.wait()
         self._source.move_ema(self.model, ema_model, home)
-        self._tracker.invalidate()
+        self.tracker.invalidate()
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # .to()/.cuda()/.half() replace storages: the plan is rebuilt on next use.
-        self._tracker.invalidate()
+        self.tracker.invalidate()
         return super()._apply(fn, recurse)
 
     # -- counters and decay ----------------------------------------------------------------
@@ -264,18 +482,18 @@ class EMA(EMAPytorchSurface, nn.Module):
         """``update()`` calls so far, as ema-pytorch's CPU int64 tensor: ``ema.step.item()``,
         ``int(ema.step)``; in-place writes (``ema.step += 1``, ``ema.step.copy_(t)``) take
         effect at the next call. ``.to()`` does not move it."""
-        return self._tracker.step_tensor()
+        return self.tracker.tensor_views()[0]
 
     @step.setter
     def step(self, value: Tensor | int) -> None:
-        self._tracker.set_counters(step=check.count("step", value))
+        self.tracker.set_counters(step=check.count("step", value))
 
     @property
     def initted(self) -> Tensor:
         """Whether the first ``update()`` has copied the model into the EMA: a CPU bool
         tensor, writable in place as in ema-pytorch (``ema.initted.data.fill_(False)``
         makes the next call initialize again)."""
-        return self._tracker.initted_tensor()
+        return self.tracker.tensor_views()[1]
 
     @initted.setter
     def initted(self, value: Tensor | bool) -> None:
@@ -285,25 +503,18 @@ class EMA(EMAPytorchSurface, nn.Module):
                     f"initted must be a bool or a 1-element bool tensor, got {value!r}"
                 )
             value = bool(value)
-        self._tracker.set_counters(initted=check.boolean("initted", value))
-
-    @property
-    def tracker(self) -> Tracker:
-        """The internal bookkeeping (rule, plan, runner, counters, non-finite guard) that
-        emakit's other EMA kinds share. **Unstable internals:** it may change in any
-        release; the public API (``step``, ``swap()`` ...) is what stays compatible."""
-        return self._tracker
+        self.tracker.set_counters(initted=check.boolean("initted", value))
 
     @property
     def is_frozen(self) -> bool:
         """Whether averaging calls leave the EMA unchanged (``beta == 1``)."""
-        return self._tracker.rule.frozen
+        return self.tracker.rule.frozen
 
     @property
     def num_skipped_nonfinite(self) -> int:
         """Updates skipped because the weights held NaN or Inf (``skip_nonfinite=True``), the
         same on every rank; reading it reads the count back from the device."""
-        return self._tracker.num_skipped_nonfinite
+        return self.tracker.num_skipped_nonfinite
 
     def get_current_decay(self) -> float:
         """The decay the most recent update used (ema-pytorch's definition).
@@ -315,13 +526,13 @@ class EMA(EMAPytorchSurface, nn.Module):
         and 0 while ``t == 0``. With ``schedule=`` set, ``schedule(t)`` replaces the formula.
         With ``decay_groups``, this is the default group's decay (see [`current_decays()`][emakit.ema.EMA.current_decays]).
         """
-        return self._tracker.rule.decay(self._tracker.step)
+        return self.tracker.rule.decay(self.tracker.step)
 
     def current_decays(self) -> dict[str, float]:
         """The decay of every decay group at the current step: ``{"default": d, pattern: d}``."""
-        t = self._tracker
-        labels = ["default", *self._group_patterns]
-        return {label: t.rule.decay(t.step, t.last, g) for g, label in enumerate(labels)}
+        t = self.tracker
+        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self._group_patterns, 1)}
+        return {"default": self.get_current_decay(), **groups}
 
     # -- the update ------------------------------------------------------------------------
 
@@ -339,23 +550,26 @@ class EMA(EMAPytorchSurface, nn.Module):
         ([`update_model_with_ema()`][emakit.ema.EMA.update_model_with_ema]), except during the warm-up
         (``step <= update_after_step``), when the EMA is only a copy of the model.
         """
-        action = self._tracker.update()
+        tracker = self.tracker
+        action = tracker.advance()
+        if action is not SKIP:
+            tracker.apply(action)
         every = self.update_model_with_ema_every
         if every is None or action is INIT:
             return
-        step = self._tracker.step - 1  # ema-pytorch's count before this call
+        step = tracker.step - 1  # ema-pytorch's count before this call
         if step % every == 0 and step > self.update_after_step:
             self.update_model_with_ema()
 
     def copy_params_from_model_to_ema(self) -> None:
         """Copy every tracked tensor of the model into the EMA (ignored names untouched)."""
-        self._tracker.runner.wait()
-        self._tracker.plan().copy_to_shadow()
+        self.tracker.runner.wait()
+        self.tracker.plan().copy_to_shadow()
 
     def copy_params_from_ema_to_model(self) -> None:
         """Copy every tracked tensor of the EMA into the model (ignored names untouched)."""
-        self._tracker.runner.wait()
-        self._tracker.plan().copy_to_online()
+        self.tracker.runner.wait()
+        self.tracker.plan().copy_to_online()
 
     def update_model_with_ema(self, decay: float | None = None) -> None:
         """Pull the online model toward the EMA ("hare and tortoise", arXiv:2406.02596).
@@ -371,11 +585,11 @@ class EMA(EMAPytorchSurface, nn.Module):
             if decay is None
             else check.real("decay", decay, low=0.0, high=1.0)
         )
-        self._tracker.runner.wait()
+        self.tracker.runner.wait()
         if b == 0.0:
-            self._tracker.plan().copy_to_online()
+            self.tracker.plan().copy_to_online()
         else:
-            self._tracker.plan().lerp_online(1.0 - b)
+            self.tracker.plan().lerp_online(1.0 - b)
 
     def add_to_optimizer_post_step_hook(self, optimizer: torch.optim.Optimizer) -> Any:
         """Call [`update()`][emakit.ema.EMA.update] after every ``optimizer.step()``; returns the hook handle
@@ -394,7 +608,7 @@ class EMA(EMAPytorchSurface, nn.Module):
             )
         on_accelerator = any(t.is_cuda for t in all_tensors(self.model))
         return hook_optimizer(
-            optimizer, self.update, self._tracker.runner, on_accelerator=on_accelerator
+            optimizer, self.update, self.tracker.runner, on_accelerator=on_accelerator
         )
 
     # -- reading the EMA -------------------------------------------------------------------
@@ -415,7 +629,7 @@ class EMA(EMAPytorchSurface, nn.Module):
             >>> with ema.swap():
             ...     _ = net(torch.zeros(1, 2))  # runs on the EMA weights
         """
-        return Swap(self._tracker, self.model, in_place=check.boolean("in_place", in_place))
+        return Swap(self.tracker, self.model, in_place=check.boolean("in_place", in_place))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the EMA model in eval mode without grad; each submodule's mode is restored.
@@ -461,25 +675,18 @@ class EMA(EMAPytorchSurface, nn.Module):
 
     # -- state ---------------------------------------------------------------------------
 
-    def _counters(self) -> dict[str, Any]:
-        t = self._tracker
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self.tracker.runner.wait()
+        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
+            self._modules["ema_model"].agree(self.tracker)  # every rank at the same step
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        t = self.tracker
         t.sync_views()  # a client may have written ema.step / ema.initted in place
         skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
-        return {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        self._tracker.runner.wait()
-        if not keep_vars and isinstance(self._modules["ema_model"], ZeroPartitions):
-            self._modules["ema_model"].agree(self._tracker)  # every rank at the same step
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode(self._counters(), destination, prefix)
+        counters = {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
+        _CODEC.encode(counters, destination, prefix)
         if self._tree is not None:
             TreeSource.save(self._tree[1], destination, prefix, keep_vars)
-
-    def _load_counters(self, values: Mapping[str, Any]) -> None:
-        t = self._tracker
-        t.set_counters(step=values.get("step"), initted=values.get("initted"))
-        t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
 
     def _load_from_state_dict(
         self,
@@ -491,15 +698,19 @@ class EMA(EMAPytorchSurface, nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        self._tracker.runner.wait()
-        online.note_left_out(self, state_dict, prefix)  # see online.keep_online_model
+        self.tracker.runner.wait()
+        if _ONLINE in self._modules and not _has_online(state_dict, prefix):
+            self.__dict__["_online_left_out"] = prefix  # see _keep_online_model
         if (
             self._modules.get("ema_model") is None
             and self._tree is None
             and any(k.startswith(prefix + "ema_model.") for k in state_dict)
         ):
             self.init_ema()  # a parent module loading us: the state brings the weights
-        self._load_counters(_CODEC.decode(state_dict, prefix, local_metadata, missing_keys))
+        values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
+        t = self.tracker
+        t.set_counters(step=values.get("step"), initted=values.get("initted"))
+        t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
         self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -539,8 +750,14 @@ class EMA(EMAPytorchSurface, nn.Module):
             include_online_model: keyword-only; False leaves ``online_model.*`` out (as
                 emakit's own checkpoints do). Default True.
         """
-        with online.left_out(self, not check.boolean("include_online_model", include_online_model)):
+        if check.boolean("include_online_model", include_online_model):
             return super().state_dict(*args, **kwargs)
+        modules = self._modules  # hide the online model from torch's walk, in order
+        self.__dict__["_modules"] = {k: m for k, m in modules.items() if k != _ONLINE}
+        try:
+            return super().state_dict(*args, **kwargs)
+        finally:
+            self.__dict__["_modules"] = modules
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -552,48 +769,155 @@ class EMA(EMAPytorchSurface, nn.Module):
         (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
         """
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError(
-                "assign=True is not supported: the EMA keeps its own shadow storage"
-            )
+        refuse_load_arguments(state_dict, assign)
         lazy = self._tree is None and self._modules.get("ema_model") is None
         if lazy and any(k.startswith("ema_model.") for k in state_dict):
             self.init_ema()  # lazy_init_ema: the state brings the weights
         if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
             zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
-        mine = self.state_dict(keep_vars=True, include_online_model=online.has_online(state_dict))
+        mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
         check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
-        saved = self._tracker.snapshot()
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as e:
-            self._tracker.restore(saved)
-            if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
-                raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
-            raise
-        self._tracker.invalidate()
-        return result
+        return load_or_restore(
+            lambda: super(EMA, self).load_state_dict(state_dict, strict=strict), [self.tracker]
+        )
+
+    # -- the rest of ema-pytorch's surface --------------------------------------------------
+
+    @property
+    def pytree(self) -> Any:
+        """The online pytree (an EMA of a pytree; ema-pytorch's ``EMAPytree.pytree``)."""
+        if self.kind != "pytree":
+            raise AttributeError("pytree: this is an EMA of a module; see .model")
+        return self.model
+
+    @property
+    def ema_pytree(self) -> Any:
+        """The EMA pytree (an EMA of a pytree); waits for a background update first."""
+        if self.kind != "pytree":
+            raise AttributeError("ema_pytree: this is an EMA of a module; see .ema_model")
+        return self.ema_model
+
+    def copy_params_from_pytree_to_ema(self) -> None:
+        """Copy every online leaf into the EMA (ema-pytorch's name for a pytree)."""
+        self.copy_params_from_model_to_ema()
+
+    @property
+    def parameter_names(self) -> set[str]:
+        """Names of the EMA model's floating (and complex) parameters."""
+        return {n for n, p in self.ema_model.named_parameters() if _floating(p)}
+
+    @property
+    def buffer_names(self) -> set[str]:
+        """Names of the EMA model's floating (and complex) buffers."""
+        return {n for n, b in self.ema_model.named_buffers() if _floating(b)}
+
+    def get_params_iter(self, model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of ``model`` for the names in `parameter_names`."""
+        names = self.parameter_names
+        return ((n, p) for n, p in model.named_parameters() if n in names)
+
+    def get_buffers_iter(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+        """``(name, buffer)`` of ``model`` for the names in `buffer_names`."""
+        names = self.buffer_names
+        return ((n, b) for n, b in model.named_buffers() if n in names)
+
+    def _aligned(self, tgt: Tensor, src: Tensor) -> Tensor:
+        if self.allow_different_devices:
+            src = src.to(tgt.device)
+        if self.coerce_dtype and src.dtype != tgt.dtype:
+            src = src.to(tgt.dtype)
+        return src
+
+    @torch.no_grad()
+    def inplace_copy(self, tgt: Tensor, src: Tensor) -> None:
+        """``tgt.copy_(src)``, moving/casting ``src`` as ``allow_different_devices`` and
+        ``coerce_dtype`` allow."""
+        tgt.copy_(self._aligned(tgt, src))
+
+    @torch.no_grad()
+    def inplace_lerp(self, tgt: Tensor, src: Tensor, weight: float) -> None:
+        """``tgt.lerp_(src, weight)``, moving/casting ``src`` as allowed."""
+        tgt.lerp_(self._aligned(tgt, src), weight)
+
+    @torch.no_grad()
+    def update_moving_average(
+        self, ma_model: Any, current_model: Any, current_decay: float | None = None
+    ) -> None:
+        """``ma_model <- decay * ma_model + (1 - decay) * current_model`` by name.
+
+        ``(ema_model, model)`` averages the EMA (the default decay is
+        `get_current_decay()`); ``(model, ema_model)`` pulls the model toward the EMA
+        (as `update_model_with_ema()` does); other modules are averaged by name over
+        the floating tensors they share. A frozen EMA (``beta == 1``) is left alone, as
+        in ema-pytorch.
+        """
+        if self.is_frozen:
+            return
+        decay = self.get_current_decay() if current_decay is None else float(current_decay)
+        if ma_model is self.ema_model and current_model is self.model:
+            tracker = self.tracker
+            tracker.runner.wait()
+            plan = tracker.plan()
+            if current_decay is None:  # every decay group its own current decay
+                weights = list(tracker.rule.weights(tracker.step, tracker.last))
+            else:
+                weights = [1.0 - decay] * plan.num_decay_groups
+            plan.lerp_shadow(weights)
+            return
+        if ma_model is self.model and current_model is self.ema_model:
+            self.update_model_with_ema(decay)
+            return
+        self._average_by_name(ma_model, current_model, decay)
+
+    @torch.no_grad()
+    def _average_by_name(self, ma: Any, current: Any, decay: float) -> None:
+        """``ma <- decay * ma + (1 - decay) * current`` for the floating tensors of two
+        modules (parameters and buffers) or two pytrees (leaves) that share a name; other
+        tensors of the same name are copied."""
+        sources = _named_tensors(current)
+        for name, tgt in _named_tensors(ma).items():
+            src = sources.get(name)
+            if src is None:
+                continue
+            if _floating(tgt):
+                self.inplace_lerp(tgt.data, src.detach(), 1.0 - decay)
+            else:
+                self.inplace_copy(tgt.data, src.detach())
 
     def __getstate__(self) -> dict:
-        self._tracker.runner.wait()
+        self.tracker.runner.wait()
         return self.__dict__.copy()
 
 
-class _LivePairs:
-    """An EMA as its tracker's [`PairSource`][emakit._core.tracker.PairSource]."""
-
-    def __init__(self, ema: EMA) -> None:
-        self.ema = ema
-
-    def tracked(self) -> Tracked:
-        """The live pairs (see `EMA._tracked`)."""
-        return self.ema._tracked()
+def _has_online(state_dict: Mapping[str, Any], prefix: str = "") -> bool:
+    """Whether ``state_dict`` holds any ``<prefix>online_model.*`` key."""
+    start = prefix + _ONLINE + "."
+    return any(k.startswith(start) for k in state_dict)
 
 
-# The keywords are documented next to their validation (_options.py); help(EMA) shows them.
-EMA.__doc__ = (EMA.__doc__ or "").replace("\n    Example:", KEYWORDS_DOC + "    Example:", 1)
+def _keep_online_model(module: nn.Module, incompatible: Any) -> None:
+    """A load-state-dict post-hook: a state without ``online_model.*`` (emakit's own
+    checkpoints, ema-pytorch's with ``include_online_model=False``) is not missing keys;
+    the online model is left as it is (``_load_from_state_dict`` noted the prefix)."""
+    prefix = module.__dict__.pop("_online_left_out", None)
+    if prefix is not None:
+        ours = prefix + _ONLINE + "."
+        incompatible.missing_keys[:] = [
+            k for k in incompatible.missing_keys if not k.startswith(ours)
+        ]
+
+
+def _make_runner(model: Any, async_update: bool, stream: bool) -> Runner:
+    """The runner the keywords ask for: CUDA side stream, background thread, or inline."""
+    if stream:
+        first = next((t for t in all_tensors(model) if t.is_cuda), None)
+        if first is None or not torch.cuda.is_available():
+            raise EMAValueError(
+                "stream=True needs a model on a CUDA device (got one with no CUDA tensors); "
+                "leave stream=False on CPU"
+            )
+        return StreamRunner(first.device)
+    if async_update:
+        return ThreadRunner()
+    return SyncRunner()

@@ -399,21 +399,29 @@ def load_foreign_state(
     if step is not None:
         step = check.integer("step", step, low=0)
     check.boolean("strict", strict)
-    source = "the checkpoint"
+    source, what = "the checkpoint", ""
     st_step: int | None = None
-    if isinstance(obj, (str, os.PathLike)):
-        path = Path(obj)
-        source = str(path)
-        if path.is_dir():
-            return _load_diffusers_folder(ema, path, format, step=step, strict=strict)
-        obj, metadata = _load_file(path)
-        header = None if metadata is None else emakit_header(metadata, source)
-        if header is not None:
-            st_step = header[0]
-    elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
-        source = f"{type(obj).__name__}.state_dict()"
-        obj = obj.state_dict()
-    fmt = detect_format(obj) if format == "auto" else format
+    folder = Path(obj) if isinstance(obj, (str, os.PathLike)) and Path(obj).is_dir() else None
+    fmt: str | None
+    if folder is not None:
+        if format not in ("auto", "diffusers"):
+            raise EMAValueError(
+                f"{folder} is a folder, which load_foreign_state reads only as a diffusers "
+                f"EMAModel.save_pretrained folder, got format={format!r}; pass format='auto' "
+                f"or 'diffusers', or the path of the checkpoint file inside it"
+            )
+        source, fmt, what = str(folder), "diffusers", " (diffusers EMAModel.save_pretrained folder)"
+    else:
+        if isinstance(obj, (str, os.PathLike)):
+            source = str(obj)
+            obj, metadata = _load_file(Path(obj))
+            header = None if metadata is None else emakit_header(metadata, source)
+            if header is not None:
+                st_step = header[0]
+        elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
+            source = f"{type(obj).__name__}.state_dict()"
+            obj = obj.state_dict()
+        fmt = detect_format(obj) if format == "auto" else format
     if fmt is None:
         raise EMAStateError(
             f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
@@ -435,10 +443,15 @@ def load_foreign_state(
             raise EMAStateError(f"{source} ({fmt}): {e}") from e
         return fmt
 
-    _require_keys(obj, fmt, source, ())  # a mapping
-    if ema.ema_model is None:
-        ema.init_ema()
-    weights, found, source = _foreign_weights(ema, obj, fmt, source, st_step)
+    found: int | None
+    if folder is not None:
+        weights, found = _diffusers_folder(folder)
+    else:
+        _require_keys(obj, fmt, source, ())  # a mapping
+        if ema.ema_model is None:
+            ema.init_ema()
+        weights, found, source = _foreign_weights(ema, obj, fmt, source, st_step)
+        what = f" ({fmt})"
     if not isinstance(weights, Mapping):
         raise EMAStateError(f"{source} ({fmt}) holds {_describe(weights)}, not a state dict")
     load_weights(
@@ -448,45 +461,14 @@ def load_foreign_state(
         initted=True,
         strict=strict,
         source=source,
-        what=f" ({fmt})",
+        what=what,
     )
-    _warn_if_warming_up(ema, source)
-    return fmt
-
-
-def _load_diffusers_folder(
-    ema: EMA, folder: Path, format: str, *, step: int | None, strict: bool
-) -> str:
-    if format not in ("auto", "diffusers"):
-        raise EMAValueError(
-            f"{folder} is a folder, which load_foreign_state reads only as a diffusers "
-            f"EMAModel.save_pretrained folder, got format={format!r}; pass format='auto' or "
-            f"'diffusers', or the path of the checkpoint file inside it"
-        )
-    if ema.kind == "pytree":
-        raise EMATypeError(
-            f"an EMAPytree loads only emakit state dicts, got the diffusers folder {folder}"
-        )
-    weights, found = _diffusers_folder(folder)
-    load_weights(
-        ema,
-        weights,
-        step=step if step is not None else found,
-        initted=True,
-        strict=strict,
-        source=str(folder),
-        what=" (diffusers EMAModel.save_pretrained folder)",
-    )
-    _warn_if_warming_up(ema, str(folder), stacklevel=4)
-    return "diffusers"
-
-
-def _warn_if_warming_up(ema: EMA, source: str, stacklevel: int = 3) -> None:
     if int(ema.step) <= int(ema.update_after_step or 0):
         warnings.warn(
             f"after loading {source}, ema.step={int(ema.step)} <= update_after_step="
             f"{ema.update_after_step}: the next update() calls copy the model over the "
             f"loaded EMA weights (warm-up); pass step= with the training step, or lower "
             f"update_after_step",
-            stacklevel=stacklevel,
+            stacklevel=2,
         )
+    return fmt

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from ._core.state import check_loadable
+from ._core.state import check_loadable, load_or_restore, refuse_load_arguments
 from ._engine.fused import FusedPlan
 from ._engine.plan import Plan
 from .decay import SKIP, Action
 from .ema import EMA
-from .errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["MultiEMA"]
 
@@ -77,7 +77,6 @@ class MultiEMA(nn.Module):
             raise EMAValueError(
                 "MultiEMA needs at least one EMA: give a non-empty betas= or schedules="
             )
-        ema_kwargs.pop("ema_model", None)
         # N EMAs of one model: the model is saved once, by whoever owns it.
         ema_kwargs.setdefault("include_online_model", False)
         self.emas = nn.ModuleList(EMA(model, **ema_kwargs, **cfg) for cfg in configs)
@@ -101,7 +100,7 @@ class MultiEMA(nn.Module):
     @property
     def step(self) -> int:
         """Number of [`update()`][emakit.multi.MultiEMA.update] calls so far."""
-        return int(self[0].step)
+        return self[0].tracker.step
 
     def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
         if self._plans_seen != [id(p) for p in plans] or (
@@ -136,16 +135,14 @@ class MultiEMA(nn.Module):
                 guard = trackers[0].guard(plans[0], actions[0]).guard
                 if guard is not None:
                     for t in trackers[1:]:
-                        t.count_flag(guard)
+                        t.finite.skips.add_flag(guard, t.step)
                     actions = [dataclasses.replace(a, guard=guard) for a in actions]
             fused = self._fused_for(plans)
             if fused is not None:
                 weights = tuple(a.weights[0] if a.kind == "lerp" else 0.0 for a in actions)
-                if any(weights):
+                if any(weights):  # advance() has counted every member's averaging call
                     action = Action("lerp", weights, actions[0].call, guard=guard)
                     trackers[0].runner.submit(fused, action)
-                for t, a in zip(trackers, actions, strict=True):
-                    t.record(a)
                 return
         for t, a in zip(trackers, actions, strict=True):
             t.apply(a)  # an action guarded above is not guarded (or counted) again
@@ -153,44 +150,25 @@ class MultiEMA(nn.Module):
     def owns_state_key(self, key: str) -> bool:
         """Whether a state key (relative to this MultiEMA) is one a member reads or ignores
         beyond its tensors (see [`emakit.EMA.owns_state_key()`][emakit.EMA.owns_state_key])."""
-        head, _, rest = key.partition(".")
-        index, _, rest = rest.partition(".")
-        return (
-            head == "emas"
-            and index.isdigit()
-            and int(index) < len(self)
-            and (self[int(index)].owns_state_key(rest))
-        )
+        for i, member in enumerate(self):
+            if key.startswith(head := f"emas.{i}."):
+                return member.owns_state_key(key[len(head) :])
+        return False
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load every member's state (``emas.<i>.*``); a state that does not fit is refused
         before anything is loaded, so a failed load leaves every member as it was."""
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError("assign=True is not supported: each EMA keeps its own storage")
+        refuse_load_arguments(state_dict, assign)
         check_loadable(
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self.owns_state_key
         )
-        saved = [e.tracker.snapshot() for e in self]
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as error:
-            for member, counters in zip(self, saved, strict=True):
-                member.tracker.restore(counters)
-            if isinstance(error, RuntimeError) and not isinstance(error, EMAStateError):
-                raise EMAStateError(
-                    f"{error}\nloading failed; the counters were restored"
-                ) from error
-            raise
-        for e in self:
-            e.tracker.invalidate()
         self._plans_seen = []
-        return result
+        return load_or_restore(
+            lambda: super(MultiEMA, self).load_state_dict(state_dict, strict=strict),
+            [e.tracker for e in self],
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Run every EMA model (eval mode, no grad); returns their outputs in order."""

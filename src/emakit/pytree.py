@@ -6,9 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ._core.tree import leaves, tree_copy
+from ._core.tree import tree_copy
 from .ema import EMA
 
 __all__ = ["EMAPytree", "EMATensor", "pytree_copy"]
@@ -110,15 +109,7 @@ class EMAPytree(EMA):
         if self.is_frozen:
             return
         decay = self.get_current_decay() if current_decay is None else float(current_decay)
-        current = leaves(current_pytree)
-        for name, tgt in leaves(ma_pytree).items():
-            src: Tensor | None = current.get(name)
-            if src is None:
-                continue
-            if tgt.is_floating_point() or tgt.is_complex():
-                self.inplace_lerp(tgt.data, src.detach(), 1.0 - decay)
-            else:
-                self.inplace_copy(tgt.data, src.detach())
+        self._average_by_name(ma_pytree, current_pytree, decay)
 
 
 EMATensor = EMAPytree

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,14 +38,6 @@ class ModuleKwargSpec:
 
 def _submodule(model: nn.Module, path: str) -> nn.Module:
     return model if path in ("", ".") else model.get_submodule(path)
-
-
-def _is_submodule(model: nn.Module, path: str) -> bool:
-    try:
-        _submodule(model, path)
-    except AttributeError:
-        return False
-    return True
 
 
 def parse_module_kwargs(
@@ -73,9 +66,10 @@ def parse_module_kwargs(
     out = []
     for receiver, value in spec.items():
         if isinstance(value, str):
-            if _is_submodule(model, value):
+            try:  # a submodule path names the EMA submodule, anything else the keyword
+                _submodule(model, value)
                 out.append(ModuleKwargSpec(receiver, value, default_kwarg))
-            else:
+            except AttributeError:
                 out.append(ModuleKwargSpec(receiver, receiver, value))
         elif isinstance(value, (tuple, list)):
             ema_path, kwarg, transform = (*value, None, None, None)[:3]
@@ -111,8 +105,8 @@ class EMAModuleWrapper(nn.Module):
         default_ema_kwarg: the keyword name when a spec gives none. Default
             ``"ema_output"``.
         forward_online_during_train: while the model trains and specs exist, ``wrapper(x)``
-            runs the EMA then the online model ([`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online]); otherwise it runs
-            the EMA model. Default True.
+            runs the EMA then the online model (see [`forward()`][emakit.wrapper.EMAModuleWrapper.forward]);
+            otherwise it runs the EMA model. Default True.
         **ema_kwargs: keywords of [`EMA`][emakit.EMA].
 
     Example:
@@ -203,32 +197,29 @@ class EMAModuleWrapper(nn.Module):
                     f"{spec.ema_path!r}; add it (or **kwargs), or name another keyword"
                 )
             source = _submodule(ema_model, spec.ema_path)
-            self._hook_handles.append(source.register_forward_hook(self._capture(spec)))
+            self._hook_handles.append(source.register_forward_hook(partial(self._capture, spec)))
             self._hook_handles.append(
-                receiver.register_forward_pre_hook(self._inject(spec), with_kwargs=True)
+                receiver.register_forward_pre_hook(partial(self._inject, spec), with_kwargs=True)
             )
 
-    def _capture(self, spec: ModuleKwargSpec) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._captured[spec.ema_path] = (
-                spec.transform(output) if spec.transform is not None else output
-            )
+    def _capture(self, spec: ModuleKwargSpec, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on an EMA submodule: keep its (transformed) output."""
+        self._captured[spec.ema_path] = output if spec.transform is None else spec.transform(output)
 
-        return hook
-
-    def _inject(self, spec: ModuleKwargSpec) -> Callable[..., Any]:
-        def pre_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-            if spec.ema_path in self._captured:
-                kwargs[spec.kwarg_name] = self._captured[spec.ema_path]
-            return args, kwargs
-
-        return pre_hook
+    def _inject(
+        self, spec: ModuleKwargSpec, module: nn.Module, args: Any, kwargs: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """Forward pre-hook on an online submodule: pass the kept output as a keyword."""
+        if spec.ema_path in self._captured:
+            kwargs[spec.kwarg_name] = self._captured[spec.ema_path]
+        return args, kwargs
 
     # -- forward -----------------------------------------------------------------------
 
-    def forward_online(
+    def forward(
         self,
         *args: Any,
+        forward_online: bool | None = None,
         only_online: bool = False,
         only_ema: bool = False,
         ema_args: Any = None,
@@ -236,15 +227,23 @@ class EMAModuleWrapper(nn.Module):
         auto_normalize_ema_args: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """Run the EMA model (no grad, eval mode) to capture its outputs, then the online
-        model, which receives them. ``only_online``/``only_ema`` run just one of them;
-        ``ema_args``/``ema_kwargs`` give the EMA other inputs (a dict for ``ema_args``
-        means keywords; one non-tuple value one positional argument)."""
+        """While the model trains and specs exist (``forward_online=None``, the default),
+        or with ``forward_online=True``: run the EMA model (no grad, eval mode) to capture
+        its outputs, then the online model, which receives them. ``only_online``/
+        ``only_ema`` run just one of them; ``ema_args``/``ema_kwargs`` give the EMA other
+        inputs (a dict for ``ema_args`` means keywords; one non-tuple value one positional
+        argument). Otherwise: the EMA model."""
+        if forward_online is None:
+            forward_online = (
+                self.ema_module_kwargs is not None
+                and self.model.training
+                and self.forward_online_during_train
+            )
         if only_online and only_ema:
             raise EMAValueError("only_online and only_ema cannot both be True")
         if (only_online or only_ema) and (ema_args is not None or ema_kwargs is not None):
             raise EMAValueError("ema_args/ema_kwargs apply only when both models run")
-        if only_ema:
+        if only_ema or not (only_online or forward_online):
             return self.ema.ema_model(*args, **kwargs)
         self._captured.clear()
         if only_online:
@@ -272,33 +271,7 @@ class EMAModuleWrapper(nn.Module):
         finally:
             self._captured.clear()
 
-    def forward(
-        self,
-        *args: Any,
-        forward_online: bool | None = None,
-        only_online: bool = False,
-        only_ema: bool = False,
-        ema_args: Any = None,
-        ema_kwargs: dict[str, Any] | None = None,
-        auto_normalize_ema_args: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """[`forward_online()`][emakit.wrapper.EMAModuleWrapper.forward_online] while training with specs (or when asked), else the EMA
-        model."""
-        if forward_online is None:
-            forward_online = (
-                self.ema_module_kwargs is not None
-                and self.model.training
-                and self.forward_online_during_train
-            )
-        if only_online or only_ema or forward_online:
-            return self.forward_online(
-                *args,
-                only_online=only_online,
-                only_ema=only_ema,
-                ema_args=ema_args,
-                ema_kwargs=ema_kwargs,
-                auto_normalize_ema_args=auto_normalize_ema_args,
-                **kwargs,
-            )
-        return self.ema.ema_model(*args, **kwargs)
+    def forward_online(self, *args: Any, **kwargs: Any) -> Any:
+        """[`forward(..., forward_online=True)`][emakit.wrapper.EMAModuleWrapper.forward]:
+        the EMA model, then the online model fed its outputs (same keywords)."""
+        return self.forward(*args, forward_online=True, **kwargs)

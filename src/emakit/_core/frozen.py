@@ -9,12 +9,14 @@ costs no memory and no update work: a shared pair is left out of the plan.
 Where the assumption ends, the pair gets its own storage first (copy-on-write), and from
 then on it is averaged like any other weight, which is again what ema-pytorch computes:
 
-* **unfreezing**: a process-wide optimizer pre-step hook (``torch.optim``'s global hook)
-  looks, before every ``optimizer.step()``, for shared weights that this step would write
-  (in the optimizer, ``requires_grad`` and a gradient). The optimizer's parameters are
-  matched against the shared ones once per optimizer and parameter-group layout, so a
-  step costs a few attribute reads when no shared weight is in the optimizer (the LoRA
-  case), and a loop over the overlap otherwise; ``update()`` pays nothing;
+* **unfreezing**: every module that registers a shared weight gets a forward pre-hook
+  (on that module only) that looks whether one of its shared weights now requires grad;
+  if so, the weight gets its own storage before the forward that starts the step that
+  could train it. A hook costs one Python call per forward of its module and reads a few
+  flags; ``update()`` pays nothing. A weight trained without its module's forward running
+  (used directly by another module) is not seen: pass ``share_frozen=False`` there. The
+  hooks are removed when the EMA is deleted; a model pickled or deep-copied carries an
+  inert hook (it does nothing);
 * **writes into the EMA** that would change a shared value (``load_state_dict``,
   ``load_ema_weights``): the writer calls `FrozenShare.unshare_changed()` first;
 * **the online storage replaced** (``p.data = new``, ``load_state_dict(assign=True)``,
@@ -40,7 +42,7 @@ pairs, ``Tracked.shared``, so every rank joins its all-reduce alike).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +53,7 @@ from .._engine.pairs import TensorPair
 from ..errors import EMARuntimeError
 from .sharding import adopt_shard, places_of
 
-__all__ = ["FrozenShare", "shared_parameters", "shares"]
+__all__ = ["FrozenShare", "UnfreezeHook", "drop_unfreeze_hooks", "shared_parameters", "shares"]
 
 
 def shares(p: TensorPair) -> bool:
@@ -94,14 +96,49 @@ def _same_value(value: Tensor, shadow: Tensor) -> bool:
     )
 
 
-_WATCHES: weakref.WeakSet[FrozenShare] = weakref.WeakSet()
-_HOOK: list[Any] = []  # the global pre-step hook's handle, installed once
+@torch.compiler.disable  # a compiled forward calls it eagerly (once: it removes itself)
+def _unshare_unfrozen(hook: UnfreezeHook) -> None:
+    share = hook.share() if hook.share is not None else None
+    if share is not None:
+        with torch.inference_mode(False), torch.no_grad():  # the copies outlive the forward
+            share.unshare([p for p in share.pairs if p.online.requires_grad])
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for watch in list(_WATCHES):
-        if watch.pairs:
-            watch.before_step(optimizer)
+class UnfreezeHook:
+    """The forward pre-hook on a module that registers shared frozen weights (see the
+    module docstring); inert once its EMA is deleted.
+
+    Pickled or deep-copied (with the model), it becomes ``{}.get``, which a forward
+    pre-hook call ``hook(module, args)`` answers with ``args``: inputs unchanged, and a
+    model saved whole with ``torch.save`` loads where emakit is not installed."""
+
+    def __init__(self, share: FrozenShare | None = None, params: Sequence[Tensor] = ()) -> None:
+        self.share = weakref.ref(share) if share is not None else None
+        self.params = list(params)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for p in self.params:
+            if p.requires_grad:
+                _unshare_unfrozen(self)
+                return
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, ({}, "get"))
+
+
+def drop_unfreeze_hooks(model: nn.Module, copy: nn.Module) -> None:
+    """Remove from ``copy`` (a deep copy of ``model``) the hooks that were `UnfreezeHook`s
+    in ``model`` (another EMA's)."""
+    for original, copied in zip(model.modules(), copy.modules(), strict=False):
+        for key, hook in original._forward_pre_hooks.items():
+            if isinstance(hook, UnfreezeHook):
+                copied._forward_pre_hooks.pop(key, None)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class FrozenShare:
@@ -115,40 +152,32 @@ class FrozenShare:
         self.on_unshare = on_unshare
         self.pairs: list[TensorPair] = []
         self._root: nn.Module | None = None  # the EMA model (FSDP2: where shards re-register)
-        self._by_id: dict[int, TensorPair] = {}
-        # optimizer -> (its parameter layout, the shared pairs among its parameters)
-        self._overlap: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._model: nn.Module | None = None  # the online model (where the hooks are)
+        self._handles: list[Any] = []
+        weakref.finalize(self, _remove, self._handles)
 
-    def watch(self, pairs: Iterable[TensorPair], root: nn.Module | None = None) -> None:
-        """Watch ``pairs`` (the shared ones of the current pairing) from now on; ``root``:
-        the EMA model holding their shadows (needed to un-share FSDP2 shards; default None:
-        the one given before)."""
+    def watch(
+        self,
+        pairs: Iterable[TensorPair],
+        root: nn.Module | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
+        """Watch ``pairs`` (the shared ones of the current pairing) from now on: an
+        `UnfreezeHook` on each module of ``model`` that registers one. ``root``: the EMA
+        model holding their shadows (needed to un-share FSDP2 shards). Both default to the
+        ones given before."""
         self.pairs = list(pairs)
-        if root is not None:
-            self._root = root
-        self._by_id = {id(p.online): p for p in self.pairs}
-        self._overlap = weakref.WeakKeyDictionary()
-        if self.pairs:
-            _WATCHES.add(self)
-            if not _HOOK:
-                from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-                _HOOK.append(register_optimizer_step_pre_hook(_before_step))
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Un-share every shared weight that ``optimizer.step()`` is about to write."""
-        groups = optimizer.param_groups
-        layout = tuple(len(g["params"]) for g in groups)
-        seen = self._overlap.get(optimizer)
-        if seen is None or seen[0] != layout:
-            by_id = self._by_id
-            overlap = [by_id[id(p)] for g in groups for p in g["params"] if id(p) in by_id]
-            seen = self._overlap[optimizer] = (layout, overlap)
-        hits = [p for p in seen[1] if p.online.requires_grad and p.online.grad is not None]
-        if hits:
-            self.unshare(hits)
+        self._root = root if root is not None else self._root
+        self._model = model if model is not None else self._model
+        _remove(self._handles)
+        if not self.pairs or self._model is None:
+            return
+        shared = {id(p.online) for p in self.pairs}
+        for module in self._model.modules():
+            params = [t for t in module._parameters.values() if t is not None and id(t) in shared]
+            if params:
+                hook = UnfreezeHook(self, params)
+                self._handles.append(module.register_forward_pre_hook(hook))
 
     def unshare(self, pairs: Iterable[TensorPair]) -> None:
         """Give each pair's shadow its own storage holding its current value (copy-on-write);
@@ -207,17 +236,12 @@ class FrozenShare:
             self.unshare(hits)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "on_unshare": self.on_unshare,
-            "pairs": [],
-            "_root": None,
-            "_by_id": {},
-            "_overlap": None,
-        }
+        return {"on_unshare": self.on_unshare}  # pairs and hooks come back at the next pairing
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._overlap = weakref.WeakKeyDictionary()
+        self.on_unshare = state["on_unshare"]
+        self.pairs, self._root, self._model, self._handles = [], None, None, []
+        weakref.finalize(self, _remove, self._handles)
 
 
 def shared_parameters(model: nn.Module, eligible: Callable[[str, Tensor], bool]) -> set[int]:

@@ -16,9 +16,10 @@ from torch import Tensor, nn
 
 from .._dist.deepspeed import build_partitions, partition_tensors, zero3_params
 from .._dist.dtensor import check_fsdp2_torch
+from .._engine.guards import Changes, watch_modules
 from .._engine.pairs import TensorPair, Tracked, pair_tensors
 from ..errors import EMATypeError, EMAValueError
-from .frozen import FrozenShare, shared_parameters, shares
+from .frozen import FrozenShare, drop_unfreeze_hooks, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
@@ -103,6 +104,8 @@ class ModuleSource(_Source):
         self.share_frozen = share_frozen
         #: The shared frozen weights and their watch (see `emakit._core.frozen`).
         self.frozen = FrozenShare(on_unshare)
+        #: Registrations on the online and EMA models' modules (see `emakit._engine.guards`).
+        self.changes = Changes()
 
     @classmethod
     def for_ema(
@@ -172,12 +175,13 @@ class ModuleSource(_Source):
                     tracked=tracked,
                     shared=shared_parameters(model, self._shareable) if self.share_frozen else (),
                 )
+                drop_unfreeze_hooks(model, ema_model)  # another EMA's, copied with the model
         for p in ema_model.parameters():
             p.requires_grad_(False)
         pairs = self.pair(model, ema_model, placeholders=fresh)
         own = [p for p in pairs if not shares(p)]
         layout_shadow(own, from_online=fresh, dtype_for=self.shadow_dtype, device=self.device)
-        self.frozen.watch([p for p in pairs if shares(p)], ema_model)
+        self.frozen.watch([p for p in pairs if shares(p)], ema_model, model)
         return ema_model
 
     def _shareable(self, name: str, t: Tensor) -> bool:
@@ -192,7 +196,9 @@ class ModuleSource(_Source):
     def pair(
         self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
     ) -> list[TensorPair]:
-        """The pairs of ``model`` and ``ema_model``, by name, validated."""
+        """The pairs of ``model`` and ``ema_model``, by name, validated (their modules
+        watched for registrations first, see `emakit._engine.guards.watch_modules`)."""
+        watch_modules((model, ema_model), self.changes)
         online, oslots, buffers = module_tensors(model, self.ignored)
         online, oslots = partition_tensors(online, oslots, replicated=self.partition)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
@@ -212,8 +218,8 @@ class ModuleSource(_Source):
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
         """`pair()`, after moving the EMA to the model's device if asked and needed,
-        with the ids of both models' modules (what the plan's guards watch), without the
-        shared frozen weights (which need no work; they are watched, see
+        with the changes of both models' modules (what the plan's guards watch), without
+        the shared frozen weights (which need no work; they are watched, see
         `emakit._core.frozen`)."""
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
@@ -221,9 +227,8 @@ class ModuleSource(_Source):
         if self.frozen.own_replaced(pairs):
             pairs = self.pair(model, ema_model)
         shared = [p for p in pairs if shares(p)]
-        self.frozen.watch(shared, ema_model)
-        modules = frozenset(id(m) for root in (model, ema_model) for m in root.modules())
-        return Tracked(tuple(p for p in pairs if not shares(p)), modules, tuple(shared))
+        self.frozen.watch(shared, ema_model, model)
+        return Tracked(tuple(p for p in pairs if not shares(p)), self.changes, tuple(shared))
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._validate import not_newer, stored_count, stored_flag, stored_real
-from ..errors import EMAStateError
+from ..errors import EMAStateError, EMATypeError, EMAValueError
 
 __all__ = [
     "Field",
@@ -33,9 +33,10 @@ __all__ = [
     "flag",
     "integer",
     "kind_problem",
-    "metadata_of",
+    "load_or_restore",
     "real",
     "reals",
+    "refuse_load_arguments",
     "text",
 ]
 
@@ -94,7 +95,7 @@ def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
 
     def decode(t: Any, where: str) -> tuple[float, ...]:
         if isinstance(t, torch.Tensor):  # a key (float64 vector)
-            values = list(t.reshape(-1)) if not t.is_complex() else [t]
+            values = t.reshape(-1).tolist()
         elif isinstance(t, (list, tuple)):  # metadata: Python floats, exact
             values = list(t)
         else:
@@ -119,15 +120,6 @@ def text(key: str, *, meta: bool = True) -> Field:
         return value
 
     return Field(key, str, decode, False, meta)
-
-
-def metadata_of(destination: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
-    """The metadata dict torch keeps for the module saved under ``prefix`` (None when the
-    destination keeps none, e.g. a plain dict passed to ``state_dict(destination=...)``)."""
-    metadata = getattr(destination, "_metadata", None)
-    if metadata is None:
-        return None
-    return metadata.setdefault(prefix[:-1], {})  # type: ignore[no-any-return]
 
 
 class StateCodec:
@@ -166,7 +158,8 @@ class StateCodec:
     def encode(self, values: Mapping[str, Any], destination: dict[str, Any], prefix: str) -> None:
         """Write every field whose value is not None: keys into ``destination``,
         metadata into its ``_metadata`` for ``prefix`` (with the version)."""
-        meta = metadata_of(destination, prefix)
+        metadata = getattr(destination, "_metadata", None)  # None for a plain dict
+        meta = None if metadata is None else metadata.setdefault(prefix[:-1], {})
         if meta is not None and self.version_name != "version":
             meta[self.version_name] = self.version
         for f in self.fields:
@@ -240,12 +233,9 @@ def check_loadable(
     if strict:
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected and not owned(k)]
-        if missing:
-            problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unexpected:
-            problems.append(
-                f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
-            )
+        for what, keys in (("missing", missing), ("unexpected", unexpected)):
+            if keys:
+                problems.append(f"{what} keys {keys[:10]}{' ...' if len(keys) > 10 else ''}")
     for key, value in state_dict.items():
         mine = expected.get(key)
         if mine is None:
@@ -260,6 +250,38 @@ def check_loadable(
         raise EMAStateError(
             "state_dict does not fit this EMA (nothing was loaded): " + "; ".join(problems)
         )
+
+
+def refuse_load_arguments(state_dict: object, assign: bool) -> None:
+    """Refuse what no EMA's ``load_state_dict()`` takes: a ``state_dict`` that is not a
+    mapping, and ``assign=True`` (an EMA keeps its own storage)."""
+    if not isinstance(state_dict, Mapping):
+        raise EMATypeError(
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+        )
+    if assign:
+        raise EMAValueError(
+            "assign=True is not supported: an EMA keeps its own storage (values are copied in)"
+        )
+
+
+def load_or_restore(load: Callable[[], Any], trackers: Sequence[Any]) -> Any:
+    """Run ``load`` (torch's ``load_state_dict``, after `check_loadable()` refused what does
+    not fit) and rebuild every tracker's plan; if it fails anyway, put every tracker's
+    counters back first and raise (torch's RuntimeError as an
+    [`EMAStateError`][emakit.errors.EMAStateError]), so a failed load changes nothing."""
+    saved = [t.snapshot() for t in trackers]
+    try:
+        result = load()
+    except Exception as e:
+        for tracker, counters in zip(trackers, saved, strict=True):
+            tracker.restore(counters)
+        if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+            raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
+        raise
+    for tracker in trackers:
+        tracker.invalidate()
+    return result
 
 
 def _kind(dtype: torch.dtype) -> str:

@@ -1,34 +1,43 @@
-"""The bookkeeping of one EMA, shared by every EMA kind: rule, plan and runner.
+"""The bookkeeping of one EMA, shared by every EMA kind: counters, rule, plan and runner.
 
-A `Tracker` owns the decay rule, the plan, the runner and the swap flag, and holds
-the parts it delegates to: the counters (`Counters`: step,
-initted, last averaging call and gap, ema-pytorch's tensor views) and the non-finite guard
-(`FiniteGuard`: the flag and the skip count). Its
-`update()` is the one update path of emakit:
+A `Tracker` holds the counters (``step``, ``initted``, ``last``, ``gap``), the pure
+[`DecayRule`][emakit.decay.DecayRule], the engine's plan and runner, the swap flag and the
+non-finite guard (`FiniteGuard`: the flag and the skip count). An update is two steps,
+which every facade (``EMA.update()``, ``MultiEMA.update()``) takes in this order:
 
-1. `advance()` counts the call and asks the pure
-   [`DecayRule`][emakit.decay.DecayRule] what it does (the first call always initializes);
-2. `apply()` makes sure the plan still matches the model (asking its
-   `PairSource` for the live pairs when a tensor was replaced, added or deleted),
-   optionally guards the action with a device-side "weights are finite" flag, and hands it
-   to the runner.
+1. `advance()` counts the call and asks the rule what it does (the first call always
+   initializes); an averaging call moves ``last`` and ``gap`` here, when it is decided;
+2. `apply()` makes sure the plan still matches the model (asking its owner for the live
+   pairs when a tensor was replaced, added or deleted), optionally guards the action
+   with a device-side "weights are finite" flag, and hands it to the runner. The first
+   copy sets ``initted``.
 
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
 device in ``update()``: the flag (for sharded models combined across ranks by one small
 all-reduce) travels with the action, the kernels select on it, and a skip adds one to a
 counter on the device, read (and the first skip warned about) when
-`Tracker.num_skipped_nonfinite` is next read. A skipped averaging call still counts
-as an averaging call (``last`` moves; the power-function EMA sees a held step). Only the
-very first call reads the flag on the host, so that a first call on non-finite weights
-leaves the EMA uninitialized.
+`Tracker.num_skipped_nonfinite` is next read. A skipped averaging call still counts as an
+averaging call (``last`` moves; the power-function EMA sees a held step). Only the very
+first call reads the flag on the host, so that a first call on non-finite weights leaves
+the EMA uninitialized.
 
-Facades (``EMA``, ``MultiEMA``, ``KarrasEMA`` ...) only wire a tracker to a model.
+**ema-pytorch's tensor views.** ema-pytorch keeps ``step`` and ``initted`` as tensors that
+clients write in place (``ema.step += 1``, ``ema.initted.data.fill_(True)``). The tracker
+counts with Python integers (a skipped call costs an integer compare) and hands out tensor
+views on request (`tensor_views()`). While a client may hold one, each call reads them back
+first, so a write takes effect (also one made through ``.data``, which no version counter
+sees, and one made to a view the client dropped right after), and writes the new values
+into them. "May hold" is the views' reference count above the one taken when nobody held
+them (``sys.getrefcount``): a weak reference would lose a write made to a view dropped
+before the next call. Once nobody holds them, calls stop reading them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import sys
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from .._engine.finite import FiniteGuard
@@ -38,32 +47,28 @@ from .._engine.plan import Plan, build_plan
 from .._engine.runners import Runner, SyncRunner
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
-from .counters import Counters
 
-__all__ = ["PairSource", "Tracker"]
+__all__ = ["Tracker"]
 
 
-class PairSource(Protocol):
-    """Where a tracker gets the live pairs from: its owner's tensors, paired by name.
-
-    This is the one call a tracker makes up into its owner, and only from
-    `Tracker.plan()` when the plan no longer matches the model (first use, or after a
-    tensor was replaced, added or deleted).
-    """
-
-    def tracked(self) -> Tracked:
-        """The pairs as they are now, validated; raises
-        [`EMAStateError`][emakit.errors.EMAStateError] naming a tensor that no longer pairs."""
-        ...
+def _references(views: tuple[Tensor, Tensor]) -> int:
+    """How many references the views have (measured the same way every time, so that a
+    count above the one taken at creation means a client holds one)."""
+    step, initted = views
+    return max(sys.getrefcount(step), sys.getrefcount(initted))
 
 
 class Tracker:
-    """Decay rule, plan and runner of one EMA, with its counters and non-finite guard (see
+    """Counters, decay rule, plan and runner of one EMA, with its non-finite guard (see
     the module docstring).
 
     Args:
         rule: what each call does.
-        source: the owner's live pairs (see `PairSource`).
+        pairs: the owner's live pairs, paired by name and validated (raising
+            [`EMAStateError`][emakit.errors.EMAStateError] naming a tensor that no longer
+            pairs). The one call a tracker makes up into its owner, only when the plan no
+            longer matches the model (first use, or after a tensor was replaced, added or
+            deleted).
         impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
         runner: where updates run. Default: a `SyncRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
@@ -72,88 +77,87 @@ class Tracker:
     def __init__(
         self,
         rule: DecayRule,
-        source: PairSource,
+        pairs: Callable[[], Tracked],
         *,
         impl: Impl,
         runner: Runner | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
         self.rule = rule
-        self.source = source
+        self.pairs = pairs
         self.impl: Impl = impl
         self.runner: Runner = runner if runner is not None else SyncRunner()
         self.skip_nonfinite = skip_nonfinite
-        self.counters = Counters()
         self.finite = FiniteGuard()
         self.swapped = False
         self._plan: Plan | None = None
+        #: ``update()`` calls so far.
+        self.step = 0
+        #: Whether the first call has initialized the EMA.
+        self.initted = False
+        #: The call of the last averaging update (or of the initializing copy).
+        self.last = 0
+        #: Calls between the last two averaging updates.
+        self.gap = 0
+        self._views = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
+        #: Whether the tensor views were handed out and may be held (read back each call).
+        self.views_held = False
+        self._unheld = _references(self._views)  # the count when nobody else holds them
 
-    # -- the counters (see Counters) --------------------------------------------------------
+    # -- the counters and ema-pytorch's tensor views of two of them -------------------------
 
-    @property
-    def step(self) -> int:
-        """``update()`` calls so far."""
-        return self.counters.step
-
-    @property
-    def initted(self) -> bool:
-        """Whether the first call has initialized the EMA."""
-        return self.counters.initted
-
-    @property
-    def last(self) -> int:
-        """The call of the last averaging update."""
-        return self.counters.last
-
-    @last.setter
-    def last(self, value: int) -> None:
-        self.counters.last = value
-
-    @property
-    def gap(self) -> int:
-        """Calls between the last two averaging updates."""
-        return self.counters.gap
-
-    @gap.setter
-    def gap(self, value: int) -> None:
-        self.counters.gap = value
-
-    def step_tensor(self) -> Tensor:
-        """``step`` as ema-pytorch's writable CPU tensor (see `Counters`)."""
-        return self.counters.step_tensor()
-
-    def initted_tensor(self) -> Tensor:
-        """``initted`` as ema-pytorch's writable CPU tensor (see `Counters`)."""
-        return self.counters.initted_tensor()
+    def tensor_views(self) -> tuple[Tensor, Tensor]:
+        """``step`` and ``initted`` as CPU int64 and bool tensors that client code may
+        write in place (also through ``.data``); a write takes effect at the next call."""
+        self.sync_views()
+        self._refresh_views()
+        self.views_held = True
+        return self._views
 
     def sync_views(self) -> None:
-        """Take the values clients wrote into the tensor views."""
-        self.counters.sync()
+        """Take the values of handed-out views (clients may have written them), and stop
+        watching them once nobody else holds them. A few µs, only after a hand-out."""
+        if not self.views_held:
+            return
+        views = self._views  # no names bound to the tensors: they would count as holders
+        self.step, self.initted = int(views[0]), bool(views[1])
+        if _references(views) <= self._unheld:
+            self.views_held = False
+
+    def _refresh_views(self) -> None:
+        step, initted = self._views
+        step.fill_(self.step)
+        initted.fill_(self.initted)
 
     def set_counters(self, *, step: int | None = None, initted: bool | None = None) -> None:
-        """Set ``step`` and/or ``initted``; views already handed out see the new values."""
-        self.counters.set(step=step, initted=initted)
+        """Set ``step`` and/or ``initted`` (a loaded state, a client's assignment); views
+        already handed out see the new values."""
+        self.sync_views()
+        if step is not None:
+            self.step = step
+        if initted is not None:
+            self.initted = initted
+        if self.views_held:
+            self._refresh_views()
 
     def snapshot(self) -> tuple[int, bool, int, int, int]:
         """``(step, initted, last, gap, num_skipped_nonfinite)``, to restore after a failed
         load."""
-        c = self.counters
-        c.sync()
-        return c.step, c.initted, c.last, c.gap, self.num_skipped_nonfinite
+        self.sync_views()
+        return self.step, self.initted, self.last, self.gap, self.num_skipped_nonfinite
 
     def restore(self, saved: tuple[int, bool, int, int, int]) -> None:
         """Put back what `snapshot()` returned."""
-        step, initted, last, gap, skipped = saved
-        self.counters.set(step=step, initted=initted)
-        self.counters.last, self.counters.gap = last, gap
+        step, initted, self.last, self.gap, skipped = saved
+        self.set_counters(step=step, initted=initted)
         self.num_skipped_nonfinite = skipped
 
     def reset(self, step: int) -> None:
         """Start over at ``step`` as an initialized EMA whose last averaging update was at
         ``step`` (e.g. an EMA reconstructed from snapshots)."""
         self.runner.wait()
-        self.counters.set(step=step, initted=True)
-        self.counters.last, self.counters.gap = step, 0
+        self.set_counters(step=step, initted=True)
+        self.last, self.gap = step, 0
         self._plan = None
 
     @property
@@ -176,7 +180,7 @@ class Tracker:
         if freshness == "fresh":
             return plan  # type: ignore[return-value]
         self.runner.wait()
-        tracked = self.source.tracked()  # the live tensors; raises when they no longer pair
+        tracked = self.pairs()  # the live tensors; raises when they no longer pair
         if freshness == "check" and plan is not None and plan.same_pairs(tracked):
             return plan
         plan = self._plan = build_plan(tracked, self.impl, staged=self.runner.staged)
@@ -189,31 +193,25 @@ class Tracker:
 
     # -- the update -----------------------------------------------------------------------
 
-    def update(self) -> Action:
-        """Count one call and carry out what it does; returns the action applied
-        (`SKIP` when nothing happened)."""
-        counters = self.counters
-        if counters.held:
-            counters.sync()
-            action = self.apply(self.advance())
-            if counters.held:
-                counters.refresh()  # someone holds them: keep them current
-            return action
-        action = self.advance()
-        if action is SKIP:
-            return action
-        return self.apply(action)
-
     def advance(self) -> Action:
-        """Count one call and return what it does, touching no tensor."""
+        """Count one call and return what it does (then `apply()` it unless it is
+        `SKIP`), touching no tensor. An averaging call moves ``last`` and ``gap`` now, so
+        it counts as one even when its update is then skipped (non-finite weights) or
+        refused (a model change that no longer pairs)."""
         if self.swapped:
             raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
-        c = self.counters
-        step = c.step
-        c.step = step + 1
-        if not c.initted:
+        if self.views_held:
+            self.sync_views()  # a client may have written ema.step / ema.initted in place
+        step = self.step
+        self.step = call = step + 1
+        if self.views_held:
+            self._refresh_views()
+        if not self.initted:
             return INIT
-        return self.rule.action(step, c.last)
+        action = self.rule.action(step, self.last)
+        if action.kind == "lerp" or action.kind == "hold":  # action.averages, inline
+            self.last, self.gap = call, call - self.last
+        return action
 
     def apply(self, action: Action) -> Action:
         """Carry out ``action`` (from `advance()`) on the current plan."""
@@ -230,52 +228,36 @@ class Tracker:
             except RuntimeError:
                 # e.g. a tensor's .data re-pointed to another shape, which per-tensor
                 # paths only meet in the kernel: pairing again names it (EMAStateError)
-                self.source.tracked()
+                self.pairs()
                 raise
-        self.record(action)
-        return action
-
-    def record(self, action: Action) -> None:
-        """Update the counters after ``action`` was carried out (by `apply()` or by a
-        caller that ran it itself, e.g. a fused update of several EMAs)."""
-        c = self.counters
         if action.kind == "init":
-            c.initted = True
-            c.last, c.gap = c.step, 0
-        elif action.averages:
-            c.last, c.gap = action.call, action.call - c.last
+            self.initted = True
+            self.last, self.gap = self.step, 0
+            if self.views_held:
+                self._refresh_views()
+        return action
 
     def catch_up(self) -> None:
         """Average in the current weights now if the last averaging update came before the
         current call, so the averaging profile ends exactly at ``step`` (the post-hoc EMA
         does this before a snapshot)."""
-        c = self.counters
-        if not c.initted or c.step <= c.last:
+        step, last = self.step, self.last
+        if not self.initted or step <= last:
             return
-        self.runner.wait()
-        plan = self.plan()
         if self.rule.frozen:
-            action = Action("hold", call=c.step)
+            self.apply(Action("hold", call=step))
         else:
-            action = Action("lerp", self.rule.weights(c.step, c.last), c.step)
-        if self.skip_nonfinite:
-            action = self.guard(plan, action)
-        plan.run(action)
-        self.record(action)
+            self.apply(Action("lerp", self.rule.weights(step, last), step))
+        self.runner.wait()
+        self.last, self.gap = step, step - last
 
     def guard(self, plan: Plan, action: Action) -> Action:
         """``action`` guarded by the non-finite flag of ``plan`` at this call (see
         `FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>()`)."""
-        return self.finite.guard(plan, action, self.counters.step)
-
-    def count_flag(self, ok: Tensor) -> None:
-        """Count a skip at this call on the device where the 0-dim bool ``ok`` is false
-        (a flag computed for another tracker of the same model)."""
-        self.finite.skips.add_flag(ok, self.counters.step)
+        return self.finite.guard(plan, action, self.step)
 
     def __getstate__(self) -> dict:
         self.runner.wait()
-        state = self.__dict__.copy()
-        state["_plan"] = None  # rebuilt on first use; it only holds references
-        state["swapped"] = False
-        return state
+        self.sync_views()
+        # the plan is rebuilt on first use (it only holds references)
+        return {**self.__dict__, "_plan": None, "swapped": False, "views_held": False}

@@ -16,15 +16,9 @@ __all__ = ["all_tensors", "leaves", "tree_copy"]
 
 
 def _key_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts) or "leaf"
+    # torch's path entries: MappingKey.key, SequenceKey.idx, GetAttrKey.name
+    parts = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return ".".join(map(str, parts)) or "leaf"
 
 
 def leaves(tree: Any) -> dict[str, Tensor]:

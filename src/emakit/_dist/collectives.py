@@ -1,7 +1,9 @@
-"""Rank agreement before emakit's collective saves, loads and exports.
+"""Process groups for emakit's collective saves, loads and exports: is one up, is this
+rank 0, and do the ranks agree.
 
-Imported by [`emakit.distributed`][emakit.distributed] and `emakit.posthoc.writing` only.
-`agree()` is a bounded arrival check and one all-gather of a few int64 numbers per call, on
+`dist_ready()` and [`is_rank_zero()`][emakit.distributed.is_rank_zero] work in a process
+that never initialized ``torch.distributed`` (one process, rank 0). `agree()` is a bounded
+arrival check and one all-gather of a few int64 numbers per call, on
 every rank of the process group:
 
 ``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo]``
@@ -23,8 +25,8 @@ every rank of the process group:
   raises the same [`EMAStateError`][emakit.errors.EMAStateError], naming the ranks and their steps: one
   rank called ``update()`` more often than the others, so a checkpoint would record one
   rank's step for shards that were averaged a different number of times.
-* ``extra`` carries 64 bits from the first rank to all (the version folder of a sharded
-  save), so the check costs no collective of its own.
+* ``extra`` carries 64 bits from the first rank to all, returned by `agree()` (the
+  version folder of a sharded save or load), so the check costs no collective of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ import torch
 from ..errors import EMARuntimeError, EMAStateError
 from .arrival import default_store, missing_ranks
 
-__all__ = ["AGREE_TIMEOUT_S", "OPERATIONS", "Agreed", "agree", "collective_device"]
+__all__ = [
+    "AGREE_TIMEOUT_S",
+    "OPERATIONS",
+    "agree",
+    "collective_device",
+    "dist_ready",
+    "is_rank_zero",
+]
 
 #: Default seconds a rank waits for the others at an agreement step. The ranks meet there
 #: right after a training step, whose own collectives (gradient reduce-scatter, all-reduce)
@@ -59,10 +68,29 @@ OPERATIONS = {
     5: "state_dict of a ZeRO-3 EMA",
     6: "load_full_ema_weights",
     7: "PostHocEMA.checkpoint",
+    8: "save_ema_weights",
+    9: "load_ema_weights",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
+#: Codes of one collective under its two names (the verb and its ``_full_`` alias meet).
+_SAME = {8: 3, 9: 6}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's
 _MASK32 = (1 << 32) - 1
+
+
+def dist_ready() -> bool:
+    """Whether a default ``torch.distributed`` process group exists."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def is_rank_zero() -> bool:
+    """True on rank 0 of the default process group, and in a non-distributed process.
+
+    Guard single-writer outputs with it (snapshots, logs). emakit's collective saves and
+    exports ([`save_ema_weights()`][emakit.checkpoint.save_ema_weights] of a sharded EMA...)
+    must be called on every rank.
+    """
+    return not dist_ready() or torch.distributed.get_rank() == 0
 
 
 def collective_device(group: Any = None) -> torch.device:
@@ -80,25 +108,6 @@ def _global_rank(group: Any, index: int) -> int:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-class Agreed:
-    """What every rank brought to `agree()`.
-
-    Attributes:
-        ranks: the global rank of each row.
-        rows: ``[MAGIC, op, step, skips, extra_hi, extra_lo]`` per rank.
-    """
-
-    def __init__(self, ranks: list[int], rows: list[list[int]]) -> None:
-        self.ranks = ranks
-        self.rows = rows
-
-    @property
-    def extra(self) -> int:
-        """The first rank's ``extra`` (64 bits)."""
-        row = self.rows[0]
-        return (row[4] << 32) | row[5]
 
 
 def _missing_by_collective(group: Any, timeout_s: float) -> list[int] | None:
@@ -169,7 +178,7 @@ def agree(
     timeout_s: float = AGREE_TIMEOUT_S,
     check_counts: bool = True,
     extra: int = 0,
-) -> Agreed:
+) -> int:
     """One bounded all-gather: every rank of ``group`` is in ``operation`` with the same
     ``step`` and ``skips`` (see the module docstring).
 
@@ -180,10 +189,10 @@ def agree(
         group: the process group (default: the default group).
         timeout_s: seconds to wait for the other ranks.
         check_counts: compare ``step`` and ``skips`` (False: only that every rank came).
-        extra: 64 bits that every rank receives from the first rank (`Agreed.extra`).
+        extra: 64 bits that every rank receives from the first rank.
 
     Returns:
-        Every rank's row.
+        The first rank's ``extra``.
 
     Raises:
         EMARuntimeError: the other ranks did not arrive within ``timeout_s`` (or the
@@ -223,20 +232,20 @@ def agree(
         ) from e
     table = [[int(v) for v in t.tolist()] for t in rows]
     ranks = [_global_rank(group, i) for i in range(world)]
-    names = [
-        OPERATIONS.get(r[1], f"an unknown operation (code {r[1]})")
-        if r[0] == _MAGIC
-        else "another collective (not an emakit agreement)"
-        for r in table
-    ]
-    calls = _by_value(ranks, names)
-    if len(calls) > 1:
-        parts = "; ".join(f"{_ranks(rs)} in {name}" for name, rs in calls.items())
+    kinds = {_SAME.get(r[1], r[1]) if r[0] == _MAGIC else -1 for r in table}
+    if len(kinds) > 1:
+        names = [
+            OPERATIONS.get(r[1], f"an unknown operation (code {r[1]})")
+            if r[0] == _MAGIC
+            else "another collective (not an emakit agreement)"
+            for r in table
+        ]
+        parts = "; ".join(f"{_ranks(rs)} in {name}" for name, rs in _by_value(ranks, names).items())
         raise EMARuntimeError(
             f"the ranks are not all in the same collective: {parts}. Every rank must make "
             f"emakit's collective calls (save_sharded_ema, load_sharded_ema, "
-            f"save_full_ema_weights) in the same order; none may sit inside "
-            f"`if is_rank_zero():`"
+            f"save_ema_weights of a sharded EMA, save_full_ema_weights) in the same order; "
+            f"none may sit inside `if is_rank_zero():`"
         )
     if check_counts:
         for what, column, why in (
@@ -263,4 +272,4 @@ def agree(
                     f"{operation}: the EMA differs across ranks ({parts}; {done}): {why}; "
                     f"to recover, load the last checkpoint saved before the ranks diverged"
                 )
-    return Agreed(ranks, table)
+    return (table[0][4] << 32) | table[0][5]

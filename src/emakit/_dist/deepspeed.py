@@ -288,9 +288,10 @@ class ZeroPartitions(nn.Module):
         if layout == [self.world_size, self.rank]:
             return
         full = (
-            "export the full EMA on the old job with emakit.distributed."
-            "save_full_ema_weights(ema, path) and start this EMA from that file with "
-            "emakit.distributed.load_full_ema_weights(ema, path) (any world size)"
+            "export the full EMA on the old job with emakit.save_ema_weights(ema, path) and "
+            "start this EMA from that file with emakit.load_ema_weights(ema, path) (any world "
+            "size; on every rank, as their older names save_full_ema_weights and "
+            "load_full_ema_weights)"
         )
         if layout is not None and layout[0] == self.world_size:
             raise EMAStateError(
@@ -332,11 +333,10 @@ class ZeroPartitions(nn.Module):
         """This rank's partition of the full tensor ``full`` of ``name`` (``full`` itself
         for a tensor DeepSpeed does not partition, or of another size, which the caller's
         shape check names)."""
-        if name not in self.shapes or full.numel() != self.shapes[name][1]:
+        span = self.span(name)
+        if span is None or full.numel() != self.shapes[name][1]:
             return full
-        _, _, group, size = self.shapes[name]
-        rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
-        return full.reshape(-1)[rank * size : (rank + 1) * size]
+        return full.reshape(-1).narrow(0, *span)
 
     def full(self, name: str, dtype: torch.dtype | None) -> Tensor:
         """The full EMA tensor ``name`` (a collective for a partition: every rank calls

@@ -48,10 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._dist.collectives import collective_device
+from .._dist.collectives import collective_device, dist_ready
 from .._dist.deepspeed import is_partition
 from .._dist.dtensor import is_dtensor
-from .._dist.ranks import dist_ready
 from ..decay import SKIP, Action
 from .flat import ALIGN, aligned_offsets, memory_order, span, split_runs
 from .pairs import TensorPair

@@ -16,12 +16,14 @@ from torch import Tensor
 
 from .._dist.dtensor import is_dtensor, local_tensor
 from ..errors import EMAStateError
+from .guards import Changes
 
 __all__ = ["Slot", "TensorPair", "Tracked", "check_sharded_pair", "pair_tensors"]
 
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
-#: ``(module._parameters, "weight", id(module))``. The plan checks
-#: ``container.get(key) is tensor`` to see that the tensor was replaced.
+#: ``(module._parameters, "weight", id(module))``. Where the container is not a watched
+#: registry (a DTensor's, a DeepSpeed partition's), the plan checks
+#: ``container.get(key) is tensor`` on every update (see `emakit._engine.guards`).
 Slot = tuple[Mapping[str, Any], str, int]
 
 
@@ -49,16 +51,17 @@ class TensorPair:
 
 @dataclass(frozen=True)
 class Tracked:
-    """What an EMA tracks, as one value: its pairs and the ids of the modules they live in.
+    """What an EMA tracks, as one value: its pairs and the changes of the modules they live in.
 
     Built by the owner (an EMA's source) whenever the plan must be built, and passed
     explicitly to the plan and its staleness guards (`emakit._engine.guards`).
 
     Attributes:
         pairs: the pairs, in the order the shadow is laid out.
-        modules: ids of every module of the online and EMA models; a registration or a
-            ``del`` on any of them makes the plan compare the live pairs again. Empty for
-            a pytree (nothing registers on one).
+        changes: the `Changes` counter of the online and EMA models' watched modules
+            (`emakit._engine.guards.watch_modules`); a registration or a ``del`` on any
+            of them makes the plan compare the live pairs again. None for a pytree
+            (nothing registers on one).
         shared: the pairs left out of ``pairs`` because the shadow is the online storage
             (frozen weights, see `emakit._core.frozen`): no work, but a sharded EMA's
             agreement between ranks still counts them, so that every rank agrees alike
@@ -66,12 +69,12 @@ class Tracked:
     """
 
     pairs: tuple[TensorPair, ...]
-    modules: frozenset[int] = frozenset()
+    changes: Changes | None = None
     shared: tuple[TensorPair, ...] = ()
 
     @classmethod
     def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:
-        """``pairs`` as a `Tracked` value (no module ids), or ``pairs`` itself."""
+        """``pairs`` as a `Tracked` value (no watched modules), or ``pairs`` itself."""
         return pairs if isinstance(pairs, Tracked) else cls(tuple(pairs))
 
 

@@ -67,7 +67,11 @@ class Plan:
         self.shared_pointers.watch([p.online for p in self.shared if not is_dtensor(p.online)])
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
-        self.guards = Guards(tracked)
+        self.guards = Guards(
+            [w for p in self.pairs for w in ((p.online_slot, p.online), (p.shadow_slot, p.shadow))],
+            [p.online for p in self.shared if is_dtensor(p.online)],
+            tracked.changes,
+        )
         self.groups: list[Group] = build_groups(
             self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
         )
@@ -113,7 +117,7 @@ class Plan:
 
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
         """Whether ``tracked``'s pairs are the plan's own: same names, tensors and roles. If
-        so, the plan stops checking until the next registration anywhere."""
+        so, the plan is fresh again until the next registration on the watched modules."""
         pairs = Tracked.of(tracked).pairs
         same = len(pairs) == len(self.pairs) and all(
             a.name == b.name

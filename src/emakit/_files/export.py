@@ -1,9 +1,10 @@
 """The full export of a sharded EMA, streamed: one tensor gathered and written at a time.
 
-Imported by [`emakit.distributed`][emakit.distributed] only. `write_sharded()` writes the file that
-[`save_ema_weights()`][emakit.checkpoint.save_ema_weights] would write for the full EMA, byte for byte the
-same layout (same header, same order, loads straight into the model class), without ever
-holding more than one full tensor:
+Imported by [`emakit.checkpoint`][emakit.checkpoint] only, for
+[`save_ema_weights()`][emakit.checkpoint.save_ema_weights] of a sharded EMA (and of any EMA when
+it is a collective, `save_full_ema_weights()`). `write_sharded()` writes the file that
+the unsharded EMA's save would write, byte for byte (same header, same order, loads
+straight into the model class), without ever holding more than one full tensor:
 
 1. every rank builds the header from names, dtypes and global shapes alone
    (`safetensors_layout()`), and rank 0 writes it first;
@@ -33,12 +34,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._dist.dtensor import fsdp_module_type, is_dtensor
-from .._dist.ranks import dist_ready, is_rank_zero
-from ..checkpoint import weights_header
-from ..ema import EMA
+from .._dist.collectives import dist_ready, is_rank_zero
+from .._dist.dtensor import is_dtensor
 from ..errors import EMAError, EMAWriteError
 from .atomic import atomic_path
 from .reading import write_errors
@@ -65,7 +64,7 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     local = _cast_local(d, dtype)
     mesh = d.device_mesh
     shape = tuple(d.shape)
-    if _rows_sharded(mesh, d.placements, shape):
+    if mesh.ndim == 1 and _rows_dim(mesh, d.placements, shape, writer=False) == 0:
         return cast(Tensor, _gather_rows(local, shape, mesh))
     return DTensor.from_local(
         local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
@@ -111,10 +110,12 @@ def _cast_local(d: Any, dtype: torch.dtype | None) -> Tensor:
     return local
 
 
-def _rows_dim(mesh: Any, placements: Any, shape: tuple[int, ...]) -> int | None:
+def _rows_dim(
+    mesh: Any, placements: Any, shape: tuple[int, ...], *, writer: bool = True
+) -> int | None:
     """The mesh dimension a tensor's rows are split along, when every other mesh dimension
-    replicates it, rank 0 sits at coordinate 0 of those, and the ranks along it are in
-    order (the same answer on every rank); else None."""
+    replicates it, the ranks along it are in order and (with ``writer``) rank 0 sits at
+    coordinate 0 of the others (the same answer on every rank); else None."""
     if not shape or len(placements) != mesh.ndim:
         return None
     rows = [i for i, p in enumerate(placements) if p.is_shard(0)]
@@ -124,18 +125,9 @@ def _rows_dim(mesh: Any, placements: Any, shape: tuple[int, ...]) -> int | None:
         return None
     ranks = mesh.mesh
     line = ranks[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
-    if 0 not in line or line != sorted(line):
+    if (writer and 0 not in line) or line != sorted(line):
         return None
     return rows[0]
-
-
-def _rows_sharded(mesh: Any, placements: Any, shape: tuple[int, ...]) -> bool:
-    """Whether the tensor is split by rows over a 1-D mesh whose ranks are in order (the
-    same answer on every rank)."""
-    if mesh.ndim != 1 or len(placements) != 1 or not shape:
-        return False
-    ranks = mesh.mesh.tolist()
-    return bool(placements[0].is_shard(0)) and ranks == sorted(ranks)
 
 
 def _gather_rows(
@@ -169,44 +161,30 @@ def _gather_rows(
     return out[: shape[0]]
 
 
-def model_class(model: nn.Module) -> str:
-    """The name of ``model``'s own class (not FSDP2's generated ``FSDP<Name>`` subclass)."""
-    fsdp_cls = fsdp_module_type()
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, fsdp_cls or ()))
-    return cls.__name__
-
-
 def write_sharded(
-    ema: EMA,
     dest: Path,
+    tensors: Mapping[str, Tensor],
+    header: Mapping[str, str],
     dtype: torch.dtype | None,
-    *,
-    tensors: Mapping[str, Tensor] | None = None,
-    gather: Callable[[str, torch.dtype | None], Tensor | None] | None = None,
-    model_name: str | None = None,
+    gather: Callable[[str, torch.dtype | None], Tensor | None],
 ) -> BaseException | None:
-    """Write the full EMA of a sharded (DTensor) EMA model to ``dest`` (call on every rank).
+    """Write the full EMA to ``dest`` from rank 0, one gathered tensor at a time (call on
+    every rank).
 
     Args:
-        ema: the EMA (its model holds DTensors).
         dest: the file rank 0 writes.
-        dtype: the export dtype of floating tensors (None: the shadow's).
         tensors: the tensors by name, for the header (only names, dtypes and full shapes
-            are read). Default: the EMA model's state dict.
+            are read).
+        header: the header metadata.
+        dtype: the export dtype of floating tensors (None: as they are).
         gather: ``(name, dtype) -> full tensor`` on rank 0 (None or the tensor elsewhere),
-            called on every rank. Default: `tensor_for_writer()` of ``tensors[name]``.
-        model_name: the class name in the header. Default: the EMA model's class.
+            called on every rank in the file's order.
 
     Returns:
         On rank 0, the exception that stopped the write (an [`EMAWriteError`][emakit.errors.EMAWriteError]
         for a full disk...) or None; None on the other ranks. Pass it to
         `share_outcome()`.
     """
-    model = ema.ema_model
-    tensors = model.state_dict() if tensors is None else tensors
-    header = weights_header(ema, tensors, dtype)
-    header["model_class"] = model_name or model_class(model)
-    full_of = gather or (lambda name, dt: tensor_for_writer(tensors[name], dt))
     head, order = safetensors_layout(tensors, header, dtype)
     writer = is_rank_zero()
     failure: BaseException | None = None
@@ -222,7 +200,7 @@ def write_sharded(
                 except OSError as e:  # still take part in the gathers below
                     failure, f = e, None
             for name in order:
-                full = full_of(name, dtype)  # every rank, in the same order
+                full = gather(name, dtype)  # every rank, in the same order
                 if f is not None and full is not None:
                     try:
                         write_tensor(f, full, dtype)

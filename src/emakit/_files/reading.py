@@ -9,7 +9,7 @@
 * `write_errors()` turns an ``OSError`` while writing (disk full, read-only file
   system) into an [`EMAWriteError`][emakit.errors.EMAWriteError] that names the file and keeps the
   ``errno``.
-* [`writable_path`][emakit._files.reading.writable_path] refuses, at write time, a file or folder name that is not valid
+* `as_path()` checks a path argument; [`writable_path`][emakit._files.reading.writable_path] refuses, at write time, a file or folder name that is not valid
   UTF-8 (on POSIX a name is bytes, and Python keeps undecodable bytes as surrogates):
   safetensors' own reader, JSON headers and most tools cannot name such a file, so it
   could be written but not read back.
@@ -36,6 +36,7 @@ from ..errors import (
 )
 
 __all__ = [
+    "as_path",
     "file_kind",
     "open_regular",
     "refusal_reason",
@@ -140,30 +141,39 @@ def torch_load(path: str | os.PathLike[str], what: str = "file") -> Any:
             ) from e
 
 
-def writable_path(name: str, value: object) -> Path:
-    """``value`` as a `Path` to write, or an error naming the argument.
+def as_path(name: str, value: object) -> Path:
+    """``value`` as a `Path` to read, or an error naming the argument ``name``.
 
     Raises:
-        EMATypeError: ``value`` is not a str or ``os.PathLike``.
-        EMAValueError: the name is not valid UTF-8 (undecodable bytes on POSIX).
+        EMATypeError: ``value`` is not a str or ``os.PathLike`` (bytes included).
     """
-    if not isinstance(value, (str, os.PathLike)):
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
         raise EMATypeError(
             f"{name} must be a str or os.PathLike file name, got {name}={value!r} "
             f"({type(value).__name__})"
         )
-    text = os.fspath(value)
-    if isinstance(text, bytes):
-        raise EMATypeError(f"{name} must be a str path, got the bytes {name}={text!r}")
+    return Path(text)
+
+
+def writable_path(name: str, value: object) -> Path:
+    """``value`` as a `Path` to write, or an error naming the argument: as `as_path()`,
+    and refusing a name that is not valid UTF-8 (undecodable bytes on POSIX).
+
+    Raises:
+        EMATypeError: ``value`` is not a str or ``os.PathLike``.
+        EMAValueError: the name is not valid UTF-8.
+    """
+    path = as_path(name, value)
     try:
-        text.encode("utf-8")
+        str(path).encode("utf-8")
     except UnicodeEncodeError:
         raise EMAValueError(
-            f"{name} must be a UTF-8 file name, got {name}={text!r}, which holds bytes that "
-            f"are not UTF-8; a file written there could not be read back by safetensors or "
-            f"named in a header: choose a UTF-8 name"
+            f"{name} must be a UTF-8 file name, got {name}={str(path)!r}, which holds bytes "
+            f"that are not UTF-8; a file written there could not be read back by "
+            f"safetensors or named in a header: choose a UTF-8 name"
         ) from None
-    return Path(text)
+    return path
 
 
 def writable_folder(name: str, value: object) -> Path:

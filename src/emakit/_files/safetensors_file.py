@@ -1,20 +1,39 @@
-"""safetensors files, written streamed and read back (emakit's own writer and reader).
+"""safetensors files: read through the ``safetensors`` package, written streamed.
 
-* `write_safetensors()` writes tensors in the safetensors layout one tensor at a time
-  (no second copy of the model in host memory), tied and aliased tensors included;
-  `safetensors_layout()` and `write_tensor()` are its two halves, for a writer
-  that gathers each tensor just before writing it (the sharded full export).
-* `SafetensorsFile` reads one: the header and every tensor through **one** open
-  file descriptor, so a reader sees exactly one complete save even while another process
-  replaces the file (emakit's writes are atomic renames: the open descriptor keeps the
-  file it opened). ``safetensors.safe_open`` parses the header from one open and maps the
-  data by name with a second one, which can pair one save's header with the next save's
-  data. The header is validated in full (lengths, JSON, dtypes, shapes, offsets that
-  tile the data exactly, string metadata) before any tensor is read.
-* `read_safetensors()` reads a file's tensors and header metadata, or raises an
-  [`EMAError`][emakit.errors.EMAError] that names the file.
+**Reading** goes through ``safetensors.safe_open``, which validates the whole header
+(lengths, JSON, dtypes, shapes, offsets that tile the data exactly, string metadata)
+before any tensor is read and never unpickles. `SafetensorsFile` adds what the package
+does not do:
 
-Nothing here unpickles: a safetensors file is a JSON header and raw bytes.
+* a FIFO, a socket or a device is refused at once (`open_regular()`): ``safe_open`` would
+  wait forever for a FIFO's writer;
+* the package reads the very file emakit opened and checked: it is given that open
+  descriptor's name (``/dev/fd/N``), not the path. ``safe_open`` opens a path twice, once
+  to parse the header and once (torch's ``UntypedStorage.from_file``) to map the data, so a
+  save that replaces the path in between would pair one save's header with the next
+  save's data (``tests/test_torn_reads.py``). Where there is no ``/dev/fd`` (Windows) the
+  path is given, and that pairing stays possible;
+* every failure is an [`EMAStateError`][emakit.errors.EMAStateError] that names the file,
+  on one line (the package's ``SafetensorError`` names neither);
+* a bool tensor holding bytes other than 0 and 1 is refused (the package hands them on).
+
+Tensors come back mapped from the file (copy-on-write), as ``safe_open`` gives them: a
+file emakit reads must not be truncated in place meanwhile (emakit's own writes replace
+files, see `emakit._files.atomic`).
+
+**Writing** is emakit's one piece of the format, `write_safetensors()`: the header, then
+each tensor's bytes, one tensor in host memory at a time. ``safetensors.torch.save_file``
+cannot stand in: it refuses tensors that share storage (tied weights, and the views into
+one flat buffer that an EMA's shadow is), and it holds a host copy of every tensor at
+once (cast to the export dtype, moved off the GPU), where the EMA is one copy of the
+model already. Measured (``benchmarks/bench_weights_file.py``, safetensors 0.8): saving a
+512 MiB float32 EMA raises the process's peak RSS by 1 MiB with `write_safetensors()` and
+by 513 MiB with ``save_file`` (the clone it needs); in bfloat16, by 9 MiB and 257 MiB.
+The sharded full export (`emakit._files.export`) writes the header first, from
+shapes alone (`safetensors_layout()`), then each tensor as it is gathered
+(`write_tensor()`). ``safetensors.torch.load_file`` reads every file written here.
+
+``safetensors`` is imported on first use, not with emakit.
 """
 
 from __future__ import annotations
@@ -26,7 +45,6 @@ import struct
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 import torch
@@ -36,20 +54,16 @@ from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from .reading import open_regular
 
 __all__ = [
-    "MAX_HEADER_BYTES",
     "ST_DTYPES",
     "SafetensorsFile",
+    "out_dtype",
     "read_safetensors",
     "safetensors_layout",
     "write_safetensors",
     "write_tensor",
 ]
 
-#: Longest JSON header read (safetensors' own limit): a corrupt length is refused, not
-#: allocated.
-MAX_HEADER_BYTES = 100_000_000
-
-#: safetensors dtype codes of the torch dtypes it can store.
+#: safetensors dtype codes of the torch dtypes emakit writes and reads.
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -62,16 +76,18 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
     torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        ST_DTYPES[getattr(torch, _name)] = _code
+_TORCH_DTYPES = {code: dtype for dtype, code in ST_DTYPES.items()}
+
+
+def out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is written in: ``dtype`` for a floating tensor when given."""
+    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
 
 def safetensors_layout(
@@ -93,20 +109,19 @@ def safetensors_layout(
         EMATypeError: a tensor's dtype cannot be stored in safetensors.
     """
     if sys.byteorder != "little":  # pragma: no cover - no big-endian torch builds in use
-        raise EMARuntimeError("save_ema_weights needs a little-endian host")
-    out = {n: _out_dtype(t, dtype) for n, t in tensors.items()}
-    sizes = {n: torch.empty(0, dtype=dt).element_size() for n, dt in out.items()}
-    order = sorted(tensors, key=lambda n: -sizes[n])
+        raise EMARuntimeError("emakit writes safetensors files on little-endian hosts only")
+    out = {name: out_dtype(t, dtype) for name, t in tensors.items()}
+    for name, dt in out.items():
+        if dt not in ST_DTYPES:
+            raise EMATypeError(f"tensor {name!r} has dtype {dt}, which safetensors cannot store")
+    order = sorted(tensors, key=lambda name: -out[name].itemsize)
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name in order:
-        t, dt = tensors[name], out[name]
-        if dt not in ST_DTYPES:
-            raise EMATypeError(f"tensor {name!r} has dtype {dt}, which safetensors cannot store")
-        nbytes = t.numel() * sizes[name]
+        nbytes = tensors[name].numel() * out[name].itemsize
         header[name] = {
-            "dtype": ST_DTYPES[dt],
-            "shape": list(t.shape),
+            "dtype": ST_DTYPES[out[name]],
+            "shape": list(tensors[name].shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -115,15 +130,11 @@ def safetensors_layout(
     return struct.pack("<Q", len(blob)) + blob, order
 
 
-def _out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-
-
 def write_tensor(f: IO[bytes], t: Tensor, dtype: torch.dtype | None = None) -> None:
     """Append ``t``'s bytes (cast to ``dtype`` when floating and given, moved to the CPU)
     to a file whose header `safetensors_layout()` wrote."""
     t = t.detach()
-    t = t.to("cpu", _out_dtype(t, dtype)).contiguous().reshape(-1)
+    t = t.to("cpu", out_dtype(t, dtype)).contiguous().reshape(-1)
     if t.numel():
         f.write(t.view(torch.uint8).numpy().data)
 
@@ -138,9 +149,8 @@ def write_safetensors(
 
     The layout is `safetensors_layout()`'s: the header, then each tensor's raw
     little-endian bytes, widest element first. Tensors sharing storage (tied weights,
-    views into one flat buffer) are each written in full, which
-    ``safetensors.torch.save_file`` refuses to do. Floating tensors are cast to ``dtype``
-    (when given) one at a time, on the way out.
+    views into one flat buffer) are each written in full. Floating tensors are cast to
+    ``dtype`` (when given) one at a time, on the way out.
     """
     head, order = safetensors_layout(tensors, metadata, dtype)
     f.write(head)
@@ -149,10 +159,10 @@ def write_safetensors(
 
 
 class SafetensorsFile:
-    """One safetensors file, open for reading: header and data through one descriptor.
+    """One safetensors file, open for reading (``safe_open`` of the file emakit opened).
 
-    Use it as a context manager. The header is read and validated on opening; tensors are
-    read on demand (`get()`), each into its own memory, from the same descriptor.
+    Use it as a context manager. The header is validated on opening; tensors are read on
+    demand (`get()`).
 
     Args:
         path: the file.
@@ -182,12 +192,22 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str | os.PathLike[str], what: str = "file") -> None:
+        from safetensors import SafetensorError, safe_open
+
         self.path = Path(path)
         self._f = open_regular(path, what)
         try:
             st = os.fstat(self._f.fileno())
             self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            self._parse(st.st_size)
+            same_file = f"/dev/fd/{self._f.fileno()}"
+            try:
+                self._st = safe_open(same_file if os.path.exists(same_file) else path, "pt")
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise self._bad(" ".join(str(e).split())) from None
+            self.metadata: dict[str, str] = self._st.metadata() or {}
+            self._names = self._st.keys()
+            (n,) = struct.unpack("<Q", self._f.read(8))  # the package checked it
+            self.header_digest = hashlib.sha256(self._f.read(n)).hexdigest()
         except BaseException:
             self._f.close()
             raise
@@ -198,156 +218,52 @@ class SafetensorsFile:
             f"corrupt or of another format"
         )
 
-    def _parse(self, size: int) -> None:
-        head = self._f.read(8)
-        if len(head) < 8:
-            raise self._bad(f"it is {size} bytes long, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or n + 8 > size:
-            raise self._bad(
-                f"its header length field says {n} bytes, but the file holds {size - 8} "
-                f"after it (limit {MAX_HEADER_BYTES})"
-            )
-        raw = self._f.read(n)
-        if len(raw) != n:
-            raise self._bad(f"its header ends after {len(raw)} of {n} bytes")
-        self.header_digest = hashlib.sha256(raw).hexdigest()
-        try:
-            header = json.loads(
-                raw.decode("utf-8"),
-                object_pairs_hook=_unique_keys,
-                parse_constant=_no_constant,
-            )
-        except (UnicodeDecodeError, ValueError) as e:
-            raise self._bad(f"its header is not valid UTF-8 JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise self._bad(f"its header is a JSON {type(header).__name__}, not an object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise self._bad("its __metadata__ is not a mapping of strings to strings")
-        self.metadata: dict[str, str] = meta
-        self._start = 8 + n
-        data = size - self._start
-        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        spans = []
-        for name, entry in header.items():
-            dtype, shape, begin, end = self._entry(name, entry)
-            width = torch.empty(0, dtype=dtype).element_size()
-            numel = 1
-            for d in shape:
-                numel *= d
-            if end - begin != numel * width:
-                raise self._bad(
-                    f"tensor {name!r} ({entry['dtype']} {list(shape)}) needs {numel * width} "
-                    f"bytes but its data_offsets {[begin, end]} span {end - begin}"
-                )
-            self._entries[name] = (dtype, shape, begin, end)
-            spans.append((begin, end, name))
-        spans.sort()
-        at = 0
-        for begin, end, name in spans:
-            if begin != at:
-                raise self._bad(
-                    f"tensor {name!r} starts at byte {begin} of the data, expected {at} "
-                    f"(tensors must tile the data without gaps or overlaps)"
-                )
-            at = end
-        if at != data:
-            raise self._bad(f"its tensors cover {at} bytes of data, but the file holds {data}")
-
-    def _entry(self, name: str, entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-        if not isinstance(entry, dict):
-            raise self._bad(f"the header entry of tensor {name!r} is not an object")
-        code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        dtype = _CODES.get(code) if isinstance(code, str) else None
-        if dtype is None:
-            raise self._bad(f"tensor {name!r} has dtype {code!r}, which emakit does not read")
-        if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
-            raise self._bad(f"tensor {name!r} has shape {shape!r}, not a list of sizes >= 0")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_nonneg_int(o) for o in offsets)
-            or offsets[0] > offsets[1]
-        ):
-            raise self._bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
-        return dtype, tuple(shape), offsets[0], offsets[1]
-
     def keys(self) -> list[str]:
-        """The tensor names, in header order."""
-        return list(self._entries)
+        """The tensor names, sorted."""
+        return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape."""
-        return self._entries[name][1]
-
-    def dtype(self, name: str) -> torch.dtype:
-        """A tensor's stored dtype."""
-        return self._entries[name][0]
+        return tuple(self._st.get_slice(name).get_shape())
 
     def code(self, name: str) -> str:
         """A tensor's safetensors dtype code (``"F32"``, ``"I64"``...)."""
-        return ST_DTYPES[self._entries[name][0]]
+        return str(self._st.get_slice(name).get_dtype())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """A tensor's stored dtype."""
+        return _TORCH_DTYPES[self.code(name)]
 
     def get(self, name: str) -> Tensor:
-        """Read one tensor (a fresh CPU tensor in its stored dtype).
+        """Read one tensor (a CPU tensor in its stored dtype).
 
         Raises:
             KeyError: no tensor of that name.
-            EMAStateError: the file ends early, or a bool tensor holds bytes other than 0/1.
+            EMAStateError: a bool tensor holds bytes other than 0/1.
         """
-        dtype, shape, begin, end = self._entries[name]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
-            self._f.seek(self._start + begin)
-            got = self._f.readinto(buf.numpy())  # type: ignore[arg-type]
-            if got != end - begin:
-                raise self._bad(f"it ends inside tensor {name!r}")
-        if dtype == torch.bool and bool((buf > 1).any()):
+        if name not in self._names:
+            raise KeyError(name)
+        t: Tensor = self._st.get_tensor(name)
+        if t.dtype == torch.bool and bool((t.view(torch.uint8) > 1).any()):
             raise self._bad(f"the bool tensor {name!r} holds bytes other than 0 and 1")
-        return buf.view(dtype).reshape(shape)
+        return t
 
     def close(self) -> None:
         """Close the file."""
+        self._st.__exit__(None, None, None)
         self._f.close()
 
     def __enter__(self) -> SafetensorsFile:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-#: torch dtype of each safetensors dtype code emakit reads.
-_CODES = {code: dtype for dtype, code in ST_DTYPES.items()}
-
-
-def _nonneg_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {k!r} appears twice")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def read_safetensors(
     path: str | os.PathLike[str], what: str = "checkpoint file"
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors and header metadata of a safetensors file, read through one open file.
+    """The tensors and header metadata of a safetensors file (`SafetensorsFile`).
 
     Raises:
         EMAFileNotFoundError: ``path`` does not exist.

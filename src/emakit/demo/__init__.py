@@ -11,8 +11,9 @@ tested without the command line. scikit-learn, matplotlib and rich are loaded on
 the demo runs (they are the ``emakit[demo]`` extra); ``import emakit`` never loads them.
 
 This package only re-exports, lazily (``import emakit.demo`` loads neither torch nor an
-extra; each name is imported on first use); the code lives in four modules, imported one
-way (``runner`` -> ``report`` -> ``training`` -> ``settings``):
+extra; each name is imported on first use, so type checkers see these names as ``Any``:
+import them from their module for types); the code lives in four modules, imported one
+way (``runner`` -> ``report`` and ``training`` -> ``settings``):
 
 * `emakit.demo.settings`: the settings and their defaults (no third-party import).
 * `emakit.demo.training`: data, model, evaluation and the training loop.
@@ -28,74 +29,30 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_attributes
 
-if TYPE_CHECKING:
-    from .report import TABLE_ROWS, plot_history, results_table, summary_metrics
-    from .runner import (
-        INSTALL_HINT,
-        PLOT_NAME,
-        SUMMARY_NAME,
-        DemoDependencyError,
-        check_dependencies,
-        new_output_dir,
-        run_demo,
-    )
-    from .runner import POSTHOC_DIR as POSTHOC_DIR
-    from .settings import DEFAULTS, MODEL_LABELS, DemoSettings
-    from .settings import POSTHOC_SIGMA_REL as POSTHOC_SIGMA_REL
-    from .settings import POSTHOC_TRACKED as POSTHOC_TRACKED
-    from .training import evaluate, late_statistics, load_digits_split, make_model, train
-
-# POSTHOC_DIR, POSTHOC_SIGMA_REL and POSTHOC_TRACKED are importable from here but not in
-# __all__ (not part of ``from emakit.demo import *``).
-_EXPORTS = {
-    **dict.fromkeys(("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"), "report"),
-    **dict.fromkeys(
-        (
-            "INSTALL_HINT",
-            "PLOT_NAME",
-            "POSTHOC_DIR",
-            "SUMMARY_NAME",
-            "DemoDependencyError",
-            "check_dependencies",
-            "new_output_dir",
-            "run_demo",
-        ),
-        "runner",
+# The names each module exports, imported on first access.
+_MODULES = {
+    "report": ("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"),
+    "runner": (
+        "INSTALL_HINT",
+        "PLOT_NAME",
+        "POSTHOC_DIR",
+        "SUMMARY_NAME",
+        "DemoDependencyError",
+        "check_dependencies",
+        "new_output_dir",
+        "run_demo",
     ),
-    **dict.fromkeys(
-        ("DEFAULTS", "MODEL_LABELS", "POSTHOC_SIGMA_REL", "POSTHOC_TRACKED", "DemoSettings"),
-        "settings",
+    "settings": (
+        "DEFAULTS",
+        "MODEL_LABELS",
+        "POSTHOC_SIGMA_REL",
+        "POSTHOC_TRACKED",
+        "DemoSettings",
     ),
-    **dict.fromkeys(
-        ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"), "training"
-    ),
+    "training": ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"),
 }
-
-if not TYPE_CHECKING:  # type checkers see the imports above, not a catch-all __getattr__
-    __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
-
-__all__ = [
-    "DEFAULTS",
-    "INSTALL_HINT",
-    "MODEL_LABELS",
-    "PLOT_NAME",
-    "SUMMARY_NAME",
-    "TABLE_ROWS",
-    "DemoDependencyError",
-    "DemoSettings",
-    "check_dependencies",
-    "evaluate",
-    "late_statistics",
-    "load_digits_split",
-    "make_model",
-    "new_output_dir",
-    "plot_history",
-    "results_table",
-    "run_demo",
-    "summary_metrics",
-    "train",
-]
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
+__all__ = sorted(_EXPORTS)

@@ -12,7 +12,7 @@ import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .training import MODEL_LABELS, DemoSettings
+from .settings import MODEL_LABELS, DemoSettings
 
 __all__ = ["TABLE_ROWS", "plot_history", "results_table", "summary_metrics"]
 

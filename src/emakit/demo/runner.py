@@ -6,27 +6,27 @@ This module owns a run from start to finish: the demo extra's dependency check
 `POSTHOC_DIR`), validating the settings, the progress bar, and writing
 ``summary.json`` and ``demo.png`` atomically. It builds on `emakit.demo.training`
 (the run itself) and `emakit.demo.report` (table, plot, summary keys); rich is
-imported only inside the functions that show progress or print the table.
+imported only inside `run_demo()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import importlib.util
 import json
-import math
 import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from .. import _validate as check
 from .._files.atomic import atomic_write_bytes
 from .._version import __version__
 from .report import plot_history, results_table, summary_metrics
@@ -54,9 +54,6 @@ class DemoDependencyError(ImportError):
     """A package of the ``emakit[demo]`` extra is missing."""
 
 
-# -- dependencies --------------------------------------------------------------------------
-
-
 def check_dependencies(*, plot: bool = True) -> None:
     """Raise `DemoDependencyError` naming every missing demo package.
 
@@ -69,20 +66,12 @@ def check_dependencies(*, plot: bool = True) -> None:
     wanted = {"scikit-learn": "sklearn", "rich": "rich"}
     if plot:
         wanted["matplotlib"] = "matplotlib"
-    missing = []
-    for dist, module in wanted.items():
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(dist)
+    missing = [dist for dist, module in wanted.items() if importlib.util.find_spec(module) is None]
     if missing:
         raise DemoDependencyError(
             f"the demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
             f"not installed; install the demo extra: {INSTALL_HINT}"
         )
-
-
-# -- files ---------------------------------------------------------------------------------
 
 
 def new_output_dir(parent: Path | None = None, *, now: _dt.datetime | None = None) -> Path:
@@ -101,17 +90,13 @@ def new_output_dir(parent: Path | None = None, *, now: _dt.datetime | None = Non
     parent = Path.cwd() if parent is None else Path(parent)
     stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
     base = parent / f"emakit-demo-{stamp}"
-    for i in range(1, 10_000):
-        candidate = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            candidate.mkdir(parents=False)
-        except FileExistsError:
-            continue
-        return candidate
-    raise FileExistsError(f"could not find a free folder name like {base}")
-
-
-# -- entry point ---------------------------------------------------------------------------
+    candidate, n = base, 1
+    while True:
+        with contextlib.suppress(FileExistsError):
+            candidate.mkdir()
+            return candidate
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
 
 
 def run_demo(
@@ -170,36 +155,73 @@ def run_demo(
         raise NotADirectoryError(f"out must be a folder, got out={str(out)!r}, which is a file")
     check_dependencies(plot=plot)
     out.mkdir(parents=True, exist_ok=True)
+    posthoc_dir = out / POSTHOC_DIR
+    if posthoc_dir.is_dir():
+        # The demo's own folder: a rerun starts afresh instead of resuming into the previous
+        # run's snapshots.
+        shutil.rmtree(posthoc_dir)
 
+    import rich.progress as bars
+    from rich.console import Console
+
+    columns = (
+        bars.TextColumn("[progress.description]{task.description}"),
+        bars.BarColumn(),
+        bars.MofNCompleteColumn(),
+        bars.TimeElapsedColumn(),
+        bars.TimeRemainingColumn(),
+        bars.TextColumn("{task.fields[status]}"),
+    )
+    console = console or Console()
     start = time.perf_counter()
-    with _torch_threads(settings.threads):
+    old_threads = torch.get_num_threads()
+    # A tiny model on a few threads: more threads only add synchronization overhead.
+    torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
+    try:
         data = load_digits_split(settings.seed, settings.test_fraction, settings.label_noise)
-        posthoc_dir = out / POSTHOC_DIR
-        if posthoc_dir.is_dir():
-            # The demo's own folder: a rerun starts afresh instead of resuming into the
-            # previous run's snapshots.
-            shutil.rmtree(posthoc_dir)
-        if progress:
-            result = _train_with_progress(settings, data, console, posthoc_dir)
-        else:
-            result = train(settings, data, posthoc_folder=posthoc_dir)
+        with bars.Progress(*columns, console=console, disable=not progress) as bar:
+            task = bar.add_task("training", total=settings.steps, status="")
+
+            def on_eval(step: int, metrics: Mapping[str, Mapping[str, float]]) -> None:
+                status = "  ".join(
+                    f"{MODEL_LABELS[k]} {100 * m['accuracy']:.1f}%" for k, m in metrics.items()
+                )
+                bar.update(task, status=status)
+
+            def on_step(step: int) -> None:
+                bar.update(task, completed=step)
+
+            result = train(settings, data, on_eval, on_step, posthoc_folder=posthoc_dir)
+    finally:
+        torch.set_num_threads(old_threads)
     final = result["final"]
     elapsed = time.perf_counter() - start
 
     tracked_posthoc = settings.posthoc_every > 0
-    files = {
-        "summary": SUMMARY_NAME,
-        "plot": PLOT_NAME if plot else None,
-        "posthoc_snapshots": POSTHOC_DIR if tracked_posthoc else None,
+    posthoc = {
+        "sigma_rels_tracked": list(POSTHOC_TRACKED),
+        "sigma_rel_synthesized": POSTHOC_SIGMA_REL,
+        "synthesized_at_step": settings.steps,
+        "update_every": 1,
+        "checkpoint_every_num_steps": settings.posthoc_every,
+        "snapshot_folder": POSTHOC_DIR,
     }
     summary: dict[str, Any] = {
         **summary_metrics(final),
         "results": final,
         "settings": {**asdict(settings), "n_train": len(data[1]), "n_test": len(data[3])},
-        "posthoc": _posthoc_settings(settings) if tracked_posthoc else None,
-        "versions": _versions(),
+        "posthoc": posthoc if tracked_posthoc else None,
+        "versions": {
+            "emakit": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "elapsed_s": round(elapsed, 3),
-        "files": files,
+        "files": {
+            "summary": SUMMARY_NAME,
+            "plot": PLOT_NAME if plot else None,
+            "posthoc_snapshots": POSTHOC_DIR if tracked_posthoc else None,
+        },
         "history": result["history"],
     }
     # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._files.atomic).
@@ -211,9 +233,6 @@ def run_demo(
     atomic_write_bytes(out / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
 
     if progress:
-        from rich.console import Console
-
-        console = console or Console()
         console.print(
             results_table(final, title=f"emakit demo: {settings.steps} steps, seed {settings.seed}")
         )
@@ -233,97 +252,14 @@ def run_demo(
     return summary
 
 
-# -- helpers of run_demo ----------------------------------------------------------------
-
-
 def _check_settings(s: DemoSettings) -> None:
-    def bad(name: str, value: object, want: str) -> ValueError:
-        return ValueError(f"{name} must be {want}, got {name}={value!r}")
-
+    """Refuse a setting out of range (an EMAValueError, which is a ValueError, naming it)."""
     for name in ("steps", "batch_size", "eval_every", "update_every", "threads"):
-        v = getattr(s, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise bad(name, v, "an integer >= 1")
-    for name, high in (("seed", 2**32 - 1), ("update_after_step", math.inf)):
-        v = getattr(s, name)
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= high:
-            raise bad(
-                name, v, "an integer >= 0" if high == math.inf else f"an integer in [0, {high}]"
-            )
-    for name, low, high in (("beta", 0.0, 1.0), ("label_noise", 0.0, 1.0)):
-        v = getattr(s, name)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
-            raise bad(name, v, f"in [{low}, {high}]")
-    for name in ("lr", "power", "test_fraction"):
-        v = getattr(s, name)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise bad(name, v, "a positive number")
-    if s.test_fraction >= 1:
-        raise bad("test_fraction", s.test_fraction, "in (0, 1)")
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    # A tiny model on a few threads: more threads only add synchronization overhead.
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(n, os.cpu_count() or 1)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def _train_with_progress(
-    settings: DemoSettings,
-    data: tuple[Tensor, Tensor, Tensor, Tensor],
-    console: Any,
-    posthoc_folder: Path | None = None,
-) -> dict[str, Any]:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
-    )
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("training", total=settings.steps, status="")
-
-        def on_eval(step: int, metrics: Mapping[str, Mapping[str, float]]) -> None:
-            status = "  ".join(
-                f"{MODEL_LABELS[k]} {100 * m['accuracy']:.1f}%" for k, m in metrics.items()
-            )
-            bar.update(task, status=status)
-
-        def on_step(step: int) -> None:
-            bar.update(task, completed=step)
-
-        return train(
-            settings, data, on_eval=on_eval, on_step=on_step, posthoc_folder=posthoc_folder
-        )
-
-
-def _posthoc_settings(settings: DemoSettings) -> dict[str, Any]:
-    """The post-hoc EMA's settings, as ``summary.json`` records them."""
-    return {
-        "sigma_rels_tracked": list(POSTHOC_TRACKED),
-        "sigma_rel_synthesized": POSTHOC_SIGMA_REL,
-        "synthesized_at_step": settings.steps,
-        "update_every": 1,
-        "checkpoint_every_num_steps": settings.posthoc_every,
-        "snapshot_folder": POSTHOC_DIR,
-    }
-
-
-def _versions() -> dict[str, str]:
-    return {"emakit": __version__, "torch": torch.__version__, "python": platform.python_version()}
+        check.integer(name, getattr(s, name), low=1)
+    check.integer("seed", s.seed, low=0, high=2**32 - 1)
+    check.integer("update_after_step", s.update_after_step, low=0)
+    for name in ("beta", "label_noise"):
+        check.real(name, getattr(s, name), low=0.0, high=1.0)
+    for name in ("lr", "power"):
+        check.real(name, getattr(s, name), low=0.0, low_open=True)
+    check.real("test_fraction", s.test_fraction, low=0.0, high=1.0, low_open=True, high_open=True)

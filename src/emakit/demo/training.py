@@ -10,7 +10,7 @@ scikit-learn is imported only inside `load_digits_split()`.
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -142,35 +142,29 @@ def train(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         net = make_model()
-    ema, posthoc = _averages(net, settings, posthoc_folder)
+    ema = EMA(
+        net,
+        beta=settings.beta,
+        update_after_step=settings.update_after_step,
+        update_every=settings.update_every,
+        power=settings.power,
+    )
+    posthoc = None
+    if posthoc_folder is not None and settings.posthoc_every > 0:
+        posthoc = PostHocEMA(
+            net,
+            sigma_rels=POSTHOC_TRACKED,
+            update_every=1,
+            checkpoint_every_num_steps=settings.posthoc_every,
+            checkpoint_folder=posthoc_folder,
+        )
     opt = torch.optim.SGD(net.parameters(), lr=settings.lr)
     g = torch.Generator().manual_seed(settings.seed + 2)
 
-    def online(x: Tensor) -> Tensor:
-        net.eval()
-        try:
-            logits: Tensor = net(x)
-        finally:
-            net.train()
-        return logits
-
-    evaluators: dict[str, Callable[[Tensor], Tensor]] = {"online": online, "ema": ema}
-    tracked = ["online", "ema"]  # evaluated during training; post-hoc only at the end
+    # evaluated during training; the post-hoc EMA only at the end
+    evaluators: dict[str, Callable[[Tensor], Tensor]] = {"online": net, "ema": ema}
     history: dict[str, list[float]] = {"step": [], "decay": []}
-    for key in tracked:
-        history[f"{key}_accuracy"] = []
-        history[f"{key}_loss"] = []
-
-    def record(step: int) -> dict[str, dict[str, float]]:
-        metrics = {key: evaluate(evaluators[key], x_test, y_test) for key in tracked}
-        history["step"].append(step)
-        for key, m in metrics.items():
-            history[f"{key}_accuracy"].append(m["accuracy"])
-            history[f"{key}_loss"].append(m["loss"])
-        if on_eval is not None:
-            on_eval(step, metrics)
-        return metrics
-
+    history.update((f"{key}_{name}", []) for key in evaluators for name in ("accuracy", "loss"))
     n = len(y_train)
     perm = torch.randperm(n, generator=g)
     cursor = 0
@@ -192,7 +186,15 @@ def train(
         if on_step is not None:
             on_step(step)
         if step % settings.eval_every == 0 or step == settings.steps:
-            metrics = record(step)
+            net.eval()  # the online model evaluated as the EMA's is, in eval mode
+            metrics = {key: evaluate(f, x_test, y_test) for key, f in evaluators.items()}
+            net.train()
+            history["step"].append(step)
+            for key, m in metrics.items():
+                history[f"{key}_accuracy"].append(m["accuracy"])
+                history[f"{key}_loss"].append(m["loss"])
+            if on_eval is not None:
+                on_eval(step, metrics)
     final = {key: {**metrics[key], **late_statistics(history, key)} for key in metrics}
     if posthoc is not None:
         if not any(snap.step == settings.steps for snap in posthoc.snapshots()):
@@ -200,29 +202,6 @@ def train(
         synthesized = posthoc.synthesize_ema_model(sigma_rel=POSTHOC_SIGMA_REL)
         final["posthoc"] = evaluate(synthesized, x_test, y_test)
     return {"final": final, "history": history}
-
-
-def _averages(
-    net: nn.Module, settings: DemoSettings, posthoc_folder: Path | None
-) -> tuple[EMA, PostHocEMA | None]:
-    """The run's EMA of ``net``, and its post-hoc EMA (None unless snapshots are asked)."""
-    ema = EMA(
-        net,
-        beta=settings.beta,
-        update_after_step=settings.update_after_step,
-        update_every=settings.update_every,
-        power=settings.power,
-    )
-    if posthoc_folder is None or settings.posthoc_every <= 0:
-        return ema, None
-    posthoc = PostHocEMA(
-        net,
-        sigma_rels=POSTHOC_TRACKED,
-        update_every=1,
-        checkpoint_every_num_steps=settings.posthoc_every,
-        checkpoint_folder=posthoc_folder,
-    )
-    return ema, posthoc
 
 
 def late_statistics(history: Mapping[str, Sequence[float]], key: str) -> dict[str, float]:
@@ -242,6 +221,5 @@ def late_statistics(history: Mapping[str, Sequence[float]], key: str) -> dict[st
     acc = [a for s, a in zip(steps, history[f"{key}_accuracy"], strict=True) if s > half]
     if not acc:
         return {}
-    mean = sum(acc) / len(acc)
-    std = math.sqrt(sum((a - mean) ** 2 for a in acc) / len(acc))
+    mean, std = statistics.fmean(acc), statistics.pstdev(acc)
     return {"accuracy_late_mean": mean, "accuracy_late_std": std}

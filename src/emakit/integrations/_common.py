@@ -7,40 +7,26 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .._dist.deepspeed import zero3_params
-from .._dist.dtensor import is_dtensor
+from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
 
 __all__ = [
     "LIGHTNING_CHECKPOINT_KEY",
     "TRAINER_WEIGHTS_NAME",
-    "ZERO3_ALTERNATIVE",
     "EMAKeywords",
-    "check_ema_class",
-    "check_ema_kwargs",
-    "distribute_like",
+    "ema_keywords",
     "ema_metrics",
-    "gather_full",
     "refuse_zero3",
-    "sharded_keys",
 ]
 
 #: Where ``EMACallback`` puts the EMA in a Lightning checkpoint (``emakit inspect`` reads it).
 LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
 #: The EMA file ``EMATrainerCallback`` writes into every ``checkpoint-N`` folder.
 TRAINER_WEIGHTS_NAME = "ema.safetensors"
-
-
-#: What to do instead of an integration under DeepSpeed ZeRO-3.
-ZERO3_ALTERNATIVE = (
-    "keep the EMA in the training loop instead: ema = emakit.EMA(engine) and ema.update() "
-    "on every rank, engine.save_checkpoint(dir, client_state={'ema': ema.state_dict()}), "
-    "emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, DeepSpeed); "
-    "ZeRO-1 and 2 work here as they are"
-)
 
 
 def refuse_zero3(model: object, owner: str) -> None:
@@ -52,8 +38,11 @@ def refuse_zero3(model: object, owner: str) -> None:
     if zero3_params(model):
         raise EMATypeError(
             f"{owner} does not support DeepSpeed ZeRO-3: it writes the EMA from one process, "
-            f"and under ZeRO-3 each process holds only its partitions of it; "
-            f"{ZERO3_ALTERNATIVE}"
+            f"and under ZeRO-3 each process holds only its partitions of it; keep the EMA in "
+            f"the training loop instead: ema = emakit.EMA(engine) and ema.update() on every "
+            f"rank, engine.save_checkpoint(dir, client_state={{'ema': ema.state_dict()}}), "
+            f"emakit.distributed.save_full_ema_weights(ema, path) (docs/distributed.md, "
+            f"DeepSpeed); ZeRO-1 and 2 work here as they are"
         )
 
 
@@ -102,10 +91,6 @@ class EMAKeywords(TypedDict, total=False):
     min_ema_multiplier: float
 
 
-#: The prefix of every value the callbacks log.
-METRIC_PREFIX = "ema/"
-
-
 def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     """What the framework callbacks log about an EMA, read without waiting for the device.
 
@@ -124,45 +109,38 @@ def ema_metrics(ema: EMA, *, skips: bool = False) -> dict[str, float]:
     Returns:
         ``{name: value}``, plain floats.
     """
-    values = {
-        METRIC_PREFIX + "decay": float(ema.get_current_decay()),
-        METRIC_PREFIX + "step": float(ema.tracker.step),
-    }
-    bias = getattr(ema, "bias_weight", None)
-    if bias is not None:
-        values[METRIC_PREFIX + "bias_weight"] = float(bias() if callable(bias) else bias)
+    values = {"ema/decay": float(ema.get_current_decay()), "ema/step": float(ema.step)}
+    if isinstance(ema, BEMA):
+        values["ema/bias_weight"] = ema.bias_weight
     if skips and ema.skip_nonfinite:
-        values[METRIC_PREFIX + "num_skipped_nonfinite"] = float(ema.num_skipped_nonfinite)
+        values["ema/num_skipped_nonfinite"] = float(ema.num_skipped_nonfinite)
     return values
 
 
-def check_ema_class(owner: str, ema_class: object) -> type[EMA]:
-    """``ema_class`` (the EMA kind an integration builds: [`EMA`][emakit.EMA],
-    [`BEMA`][emakit.BEMA] ...), checked to be an [`EMA`][emakit.EMA] subclass."""
+def ema_keywords(
+    owner: str, ema_kwargs: Mapping[str, Any], ema_class: object = EMA
+) -> dict[str, Any]:
+    """The keywords an integration builds its EMA with, checked up front (not at fit time),
+    ``include_online_model`` defaulting to False (the framework saves the model itself).
+
+    Args:
+        owner: the class or function receiving the keywords, for the messages.
+        ema_kwargs: the keywords meant for ``ema_class``.
+        ema_class: the EMA kind built from them, [`EMA`][emakit.EMA] or a subclass such as
+            [`BEMA`][emakit.BEMA]. Default [`EMA`][emakit.EMA].
+
+    Returns:
+        A new dict: ``{"include_online_model": False, **ema_kwargs}``.
+
+    Raises:
+        EMATypeError: ``ema_class`` is not an EMA kind, a keyword is unknown to it, or a
+            keyword is ``model`` (the integration supplies it).
+    """
     if not (isinstance(ema_class, type) and issubclass(ema_class, EMA)):
         raise EMATypeError(
             f"{owner} ema_class must be emakit.EMA or a subclass such as emakit.BEMA, "
             f"got {ema_class=!r}"
         )
-    return ema_class
-
-
-def check_ema_kwargs(
-    owner: str, ema_kwargs: dict[str, Any], ema_class: type[EMA] = EMA
-) -> dict[str, Any]:
-    """Refuse keywords ``ema_class`` does not take, up front (not at fit time).
-
-    Args:
-        owner: the class or function receiving the keywords, for the message.
-        ema_kwargs: the keywords meant for ``ema_class``.
-        ema_class: the EMA kind built from them. Default [`EMA`][emakit.EMA].
-
-    Returns:
-        ``ema_kwargs`` unchanged.
-
-    Raises:
-        EMATypeError: a keyword is unknown, or is ``model`` (the integration supplies it).
-    """
     if "model" in ema_kwargs:
         raise EMATypeError(
             f"{owner} passes the training model to EMA itself; drop model= from its keywords"
@@ -175,47 +153,4 @@ def check_ema_kwargs(
         raise EMATypeError(
             f"{owner} got keywords emakit.{name} does not take: {unknown}; {name} accepts {known}"
         )
-    return ema_kwargs
-
-
-# -- sharded (FSDP2) EMAs in framework checkpoints ------------------------------------------
-
-
-def sharded_keys(state: Mapping[str, Any]) -> list[str]:
-    """The keys of ``state`` whose values are DTensors (an FSDP2 EMA's shards)."""
-    return [k for k, v in state.items() if is_dtensor(v)]
-
-
-def gather_full(ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` (``ema.state_dict()``) with every DTensor replaced by the full tensor, on
-    the CPU of the first rank; the other ranks get the plain entries only.
-
-    A collective (one gather per tensor): call it on every rank.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(ema.ema_model, options=options)
-    out = {k: v for k, v in state.items() if not is_dtensor(v)}
-    for key in sharded_keys(state):
-        name = key.removeprefix("ema_model.")
-        if name in full:
-            out[key] = full[name]
-    return out
-
-
-def distribute_like(values: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with each full tensor whose ``live`` counterpart is a DTensor cut into
-    this rank's shard of that DTensor's layout (``distribute_tensor``: rank 0's values are
-    scattered, one collective per tensor; call it on every rank). Without DTensors in
-    ``live``, ``values`` as they are."""
-    out = dict(values)
-    for key in sharded_keys(live):
-        value, like = out.get(key), live[key]
-        if isinstance(value, Tensor) and not is_dtensor(value):
-            from torch.distributed.tensor import distribute_tensor
-
-            out[key] = distribute_tensor(
-                value.to(like.device, like.dtype), like.device_mesh, like.placements
-            )
-    return out
+    return {"include_online_model": False, **ema_kwargs}

@@ -25,7 +25,7 @@ from torch import nn
 from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
-from ._common import check_ema_class, check_ema_kwargs, refuse_zero3
+from ._common import ema_keywords, refuse_zero3
 
 try:
     from accelerate import Accelerator
@@ -39,37 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 __all__ = ["AcceleratedBEMA", "AcceleratedEMA", "prepare_ema"]
 
 
-class _SyncGated:
-    """``update()`` only when Accelerate's gradients are in sync (see [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA])."""
-
-    def __init__(
-        self, model: nn.Module, *, gradient_state: GradientState, **ema_kwargs: Any
-    ) -> None:
-        super().__init__(model, **ema_kwargs)  # type: ignore[call-arg]
-        self._gradient_state = gradient_state
-
-    def update(self) -> None:
-        """Advance the EMA when this call follows an optimizer step; see [`emakit.EMA.update()`][emakit.EMA.update]."""
-        if self._gradient_state.sync_gradients:
-            super().update()  # type: ignore[misc]
-
-    def __getstate__(self) -> dict:
-        state: dict = super().__getstate__()  # type: ignore[misc,assignment]
-        state["_gradient_state"] = None  # process-wide singleton: re-attached on load
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
-        self._gradient_state = GradientState()
-
-
-class AcceleratedBEMA(_SyncGated, BEMA):
-    """A [`BEMA`][emakit.BEMA] whose `update()` counts only optimizer steps (as
-    [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA] does); built by
-    ``prepare_ema(accelerator, model, ema_class=BEMA, ...)``."""
-
-
-class AcceleratedEMA(_SyncGated, EMA):
+class AcceleratedEMA(EMA):
     """An [`EMA`][emakit.EMA] whose `update()` counts only optimizer steps.
 
     Under ``accelerator.accumulate(model)``, ``update()`` returns at once on micro-steps
@@ -86,11 +56,31 @@ class AcceleratedEMA(_SyncGated, EMA):
         **ema_kwargs: keywords for [`EMA`][emakit.EMA].
     """
 
+    def __init__(
+        self, model: nn.Module, *, gradient_state: GradientState, **ema_kwargs: Any
+    ) -> None:
+        super().__init__(model, **ema_kwargs)
+        self._gradient_state = gradient_state
 
-_GATED: dict[type[EMA], type[AcceleratedEMA] | type[AcceleratedBEMA]] = {
-    EMA: AcceleratedEMA,
-    BEMA: AcceleratedBEMA,
-}
+    def update(self) -> None:
+        """Advance the EMA when this call follows an optimizer step; see [`emakit.EMA.update()`][emakit.EMA.update]."""
+        if self._gradient_state.sync_gradients:
+            super().update()
+
+    def __getstate__(self) -> dict:
+        state: dict = super().__getstate__()
+        state["_gradient_state"] = None  # process-wide singleton: re-attached on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._gradient_state = GradientState()
+
+
+class AcceleratedBEMA(AcceleratedEMA, BEMA):
+    """A [`BEMA`][emakit.BEMA] whose `update()` counts only optimizer steps (as
+    [`AcceleratedEMA`][emakit.integrations.accelerate.AcceleratedEMA] does); built by
+    ``prepare_ema(accelerator, model, ema_class=BEMA, ...)``."""
 
 
 def prepare_ema(
@@ -141,19 +131,18 @@ def prepare_ema(
         raise EMATypeError(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
         )
-    gated = _GATED.get(check_ema_class("prepare_ema", ema_class))
+    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
+    kwargs = ema_keywords("prepare_ema", ema_kwargs, ema_class)
+    gated = {EMA: AcceleratedEMA, BEMA: AcceleratedBEMA}.get(ema_class)
     if gated is None:
         raise EMATypeError(
             f"prepare_ema builds an EMA or a BEMA, got ema_class={ema_class.__name__}; "
             f"build other kinds yourself and call update() when accelerator.sync_gradients"
         )
-    check_ema_kwargs("prepare_ema", ema_kwargs, ema_class)
     # The default keep_fp32_wrapper=True matters: unwrapping without it would strip the
     # mixed-precision forward wrapper from the training model itself.
     unwrapped = accelerator.unwrap_model(model)
     refuse_zero3(unwrapped, "prepare_ema")
-    # save_state writes the model itself: the EMA's checkpoint holds only the EMA.
-    ema_kwargs.setdefault("include_online_model", False)
-    ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **ema_kwargs)
+    ema = gated(unwrapped, gradient_state=accelerator.gradient_state, **kwargs)
     accelerator.register_for_checkpointing(ema)
     return ema

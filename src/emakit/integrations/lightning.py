@@ -20,22 +20,14 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from .. import _validate as check
 from .._core.swap import Swap
 from .._dist.dtensor import is_dtensor
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
-from ._common import (
-    LIGHTNING_CHECKPOINT_KEY,
-    EMAKeywords,
-    check_ema_class,
-    check_ema_kwargs,
-    distribute_like,
-    ema_metrics,
-    gather_full,
-    sharded_keys,
-)
+from ._common import LIGHTNING_CHECKPOINT_KEY, EMAKeywords, ema_keywords, ema_metrics
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -186,19 +178,19 @@ class EMACallback(pl.Callback):
         super().__init__()
         self.log_stats = check.boolean("log_stats", log_stats)
         self.also_validate_online = check.boolean("also_validate_online", also_validate_online)
-        self.ema_class = check_ema_class("EMACallback", ema_class)
+        # The checkpoint holds the module already: the EMA's state leaves it out.
+        self.ema_kwargs = ema_keywords("EMACallback", ema_kwargs, ema_class)
+        self.ema_class = ema_class
         self.validate_with_ema = check.boolean("validate_with_ema", validate_with_ema)
         self.test_with_ema = check.boolean("test_with_ema", test_with_ema)
         self.save_ema_weights_as_state_dict = check.boolean(
             "save_ema_weights_as_state_dict", save_ema_weights_as_state_dict
         )
-        self.ema_kwargs = check_ema_kwargs("EMACallback", dict(ema_kwargs), self.ema_class)
         #: The `EMA`, created when fit starts (None before).
         self.ema: EMA | None = None
         self._pending: Mapping[str, Any] | None = None
         self._last_global_step = 0
         self._swap: Swap | None = None
-        self._warned_no_ema = False
 
     # -- creation -----------------------------------------------------------------------
 
@@ -210,8 +202,7 @@ class EMACallback(pl.Callback):
             if reason is not None:
                 raise EMATypeError(f"EMACallback does not support the {name} strategy: {reason}")
         callbacks = getattr(trainer, "callbacks", ())
-        others = [cb for cb in callbacks if isinstance(cb, EMACallback) and cb is not self]
-        if others:
+        if any(isinstance(cb, EMACallback) and cb is not self for cb in callbacks):
             raise EMATypeError(
                 "use one EMACallback per Trainer: both would save under checkpoint['emakit_ema']"
             )
@@ -226,39 +217,35 @@ class EMACallback(pl.Callback):
         self._last_global_step = trainer.global_step
 
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
+        """The EMA of ``pl_module`` (created if missing), with a pending loaded state applied."""
         ema = self.ema
         if ema is None or ema.model is not pl_module:
-            # The checkpoint holds the module already: the EMA's state leaves it out.
-            kwargs = {"include_online_model": False, **self.ema_kwargs}
-            ema = self.ema = self.ema_class(pl_module, **kwargs)
+            ema = self.ema = self.ema_class(pl_module, **self.ema_kwargs)
         if self._pending is not None:
             state, self._pending = self._pending, None
-            try:
-                ema.load_state_dict(distribute_like(state, ema.state_dict(keep_vars=True)))
-            except EMAStateError as e:
-                raise EMAStateError(
-                    f"the checkpoint's EMA does not fit this module and EMACallback "
-                    f"keywords ({self.ema_kwargs}): {e}"
-                ) from e
+            self._load_into(ema, _distribute_like(state, ema.state_dict(keep_vars=True)))
         return ema
+
+    def _load_into(self, ema: EMA, values: Mapping[str, Any]) -> None:
+        """``ema.load_state_dict(values)``, a mismatch named as the checkpoint's."""
+        try:
+            ema.load_state_dict(values)
+        except EMAStateError as e:
+            raise EMAStateError(
+                f"the checkpoint's EMA does not fit this module and EMACallback keywords "
+                f"({self.ema_kwargs}): {e}"
+            ) from e
 
     # -- updates --------------------------------------------------------------------------
 
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
         """Update the EMA when this batch ended with an optimizer step."""
         step = trainer.global_step
         if step > self._last_global_step:
             self._last_global_step = step
-            ema = self.ema
-            if ema is None:  # pragma: no cover - on_fit_start always runs first
-                ema = self._ensure_ema(pl_module)
+            ema = self._ensure_ema(pl_module)  # created at on_fit_start: a lookup here
             ema.update()
             if self.log_stats:
                 pl_module.log_dict(ema_metrics(ema), on_step=True, on_epoch=False)
@@ -267,45 +254,39 @@ class EMACallback(pl.Callback):
         """Log the skip count (``log_stats`` with ``skip_nonfinite=True``)."""
         ema = self.ema
         if self.log_stats and ema is not None and ema.skip_nonfinite:
-            count = ema_metrics(ema, skips=True)["ema/num_skipped_nonfinite"]
+            count = float(ema.num_skipped_nonfinite)  # waits for the device: once per epoch
             pl_module.log("ema/num_skipped_nonfinite", count, on_step=False, on_epoch=True)
 
     # -- evaluation ---------------------------------------------------------------------
 
-    def _ema_for_eval(self, pl_module: pl.LightningModule) -> EMA | None:
+    def _enter_swap(self, pl_module: pl.LightningModule) -> None:
+        """Swap the EMA weights into ``pl_module`` (when the callback holds its EMA)."""
+        if self._swap is not None:
+            return
         if self._pending is not None:
-            return self._ensure_ema(pl_module)
+            self._ensure_ema(pl_module)
         if self.ema is not None and self.ema.model is pl_module:
-            return self.ema
-        if not self._warned_no_ema:
-            self._warned_no_ema = True
-            rank_zero_warn(
+            self._swap = self.ema.swap().enter()
+        else:
+            rank_zero_warn(  # once per process: Python shows a warning once per place
                 "EMACallback has no EMA of this module (it is created by trainer.fit, or "
                 "loaded from a checkpoint passed as ckpt_path=); evaluating the raw weights"
             )
-        return None
 
-    def _enter_swap(self, pl_module: pl.LightningModule) -> None:
-        if self._swap is not None:
-            return
-        ema = self._ema_for_eval(pl_module)
-        if ema is None:
-            return
-        self._swap = ema.swap().enter()
-
-    def _leave_swap(self) -> None:
+    def _leave_swap(self, *args: Any, **kwargs: Any) -> None:
+        """Put the raw weights back (a no-op unless the EMA's are swapped in); also the
+        hooks ``on_validation_end``, ``on_test_end``, ``on_exception`` (a loop raised
+        inside the swap) and ``teardown``."""
         swap, self._swap = self._swap, None
         if swap is not None:
             swap.exit()
+
+    on_validation_end = on_test_end = on_exception = teardown = _leave_swap
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Swap the EMA weights into the module (``validate_with_ema``)."""
         if self.validate_with_ema:
             self._enter_swap(pl_module)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the raw weights back."""
-        self._leave_swap()
 
     def on_validation_batch_end(
         self,
@@ -337,20 +318,6 @@ class EMACallback(pl.Callback):
         if self.test_with_ema:
             self._enter_swap(pl_module)
 
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the raw weights back."""
-        self._leave_swap()
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        """Put the raw weights back when a loop raised inside the swap."""
-        self._leave_swap()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Put the raw weights back (a no-op unless a loop ended inside the swap)."""
-        self._leave_swap()
-
     # -- checkpoints ----------------------------------------------------------------------
 
     def on_save_checkpoint(
@@ -373,7 +340,7 @@ class EMACallback(pl.Callback):
             finally:
                 self._enter_swap(pl_module)
         state = ema.state_dict(include_online_model=False)
-        sharded = sharded_keys(state)
+        sharded = _sharded_keys(state)
         weights = checkpoint.get("state_dict", {})
         distributed = bool(sharded) and any(is_dtensor(v) for v in weights.values())
         if self.save_ema_weights_as_state_dict:
@@ -384,8 +351,7 @@ class EMACallback(pl.Callback):
                     "False), or export the EMA with emakit.distributed.save_full_ema_weights"
                 )
             checkpoint[ONLINE_STATE_DICT_KEY] = checkpoint["state_dict"]
-            ctx = ema.swap() if self._swap is None else contextlib.nullcontext()
-            with ctx:
+            with ema.swap() if self._swap is None else contextlib.nullcontext():
                 checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
         if distributed:
             # The strategy writes state_dict with DCP, shard by shard, and pickles the rest
@@ -399,7 +365,7 @@ class EMACallback(pl.Callback):
             }
             return
         if sharded:
-            state = gather_full(ema, state)  # one file, written by rank 0: the full EMA
+            state = _gather_full(ema, state)  # one file, written by rank 0: the full EMA
         checkpoint[CHECKPOINT_KEY] = {"version": CHECKPOINT_VERSION, "ema": state}
 
     def on_load_checkpoint(
@@ -435,13 +401,13 @@ class EMACallback(pl.Callback):
                 f"checkpoint[{CHECKPOINT_KEY!r}] has version={version}, newer than this "
                 f"emakit's {SHARDED_CHECKPOINT_VERSION}; upgrade emakit to load it"
             )
+        if self._swap is not None:
+            raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         if version == SHARDED_CHECKPOINT_VERSION:
             self._load_shards(trainer, pl_module, entry)
             return
         self._pending = entry["ema"]
         if self.ema is not None and self.ema.model is pl_module:
-            if self._swap is not None:
-                raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
             self._ensure_ema(pl_module)
 
     def _load_shards(
@@ -458,13 +424,11 @@ class EMACallback(pl.Callback):
                 f"folder, but the trainer does not say which folder it loaded (ckpt_path); "
                 f"pass ckpt_path= to fit, validate or test"
             )
-        if self._swap is not None:
-            raise EMARuntimeError("cannot load an EMA checkpoint during evaluation")
         self._pending = None
         ema = self._ensure_ema(pl_module)  # restored after setup: the module is sharded
         state = ema.state_dict(include_online_model=False)
         prefix = str(entry.get("shards_in_state_dict", SHARDED_STATE_PREFIX))
-        shards = {prefix + k: state[k] for k in sharded_keys(state)}
+        shards = {prefix + k: state[k] for k in _sharded_keys(state)}
         try:
             dcp.load({"state_dict": shards}, checkpoint_id=path)  # in place, shard by shard
         except Exception as e:
@@ -475,13 +439,7 @@ class EMACallback(pl.Callback):
             ) from e
         values = dict(entry["ema"])
         values.update((k[len(prefix) :], v) for k, v in shards.items())
-        try:
-            ema.load_state_dict(values)
-        except EMAStateError as e:
-            raise EMAStateError(
-                f"the checkpoint's EMA does not fit this module and EMACallback keywords "
-                f"({self.ema_kwargs}): {e}"
-            ) from e
+        self._load_into(ema, values)
 
 
 @contextlib.contextmanager
@@ -498,3 +456,46 @@ def _renamed_logs(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
         yield
     finally:
         del pl_module.log  # the class's method again
+
+
+# -- sharded (FSDP2) EMAs in Lightning checkpoints -------------------------------------------
+
+
+def _sharded_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` whose values are DTensors (an FSDP2 EMA's shards)."""
+    return [k for k, v in state.items() if is_dtensor(v)]
+
+
+def _gather_full(ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (``ema.state_dict()``) with every DTensor replaced by the full tensor, on
+    the CPU of the first rank; the other ranks get the plain entries only.
+
+    A collective (one gather per tensor): call it on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(ema.ema_model, options=options)
+    out = {k: v for k, v in state.items() if not is_dtensor(v)}
+    for key in _sharded_keys(state):
+        name = key.removeprefix("ema_model.")
+        if name in full:
+            out[key] = full[name]
+    return out
+
+
+def _distribute_like(values: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each full tensor whose ``live`` counterpart is a DTensor cut into
+    this rank's shard of that DTensor's layout (``distribute_tensor``: rank 0's values are
+    scattered, one collective per tensor; call it on every rank). Without DTensors in
+    ``live``, ``values`` as they are."""
+    out = dict(values)
+    for key in _sharded_keys(live):
+        value, like = out.get(key), live[key]
+        if isinstance(value, Tensor) and not is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor
+
+            out[key] = distribute_tensor(
+                value.to(like.device, like.dtype), like.device_mesh, like.placements
+            )
+    return out

@@ -15,12 +15,12 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+import traceback
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,20 +28,21 @@ from torch import nn
 
 from .. import _validate as check
 from .._core.swap import Swap
-from .._files.atomic import atomic_write
-from .._files.reading import torch_load, write_errors
+from .._files.reading import torch_load
 from ..bema import BEMA
-from ..checkpoint import load_ema_weights, save_ema_weights
+from ..checkpoint import load_ema_weights, save_checkpoint, save_ema_weights
 from ..decay import bema_rule
 from ..ema import EMA, unwrap_model
 from ..errors import EMATypeError
-from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, check_ema_kwargs, ema_metrics, refuse_zero3
+from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, ema_keywords, ema_metrics, refuse_zero3
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 try:
+    from accelerate.utils import send_to_device
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_pt_utils import find_batch_size
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError(
@@ -67,16 +68,44 @@ def _online_loss(model: nn.Module, batches: Any) -> float:
     model.eval()
     with torch.no_grad():
         for batch in batches:
-            batch = {
-                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-            }
-            out = model(**batch)
+            out = model(**send_to_device(batch, device))
             loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
-            size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            size = find_batch_size(batch)
             total += torch.stack([loss.detach().double() * size, loss.new_tensor(size).double()])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     return float(total[0] / total[1])
+
+
+def _resume_file(args: TrainingArguments, state: TrainerState, name: str) -> Path | None:
+    """The file ``name`` in the checkpoint folder the Trainer resumed from, or None.
+
+    The Trainer hands callbacks no checkpoint path: the folder ``train()`` resolved
+    (``resume_from_checkpoint=True`` becomes the last checkpoint) is read from its training
+    loop's frame; then ``args.resume_from_checkpoint``; then
+    ``output_dir/checkpoint-<global_step>``.
+    """
+    frames = itertools.islice(traceback.walk_stack(sys._getframe(1)), 8)
+    loop = next((f for f, _ in frames if f.f_code.co_name == "_inner_training_loop"), None)
+    candidates = [
+        None if loop is None else loop.f_locals.get("resume_from_checkpoint"),
+        getattr(args, "resume_from_checkpoint", None),
+        os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+    ]
+    for folder in candidates:
+        if isinstance(folder, (str, os.PathLike)) and (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def _save_model(model: nn.Module, ema: EMA, folder: Path) -> None:
+    """``model.save_pretrained(folder)``; for a model without it, the EMA weights as
+    ``folder/model.safetensors``."""
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        save_pretrained(folder)
+    else:
+        save_ema_weights(ema, folder / "model.safetensors")
 
 
 class EMATrainerCallback(TrainerCallback):
@@ -156,6 +185,9 @@ class EMATrainerCallback(TrainerCallback):
         True
     """
 
+    #: The file written into every ``checkpoint-N`` folder and read back on resume.
+    state_file = EMA_WEIGHTS_NAME
+
     def __init__(
         self,
         eval_with_ema: bool = True,
@@ -170,7 +202,8 @@ class EMATrainerCallback(TrainerCallback):
         self._online_pass = False  # True while the raw weights are evaluated
         self.log_stats = check.boolean("log_stats", log_stats)
         self.save_final_as_model = check.boolean("save_final_as_model", save_final_as_model)
-        self.ema_kwargs = check_ema_kwargs("EMATrainerCallback", dict(ema_kwargs))
+        # The Trainer saves the model: the EMA's files leave it out.
+        self.ema_kwargs = ema_keywords("EMATrainerCallback", ema_kwargs)
         #: The `EMA`, created at ``on_train_begin`` (None before).
         self.ema: EMA | None = None
         #: The file the EMA was restored from at the last resume (None if none).
@@ -178,97 +211,49 @@ class EMATrainerCallback(TrainerCallback):
         self._swap: Swap | None = None
         self._hook: Any = None
 
+    # -- what the EMA kind decides (BEMACallback replaces these) ---------------------------
+
+    def _build(self, model: nn.Module) -> EMA:
+        """The EMA of ``model``."""
+        return EMA(model, **self.ema_kwargs)
+
+    def _load(self, ema: EMA, path: Path) -> None:
+        """Restore ``ema`` from a checkpoint's `state_file`."""
+        load_ema_weights(ema, path)
+
+    def _save(self, ema: EMA, path: Path) -> None:
+        """Write ``ema`` as a checkpoint's `state_file`: the weights, a tied tensor once (as
+        the model's own ``model.safetensors`` stores it)."""
+        save_ema_weights(ema, path, tied_once=True)
+
     # -- creation and resume ------------------------------------------------------------
 
     def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Create the EMA of ``model``; on a resumed run load the checkpoint's EMA."""
+        owner, model = type(self).__name__, kwargs.get("model")
         if not isinstance(model, nn.Module):
-            raise EMATypeError(
-                f"EMATrainerCallback needs the Trainer's model, got {type(model).__name__}"
-            )
-        refuse_zero3(model, "EMATrainerCallback")
-        self._leave_swap()
-        # The Trainer saves the model; ema.safetensors holds only the EMA weights.
-        self.ema = EMA(model, **{"include_online_model": False, **self.ema_kwargs})
-        ema = self.ema
-        self._resume_and_watch(
-            args,
-            state,
-            model,
-            EMA_WEIGHTS_NAME,
-            "the EMA",
-            lambda path: load_ema_weights(ema, path),
-        )
-
-    def _resume_and_watch(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        model: nn.Module,
-        name: str,
-        what: str,
-        load: Callable[[Path], object],
-    ) -> None:
-        """On a resumed run, ``load`` the checkpoint's file ``name`` (warn when it has none);
-        then watch ``model``'s evaluation forwards (``eval_with_ema``)."""
+            raise EMATypeError(f"{owner} needs the Trainer's model, got {type(model).__name__}")
+        refuse_zero3(model, owner)
+        self._stop()
+        ema = self.ema = self._build(model)
         self.restored_from = None
         if state.global_step > 0:
-            path = self._resume_file(args, state, name)
+            path = _resume_file(args, state, self.state_file)
             if path is None:
                 warnings.warn(
-                    f"resuming at step {state.global_step} but no {name} was found "
-                    f"in the checkpoint; {what} restarts from the loaded weights",
-                    stacklevel=3,
+                    f"resuming at step {state.global_step} but no {self.state_file} was found "
+                    f"in the checkpoint; {owner} restarts its average from the loaded weights",
+                    stacklevel=2,
                 )
             else:
-                load(path)
+                self._load(ema, path)
                 self.restored_from = path
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if self.eval_with_ema:
             self._hook = model.register_forward_pre_hook(self._before_forward)
 
-    @staticmethod
-    def _resume_file(
-        args: TrainingArguments, state: TrainerState, name: str = EMA_WEIGHTS_NAME
-    ) -> Path | None:
-        candidates: list[Any] = []
-        # The Trainer hands callbacks no checkpoint path: read the one train() resolved
-        # (resume_from_checkpoint=True becomes the last checkpoint) from its training loop.
-        frame: FrameType | None = sys._getframe(1)
-        for _ in range(8):
-            if frame is None:
-                break
-            if frame.f_code.co_name == "_inner_training_loop":
-                candidates.append(frame.f_locals.get("resume_from_checkpoint"))
-                break
-            frame = frame.f_back
-        candidates.append(getattr(args, "resume_from_checkpoint", None))
-        candidates.append(
-            os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        )
-        for folder in candidates:
-            if isinstance(folder, (str, os.PathLike)):
-                path = Path(folder) / name
-                if path.is_file():
-                    return path
-        return None
-
     # -- updates --------------------------------------------------------------------------
-
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """Make sure the step trains the raw weights."""
-        self._leave_swap()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -279,14 +264,10 @@ class EMATrainerCallback(TrainerCallback):
             self.ema.update()
 
     def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Add the EMA's values to the entry the Trainer is logging (``log_stats``)."""
+        """Add the EMA's values to the entry the Trainer is logging (``logs``; ``log_stats``)."""
+        logs = kwargs.get("logs")
         if not self.log_stats or self.ema is None or logs is None:
             return
         values = ema_metrics(self.ema, skips=True)
@@ -308,10 +289,23 @@ class EMATrainerCallback(TrainerCallback):
         ):
             self._swap = self.ema.swap().enter()
 
-    def _leave_swap(self) -> None:
+    def _leave_swap(self, *args: Any, **kwargs: Any) -> None:
+        """Put the raw weights back (a no-op unless the EMA's are swapped in); also the
+        hooks ``on_step_begin`` (a step trains the raw weights), ``on_predict`` (a
+        prediction run is over) and ``on_epoch_end`` (something evaluated outside the
+        Trainer's loop)."""
         swap, self._swap = self._swap, None
         if swap is not None:
             swap.exit()
+
+    on_step_begin = on_predict = on_epoch_end = _leave_swap
+
+    def _stop(self) -> None:
+        """Put the raw weights back and stop watching the model's forwards."""
+        self._leave_swap()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -319,11 +313,9 @@ class EMATrainerCallback(TrainerCallback):
         """Put the raw weights back once an evaluation is over (before any checkpoint);
         with ``also_evaluate_online``, evaluate the raw weights too."""
         self._leave_swap()
-        metrics, model = kwargs.get("metrics"), kwargs.get("model")
-        data = kwargs.get("eval_dataloader")
-        if not (self.also_evaluate_online and self.eval_with_ema and self.ema is not None):
-            return
-        if metrics is None or not isinstance(model, nn.Module) or data is None:
+        metrics, model, data = (kwargs.get(k) for k in ("metrics", "model", "eval_dataloader"))
+        wanted = self.also_evaluate_online and self.eval_with_ema and self.ema is not None
+        if not wanted or metrics is None or not isinstance(model, nn.Module) or data is None:
             return
         prefixes = [k[: -len("_loss")] for k in metrics if k.endswith("_loss")]
         if len(prefixes) != 1:
@@ -337,74 +329,40 @@ class EMATrainerCallback(TrainerCallback):
         metrics.update(entry)
         state.log_history.append({**entry, "epoch": state.epoch, "step": state.global_step})
 
-    def on_predict(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        metrics: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        """Put the raw weights back once a prediction run is over."""
-        self._leave_swap()
-
-    def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """Put the raw weights back (a no-op unless something evaluated outside the Trainer's loop)."""
-        self._leave_swap()
-
     # -- checkpoints ----------------------------------------------------------------------
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Write ``ema.safetensors`` into the checkpoint folder the Trainer just saved."""
+        """Write the EMA (`state_file`) into the checkpoint folder the Trainer just saved."""
         if self.ema is None or not args.should_save:
             return
         folder = Path(args.output_dir or "") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if not folder.is_dir():
             warnings.warn(
                 f"checkpoint folder {folder} not found (hyperparameter search runs save "
-                f"elsewhere); the EMA was not saved with this checkpoint",
+                f"elsewhere); {self.state_file} was not saved with this checkpoint",
                 stacklevel=2,
             )
             return
-        save_ema_weights(self.ema, folder / EMA_WEIGHTS_NAME, tied_once=True)  # as the model's
+        self._save(self.ema, folder / self.state_file)
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Stop swapping; load the best checkpoint's EMA when the Trainer loaded the best
         model; with ``save_final_as_model``, make the EMA weights the model and save it."""
-        self._leave_swap()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._stop()
         ema = self.ema
         if ema is None:
             return
         best = state.best_model_checkpoint
-        if args.load_best_model_at_end and best:
-            path = Path(best) / EMA_WEIGHTS_NAME
-            if path.is_file():
-                load_ema_weights(ema, path)
-        if not self.save_final_as_model:
-            return
-        ema.copy_params_from_ema_to_model()
-        if not args.should_save or model is None:
-            return
-        out = Path(args.output_dir or ".")
-        save_pretrained = getattr(model, "save_pretrained", None)
-        if callable(save_pretrained):
-            save_pretrained(out)
-        else:
-            save_ema_weights(ema, out / "model.safetensors")
+        if args.load_best_model_at_end and best and (Path(best) / EMA_WEIGHTS_NAME).is_file():
+            load_ema_weights(ema, Path(best) / EMA_WEIGHTS_NAME)
+        if self.save_final_as_model:
+            ema.copy_params_from_ema_to_model()
+            if args.should_save and (model := kwargs.get("model")) is not None:
+                _save_model(model, ema, Path(args.output_dir or "."))
 
 
 class BEMACallback(EMATrainerCallback):
@@ -451,6 +409,8 @@ class BEMACallback(EMATrainerCallback):
         True
     """
 
+    state_file = BEMA_STATE_NAME
+
     def __init__(
         self,
         update_freq: int = 400,
@@ -484,72 +444,25 @@ class BEMACallback(EMATrainerCallback):
         """The [`BEMA`][emakit.BEMA] (None before ``on_train_begin``)."""
         return self.ema  # type: ignore[return-value]
 
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """Create the BEMA of ``model``; on a resumed run load the checkpoint's state."""
-        if not isinstance(model, nn.Module):
-            raise EMATypeError(
-                f"BEMACallback needs the Trainer's model, got {type(model).__name__}"
-            )
-        refuse_zero3(model, "BEMACallback")
-        self._leave_swap()
+    def _build(self, model: nn.Module) -> EMA:
+        """The BEMA of the unwrapped ``model``, with TRL's settings."""
         model = unwrap_model(getattr(model, "module", model))
-        bema = BEMA(model, **self.settings, device=self.device, **self.bema_kwargs)
-        self.ema = bema
-        self._resume_and_watch(
-            args,
-            state,
-            model,
-            BEMA_STATE_NAME,
-            "BEMA",
-            lambda path: bema.load_state_dict(torch_load(path, "BEMA state")),
-        )
+        return BEMA(model, **self.settings, device=self.device, **self.bema_kwargs)
 
-    def on_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """Write ``bema_state.pt`` into the checkpoint folder the Trainer just saved."""
-        bema = self.bema
-        if bema is None or not args.should_save:
-            return
-        folder = Path(args.output_dir or "") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if not folder.is_dir():
-            warnings.warn(
-                f"checkpoint folder {folder} not found; the BEMA was not saved with it",
-                stacklevel=2,
-            )
-            return
-        dest = folder / BEMA_STATE_NAME
-        state_dict = bema.state_dict()
-        with write_errors([dest], "BEMA state"):
-            atomic_write(dest, lambda f: torch.save(state_dict, f))
+    def _load(self, ema: EMA, path: Path) -> None:
+        """Restore the BEMA from a checkpoint's ``bema_state.pt``."""
+        ema.load_state_dict(torch_load(path, "BEMA state"))
+
+    def _save(self, ema: EMA, path: Path) -> None:
+        """Write the BEMA's whole state (``state_dict()``) as ``bema_state.pt``, atomically."""
+        save_checkpoint(ema.state_dict(), path)
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Write the BEMA model to ``output_dir/bema`` (``save_pretrained``, as TRL does;
         ``model.safetensors`` for a model without it), from the main process."""
-        self._leave_swap()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        bema = self.bema
-        if bema is None or not state.is_world_process_zero:
-            return
-        out = Path(args.output_dir or ".") / "bema"
-        save_pretrained = getattr(bema.ema_model, "save_pretrained", None)
-        if callable(save_pretrained):
-            save_pretrained(out)
-        else:
-            save_ema_weights(bema, out / "model.safetensors")
+        self._stop()
+        bema = self.ema
+        if bema is not None and state.is_world_process_zero:
+            _save_model(bema.ema_model, bema, Path(args.output_dir or ".") / "bema")

@@ -1,30 +1,43 @@
 """Post-hoc EMA (Karras et al. 2024, arXiv:2312.02696): power-function EMAs, snapshots,
 and synthesis of any EMA length after training.
 
+The trackers:
+
 * [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: one power-function EMA whose decay honours ``update_every``.
-* [`PostHocEMA`][emakit.posthoc.posthoc.PostHocEMA]: several profiles of one model, snapshotted to a folder, and
-  `PostHocEMA.synthesize_ema_model()` to reconstruct any ``sigma_rel`` afterwards.
-* [`synthesize_state_dict()`][emakit.posthoc.synthesize_state_dict] / [`plan_synthesis()`][emakit.posthoc.plan_synthesis]: the same from a folder alone
-  (one process's snapshots, or every rank's of a sharded model, reassembled).
-* [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep] / [`sweep()`][emakit.posthoc.sweep]: synthesize many lengths in one pass over the
-  snapshots, score each with your function, plot, pick the best.
+* [`PostHocEMA`][emakit.posthoc.posthoc_ema.PostHocEMA]: several profiles of one model, snapshotted to a folder;
+  `PostHocEMA.synthesize_ema_model()` reconstructs any ``sigma_rel`` afterwards and
+  `PostHocEMA.sweep()` scores many.
+
+Synthesis from a folder alone (one process's snapshots, or every rank's of a sharded
+model, reassembled), one verb each:
+
+* [`synthesize()`][emakit.posthoc.synthesize]: the EMA of one length as a state dict
+  (`synthesize_state_dict()` is its old name); [`plan_synthesis()`][emakit.posthoc.plan_synthesis]
+  chooses the snapshots and solves the weights first, for a look before the run.
+* [`sweep()`][emakit.posthoc.sweep]: many lengths in one pass over the snapshots, each
+  scored by your function, plotted, the best picked (``sigma_rels`` a list or an
+  ``"A:B:N"`` spec; `sweep_lengths()` turns a spec into the list).
+
+The folder:
+
 * [`list_snapshots()`][emakit.posthoc.list_snapshots] / [`read_snapshot_info()`][emakit.posthoc.read_snapshot_info]: what a snapshot folder holds (the
   headers only); [`find_snapshot_folder()`][emakit.posthoc.find_snapshot_folder]: a folder or its one snapshot subfolder.
 * [`LegacyProfiles`][emakit.posthoc.LegacyProfiles]: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
   (their profiles by index), alone or mixed with emakit's.
 * [`collect_frozen_files()`][emakit.posthoc.collect_frozen_files]: remove the side files of frozen
-  weights (stored once for many snapshots, see `emakit.posthoc.frozen_files`) that no
+  weights (stored once for many snapshots, see `emakit.posthoc.snapshots.frozen`) that no
   snapshot uses any more.
-* [`emakit.posthoc.math`][emakit.posthoc.math]: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
-  the least-squares weights of Algorithm 3).
 
-The command-line front end (``emakit synthesize``, ``emakit inspect``) lives in
-`emakit.posthoc.commands`, imported only by the CLI.
+And [`emakit.posthoc.math`][emakit.posthoc.math]: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
+the least-squares weights of Algorithm 3).
+
+The layout: `math`; the trackers `karras` and `posthoc_ema`; `snapshots/` (the files on
+disk and their folder); `synthesis/` (plan, weighted sum, sweep); `commands` (``emakit
+synthesize``, ``emakit sweep``, ``emakit inspect``, imported only by the CLI).
 """
 
 from __future__ import annotations
 
-from .frozen_files import collect_frozen_files
 from .karras import KARRAS_STATE_VERSION, KarrasEMA
 from .math import (
     GAMMA_MIN,
@@ -39,20 +52,18 @@ from .math import (
     sigma_rel_to_gamma,
     solve_weights,
 )
-from .posthoc import POSTHOC_STATE_VERSION, PostHocEMA
-from .snapshots import (
+from .posthoc_ema import POSTHOC_STATE_VERSION, PostHocEMA
+from .snapshots.folder import find_snapshot_folder, list_legacy_files, list_snapshots
+from .snapshots.format import (
     SNAPSHOT_FORMAT,
     SNAPSHOT_FORMAT_VERSION,
-    LegacyFile,
-    LegacyProfiles,
     SnapshotInfo,
-    list_legacy_files,
-    list_snapshots,
     read_snapshot_info,
 )
-from .sweeping import SweepResult, sweep, sweep_lengths
-from .synthesis import SynthesisPlan, plan_synthesis, synthesize_state_dict
-from .where import find_snapshot_folder
+from .snapshots.frozen import collect_frozen_files
+from .snapshots.legacy import LegacyFile, LegacyProfiles
+from .synthesis.plan import SynthesisPlan, plan_synthesis, synthesize, synthesize_state_dict
+from .synthesis.sweep import SweepResult, sweep, sweep_lengths
 
 __all__ = [
     "GAMMA_MIN",
@@ -85,5 +96,6 @@ __all__ = [
     "solve_weights",
     "sweep",
     "sweep_lengths",
+    "synthesize",
     "synthesize_state_dict",
 ]

@@ -1,74 +1,253 @@
-"""Command-line front end of post-hoc EMA: ``emakit synthesize`` and ``emakit inspect``.
+"""The post-hoc command line: ``emakit synthesize``, ``emakit sweep``, ``emakit inspect``.
 
-Two click commands, `synthesize` and `inspect_cmd` (named ``inspect``), meant
-to be added to the ``emakit`` group::
+Three click commands, `synthesize`, `sweep_cmd` (named ``sweep``) and `inspect_cmd`
+(named ``inspect``), added to the ``emakit`` group by `emakit.cli`, which imports this
+module only when one of them runs::
 
     emakit synthesize ./post-hoc-ema-checkpoints --sigma-rel 0.05,0.1 --out ema.safetensors
+    emakit sweep ./post-hoc-ema-checkpoints --sigma-rel 0.03:0.25:12 \\
+        --eval my_project.evaluation:validation_loss --plot sweep.png
     emakit inspect ./post-hoc-ema-checkpoints
+
+* ``synthesize`` writes one file per requested length, in the format its suffix names
+  (``.safetensors``, or ``.pt``/``.pth``/``.bin`` for ``torch.save``); it never overwrites
+  an input snapshot (through symlinks and hard links too), and replaces an existing file
+  only with ``--force``. The file holds the model's state dict, so it loads straight into
+  the model class: ``model.load_state_dict(safetensors.torch.load_file(path))``.
+* ``sweep``: ``--eval module:function`` names ``function(state_dict) -> float``, imported
+  like ``python -c "import module"`` from the current folder; it scores each synthesized
+  EMA. The table of scores and the best length are printed; ``--plot`` writes the score
+  against ``sigma_rel`` (needs matplotlib).
+* ``inspect`` reads files without unpickling anything: safetensors headers with emakit's
+  own reader (every field validated), torch files with ``torch.load(weights_only=True)``;
+  also the EMA inside a Lightning ``.ckpt``, an Accelerate ``save_state`` folder and a
+  Transformers ``checkpoint-N`` folder. A FIFO, a socket or a device is refused.
 
 ema-pytorch's snapshot files (``<profile index>.<step>.pt``, no profile recorded) need
 ``--legacy-sigma-rels`` (or ``--legacy-gammas``) and ``--legacy-update-every``; without
-them ``inspect`` lists the files and ``synthesize`` refuses them.
-
-``synthesize`` writes one file per requested length, in the format its suffix names
-(``.safetensors``, or ``.pt``/``.pth``/``.bin`` for ``torch.save``); it never overwrites an
-input snapshot (through symlinks and hard links too), and replaces an existing file only
-with ``--force``. The file holds the model's state dict (parameter and buffer names as in
-``model.state_dict()``), so it loads straight into the model class::
-
-    model.load_state_dict(safetensors.torch.load_file("ema.sigma_rel-0.05.safetensors"))
-
-``inspect`` lives in `emakit.posthoc.inspection`.
+them ``inspect`` lists the files and the other commands refuse them. Every problem is
+reported on one line (``Error: ...``), never as a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
+import math
 import os
-import warnings
-from collections.abc import Sequence
+import re
+import stat
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
 
 from .._files.atomic import atomic_path
-from .._files.reading import writable_path, write_errors
-from .._files.safetensors_file import write_safetensors
+from .._files.reading import file_kind, torch_load, writable_path, write_errors
+from .._files.safetensors_file import SafetensorsFile, write_safetensors
+from .._version import __version__
+from ..checkpoint import emakit_header
 from ..errors import EMAError
-from ._cli import (
-    LEGACY_HINT,
-    fail,
-    floats,
-    fmt,
-    legacy_options,
-    legacy_profiles,
-    progress_bar,
-    run_option,
-    snapshot_folder,
-)
-from .inspection import inspect_cmd
+from ..integrations._common import LIGHTNING_CHECKPOINT_KEY, TRAINER_WEIGHTS_NAME
 from .math import SIGMA_REL_MAX
-from .snapshots import (
-    SYNTHESIZED_FORMAT,
-    LegacyFile,
+from .snapshots.folder import (
+    LOCK_NAME,
+    describe_runs,
+    find_snapshot_folder,
     list_legacy_files,
     list_snapshots,
+    pick_run,
+    runs_in,
 )
-from .synthesis import SynthesisPlan, plan_synthesis
+from .snapshots.format import (
+    SNAPSHOT_FORMAT,
+    SYNTHESIZED_FORMAT,
+    SnapshotInfo,
+    read_snapshot_info,
+)
+from .snapshots.frozen import FROZEN_FORMAT, join_frozen
+from .snapshots.legacy import LEGACY_NAME, LegacyFile, LegacyProfiles, load_legacy_tensors
+from .snapshots.shards import parse_layout
+from .synthesis.plan import SynthesisPlan, plan_synthesis
+from .synthesis.sweep import sweep, sweep_lengths
 
-__all__ = ["SYNTHESIZED_FORMAT", "inspect_cmd", "synthesize"]
+__all__ = ["inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
+
+# -- what the commands share ----------------------------------------------------------------
+
+
+def fail(error: BaseException) -> click.ClickException:
+    """``error`` as a click error of one line (click prints ``Error: ...``, no traceback)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return click.ClickException(text or type(error).__name__)
+
+
+def fmt(x: float) -> str:
+    """A number in at most 6 significant digits."""
+    return f"{x:.6g}"
+
+
+def floats(option: str, text: str | None) -> list[float]:
+    """Comma-separated numbers of ``option`` (empty for None), or a usage error."""
+    if text is None:
+        return []
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated numbers such as 0.05,0.1, got {text!r}", param_hint=option
+        ) from None
+    if not values:
+        raise click.BadParameter(f"no value given in {text!r}", param_hint=option)
+    return values
+
+
+#: Buffers of torch's norm layers: without an emakit snapshot to say which tensors are
+#: buffers, these are taken (not averaged) from ema-pytorch's files.
+NORM_BUFFERS = {"running_mean": None, "running_var": None, "num_batches_tracked": torch.int64}
+LEGACY_HINT = (
+    "pass --legacy-sigma-rels S,S (the sigma_rels of the ema-pytorch PostHocEMA that wrote "
+    "them, in its order: <i>.<step>.pt is of the i-th) or --legacy-gammas G,G, with "
+    "--legacy-update-every N"
+)
+
+_FOLDER_OPTIONS = [
+    click.option(
+        "--legacy-sigma-rels",
+        metavar="S[,S...]",
+        help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
+        "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
+    ),
+    click.option("--legacy-gammas", metavar="G[,G...]", help="The same as gammas, in order."),
+    click.option(
+        "--legacy-update-every",
+        type=click.IntRange(min=1),
+        default=None,
+        help="The update_every of that ema-pytorch run (its default: 100); required with "
+        "--legacy-sigma-rels / --legacy-gammas.",
+    ),
+    click.option(
+        "--run",
+        "run",
+        metavar="ID",
+        default=None,
+        help="The run whose snapshots to use, for a folder holding several runs' snapshots "
+        "(inspect lists them); '' picks snapshots written before emakit recorded runs.",
+    ),
+]
+
+
+def folder_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every`` and
+    ``--run`` (the run to use in a folder holding the snapshots of several)."""
+    for option in reversed(_FOLDER_OPTIONS):
+        command = option(command)
+    return command
+
+
+def open_folder(
+    folder: Path, sigma_rels: str | None, gammas: str | None, update_every: int | None
+) -> tuple[Path, LegacyProfiles | None, str | None]:
+    """``(the folder holding the snapshots, the profiles to read ema-pytorch's files with
+    (None without the options), a note to print when it had to guess which tensors are
+    buffers)``: ``folder``, or its one snapshot subfolder (a demo run's), said so."""
+    found = find_snapshot_folder(folder)
+    if found != folder:
+        click.echo(f"Note: {folder} holds no snapshots itself; using {found}", err=True)
+    if sigma_rels is not None and gammas is not None:
+        raise click.UsageError("give at most one of --legacy-sigma-rels and --legacy-gammas")
+    if sigma_rels is None and gammas is None:
+        return found, None, None
+    if update_every is None:
+        raise click.UsageError(
+            "--legacy-sigma-rels / --legacy-gammas need --legacy-update-every N too: the "
+            "update_every of the ema-pytorch run (its default: 100); it sets where each "
+            "file's averaging ends"
+        )
+    legacy = (
+        LegacyProfiles.from_sigma_rels(
+            floats("--legacy-sigma-rels", sigma_rels), update_every=update_every
+        )
+        if sigma_rels is not None
+        else LegacyProfiles(tuple(floats("--legacy-gammas", gammas)), update_every=update_every)
+    )
+    files = list_legacy_files(found) if found.is_dir() else []
+    if not files or list_snapshots(found):
+        return found, legacy, None  # nothing to read, or emakit's snapshots say which are buffers
+    names = sorted(load_legacy_tensors(files[-1].path))
+    leaf = {n: n.rsplit(".", 1)[-1] for n in names}
+    copied = frozenset(n for n in names if leaf[n] in NORM_BUFFERS)
+    exact = tuple((n, d) for n in sorted(copied) if (d := NORM_BUFFERS[leaf[n]]) is not None)
+    note = (
+        f"Note: ema-pytorch's files do not say which tensors are buffers; taking "
+        f"{len(copied)} norm-layer buffer(s) from the latest snapshot "
+        f"({', '.join(sorted(copied)[:4]) or 'none'}{', ...' if len(copied) > 4 else ''}) "
+        f"and averaging the other {len(names) - len(copied)} tensors"
+    )
+    return found, dataclasses.replace(legacy, copied=copied, exact_dtypes=exact), note
+
+
+@contextmanager
+def progress_bar(
+    enabled: bool, unit: str = "snapshots"
+) -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
+    """Yield ``start(label, total) -> advance(done, total)``: a bar on stderr counting
+    ``unit``, rich if installed (imported here, when a bar is shown), else click's."""
+    if not enabled:
+        yield lambda label, total: lambda done, total_: None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError:  # rich is an optional extra: fall back to click's bar
+        with ExitStack() as stack:
+
+            def start_click(label: str, total: int) -> Callable[[int, int], None]:
+                stream = click.get_text_stream("stderr")  # type: ignore[operator]
+                bar: Any = stack.enter_context(
+                    click.progressbar(length=total, label=label, file=stream)
+                )
+                return lambda done, total_: bar.update(done - bar.pos)
+
+            yield start_click
+        return
+    columns = (BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
+    progress = Progress(TextColumn("{task.description}"), *columns, console=Console(stderr=True))
+    with progress:  # on stderr: stdout stays for the results
+
+        def start_rich(label: str, total: int) -> Callable[[int, int], None]:
+            task = progress.add_task(label, total=total)
+            return lambda done, total_: progress.update(task, completed=done)
+
+        yield start_rich
+
+
+_STEP = click.option(
+    "--step",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training step to synthesize at; only snapshots at or before it are used. "
+    "Default: the latest snapshot's step.",
+)
+
+
+# -- emakit synthesize ---------------------------------------------------------------------------
 
 SYNTHESIZED_FORMAT_VERSION = 1
 
 #: Output suffixes ``emakit synthesize --out`` writes, and the format of each.
 OUTPUT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 
 
 def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
@@ -94,23 +273,19 @@ def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
 
 
 def _check_outputs(paths: Sequence[Path], inputs: Sequence[Path], force: bool) -> None:
-    """Refuse an output that is (through symlinks or hard links) one of the inputs, a
-    folder, or, without ``force``, any existing file."""
-    real = {os.path.realpath(p): p for p in inputs}
+    """Refuse an output that is one of the inputs (the same file: a path to it, a
+    symlink or a hard link), a folder, or, without ``force``, any existing file."""
     ids = {}
     for p in inputs:
-        try:
+        with contextlib.suppress(OSError):
             found = os.stat(p)
-        except OSError:
-            continue
-        ids[(found.st_dev, found.st_ino)] = p
+            ids[(found.st_dev, found.st_ino)] = p
     for path in paths:
-        st: os.stat_result | None
         try:
             st = os.stat(path)
+            same = ids.get((st.st_dev, st.st_ino))
         except OSError:
-            st = None
-        same = real.get(os.path.realpath(path)) or (st and ids.get((st.st_dev, st.st_ino)))
+            same = None
         if same:
             raise click.ClickException(
                 f"--out {path} is the input snapshot {same}: synthesize never overwrites its "
@@ -124,20 +299,8 @@ def _check_outputs(paths: Sequence[Path], inputs: Sequence[Path], force: bool) -
             )
 
 
-def _refuse_legacy(folder: Path, files: list[LegacyFile]) -> None:
-    if files:
-        shown = ", ".join(f.path.name for f in files[:4]) + (", ..." if len(files) > 4 else "")
-        raise click.ClickException(
-            f"{folder} holds {len(files)} ema-pytorch snapshot file(s) ({shown}), which do not "
-            f"record their profiles; emakit will not ignore them: {LEGACY_HINT}, or move them "
-            f"out of the folder"
-        )
-
-
 def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPlan) -> None:
     """Write ``state`` atomically in the format ``path``'s suffix names."""
-    from .._version import __version__
-
     metadata = {
         "format": SYNTHESIZED_FORMAT,
         "format_version": str(SYNTHESIZED_FORMAT_VERSION),
@@ -171,13 +334,7 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
     metavar="G[,G...]",
     help="Power-function exponent(s) to reconstruct instead of --sigma-rel, comma-separated.",
 )
-@click.option(
-    "--step",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Training step to reconstruct at; only snapshots at or before it are used. "
-    "Default: the latest snapshot's step.",
-)
+@_STEP
 @click.option(
     "--out",
     required=True,
@@ -189,14 +346,13 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
 @click.option("--force", is_flag=True, help="Replace existing output files.")
 @click.option(
     "--dtype",
-    type=click.Choice(sorted(_DTYPES)),
+    type=click.Choice(["bfloat16", "float16", "float32", "float64"]),
     default="float32",
     show_default=True,
     help="dtype of the averaged tensors written (buffers keep theirs).",
 )
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
-@legacy_options
-@run_option
+@folder_options
 def synthesize(
     folder: Path,
     sigma_rel: str | None,
@@ -236,30 +392,23 @@ def synthesize(
     )
     paths = _output_paths(out, key, values)
     try:
-        folder = snapshot_folder(folder)
-        legacy, note = legacy_profiles(
+        folder, legacy, note = open_folder(
             folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
         )
-        if legacy is None and folder.is_dir():
-            _refuse_legacy(folder, list_legacy_files(folder))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            plans = [
-                plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
-                for v in values
-            ]
-        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in s.shards or [s.path]]
-        inputs += [f.path for f in list_legacy_files(folder)]
-        used = [f for p in plans for s in p.snapshots for f in s.shards or [s.path]]
-        _check_outputs(paths, inputs + used, force)
+        plans = [
+            plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
+            for v in values
+        ]
+        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in (*s.files, *s.frozen)]
+        _check_outputs(paths, inputs + [f.path for f in list_legacy_files(folder)], force)
         if note and any(s.is_legacy for p in plans for s in p.snapshots):
             click.echo(note, err=True)
-        for w in caught:
-            click.echo(f"Warning: {w.message}", err=True)
         with progress_bar(progress) as start:
             for plan, path in zip(plans, paths, strict=True):
                 label = f"sigma_rel={fmt(plan.sigma_rel)} step={plan.step}"
-                state = plan.run(dtype=_DTYPES[dtype], progress=start(label, len(plan.snapshots)))
+                state = plan.run(
+                    dtype=getattr(torch, dtype), progress=start(label, len(plan.snapshots))
+                )
                 _write_output(path, state, plan)
                 del state
     except (EMAError, OSError) as e:
@@ -272,3 +421,455 @@ def synthesize(
             + (f" ({theirs} from ema-pytorch)" if theirs else "")
             + f", profile error {plan.solution.residual:.2g})"
         )
+
+
+# -- emakit sweep ----------------------------------------------------------------------------
+
+
+def load_function(spec: str) -> Callable[[Any], Any]:
+    """``module:function`` -> the function (the current folder is importable).
+
+    Raises:
+        click.BadParameter: a malformed spec, a module that cannot be imported, or a name
+            that is not a callable of the module.
+    """
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise click.BadParameter(f"expected module:function, got {spec!r}", param_hint="--eval")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise click.BadParameter(f"cannot import {module_name!r}: {e}", param_hint="--eval") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise click.BadParameter(f"{module_name!r} has no function {name!r}", param_hint="--eval")
+    return fn  # type: ignore[no-any-return]
+
+
+@click.command("sweep")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option(
+    "--sigma-rel",
+    "sigma_rel",
+    required=True,
+    metavar="A:B:N",
+    help="The lengths to try: N evenly spaced sigma_rel from A to B (e.g. 0.03:0.25:12), or "
+    "a comma-separated list.",
+)
+@click.option(
+    "--eval",
+    "eval_spec",
+    required=True,
+    metavar="MODULE:FUNCTION",
+    help="The scoring function, FUNCTION(state_dict) -> float, importable from the current folder.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the score against sigma_rel as a PNG (needs matplotlib).",
+)
+@_STEP
+@click.option(
+    "--maximize",
+    is_flag=True,
+    help="Higher scores are better (accuracy); default: lower is better (loss, FID).",
+)
+@click.option(
+    "--lengths-per-pass",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Lengths synthesized per pass over the snapshots (one model in memory each).",
+)
+@folder_options
+def sweep_cmd(
+    folder: Path,
+    sigma_rel: str,
+    eval_spec: str,
+    plot: Path | None,
+    step: int | None,
+    maximize: bool,
+    lengths_per_pass: int,
+    legacy_sigma_rels: str | None,
+    legacy_gammas: str | None,
+    legacy_update_every: int | None,
+    run: str | None,
+) -> None:
+    """Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.
+
+    Each snapshot is read once per pass (--lengths-per-pass lengths at a time), every
+    length is scored by --eval, and the table and the best length are printed
+    (Karras et al. 2024, arXiv:2312.02696, Fig. 1).
+
+    \b
+    Example:
+        emakit sweep ./post-hoc-ema-checkpoints --sigma-rel 0.03:0.25:12
+            --eval my_project.evaluation:validation_loss --plot sweep.png
+    """
+    try:
+        lengths = sweep_lengths(sigma_rel)
+    except EMAError as e:
+        raise click.BadParameter(str(e), param_hint="--sigma-rel") from e
+    evaluate = load_function(eval_spec)
+    try:
+        folder, legacy, _ = open_folder(
+            folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
+        )
+        result = sweep(
+            folder,
+            evaluate,
+            lengths,
+            step=step,
+            mode="max" if maximize else "min",
+            lengths_per_pass=lengths_per_pass,
+            run=run,
+            legacy=legacy,
+            plot=plot,
+        )
+    except (EMAError, OSError) as e:
+        raise fail(e) from e
+    click.echo(result.table())
+    best, score = result.best
+    click.echo(f"best: sigma_rel={fmt(best)} (score {score:.6g}, step {result.step})")
+    if plot is not None:
+        click.echo(f"wrote {plot}")
+
+
+# -- emakit inspect ----------------------------------------------------------------------------
+
+#: The files ``accelerator.save_state`` writes for registered objects (``prepare_ema``).
+ACCELERATE_FILE = re.compile(r"custom_checkpoint_(\d+)\.pkl")
+#: What ``emakit inspect`` reads, for messages about what it does not.
+READS = (
+    "emakit inspect reads post-hoc snapshot folders, .safetensors files, torch checkpoints "
+    "(.pt, .bin, a Lightning .ckpt), Accelerate save_state folders and Transformers "
+    "checkpoint-N folders"
+)
+_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"}
+_CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
+
+#: A tensor as inspect lists it: name, safetensors dtype code (or torch's name), shape.
+Row = tuple[str, str, list[int]]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _describe_tensors(tensors: list[Row], copied: frozenset[str] | None = None) -> str:
+    dtypes = ", ".join(sorted({d for _, d, _ in tensors}))
+    if copied is None:
+        values = sum(math.prod(s) for _, _, s in tensors)
+        return f"{len(tensors)} tensors, {values:,} values, dtypes {dtypes}"
+    averaged = [t for t in tensors if t[0] not in copied]
+    return (
+        f"{len(tensors)} tensors ({len(averaged)} averaged, {len(tensors) - len(averaged)} "
+        f"copied), {sum(math.prod(s) for _, _, s in averaged):,} averaged values, dtypes {dtypes}"
+    )
+
+
+def _snapshot_rows(info: SnapshotInfo) -> list[Row]:
+    """A snapshot's tensors with their global shapes (its frozen ones included)."""
+    if info.is_legacy:
+        tensors = load_legacy_tensors(info.path).items()
+        return [(n, _CODES.get(v.dtype, _dtype(v)), list(v.shape)) for n, v in tensors]
+    with SafetensorsFile(info.path) as f, join_frozen(f) as g:
+        rows = [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
+        if not info.shards:
+            return rows
+        # a sharded snapshot: the global shapes from the layout of rank 0's file
+        layout = parse_layout(info.path, f.metadata, {n: g.shape(n) for n, _, _ in rows})
+    codes = {n: code for n, code, _ in rows}
+    code = next(iter(codes.values()), "?")
+    return [(n, codes.get(n, code), list(shape)) for n, (shape, _) in layout.items()]
+
+
+def _list_legacy_files(files: list[LegacyFile], limit: int = 20) -> None:
+    steps = sorted({f.step for f in files})
+    indices = ", ".join(str(i) for i in sorted({f.profile for f in files}))
+    click.echo(
+        f"{len(files)} ema-pytorch snapshot file(s) (<profile index>.<step>.pt): profile "
+        f"indices {indices}, steps {steps[0]}..{steps[-1]}"
+    )
+    rows = [["profile index", "step", "file"]]
+    rows += [[str(f.profile), str(f.step), f.path.name] for f in files[:limit]]
+    click.echo(_table(rows))
+    if len(files) > limit:
+        click.echo(f"... and {len(files) - limit} more")
+    click.echo(f"they do not record their profiles; to synthesize from them, {LEGACY_HINT}")
+
+
+def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None) -> None:
+    listed = list_snapshots(folder, legacy=legacy)
+    snaps = pick_run(listed, run, folder)
+    theirs = list_legacy_files(folder)
+    known = {p for s in listed for p in (*s.files, *s.frozen)} | {f.path for f in theirs}
+    others = [p for p in folder.iterdir() if p.is_file() and p not in known and p.name != LOCK_NAME]
+    if not snaps and not theirs:
+        raise click.ClickException(
+            f"{folder} holds no emakit post-hoc snapshots ({len(others)} other file(s))"
+        )
+    click.echo(f"post-hoc EMA snapshot folder {folder}")
+    runs = runs_in(listed)
+    if run is not None or any(runs):
+        shown = run if run is not None else next(iter(runs), "")
+        more = f" (of {len(runs)} runs: {describe_runs(runs)})" if len(runs) > 1 else ""
+        click.echo(f"run {shown or '(none)'}{more}")
+    if snaps:
+        _snapshot_table(snaps)
+    if theirs and legacy is None:
+        _list_legacy_files(theirs)
+    elif theirs:
+        used = sum(s.is_legacy for s in snaps)
+        click.echo(
+            f"{used} of them ema-pytorch snapshot files (<profile index>.<step>.pt), read as "
+            f"the given profiles with update_every={legacy.update_every}"  # type: ignore[union-attr]
+        )
+    if others:
+        click.echo(f"{len(others)} other file(s) in the folder ignored")
+
+
+def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
+    by_profile: dict[tuple[float, float], list[SnapshotInfo]] = {}
+    for s in snaps:
+        by_profile.setdefault((s.gamma, s.sigma_rel), []).append(s)
+    rows = [["profile", "sigma_rel", "gamma", "snapshots", "steps", "dtype", "size", "source"]]
+    for (gamma, sigma_rel), group in sorted(by_profile.items(), key=lambda kv: kv[1][0].profile):
+        float_dtypes = {d for n, d, _ in _snapshot_rows(group[-1]) if n not in group[-1].copied}
+        rows.append(
+            [
+                str(group[0].profile),
+                fmt(sigma_rel),
+                fmt(gamma),
+                str(len(group)),
+                f"{group[0].step}..{group[-1].step}",
+                ",".join(sorted(float_dtypes)),
+                _size(sum(s.nbytes for s in group)),
+                "+".join(sorted({s.source for s in group}, reverse=True)),
+            ]
+        )
+    steps = sorted({s.step for s in snaps})
+    sides = sorted({p for s in snaps for p in s.frozen})
+    side_bytes = sum(p.stat().st_size for p in sides)
+    click.echo(_table(rows))
+    click.echo(
+        f"{len(snaps)} snapshots at {len(steps)} steps ({steps[0]}..{steps[-1]}), "
+        f"{_size(sum(s.nbytes for s in snaps) + side_bytes)} in all"
+    )
+    if sides:
+        users = sum(bool(s.frozen) for s in snaps)
+        names = len(frozenset().union(*(s.frozen_names for s in snaps)))
+        click.echo(
+            f"frozen weights stored once: {len(sides)} side file(s) ({_size(side_bytes)}, "
+            f"{names} tensors), used by {users} snapshot(s); not counted in the sizes above"
+        )
+    ref = next((s for s in reversed(snaps) if not s.is_legacy), snaps[-1])
+    click.echo(f"each snapshot: {_describe_tensors(_snapshot_rows(ref), ref.copied)}")
+
+
+def _inspect_safetensors(path: Path) -> None:
+    with SafetensorsFile(path) as f, join_frozen(f) as g:  # a snapshot's frozen tensors too
+        meta, tensors = dict(f.metadata), [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
+    kind = meta.get("format", "(none)")
+    size = _size(path.stat().st_size)
+    if kind == SNAPSHOT_FORMAT:
+        info = read_snapshot_info(path)
+        click.echo(f"post-hoc EMA snapshot {path} ({size})")
+        click.echo(
+            f"profile {info.profile}: sigma_rel={fmt(info.sigma_rel)} gamma={fmt(info.gamma)}"
+        )
+        click.echo(
+            f"step {info.step} (profile ends at t={info.t}), update_every={info.update_every}, "
+            f"format_version {info.format_version}, run {info.run or '(none)'}"
+        )
+        click.echo(_describe_tensors(tensors, info.copied))
+        if info.frozen:
+            click.echo(
+                f"{len(info.frozen_names)} frozen tensor(s) stored once, in "
+                f"{info.frozen[0].name} ({_size(info.frozen[0].stat().st_size)})"
+            )
+        return
+    if kind == FROZEN_FORMAT:
+        click.echo(f"frozen weights side file of post-hoc snapshots {path} ({size})")
+        click.echo(f"run {meta.get('run')}, digest {meta.get('digest')}")
+        click.echo(_describe_tensors(tensors))
+        return
+    emakit_header(meta, str(path))  # a damaged emakit header is an error, not a listing
+    click.echo(f"safetensors file {path} ({size}), format {kind}")
+    for key in sorted(k for k in meta if k not in {"format", "copied"}):
+        click.echo(f"  {key}: {meta[key]}")
+    click.echo(_describe_tensors(tensors))
+    for name, code, shape in tensors[:12]:
+        click.echo(f"  {name}  {code}  {shape}")
+    if len(tensors) > 12:
+        click.echo(f"  ... and {len(tensors) - 12} more")
+
+
+def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
+    """``(what holds it, the EMA's state dict)`` in a loaded torch object, or ``(None,
+    obj)`` for anything else.
+
+    A Lightning checkpoint holds ``EMACallback``'s entry under ``"emakit_ema"`` (layout
+    version 1: ``{"version": 1, "ema": state}``; version 2 keeps an FSDP2 EMA's shards in
+    the checkpoint's distributed ``state_dict``); an Accelerate custom checkpoint or a
+    ``torch.save(ema.state_dict())`` is the state itself.
+    """
+    if not isinstance(obj, Mapping):
+        return None, obj
+    entry = obj.get(LIGHTNING_CHECKPOINT_KEY)
+    if isinstance(entry, Mapping) and isinstance(entry.get("ema"), Mapping):
+        where = (
+            f"Lightning checkpoint, EMACallback layout version {entry.get('version', 1)} "
+            f"(global_step {obj.get('global_step', '?')}, epoch {obj.get('epoch', '?')})"
+        )
+        if "shards_in_state_dict" in entry:
+            where += "; the EMA's shards are in the checkpoint's distributed state_dict"
+        return where, entry["ema"]
+    if "step" in obj and "initted" in obj and any(str(k).startswith("ema_model.") for k in obj):
+        return "EMA state_dict", obj
+    return None, obj
+
+
+def _not_a_checkpoint(path: Path) -> None:
+    """Refuse, saying what it is, a file whose first bytes show it is neither a torch file
+    (a zip archive, or a pickle) nor anything else ``inspect`` reads."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith((b"PK\x03\x04", b"\x80")):
+        return
+    if head.lstrip()[:1] in (b"{", b"["):
+        what = "a JSON file"
+        if path.name == "summary.json":
+            what += (
+                " (the demo's summary.json: its metrics and settings; the demo's "
+                "snapshots are in the posthoc-snapshots/ folder beside it)"
+            )
+    elif not head:
+        what = "an empty file"
+    else:
+        what = f"not a torch file (it starts with {head[:8]!r})"
+    raise click.ClickException(f"{path} is {what}, not a checkpoint; {READS}")
+
+
+def _inspect_torch(path: Path, limit: int = 12) -> None:
+    """A torch file: an EMA state (alone, or inside a framework's checkpoint) with its
+    counters, emakit's metadata and its tensors; any other dict's counters and sizes."""
+    _not_a_checkpoint(path)  # summary.json, a text file: say what it is
+    obj = torch_load(path, "checkpoint file")  # weights_only=True; never advises otherwise
+    click.echo(f"torch checkpoint {path} ({_size(path.stat().st_size)})")
+    where, state = _ema_state_in(obj)
+    if where is not None:
+        click.echo(f"{where}:")
+    elif m := LEGACY_NAME.match(path.name):
+        click.echo(
+            f"named like an ema-pytorch post-hoc snapshot: profile index {m.group(1)}, step "
+            f"{m.group(2)} (values stored in its checkpoint_dtype)"
+        )
+    if not isinstance(state, Mapping):
+        click.echo(f"holds a {type(state).__name__}")
+        return
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for key in ("version", "karras_version", "step", "initted", "gammas", "gamma", "t"):
+        if key in tensors:
+            click.echo(f"  {key}: {tensors[key].tolist()}")
+    for key, value in sorted((getattr(state, "_metadata", None) or {}).get("", {}).items()):
+        click.echo(f"  {key}: {value}")  # emakit's extras (layout version, run, skips...)
+    if where is None:
+        others = sorted(str(k) for k in state if k not in tensors)
+        floating = sum(v.numel() for v in tensors.values() if v.is_floating_point())
+        dtypes = ", ".join(sorted({_dtype(v) for v in tensors.values()})) or "-"
+        click.echo(
+            f"{len(tensors)} tensors, {floating:,} floating values, dtypes {dtypes}"
+            + (f"; other entries: {others[:10]}" if others else "")
+        )
+        return
+    for prefix, label in (("ema_model.", "EMA"), ("online_model.", "online model")):
+        group = {k[len(prefix) :]: v for k, v in tensors.items() if str(k).startswith(prefix)}
+        if group:
+            floating = sum(v.numel() for v in group.values() if v.is_floating_point())
+            dtypes = ", ".join(sorted({_dtype(v) for v in group.values()}))
+            click.echo(f"{label}: {len(group)} tensors, {floating:,} floating values, {dtypes}")
+        for name, v in list(group.items())[:limit] if label == "EMA" else ():
+            click.echo(f"  {name}  {_dtype(v)}  {list(v.shape)}")
+        if label == "EMA" and len(group) > limit:
+            click.echo(f"  ... and {len(group) - limit} more")
+
+
+def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
+    """``(what the folder is, the files holding an EMA)`` for a Transformers
+    ``checkpoint-N`` folder (its ``ema.safetensors``) or an Accelerate ``save_state``
+    folder (its ``custom_checkpoint_<i>.pkl`` files), else None."""
+    if (folder / TRAINER_WEIGHTS_NAME).is_file():
+        return "Transformers Trainer checkpoint folder", [folder / TRAINER_WEIGHTS_NAME]
+    found = [(ACCELERATE_FILE.fullmatch(p.name), p) for p in folder.iterdir() if p.is_file()]
+    custom = sorted((int(m.group(1)), p) for m, p in found if m)
+    return ("Accelerate save_state folder", [p for _, p in custom]) if custom else None
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@folder_options
+def inspect_cmd(
+    path: Path,
+    legacy_sigma_rels: str | None,
+    legacy_gammas: str | None,
+    legacy_update_every: int | None,
+    run: str | None,
+) -> None:
+    """Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.
+
+    For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and
+    size, and ema-pytorch's <index>.<step>.pt files (listed, or with --legacy-sigma-rels
+    read as those profiles); a folder holding several runs needs --run. For a file: its
+    header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
+    EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
+    save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,
+    a device) is refused.
+    """
+    try:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise click.ClickException(f"{path} does not exist") from None
+        framework = _framework_files(path) if stat.S_ISDIR(mode) else None
+        if framework is not None:
+            click.echo(f"{framework[0]} {path}")
+            for file in framework[1]:
+                click.echo("")
+                (_inspect_safetensors if file.suffix == ".safetensors" else _inspect_torch)(file)
+        elif stat.S_ISDIR(mode):
+            folder, legacy, _ = open_folder(
+                path, legacy_sigma_rels, legacy_gammas, legacy_update_every
+            )
+            _inspect_folder(folder, legacy, run)
+        elif not stat.S_ISREG(mode):
+            raise click.ClickException(
+                f"{path} is {file_kind(mode)}, not a checkpoint file or a snapshot folder; "
+                f"emakit inspect reads only regular files and folders"
+            )
+        elif path.suffix == ".safetensors":
+            _inspect_safetensors(path)
+        else:
+            _inspect_torch(path)
+    except BrokenPipeError:
+        raise  # `emakit inspect DIR | head`: click exits quietly, as Unix tools do
+    except (EMAError, OSError) as e:
+        raise fail(e) from e

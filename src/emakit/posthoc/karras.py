@@ -16,7 +16,7 @@ averaging profile is the paper's for any ``update_every``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,15 +35,8 @@ from .math import (
     power_function_beta,
     sigma_rel_to_gamma,
 )
-from .snapshots import snapshot_filename
 
-__all__ = [
-    "KARRAS_STATE_VERSION",
-    "KarrasEMA",
-    "profile_time",
-    "resolve_profile",
-    "resolve_profiles",
-]
+__all__ = ["KARRAS_STATE_VERSION", "KarrasEMA", "profile_time", "resolve_profile"]
 
 #: Version of what `KarrasEMA.state_dict()` adds to EMA's (``gamma``, ``t``, ``dt``, in
 #: the module's metadata under ``karras_version``; version 1 wrote them as keys).
@@ -264,7 +257,7 @@ class KarrasEMA(EMA):
         """Names of the EMA model's parameters that are the model's own storage (frozen
         weights shared with it, see ``share_frozen``): their value is the model's, so a
         post-hoc snapshot stores them once for all the steps they stay the same (see
-        [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files])."""
+        [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen])."""
         online = dict(self.model.named_parameters(remove_duplicate=False))
         return frozenset(
             n
@@ -355,37 +348,3 @@ class KarrasEMA(EMA):
 
     def extra_repr(self) -> str:
         return f"sigma_rel={self.sigma_rel:.6g}, gamma={self.gamma:.6g}, update_every={self.update_every}"
-
-
-def resolve_profiles(
-    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
-) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
-    """The profiles of a [`PostHocEMA`][emakit.PostHocEMA]: ``(sigma_rels or Nones, gammas)`` from one of
-    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and distinct.
-    """
-    if sigma_rels is not None and gammas is not None:
-        raise EMAValueError(
-            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
-        )
-    if sigma_rels is None and gammas is None:
-        sigma_rels = (0.05, 0.28)
-    name, values = ("sigma_rels", sigma_rels) if sigma_rels is not None else ("gammas", gammas)
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
-    values = tuple(values)
-    if not values:
-        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
-    if name == "sigma_rels":
-        srs = tuple(check_sigma_rel(v, "sigma_rels") for v in values)
-        resolved = [resolve_profile(s, None) for s in srs]
-        out_srs: tuple[float | None, ...] = srs
-    else:
-        resolved = [resolve_profile(None, check_gamma(v, "gammas")) for v in values]
-        out_srs = tuple(None for _ in values)
-    gs = tuple(g for _, g in resolved)
-    names = [snapshot_filename(0, s, g) for s, g in resolved]
-    if len(set(gs)) != len(gs) or len(set(names)) != len(names):
-        raise EMAValueError(
-            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
-        )
-    return out_srs, gs

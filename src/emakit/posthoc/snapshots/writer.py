@@ -5,11 +5,11 @@ one writer, or every rank's shard files at once.
   profile (`write_snapshots()`: the step's set, all or none);
   the other ranks write nothing and run no collective, as before.
 * **A sharded model** (FSDP2, HSDP, FSDP with tensor parallelism: DTensor weights;
-  DeepSpeed ZeRO-3 partitions, ``partition=True``'s slices): a snapshot is a collective. Every rank first checks that every other rank is in the same
-  call at the same step (`agree()`, bounded by
-  ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
+  DeepSpeed ZeRO-3 partitions, ``partition=True``'s slices): a snapshot is a collective.
+  Every rank first checks that every other rank is in the same call at the same step
+  (`agree()`, bounded by ``timeout_s``: a call that only some ranks make, e.g. inside ``if is_rank_zero():``,
   raises instead of hanging), then writes its own blocks of every tensor
-  ([`model_blocks()`][emakit.posthoc.shards.model_blocks]: a DTensor's shard, a ZeRO-3
+  ([`model_blocks()`][emakit.posthoc.snapshots.shards.model_blocks]: a DTensor's shard, a ZeRO-3
   partition's flat range; no collective, no gathered tensor, one tensor's CPU copy at a
   time) into temporary files, and the ranks exchange their
   outcomes before any rank puts its files in place (a two-phase commit over
@@ -21,10 +21,10 @@ one writer, or every rank's shard files at once.
   the last moment, after every rank has written and voted, leaves some ranks' files in
   place and others not: such files never make a set with another write's (each write's
   files carry its id, ``shard_set``), so listing skips them with a warning
-  ([`complete_sets()`][emakit.posthoc.shards.complete_sets]), and the earlier steps stay
+  ([`complete_sets()`][emakit.posthoc.snapshots.shards.complete_sets]), and the earlier steps stay
   usable.
 
-The folder's lock ([`FolderLock`][emakit.posthoc.runs.FolderLock]) is held by rank 0.
+The folder's lock ([`FolderLock`][emakit.posthoc.snapshots.folder.FolderLock]) is held by rank 0.
 """
 
 from __future__ import annotations
@@ -39,38 +39,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._dist.collectives import AGREE_TIMEOUT_S, agree
-from .._dist.deepspeed import ZeroPartitions
-from .._dist.dtensor import is_dtensor
-from ..errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
-from .frozen_files import FrozenPart, collect_frozen_files, frozen_header, frozen_part
-from .karras import KarrasEMA
-from .math import PostHocWarning
-from .runs import FolderLock, first_write_warnings, own_path
-from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, layout_json, model_blocks
-from .snapshots import (
-    is_writer,
-    snapshot_filename,
-    snapshot_header,
-    snapshot_tensors,
-    write_snapshots,
-)
+from ..._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
+from ..._dist.deepspeed import ZeroPartitions
+from ...errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
+from ..karras import KarrasEMA
+from ..math import PostHocWarning
+from .folder import FolderLock, first_write_warnings, own_path
+from .format import snapshot_filename, snapshot_header, write_snapshots
+from .frozen import FrozenPart, collect_frozen_files, frozen_part, snapshot_tensors
+from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, is_sharded, layout_json, model_blocks
 
-__all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable", "is_sharded"]
+__all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable"]
 
 #: Seconds the ranks of a sharded snapshot wait for each other to finish writing (writing
 #: a shard can take a while on a slow file system); a rank that died mid-write makes the
 #: others raise after this long.
 OUTCOME_TIMEOUT_S = 600.0
-
-
-def is_sharded(ema: KarrasEMA) -> bool:
-    """Whether ``ema``'s weights are DTensors (FSDP2 and friends) or partitions (DeepSpeed
-    ZeRO-3, ``partition=True``)."""
-    model = ema.ema_model
-    if isinstance(model, ZeroPartitions):
-        return True
-    return model is not None and any(is_dtensor(v) for v in model.state_dict().values())
 
 
 def check_snapshottable(ema: KarrasEMA) -> None:
@@ -83,12 +67,11 @@ def check_snapshottable(ema: KarrasEMA) -> None:
         EMATypeError: the partitions are cut over a subgroup; the message says what works.
     """
     model = ema.ema_model
-    dist = torch.distributed
-    if not (isinstance(model, ZeroPartitions) and dist.is_available() and dist.is_initialized()):
+    if not (isinstance(model, ZeroPartitions) and dist_ready()):
         return
-    world = dist.get_world_size()
+    world = torch.distributed.get_world_size()
     for name, (_, _, group, _) in model.shapes.items():
-        size = dist.get_world_size(group) if group is not None else world
+        size = torch.distributed.get_world_size(group) if group is not None else world
         if size != world:
             raise EMATypeError(
                 f"PostHocEMA cannot snapshot this DeepSpeed model: parameter {name!r} is "
@@ -99,35 +82,11 @@ def check_snapshottable(ema: KarrasEMA) -> None:
             )
 
 
-def _tensors(
-    ema: KarrasEMA, dtype: torch.dtype | None, shard: bool, leave: frozenset[str]
-) -> tuple[dict[str, Tensor], set[str], dict[str, str]]:
-    """``(tensors to store, copied names, the shard header's layout fields)`` of one
-    profile, without the tensors in ``leave`` (in the side file; a rank file's layout
-    keeps their blocks)."""
-    model = ema.ema_model
-    if model is None:  # pragma: no cover - checkpoint() requires an update
-        raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-    if not shard:
-        if isinstance(model, ZeroPartitions):  # one process: the partitions are whole
-            state = {n: model.full(n, None) for n in model.layout()}
-        else:
-            state = model.state_dict()
-        out = snapshot_tensors({n: v for n, v in state.items() if n not in leave}, dtype)
-        return out, set(state) - ema.averaged_names(), {}
-    local, blocks, shapes = model_blocks(model)
-    copied = set(shapes) - ema.averaged_names()
-    fields = {"shard_layout": layout_json(shapes, blocks)}
-    if any(b.flat for b in blocks.values()):  # an emakit without flat ranges refuses it
-        fields["format_version"] = str(FLAT_LAYOUT_VERSION)
-    stored = {n: t for n, t in local.items() if n not in leave}
-    return snapshot_tensors(stored, dtype), copied, fields
-
-
 class SnapshotWriter:
     """Writes the snapshots of a PostHocEMA's profiles; holds the folder's lock meanwhile.
 
     Attributes:
+        store_frozen_once: whether shared frozen tensors go into side files.
         checked: whether the folder was checked before this run's first write.
         lock: the folder lock held (rank 0), or None.
         run: the run id the last write used (for a sharded model, rank 0's, which every
@@ -172,17 +131,13 @@ class SnapshotWriter:
         Returns:
             The files this rank wrote.
         """
-        dist = torch.distributed
-        shard = is_sharded(profiles[0]) and dist.is_available() and dist.is_initialized()
-        if not shard:
-            writer = is_writer()
+        if not (is_sharded(profiles[0].ema_model) and dist_ready()):
+            writer = is_rank_zero()
             if writer:
                 self._take_folder(folder, run, step)
             for ema in profiles:
                 ema.catch_up()
-            if not writer:
-                return []
-            return self._files(profiles, folder, step, dtype, run, None)
+            return self._files(profiles, folder, step, dtype, run) if writer else []
         agreed = agree(
             "PostHocEMA.checkpoint",
             step=step,
@@ -191,11 +146,10 @@ class SnapshotWriter:
             extra=secrets.randbits(64),  # rank 0's draw names this write on every rank
         )
         box = [run]  # rank 0's run id: ids drawn at random differ from rank to rank
-        dist.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0)
         self.run = run = str(box[0])
         for ema in profiles:  # every rank, before anything can fail: the EMAs stay alike
             ema.catch_up()
-        rank, world = dist.get_rank(), dist.get_world_size()
         voted = False
 
         def vote() -> None:  # every file written: replace the old ones only if all ranks did
@@ -203,13 +157,13 @@ class SnapshotWriter:
             voted = True
             _share(None, folder, step)
 
-        mine = (rank, world, f"{agreed.extra:016x}")  # and this write's id
+        shard = (torch.distributed.get_rank(), torch.distributed.get_world_size())
         try:
-            if rank == 0:
+            if shard[0] == 0:
                 self._take_folder(folder, run, step)
             else:
                 folder.mkdir(parents=True, exist_ok=True)
-            return self._files(profiles, folder, step, dtype, run, mine, vote)
+            return self._files(profiles, folder, step, dtype, run, shard, agreed, vote)
         except (OSError, EMAError) as e:
             if voted:  # the vote failed (nothing replaced), or a rename after it did
                 raise
@@ -223,22 +177,42 @@ class SnapshotWriter:
         step: int,
         dtype: torch.dtype | None,
         run: str,
-        shard: tuple[int, int, str] | None,
+        shard: tuple[int, int] | None = None,
+        write_id: int = 0,
         vote: Callable[[], None] | None = None,
     ) -> list[Path]:
-        where = None if shard is None else shard[:2]
-        names = [snapshot_filename(step, e.sigma_rel, e.gamma, where) for e in profiles]
+        """Write this rank's files of ``step``: the side file of the shared frozen tensors
+        if new (renamed into place first), then one snapshot file per profile (of this
+        rank's blocks, with ``shard=(rank, world)``), as one set."""
+        names = [snapshot_filename(step, e.sigma_rel, e.gamma, shard) for e in profiles]
         paths = [own_path(folder / name, run) for name in names]  # never another run's
-        part = self._frozen(profiles, folder, dtype, run, where)
+        part = self._frozen(profiles, folder, dtype, run, shard)
         side = [part.path] if part is not None and part.new else []
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
-            if side and part is not None and index == 0:  # renamed into place first
-                return snapshot_tensors(part.tensors, dtype), frozen_header(part.digest, run)
+            if side and part is not None and index == 0:
+                return snapshot_tensors(part.tensors, dtype), part.header(run)
             index -= len(side)
             ema = profiles[index]
-            leave = frozenset() if part is None else part.names[index]
-            tensors, copied, layout = _tensors(ema, dtype, shard is not None, leave)
+            model = ema.ema_model
+            if model is None:  # pragma: no cover - checkpoint() requires an update
+                raise EMARuntimeError("the EMA model does not exist yet: call update() first")
+            fields: dict[str, str] = {}
+            if shard is not None:
+                state, blocks, shapes = model_blocks(model)
+                fields = {
+                    "format": SHARD_FORMAT,
+                    "rank": str(shard[0]),
+                    "world": str(shard[1]),
+                    "shard_set": f"{write_id:016x}",
+                    "shard_layout": layout_json(shapes, blocks),
+                }
+                if any(b.flat for b in blocks.values()):  # an older emakit refuses it
+                    fields["format_version"] = str(FLAT_LAYOUT_VERSION)
+            elif isinstance(model, ZeroPartitions):  # one process: the partitions are whole
+                state = {n: model.full(n, None) for n in model.layout()}
+            else:
+                state = model.state_dict()
             header = snapshot_header(
                 step=step,
                 t=ema.t,
@@ -246,22 +220,17 @@ class SnapshotWriter:
                 sigma_rel=ema.sigma_rel,
                 profile=index,
                 update_every=int(ema.update_every or 1),
-                copied=copied,
+                copied=set(shapes if shard is not None else state) - ema.averaged_names(),
                 run=run,
                 frozen=None if part is None else part.fields(index),
             )
-            if shard is not None:
-                header.update(
-                    format=SHARD_FORMAT,
-                    rank=str(shard[0]),
-                    world=str(shard[1]),
-                    shard_set=shard[2],
-                )
-                header.update(layout)
-            return tensors, header
+            header.update(fields)
+            leave = frozenset() if part is None else part.names[index]
+            stored = {n: v for n, v in state.items() if n not in leave}
+            return snapshot_tensors(stored, dtype), header
 
         written = write_snapshots(side + paths, produce, before_replace=vote)
-        collect_frozen_files(folder, run, where)  # the files of values no snapshot uses
+        collect_frozen_files(folder, run, shard)  # the files of values no snapshot uses
         return written
 
     def _frozen(
@@ -273,7 +242,7 @@ class SnapshotWriter:
         shard: tuple[int, int] | None,
     ) -> FrozenPart | None:
         """What this rank stores of the profiles' shared frozen tensors (see
-        `emakit.posthoc.frozen_files`), or None."""
+        `emakit.posthoc.snapshots.frozen`), or None."""
         models = [e.ema_model for e in profiles]
         if not self.store_frozen_once or any(
             m is None or isinstance(m, ZeroPartitions) for m in models

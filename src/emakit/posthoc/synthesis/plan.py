@@ -1,16 +1,14 @@
-"""Post-hoc EMA synthesis: rebuild the EMA of any length from a folder of snapshots.
+"""Post-hoc EMA synthesis: choose the snapshots, solve the weights, run the sum.
 
 Karras et al. 2024 (arXiv:2312.02696, §3 and Appendix C): the EMA of *any* length at
 any saved step is a weighted sum of the snapshots, the weights coming from a float64
 least-squares fit of the profiles (Algorithm 3, [`solve_weights()`][emakit.posthoc.math.solve_weights]).
 
-* [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]: choose the snapshots and solve the weights, from the snapshot
-  headers alone (a [`SynthesisPlan`][emakit.posthoc.synthesis.SynthesisPlan]).
-* [`SynthesisPlan.run()`][emakit.posthoc.synthesis.SynthesisPlan.run] / [`synthesize_state_dict()`][emakit.posthoc.synthesis.synthesize_state_dict]: stream the snapshots into
-  the reconstructed state dict.
-* `open_snapshot()`: read one snapshot, emakit's (safetensors) or ema-pytorch's
-  (``<index>.<step>.pt``, given its profiles as a
-  [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]).
+* [`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]: choose the snapshots and solve the weights, from the snapshot
+  headers alone (a [`SynthesisPlan`][emakit.posthoc.synthesis.plan.SynthesisPlan]).
+* [`SynthesisPlan.run()`][emakit.posthoc.synthesis.plan.SynthesisPlan.run] / [`synthesize()`][emakit.posthoc.synthesis.plan.synthesize]: stream the snapshots into
+  the reconstructed state dict; `synthesize_into()`: into a model's tensors, whole or
+  this rank's blocks of a sharded one.
 
 Synthesis streams the snapshots: one file is open at a time and its tensors are added,
 one by one, into a float32 accumulator, so memory stays at about one model however many
@@ -27,52 +25,38 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .._dist.deepspeed import ZeroPartitions
-from .._dist.dtensor import is_dtensor, local_tensor
-from ..errors import EMAStateError, EMATypeError, EMAValueError
-from .assemble import Target, weighted_sums
-from .karras import resolve_profile
-from .math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
-from .reading import SnapshotReader, load_legacy_tensors, open_snapshot, restore_exact
-from .runs import pick_run
-from .shards import Block, model_blocks
-from .snapshots import LegacyProfiles, SnapshotInfo, list_legacy_files, list_snapshots
+from ..._dist.collectives import dist_ready
+from ..._dist.dtensor import local_tensor
+from ..._validate import optional_integer
+from ...errors import EMAStateError, EMAValueError
+from ..karras import resolve_profile
+from ..math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
+from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run
+from ..snapshots.format import SnapshotInfo, open_snapshot
+from ..snapshots.legacy import LegacyProfiles
+from ..snapshots.shards import Block, is_sharded, model_blocks
+from .weighted_sum import weighted_sums
 
 __all__ = [
-    "SnapshotReader",
     "SynthesisPlan",
     "load_into",
-    "load_legacy_tensors",
-    "model_regions",
-    "open_snapshot",
     "pick_snapshots",
     "plan_synthesis",
-    "restore_exact",
+    "region_args",
+    "synthesize",
     "synthesize_into",
     "synthesize_state_dict",
 ]
 
 #: A reconstruction whose profile misses the target by more than this (relative L2) warns.
 RESIDUAL_WARN = 0.1
-
-
-def _check_step(step: object) -> int | None:
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise EMATypeError(f"step must be an int or None, got {step=!r} ({type(step).__name__})")
-    if step < 1:
-        raise EMAValueError(f"step must be >= 1 (a training step), got {step=}")
-    return step
-
-
-# -- planning and running -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -111,7 +95,7 @@ class SynthesisPlan:
         shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
-        `weighted_sums()` in `emakit.posthoc.assemble`).
+        `emakit.posthoc.synthesis.weighted_sum.weighted_sums()`).
 
         .. math:: \\hat\\theta_r = \\sum_i w_i\\,\\hat\\theta_i
 
@@ -126,7 +110,7 @@ class SynthesisPlan:
                 overflowed to inf), used with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Default None:
                 such a tensor raises.
             regions: name -> the block of each tensor to build (a rank's shard, see
-                [`Block`][emakit.posthoc.shards.Block]). Default None: whole tensors.
+                [`Block`][emakit.posthoc.snapshots.shards.Block]). Default None: whole tensors.
             rank: the caller's rank, whose files of a sharded snapshot are read first.
             shapes: the model's global shapes of the tensors in ``regions``, checked.
 
@@ -141,7 +125,7 @@ class SynthesisPlan:
         """
         return weighted_sums(
             self.snapshots,
-            [Target(self.weights, self.buffers_from)],
+            [self],
             regions=regions,
             rank=rank,
             shapes=shapes,
@@ -155,7 +139,7 @@ def pick_snapshots(
     folder: str | os.PathLike[str], legacy: LegacyProfiles | None, run: str | None
 ) -> list[SnapshotInfo]:
     """The snapshots of ``folder`` that a synthesis uses: those of the run picked
-    ([`pick_run()`][emakit.posthoc.runs.pick_run]), ema-pytorch's read with ``legacy``.
+    ([`pick_run()`][emakit.posthoc.snapshots.folder.pick_run]), ema-pytorch's read with ``legacy``.
 
     Raises:
         EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
@@ -166,8 +150,10 @@ def pick_snapshots(
             f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
             f"({', '.join(f.path.name for f in stray[:4])}{', ...' if len(stray) > 4 else ''}), "
             f"which do not record their gamma; pass legacy=LegacyProfiles(gammas=...) with the "
-            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does), or "
-            f"move them out of the folder"
+            f"ema-pytorch run's profiles in order (PostHocEMA.synthesize_ema_model does; on the "
+            f"command line: --legacy-sigma-rels S,S, the sigma_rels of the ema-pytorch "
+            f"PostHocEMA in its order, or --legacy-gammas G,G, with --legacy-update-every N), "
+            f"or move them out of the folder"
         )
     return snaps
 
@@ -180,7 +166,7 @@ def plan_synthesis(
     step: int | None = None,
     legacy: LegacyProfiles | None = None,
     run: str | None = None,
-    snapshots: Sequence[SnapshotInfo] | None = None,
+    snapshots: list[SnapshotInfo] | None = None,
 ) -> SynthesisPlan:
     """Choose the snapshots and solve the weights for one target EMA (from the snapshot
     headers and names; only an ema-pytorch file chosen for the buffers is loaded, to
@@ -197,7 +183,7 @@ def plan_synthesis(
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
             which are then used with emakit's snapshots. Default None: the folder must
             hold none.
-        run: the run whose snapshots to use (see [`emakit.posthoc.runs`][emakit.posthoc.runs]; ``""`` for
+        run: the run whose snapshots to use (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]; ``""`` for
             snapshots written before run ids). Default None: the folder must hold the
             snapshots of one run.
         snapshots: the folder's snapshots, already listed and picked
@@ -205,7 +191,7 @@ def plan_synthesis(
             None: list the folder.
 
     Returns:
-        A [`SynthesisPlan`][emakit.posthoc.synthesis.SynthesisPlan]; call [`SynthesisPlan.run()`][emakit.posthoc.synthesis.SynthesisPlan.run] to build the weights.
+        A [`SynthesisPlan`][emakit.posthoc.synthesis.plan.SynthesisPlan]; call [`SynthesisPlan.run()`][emakit.posthoc.synthesis.plan.SynthesisPlan.run] to build the weights.
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
@@ -220,8 +206,8 @@ def plan_synthesis(
             rounding noticeably, or the solve fell back to least squares.
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
-    step = _check_step(step)
-    snaps = list(snapshots) if snapshots is not None else pick_snapshots(folder, legacy, run)
+    step = optional_integer("step", step, low=1)
+    snaps = snapshots if snapshots is not None else pick_snapshots(folder, legacy, run)
     if not snaps:
         raise EMAValueError(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
@@ -268,14 +254,7 @@ def plan_synthesis(
             PostHocWarning,
             stacklevel=2,
         )
-    return SynthesisPlan(
-        sigma_rel=sigma_rel,
-        gamma=gamma,
-        step=step,
-        snapshots=usable,
-        solution=solution,
-        buffers_from=buffers_from,
-    )
+    return SynthesisPlan(sigma_rel, gamma, step, usable, solution, buffers_from)
 
 
 def _poor_fit_reason(
@@ -330,78 +309,15 @@ def _stored_roundoff(snap: SnapshotInfo) -> float:
     return 0.0
 
 
-def synthesize_into(
-    model: nn.Module, plan: SynthesisPlan, *, where: str | os.PathLike[str] = "the folder"
-) -> None:
-    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
-
-    A model held whole gets every tensor (``load_state_dict(strict=True)``); a sharded
-    model (DTensor weights: FSDP2, HSDP, FSDP with tensor parallelism; the
-    `ZeroPartitions` (`emakit._dist.deepspeed`) of a DeepSpeed ZeRO-3 EMA)
-    gets, on each rank, the block or partition of every tensor that rank holds, cut out of
-    whichever snapshot files overlap it (the rank's own first): the snapshots may come
-    from any number of ranks, or from one process, sharded either way. No collective is
-    run; memory is the rank's blocks in float32 plus one stored tensor (or block) at a
-    time.
-
-    Args:
-        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
-        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
-        where: the snapshot folder, for messages.
-
-    Raises:
-        EMAStateError: the snapshots do not match the model (names or shapes).
-    """
-    regions, shapes, rank = model_regions(model)
-    if regions is None:
-        load_into(model, plan.run(dtype=torch.float32, fill=model.state_dict()), where=where)
-        return
-    load_into(model, plan.run(dtype=torch.float32, regions=regions, rank=rank, shapes=shapes))
+def _profile_distance(a: float, b: float) -> float:
+    # how far apart two profiles are: by gamma's ratio, or (a gamma <= 0, sigma_rel above
+    # 1/sqrt(12)) by sigma_rel's
+    if a > 0 and b > 0:
+        return abs(math.log(a / b))
+    return abs(math.log(gamma_to_sigma_rel(a) / gamma_to_sigma_rel(b)))
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, ZeroPartitions) or any(
-        is_dtensor(v) for v in model.state_dict().values()
-    )
-
-
-def model_regions(
-    model: nn.Module,
-) -> tuple[dict[str, Block] | None, dict[str, tuple[int, ...]] | None, int | None]:
-    """``(regions, global shapes, rank)`` to synthesize ``model``'s tensors with: for a
-    sharded model the block (DTensor) or flat range (ZeRO-3 partition) of every tensor this
-    rank holds ([`model_blocks()`][emakit.posthoc.shards.model_blocks]), ``(None, None,
-    None)`` (whole tensors) otherwise."""
-    if not _is_sharded(model):
-        return None, None, None
-    dist = torch.distributed
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    _, regions, shapes = model_blocks(model, empty=True)
-    return regions, shapes, rank
-
-
-def load_into(
-    model: nn.Module, out: Mapping[str, Tensor], *, where: str | os.PathLike[str] = "the folder"
-) -> None:
-    """Copy a synthesized state (whole tensors, or this rank's blocks, see
-    `model_regions()`) into ``model``'s tensors."""
-    if not _is_sharded(model):
-        try:
-            model.load_state_dict(out, strict=True)
-        except RuntimeError as e:
-            raise EMAStateError(
-                f"the snapshots in {str(where)!r} do not match the model: {e}"
-            ) from e
-        return
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, value in out.items():
-            local = local_tensor(state[name])
-            if local.numel():
-                local.copy_(value.reshape(local.shape))
-
-
-def synthesize_state_dict(
+def synthesize(
     folder: str | os.PathLike[str],
     *,
     sigma_rel: float | None = None,
@@ -416,21 +332,22 @@ def synthesize_state_dict(
     folder, without the model: ``plan_synthesis(...).run(...)``.
 
     Args:
-        folder: the snapshot folder.
+        folder: the snapshot folder (one process's files, or every rank's: a sharded run
+            is reassembled into whole tensors).
         sigma_rel: the target relative EMA length. Give this or ``gamma``.
         gamma: the target exponent.
         step: the target step. Default None: the latest snapshot's.
         dtype: dtype of the averaged tensors. Default ``torch.float32``.
         progress: called as ``progress(done, total)`` after each snapshot.
         legacy: the profiles of ema-pytorch's snapshot files in the folder (see
-            [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]). Default None.
-        run: the run to use (see [`plan_synthesis()`][emakit.posthoc.synthesis.plan_synthesis]). Default None: the only one.
+            [`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]). Default None.
+        run: the run to use (see [`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]). Default None: the only one.
 
     Returns:
         name -> tensor, loadable straight into the model class with ``load_state_dict``.
 
     Example:
-        >>> sd = synthesize_state_dict("./post-hoc-ema-checkpoints", sigma_rel=0.15)  # doctest: +SKIP
+        >>> sd = synthesize("./post-hoc-ema-checkpoints", sigma_rel=0.15)  # doctest: +SKIP
         >>> net.load_state_dict(sd)  # doctest: +SKIP
     """
     plan = plan_synthesis(
@@ -439,9 +356,51 @@ def synthesize_state_dict(
     return plan.run(dtype=dtype, progress=progress)
 
 
-def _profile_distance(a: float, b: float) -> float:
-    # how far apart two profiles are: by gamma's ratio, or (a gamma <= 0, sigma_rel above
-    # 1/sqrt(12)) by sigma_rel's
-    if a > 0 and b > 0:
-        return abs(math.log(a / b))
-    return abs(math.log(gamma_to_sigma_rel(a) / gamma_to_sigma_rel(b)))
+def synthesize_state_dict(folder: str | os.PathLike[str], **kwargs: Any) -> dict[str, Tensor]:
+    """Alias of [`synthesize()`][emakit.posthoc.synthesis.plan.synthesize] (same keywords),
+    kept for code written before emakit named the synthesis from a folder ``synthesize``."""
+    return synthesize(folder, **kwargs)
+
+
+def region_args(model: nn.Module) -> dict[str, Any]:
+    """The keywords of [`SynthesisPlan.run()`][emakit.posthoc.synthesis.plan.SynthesisPlan.run]
+    (and of a sweep's pass) that build ``model``'s tensors: the block of every tensor this
+    rank holds ([`model_blocks()`][emakit.posthoc.snapshots.shards.model_blocks]: whole
+    tensors, a DTensor's shard under FSDP2, HSDP or FSDP with tensor parallelism, the flat
+    range of a DeepSpeed ZeRO-3 partition), their global shapes (checked against the
+    snapshots') and the rank; for a model held whole, also its state as ``fill`` (for the
+    integer tensors an ema-pytorch file lost)."""
+    _, regions, shapes = model_blocks(model, empty=True)
+    rank = torch.distributed.get_rank() if dist_ready() else None
+    fill = None if is_sharded(model) else model.state_dict()
+    return {"regions": regions, "shapes": shapes, "rank": rank, "fill": fill}
+
+
+def synthesize_into(model: nn.Module, plan: SynthesisPlan) -> None:
+    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
+
+    Each rank gets the block or partition of every tensor it holds (`region_args()`; all
+    of every tensor for a model held whole), cut out of whichever snapshot files overlap
+    it (the rank's own first): the snapshots may come from any number of ranks, or from
+    one process, sharded either way. No collective is run; memory is the rank's blocks in
+    float32 plus one stored tensor (or block) at a time.
+
+    Args:
+        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
+        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]).
+
+    Raises:
+        EMAStateError: the snapshots do not match the model (names or shapes).
+    """
+    load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
+
+
+def load_into(model: nn.Module, out: Mapping[str, Tensor]) -> None:
+    """Copy a synthesized state (this rank's blocks of every tensor, see `region_args()`)
+    into ``model``'s tensors, in place."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in out.items():
+            local = local_tensor(state[name])
+            if local.numel():
+                local.copy_(value.reshape(local.shape))

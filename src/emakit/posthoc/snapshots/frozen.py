@@ -73,28 +73,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._files.atomic import TEMP_PREFIX
-from .._files.safetensors_file import SafetensorsFile
-from ..errors import EMAError, EMAStateError
-from .math import PostHocWarning
+from ..._files.atomic import TEMP_PREFIX
+from ..._files.safetensors_file import SafetensorsFile
+from ..._version import __version__
+from ...errors import EMAError, EMAStateError
+from ..math import PostHocWarning
 from .shards import shard_suffix
 
 __all__ = [
     "FROZEN_FORMAT",
-    "FROZEN_FORMAT_VERSION",
     "FrozenJoin",
     "FrozenPart",
-    "FrozenRef",
     "collect_frozen_files",
-    "frozen_filename",
-    "frozen_header",
     "frozen_part",
     "frozen_ref",
     "frozen_tensors",
     "is_side_file",
     "join_frozen",
-    "reference_fields",
-    "side_file_ok",
     "side_missing",
     "snapshot_tensors",
     "tensor_digest",
@@ -115,15 +110,11 @@ def is_side_file(name: str) -> bool:
     return bool(_NAME.match(name))
 
 
-def _target(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a snapshot stores ``t`` in: ``dtype`` for a floating tensor (None keeps
-    its own), its own for integer and bool tensors (exact)."""
-    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-
-
-def _stored(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``t`` as stored, on the CPU (no copy where it already is)."""
-    return t.detach().to("cpu", _target(t, dtype)).contiguous()
+def _stored(t: Tensor, dtype: torch.dtype | None, copy: bool = False) -> Tensor:
+    """``t`` as a snapshot stores it, on the CPU: a floating tensor in ``dtype`` (None
+    keeps its own), an integer or bool tensor exact."""
+    target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    return t.detach().to("cpu", target, copy=copy).contiguous()
 
 
 def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
@@ -133,14 +124,12 @@ def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> 
     Warns:
         PostHocWarning: values overflow ``dtype`` (stored as inf).
     """
-    out: dict[str, Tensor] = {}
-    overflow: list[str] = []
-    for name, v in state.items():
-        v, target = v.detach(), _target(v, dtype)
-        c = v.to(device="cpu", dtype=target, copy=True).contiguous()
-        if target != v.dtype and c.isinf().any() and not v.isinf().any():
-            overflow.append(name)
-        out[name] = c
+    out = {name: _stored(v, dtype, copy=True) for name, v in state.items()}
+    overflow = [
+        n
+        for n, v in state.items()
+        if out[n].dtype != v.dtype and out[n].isinf().any() and not v.isinf().any()
+    ]
     if overflow:
         warnings.warn(
             f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
@@ -166,32 +155,7 @@ def tensor_digest(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> s
 
 def frozen_filename(digest: str, run: str, shard: tuple[int, int] | None = None) -> str:
     """The side file's name for ``digest`` in ``run`` (and ``shard=(rank, world)``)."""
-    name = f"frozen-{digest[:32]}.run-{run}"
-    if shard is not None:
-        name += shard_suffix(*shard)
-    return name + ".safetensors"
-
-
-def frozen_header(digest: str, run: str) -> dict[str, str]:
-    """The header metadata of a side file (see the module docstring)."""
-    from .._version import __version__
-
-    return {
-        "format": FROZEN_FORMAT,
-        "format_version": str(FROZEN_FORMAT_VERSION),
-        "emakit_version": __version__,
-        "digest": digest,
-        "run": run,
-    }
-
-
-def reference_fields(file: str, digest: str, names: Sequence[str]) -> dict[str, str]:
-    """The header entries of a snapshot that takes ``names`` from side file ``file``."""
-    return {
-        "frozen_file": file,
-        "frozen_digest": digest,
-        "frozen_names": json.dumps(sorted(names)),
-    }
+    return f"frozen-{digest[:32]}.run-{run}{shard_suffix(*shard) if shard else ''}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -209,13 +173,6 @@ class FrozenRef:
     names: frozenset[str]
 
 
-def _malformed(path: Path, key: str, value: object) -> EMAStateError:
-    return EMAStateError(
-        f"snapshot {path} has a malformed {key!r} in its header ({key}={value!r}); the file "
-        f"is damaged or was not written by emakit: move it out of the folder"
-    )
-
-
 def frozen_ref(path: Path, meta: Mapping[str, str]) -> FrozenRef | None:
     """The side file a snapshot file's header refers to, checked; None when it stores
     every tensor itself.
@@ -226,20 +183,25 @@ def frozen_ref(path: Path, meta: Mapping[str, str]) -> FrozenRef | None:
     if "frozen_file" not in meta:
         return None
     file, digest = meta.get("frozen_file", ""), meta.get("frozen_digest", "")
-    if not is_side_file(file):
-        raise _malformed(path, "frozen_file", file)
-    if not _DIGEST.match(digest) or not file.startswith(f"frozen-{digest[:32]}."):
-        raise _malformed(path, "frozen_digest", digest)
     try:
         names = json.loads(meta.get("frozen_names", ""))
     except ValueError:
-        raise _malformed(path, "frozen_names", meta.get("frozen_names")) from None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise _malformed(path, "frozen_names", meta.get("frozen_names"))
-    return FrozenRef(path.parent / file, digest, frozenset(names))
+        names = None
+    for key, ok in (
+        ("frozen_file", is_side_file(file)),
+        ("frozen_digest", _DIGEST.match(digest) and file.startswith(f"frozen-{digest[:32]}.")),
+        ("frozen_names", isinstance(names, list) and all(isinstance(n, str) for n in names)),
+    ):
+        if not ok:
+            raise EMAStateError(
+                f"snapshot {path} has a malformed {key!r} in its header ({key}="
+                f"{meta.get(key)!r}); the file is damaged or was not written by emakit: move "
+                f"it out of the folder"
+            )
+    return FrozenRef(path.parent / file, digest, frozenset(names))  # type: ignore[arg-type]
 
 
-def side_file_ok(path: Path, digest: str) -> bool:
+def _side_file_ok(path: Path, digest: str) -> bool:
     """Whether ``path`` is a readable side file whose header records ``digest``."""
     try:
         with SafetensorsFile(path, "frozen weights file") as f:
@@ -258,7 +220,7 @@ def side_missing(path: Path, meta: Mapping[str, str], seen: dict[Any, bool]) -> 
         return ""
     key = (ref.file, ref.digest)
     if key not in seen:
-        seen[key] = side_file_ok(ref.file, ref.digest)
+        seen[key] = _side_file_ok(ref.file, ref.digest)
     if seen[key]:
         return ""
     return (
@@ -308,15 +270,37 @@ def _side_error(path: Path, ref: FrozenRef, why: str) -> EMAStateError:
     )
 
 
-@contextlib.contextmanager
-def join_frozen(f: Any) -> Iterator[Any]:
-    """``f`` (an open snapshot file) joined with its side file, if its header names one;
-    ``f`` itself otherwise (an ema-pytorch file, a snapshot that stores every tensor).
+def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
+    """The side file ``ref`` of the snapshot file ``path`` (storing ``own``), open, checked.
 
     Raises:
         EMAStateError: the side file is missing, not a side file, records another digest,
             or does not hold the names the snapshot takes from it (or the snapshot holds
             them too).
+    """
+    try:
+        side = SafetensorsFile(ref.file, "frozen weights file")
+    except EMAError as e:
+        raise _side_error(path, ref, f"cannot be read ({e})") from e
+    missing, twice = sorted(ref.names - set(side.keys())), sorted(ref.names & own)
+    if side.metadata.get("format") != FROZEN_FORMAT or side.metadata.get("digest") != ref.digest:
+        why = "records another digest (it was replaced)"
+    else:
+        why = f"lacks {missing[:5]}" if missing else f"repeats {twice[:5]}" if twice else ""
+    if why:
+        side.close()
+        raise _side_error(path, ref, why)
+    return side
+
+
+@contextlib.contextmanager
+def join_frozen(f: Any) -> Iterator[Any]:
+    """``f`` (an open snapshot file) joined with its side file, if its header names one
+    (a `FrozenJoin`); ``f`` itself
+    otherwise (an ema-pytorch file, a snapshot that stores every tensor).
+
+    Raises:
+        EMAStateError: the side file is missing, replaced or incomplete.
     """
     meta = getattr(f, "metadata", None)
     ref = None if meta is None else frozen_ref(f.path, meta)
@@ -325,31 +309,6 @@ def join_frozen(f: Any) -> Iterator[Any]:
         return
     with _open_side(f.path, ref, set(f.keys())) as side:
         yield FrozenJoin(f, side, ref.names)
-
-
-def _open_side(path: Path, ref: FrozenRef, own: set[str]) -> SafetensorsFile:
-    """The side file ``ref`` of the snapshot file ``path`` (storing ``own``), open, checked."""
-    try:
-        side = SafetensorsFile(ref.file, "frozen weights file")
-    except EMAError as e:
-        raise _side_error(path, ref, f"cannot be read ({e})") from e
-    why = _mismatch(side, ref, own)
-    if why:
-        side.close()
-        raise _side_error(path, ref, why)
-    return side
-
-
-def _mismatch(side: SafetensorsFile, ref: FrozenRef, own: set[str]) -> str:
-    """What is wrong with ``side`` as the side file ``ref`` names (``""``: nothing)."""
-    meta = side.metadata
-    if meta.get("format") != FROZEN_FORMAT or meta.get("digest") != ref.digest:
-        return "records another digest (it was replaced)"
-    missing = sorted(ref.names - set(side.keys()))
-    if missing:
-        return f"lacks {missing[:5]}"
-    twice = sorted(ref.names & own)
-    return f"repeats {twice[:5]}" if twice else ""
 
 
 def frozen_tensors(
@@ -367,25 +326,6 @@ def frozen_tensors(
         return {}
     with _open_side(Path(path), ref, set(own)) as side:
         return {n: side.get(n) for n in sorted(ref.names)}
-
-
-def _references(folder: Path) -> set[str] | None:
-    """The side files the files of ``folder`` refer to; None when the folder cannot be
-    listed."""
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return None
-    out: set[str] = set()
-    for p in entries:
-        name = p.name
-        if not name.endswith(".safetensors") or TEMP_PREFIX in name or is_side_file(name):
-            continue
-        with contextlib.suppress(EMAError, OSError), SafetensorsFile(p, "snapshot") as f:
-            file = f.metadata.get("frozen_file")
-            if file is not None:
-                out.add(file)
-    return out
 
 
 def collect_frozen_files(
@@ -411,16 +351,19 @@ def collect_frozen_files(
     root = Path(folder)
     ending = f".run-{run}{'' if shard is None else shard_suffix(*shard)}.safetensors"
     try:
-        candidates = [
-            p
-            for p in sorted(root.glob("frozen-*.safetensors"))
-            if is_side_file(p.name) and (run is None or p.name.endswith(ending))
-        ]
+        files = sorted(root.iterdir())
     except OSError:
         return []
-    refs = _references(root) if candidates else None  # no side file: no header read
-    if refs is None:
-        return []
+    candidates = [
+        p for p in files if is_side_file(p.name) and (run is None or p.name.endswith(ending))
+    ]
+    refs: set[str] = set()
+    for p in files if candidates else ():  # no side file: no header read
+        name = p.name
+        if not name.endswith(".safetensors") or TEMP_PREFIX in name or is_side_file(name):
+            continue
+        with contextlib.suppress(EMAError, OSError), SafetensorsFile(p, "snapshot") as f:
+            refs.add(f.metadata.get("frozen_file", ""))
     removed = []
     for p in candidates:
         if p.name not in refs:
@@ -448,11 +391,28 @@ class FrozenPart:
     path: Path
     new: bool
 
+    def header(self, run: str) -> dict[str, str]:
+        """The side file's header metadata (see the module docstring)."""
+        return {
+            "format": FROZEN_FORMAT,
+            "format_version": str(FROZEN_FORMAT_VERSION),
+            "emakit_version": __version__,
+            "digest": self.digest,
+            "run": run,
+        }
+
     def fields(self, index: int) -> dict[str, str] | None:
-        """The header entries of profile ``index``'s snapshot, or None when it takes
-        nothing from the side file."""
+        """The header entries of profile ``index``'s snapshot that name the side file
+        (``frozen_file``, ``frozen_digest``, ``frozen_names``), or None when it takes
+        nothing from it."""
         names = self.names[index]
-        return reference_fields(self.path.name, self.digest, sorted(names)) if names else None
+        if not names:
+            return None
+        return {
+            "frozen_file": self.path.name,
+            "frozen_digest": self.digest,
+            "frozen_names": json.dumps(sorted(names)),
+        }
 
 
 def frozen_part(
@@ -477,13 +437,12 @@ def frozen_part(
     tensors: dict[str, Tensor] = {}
     names = []
     for state, names_shared in zip(states, shared, strict=True):
-        mine = set()
-        for name in sorted(names_shared & set(state)):
+        mine = sorted(names_shared & set(state))
+        for name in mine:
             tensors.setdefault(name, state[name])
-            mine.add(name)
         names.append(frozenset(mine))
     if not tensors:
         return None
     digest = tensor_digest(tensors, dtype)
     path = folder / frozen_filename(digest, run, shard)
-    return FrozenPart(tuple(names), tensors, digest, path, not side_file_ok(path, digest))
+    return FrozenPart(tuple(names), tensors, digest, path, not _side_file_ok(path, digest))

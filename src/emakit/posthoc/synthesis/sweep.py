@@ -3,14 +3,14 @@
 How the EMA length of a diffusion model is chosen (Karras et al. 2024,
 arXiv:2312.02696, Fig. 1 and §3): synthesize the EMA at a range of ``sigma_rel`` from the
 snapshots of one training run, evaluate each (FID for them; any ``evaluate(model) ->
-float`` here), and keep the best. [`sweep()`][emakit.posthoc.sweeping.sweep] does it from a snapshot folder alone
-(``evaluate`` receives a state dict), `sweep()` from a training
+float`` here), and keep the best. [`sweep()`][emakit.posthoc.synthesis.sweep.sweep] does it from a snapshot folder alone
+(``evaluate`` receives a state dict), [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep] from a training
 run's objects (``evaluate`` receives the synthesized EMA model, sharded like the model),
 and ``emakit sweep FOLDER --sigma-rel A:B:N --eval module:function`` from the shell.
 
 Each snapshot is read **once** for a whole batch of lengths: its tensors are added, one at
 a time, into the accumulator of every length of the batch
-(`weighted_sums()`). Memory is one float32 model per length
+(`emakit.posthoc.synthesis.weighted_sum.weighted_sums()`). Memory is one float32 model per length
 of a batch (``lengths_per_pass``, default 8; more lengths take more passes) plus one
 stored tensor; each length is evaluated, then dropped, before the next batch.
 """
@@ -19,23 +19,26 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._validate import integer
-from ..errors import EMATypeError, EMAValueError
-from .assemble import Target, weighted_sums
-from .karras import resolve_profile
-from .math import check_sigma_rel
-from .shards import Block
-from .snapshots import LegacyProfiles, SnapshotInfo
-from .synthesis import SynthesisPlan, load_into, model_regions, pick_snapshots, plan_synthesis
+from ..._validate import integer
+from ...errors import EMATypeError, EMAValueError
+from ..math import check_sigma_rel
+from ..snapshots.format import SnapshotInfo
+from ..snapshots.legacy import LegacyProfiles
+from .plan import pick_snapshots, plan_synthesis
+from .weighted_sum import weighted_sums
 
-__all__ = ["SweepResult", "run_sweep", "sweep", "sweep_lengths", "sweep_module"]
+__all__ = ["SweepResult", "run_sweep", "sweep", "sweep_lengths"]
+
+#: What `run_sweep()` gets from its caller once the lengths are checked: the function
+#: that scores one reconstruction, and the keywords that shape the reconstructions.
+Scorer = Callable[[], tuple[Callable[[dict[str, Tensor]], Any], dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,8 @@ class SweepResult:
     def table(self) -> str:
         """The scores as text, one line per length, the best marked."""
         best = self.best[0]
-        lines = [
-            f"sigma_rel  score  (step {self.step}, {'lower' if self.mode == 'min' else 'higher'} is better)"
-        ]
+        better = "lower" if self.mode == "min" else "higher"
+        lines = [f"sigma_rel  score  (step {self.step}, {better} is better)"]
         for s, v in self.pairs:
             lines.append(f"{s:9.4f}  {v:.6g}" + ("  <- best" if s == best else ""))
         return "\n".join(lines)
@@ -122,11 +124,12 @@ class SweepResult:
 
 
 def sweep_lengths(spec: str) -> list[float]:
-    """``"A:B:N"`` -> ``N`` evenly spaced ``sigma_rel`` from ``A`` to ``B`` (inclusive);
-    ``"A,B,C"`` -> those values.
+    """The lengths a sweep spec names: ``"A:B:N"`` -> ``N`` evenly spaced ``sigma_rel``
+    from ``A`` to ``B`` (inclusive); ``"A,B,C"`` -> those values. [`sweep()`][emakit.posthoc.synthesis.sweep.sweep]
+    and ``emakit sweep --sigma-rel`` take such a spec; this gives the list itself.
 
     Raises:
-        EMAValueError: a malformed spec or a value outside ``(0, 1/sqrt(12))``.
+        EMAValueError: a malformed spec or a value outside ``(0, SIGMA_REL_MAX]``.
     """
     parts = spec.split(":")
     try:
@@ -146,65 +149,55 @@ def sweep_lengths(spec: str) -> list[float]:
     return [check_sigma_rel(v, "sigma_rel") for v in values]
 
 
-def _check(
-    sigma_rels: Sequence[float], mode: str, lengths_per_pass: int
-) -> tuple[list[float], int]:
-    if isinstance(sigma_rels, (str, bytes)) or not isinstance(sigma_rels, Sequence):
+def run_sweep(
+    folder: str | os.PathLike[str],
+    sigma_rels: Sequence[float] | str,
+    *,
+    step: int | None,
+    mode: Literal["min", "max"],
+    lengths_per_pass: int,
+    plot: str | os.PathLike[str] | None,
+    snapshots: Callable[[], list[SnapshotInfo]],
+    scorer: Scorer,
+) -> SweepResult:
+    """The sweep of [`sweep()`][emakit.posthoc.synthesis.sweep.sweep] and
+    [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep]: check the arguments, list the snapshots
+    (``snapshots()``), plan every length at one step, then ``scorer()`` gives the function
+    that scores a reconstruction and the keywords of its passes (see
+    [`region_args()`][emakit.posthoc.synthesis.plan.region_args]); each pass reads every
+    snapshot once for ``lengths_per_pass`` lengths."""
+    if isinstance(sigma_rels, str):
+        sigma_rels = sweep_lengths(sigma_rels)
+    if isinstance(sigma_rels, bytes) or not isinstance(sigma_rels, Sequence):
         raise EMATypeError(f"sigma_rels must be a sequence of numbers, got {sigma_rels=!r}")
     if not sigma_rels:
         raise EMAValueError(f"sigma_rels must hold at least one length, got {sigma_rels=!r}")
     if mode not in ("min", "max"):
         raise EMAValueError(f"mode must be 'min' (lower is better) or 'max', got {mode=!r}")
-    srs = [resolve_profile(check_sigma_rel(s, "sigma_rels"), None)[0] for s in sigma_rels]
-    return srs, integer("lengths_per_pass", lengths_per_pass, low=1)
-
-
-def run_sweep(
-    plans: Sequence[SynthesisPlan],
-    score: Callable[[dict[str, Tensor]], float],
-    *,
-    lengths_per_pass: int = 8,
-    regions: Mapping[str, Block] | None = None,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-    rank: int | None = None,
-    fill: Mapping[str, Tensor] | None = None,
-) -> list[float]:
-    """Score every plan's reconstruction, ``lengths_per_pass`` plans per pass over their
-    snapshots (which must be the same snapshots: one step, one folder)."""
+    srs = [check_sigma_rel(s, "sigma_rels") for s in sigma_rels]
+    per_pass = integer("lengths_per_pass", lengths_per_pass, low=1)
+    snaps = snapshots()
+    plans = [plan_synthesis(folder, sigma_rel=s, step=step, snapshots=snaps) for s in srs]
+    score, shape = scorer()
     scores: list[float] = []
-    for start in range(0, len(plans), lengths_per_pass):
-        batch = plans[start : start + lengths_per_pass]
-        states = weighted_sums(
-            batch[0].snapshots,
-            [Target(p.weights, p.buffers_from) for p in batch],
-            regions=regions,
-            shapes=shapes,
-            rank=rank,
-            fill=fill,
-        )
+    for start in range(0, len(plans), per_pass):
+        batch = plans[start : start + per_pass]
+        states = weighted_sums(batch[0].snapshots, batch, **shape)
         for i in range(len(states)):
-            state, states[i] = states[i], {}
+            state, states[i] = states[i], {}  # each length dropped once scored
             scores.append(float(score(state)))
             del state
-    return scores
-
-
-def plans_for(
-    folder: str | os.PathLike[str],
-    sigma_rels: Sequence[float],
-    *,
-    step: int | None,
-    snaps: list[SnapshotInfo],
-) -> list[SynthesisPlan]:
-    """One plan per length, all at ``step`` (default: the latest snapshot's), from one
-    listing of the folder."""
-    return [plan_synthesis(folder, sigma_rel=s, step=step, snapshots=snaps) for s in sigma_rels]
+    tracked = tuple(sorted({round(s.sigma_rel, 12) for s in plans[0].snapshots}))
+    result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode)
+    if plot is not None:
+        result.plot(plot)
+    return result
 
 
 def sweep(
     folder: str | os.PathLike[str],
     evaluate: Callable[[dict[str, Tensor]], Any],
-    sigma_rels: Sequence[float],
+    sigma_rels: Sequence[float] | str,
     *,
     step: int | None = None,
     mode: Literal["min", "max"] = "min",
@@ -222,8 +215,9 @@ def sweep(
     Args:
         folder: the snapshot folder (one process's files, or every rank's).
         evaluate: scores one reconstruction; called once per length, in order.
-        sigma_rels: the lengths to try, each in ``(0, 1/sqrt(12))`` (see
-            [`sweep_lengths()`][emakit.posthoc.sweeping.sweep_lengths] for ``"A:B:N"``).
+        sigma_rels: the lengths to try, each in ``(0, SIGMA_REL_MAX]``, or a spec:
+            ``"A:B:N"`` for ``N`` evenly spaced lengths from ``A`` to ``B``, ``"A,B,C"``
+            (see [`sweep_lengths()`][emakit.posthoc.synthesis.sweep.sweep_lengths]).
         step: the step to synthesize at. Default None: the latest snapshot's.
         mode: ``"min"`` if lower scores are better (a loss, FID), ``"max"`` otherwise.
             Default ``"min"``.
@@ -231,10 +225,10 @@ def sweep(
             float32 model in memory meanwhile). Default 8.
         run: the run to use (see [`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
         legacy: the profiles of ema-pytorch files in the folder.
-        plot: write the plot here (see [`SweepResult.plot()`][emakit.posthoc.sweeping.SweepResult.plot]). Default None: no plot.
+        plot: write the plot here (see [`SweepResult.plot()`][emakit.posthoc.synthesis.sweep.SweepResult.plot]). Default None: no plot.
 
     Returns:
-        A [`SweepResult`][emakit.posthoc.sweeping.SweepResult]: the ``(sigma_rel, score)`` pairs in order, and ``.best``.
+        A [`SweepResult`][emakit.posthoc.synthesis.sweep.SweepResult]: the ``(sigma_rel, score)`` pairs in order, and ``.best``.
 
     Raises:
         EMAValueError: a bad length, mode or ``lengths_per_pass``; no snapshots.
@@ -242,65 +236,17 @@ def sweep(
     Example:
         >>> def evaluate(state):  # doctest: +SKIP
         ...     net = Net(); net.load_state_dict(state); return validation_loss(net)
-        >>> result = sweep("ckpts", evaluate, sigma_rels=[0.05, 0.1, 0.15, 0.2])  # doctest: +SKIP
+        >>> result = sweep("ckpts", evaluate, sigma_rels="0.05:0.2:4")  # doctest: +SKIP
         >>> result.best  # doctest: +SKIP
         (0.1, 0.0123)
     """
-    srs, per_pass = _check(sigma_rels, mode, lengths_per_pass)
-    snaps = pick_snapshots(folder, legacy, run)
-    plans = plans_for(folder, srs, step=step, snaps=snaps)
-    scores = run_sweep(plans, evaluate, lengths_per_pass=per_pass)
-    return _result(srs, scores, plans, mode, plot)
-
-
-def _result(
-    srs: Sequence[float],
-    scores: Sequence[float],
-    plans: Sequence[SynthesisPlan],
-    mode: Literal["min", "max"],
-    plot: str | os.PathLike[str] | None,
-) -> SweepResult:
-    tracked = tuple(sorted({round(s.sigma_rel, 12) for s in plans[0].snapshots}))
-    result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode)
-    if plot is not None:
-        result.plot(plot)
-    return result
-
-
-def sweep_module(
-    folder: str | os.PathLike[str],
-    evaluate: Callable[[Any], Any],
-    sigma_rels: Sequence[float],
-    *,
-    build: Callable[[], tuple[nn.Module, Callable[[Callable[[Any], Any]], Any]]],
-    step: int | None,
-    mode: Literal["min", "max"],
-    lengths_per_pass: int,
-    snapshots: Callable[[], list[SnapshotInfo]],
-    plot: str | os.PathLike[str] | None,
-) -> SweepResult:
-    """`sweep()`: ``build()`` makes the one EMA model every length is loaded into
-    (sharded like the model) and ``call``, which runs ``evaluate`` on what computes with
-    it (the EMA model in eval mode; for a ZeRO-3 EMA, the online model with the EMA
-    partitions swapped in); ``snapshots()`` lists and picks the folder's snapshots."""
-    srs, per_pass = _check(sigma_rels, mode, lengths_per_pass)
-    snaps = snapshots()
-    plans = plans_for(folder, srs, step=step, snaps=snaps)
-    model, call = build()
-    model.eval()
-    regions, shapes, rank = model_regions(model)
-
-    def score(out: dict[str, Tensor]) -> float:
-        load_into(model, out, where=folder)
-        return float(call(evaluate))
-
-    scores = run_sweep(
-        plans,
-        score,
-        lengths_per_pass=per_pass,
-        regions=regions,
-        shapes=shapes,
-        rank=rank,
-        fill=None if regions else model.state_dict(),
+    return run_sweep(
+        folder,
+        sigma_rels,
+        step=step,
+        mode=mode,
+        lengths_per_pass=lengths_per_pass,
+        plot=plot,
+        snapshots=lambda: pick_snapshots(folder, legacy, run),
+        scorer=lambda: (evaluate, {}),
     )
-    return _result(srs, scores, plans, mode, plot)

@@ -9,12 +9,12 @@ the block a rank holds of a sharded model (synthesis on the ranks, on as many ra
 wrote the snapshots or on another number: the blocks are cut out of whichever rank files
 overlap them, as a ``torch.distributed.checkpoint`` load reshards). Rectangular blocks
 (DTensor shards) and flat ranges (ZeRO-3 partitions) combine through
-[`align()`][emakit.posthoc.shards.align]: where one side is a flat range, both are taken as
+[`align()`][emakit.posthoc.snapshots.shards.align]: where one side is a flat range, both are taken as
 ranges of the flattened tensor.
 
 Memory is the outputs (one float32 accumulator per target and tensor, of the region's
 size) plus one stored tensor (or one rank's block of it) at a time: one file is open at a
-time (with its side file, see `emakit.posthoc.frozen_files`), and a rank reads only the
+time (with its side file, see `emakit.posthoc.snapshots.frozen`), and a rank reads only the
 files that overlap its blocks, its own first. Frozen tensors that snapshots share through
 their side files are read once, with the sum of those snapshots' weights (of a sharded set:
 those that no rank keeps in its own file).
@@ -26,16 +26,15 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from ..errors import EMAStateError
-from .math import PostHocWarning
-from .reading import restore_exact, snapshot_sources
-from .shards import Block, align, intersect
-from .snapshots import SnapshotInfo
+from ...errors import EMAStateError
+from ..math import PostHocWarning
+from ..snapshots.format import SnapshotInfo, snapshot_sources
+from ..snapshots.shards import Block, align, intersect
 
 __all__ = ["Target", "weighted_sums"]
 
@@ -64,7 +63,7 @@ class Piece:
         src: the index of the part in ``stored`` (flattened when ``flat``).
         dst: the index of the part in the region's tensor (flattened when ``flat``).
         flat: whether both indices are into the flattened tensors (a flat range on one
-            side, see [`align()`][emakit.posthoc.shards.align]).
+            side, see [`align()`][emakit.posthoc.snapshots.shards.align]).
         whole: whether the part is the whole stored tensor and the whole region.
     """
 
@@ -84,17 +83,20 @@ class Piece:
         return (region.view(-1) if self.flat else region)[self.dst]
 
 
-@dataclass(frozen=True)
-class Target:
-    """One reconstruction in a pass over the snapshots.
+class Target(Protocol):
+    """One reconstruction in a pass over the snapshots (a
+    [`SynthesisPlan`][emakit.posthoc.synthesis.plan.SynthesisPlan] is one).
 
     Attributes:
         weights: one float64 weight per snapshot of the pass, in its order.
         buffers_from: the snapshot whose copied tensors (buffers, integer tensors) it takes.
     """
 
-    weights: tuple[float, ...]
-    buffers_from: SnapshotInfo
+    @property
+    def weights(self) -> tuple[float, ...]: ...
+
+    @property
+    def buffers_from(self) -> SnapshotInfo: ...
 
 
 def _mismatch(snap: SnapshotInfo, base: SnapshotInfo, names: set[str], keys: set[str]) -> None:
@@ -111,9 +113,16 @@ def _mismatch(snap: SnapshotInfo, base: SnapshotInfo, names: set[str], keys: set
 def _exact(
     snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
 ) -> Tensor:
-    out = restore_exact(snap, name, value)
-    if out is not None:
-        return out
+    """``value`` of ``name`` from ``snap`` in its exact dtype: an ema-pytorch file stored
+    integer and bool tensors as floats (rounded back here); one that overflowed is lost,
+    and taken from ``fill`` (the model's current value) with a warning, or refused."""
+    dtype = dict(snap.exact_dtypes).get(name)
+    if dtype is None or value.dtype == dtype:
+        return value
+    if not value.is_floating_point():
+        return value.to(dtype)
+    if bool(torch.isfinite(value).all()):
+        return value.round().to(dtype)
     why = (
         f"ema-pytorch stored the integer tensor {name!r} in float16 (its checkpoint_dtype) and "
         f"it overflowed to inf in {snap.path}: its value is lost"
@@ -239,7 +248,7 @@ def weighted_sums(
             against the snapshots'. Default None: not checked.
         dtype: dtype of the averaged tensors returned; None keeps the stored dtype.
         fill: values for integer tensors an ema-pytorch file lost (see
-            [`run()`][emakit.posthoc.synthesis.SynthesisPlan.run]).
+            [`SynthesisPlan.run()`][emakit.posthoc.synthesis.plan.SynthesisPlan.run]).
         progress: called as ``progress(done, total)`` after each snapshot.
 
     Returns:
@@ -282,7 +291,7 @@ def weighted_sums(
     # side file, with the sum of its snapshots' weights: the same sum, one read.
     shared: dict[tuple[Any, ...], list[int]] = {}
     for i, snap in enumerate(snapshots):
-        once = _read_once(snap) & averaged
+        once = (snap.frozen_names if snap.frozen else frozenset()) & averaged
         run.visit(snap, averaged - once, add([t.weights[i] for t in targets], snap.path.name))
         if once:
             shared.setdefault((snap.frozen, once), []).append(i)
@@ -293,7 +302,14 @@ def weighted_sums(
         sums = [math.fsum(t.weights[i] for i in members) for t in targets]
         run.visit(first, set(once), add(sums, first.frozen[0].name))
     if nonfinite:
-        _refuse_nonfinite(nonfinite, base)
+        name, files = next(iter(nonfinite.items()))
+        raise EMAStateError(
+            f"the reconstruction is not finite: {len(files)} snapshot(s) hold inf or NaN in "
+            f"{name!r} (and {len(nonfinite) - 1} other tensor(s)): {files[:5]} in "
+            f"{str(base.path.parent)!r}. float16 snapshots overflow above 65504: snapshot in "
+            f"float32 or bfloat16 (PostHocEMA(checkpoint_dtype=...)); or synthesize at a step "
+            f"before the first such snapshot"
+        )
     for target in targets:
         source = target.buffers_from
         if str(source.path) not in copied:
@@ -312,24 +328,6 @@ def weighted_sums(
             out[name] = acc if (acc.is_complex() or acc.dtype == want) else acc.to(want)
         outs.append(out)
     return outs
-
-
-def _read_once(snap: SnapshotInfo) -> frozenset[str]:
-    """The tensors of ``snap`` read once for all the snapshots sharing its side files: its
-    frozen ones (of a sharded set, those no rank keeps in its own file, see
-    [`SnapshotInfo`][emakit.posthoc.snapshots.SnapshotInfo])."""
-    return snap.frozen_names if snap.frozen else frozenset()
-
-
-def _refuse_nonfinite(nonfinite: Mapping[str, list[str]], base: SnapshotInfo) -> None:
-    name, files = next(iter(nonfinite.items()))
-    raise EMAStateError(
-        f"the reconstruction is not finite: {len(files)} snapshot(s) hold inf or NaN in "
-        f"{name!r} (and {len(nonfinite) - 1} other tensor(s)): {files[:5]} in "
-        f"{str(base.path.parent)!r}. float16 snapshots overflow above 65504: snapshot in "
-        f"float32 or bfloat16 (PostHocEMA(checkpoint_dtype=...)); or synthesize at a step "
-        f"before the first such snapshot"
-    )
 
 
 def _copied(

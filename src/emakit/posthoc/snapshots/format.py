@@ -5,7 +5,7 @@ file carries, in its safetensors header, everything synthesis needs: the format 
 version, ``gamma`` and ``sigma_rel``, the ``step`` it was taken at and ``t``, the step its
 averaging profile ends at (equal to ``step`` for snapshots written by
 [`PostHocEMA`][emakit.PostHocEMA]), which tensors are copied rather than averaged, the
-profile index, and the ``run`` that wrote it (see [`emakit.posthoc.runs`][emakit.posthoc.runs]). A folder of
+profile index, and the ``run`` that wrote it (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]). A folder of
 snapshots can therefore be synthesized from without the model or the training script
 (``emakit synthesize``), and files that are not snapshots (logs, other checkpoints,
 temporary files) are ignored.
@@ -37,73 +37,61 @@ Header metadata (format version 1), all values strings::
     }
 
 Version 2 adds ``frozen_file``, ``frozen_digest`` and ``frozen_names``: the shared frozen
-tensors are in a side file (see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]).
+tensors are in a side file (see [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]).
 
 **ema-pytorch's snapshots** (``<profile index>.<step>.pt``, ``torch.save`` of a
 ``KarrasEMA.state_dict()`` with every value in float16 by default) record no gamma; given
-the profiles by index ([`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]), [`list_snapshots()`][emakit.posthoc.snapshots.list_snapshots] reads them too,
-with ``torch.load(weights_only=True)``. See [`LegacyProfiles.t_of()`][emakit.posthoc.legacy.LegacyProfiles.t_of] for their ``t``.
+the profiles by index ([`LegacyProfiles`][emakit.posthoc.snapshots.legacy.LegacyProfiles]), [`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots] reads them too,
+with ``torch.load(weights_only=True)``. See [`LegacyProfiles.t_of()`][emakit.posthoc.snapshots.legacy.LegacyProfiles.t_of] for their ``t``.
+
+Reading: `open_snapshot()` opens one snapshot through one open file (emakit's lazily,
+header first, then one tensor at a time, joined with its side file; ema-pytorch's loaded
+whole), `snapshot_sources()` yields the files of a snapshot, each with the block of every
+tensor it stores (one file for a whole model, the rank files of a sharded snapshot, see
+[`emakit.posthoc.snapshots.shards`][emakit.posthoc.snapshots.shards]).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import re
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from .._files.atomic import TEMP_PREFIX, atomic_paths
-from .._files.reading import writable_path, write_errors
-from .._files.safetensors_file import SafetensorsFile, write_safetensors
-from .._validate import not_newer, stored_count
-from ..errors import EMAError, EMAStateError
-from .frozen_files import frozen_ref, is_side_file, join_frozen, side_missing, snapshot_tensors
-from .legacy import (
-    LEGACY_NAME,
-    LEGACY_SOURCE,
-    LegacyFile,
-    LegacyProfiles,
-    existing_folder,
-    list_legacy_files,
-)
-from .math import GAMMA_MIN, PostHocWarning
-from .shards import (
-    FLAT_LAYOUT_VERSION,
-    SHARD_FORMAT,
-    ShardEntry,
-    complete_sets,
-    parse_layout,
-    set_frozen_names,
-    shard_fields,
-    shard_suffix,
-)
+from ..._files.atomic import atomic_paths
+from ..._files.reading import open_regular, writable_path, write_errors
+from ..._files.safetensors_file import SafetensorsFile, write_safetensors
+from ..._validate import not_newer, stored_count
+from ..._version import __version__
+from ...errors import EMAStateError
+from ..math import GAMMA_MIN
+from .frozen import frozen_ref, join_frozen
+from .legacy import LEGACY_SOURCE, legacy_tensors
+from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, Block, parse_layout, shard_suffix
 
 __all__ = [
-    "LEGACY_NAME",
-    "LEGACY_SOURCE",
     "RUN_PATTERN",
     "SNAPSHOT_FORMAT",
     "SNAPSHOT_FORMAT_VERSION",
     "SNAPSHOT_SUFFIX",
     "SYNTHESIZED_FORMAT",
-    "LegacyFile",
-    "LegacyProfiles",
     "SnapshotInfo",
-    "is_writer",
-    "list_legacy_files",
-    "list_snapshots",
+    "SnapshotReader",
+    "looks_damaged",
+    "open_snapshot",
+    "parse_header",
     "read_snapshot_info",
     "snapshot_filename",
     "snapshot_header",
-    "snapshot_tensors",
+    "snapshot_sources",
     "write_snapshot",
     "write_snapshots",
 ]
@@ -111,8 +99,9 @@ __all__ = [
 #: ``format`` value in a snapshot's header; other safetensors files are not snapshots.
 SNAPSHOT_FORMAT = "emakit.posthoc.snapshot"
 #: Newest layout read: 2 (a snapshot naming a side file of frozen tensors, see
-#: `emakit.posthoc.frozen_files`; a shard file holding flat ranges, see
-#: `emakit.posthoc.shards`); files using neither are written as 1. Newer ones are refused.
+#: `emakit.posthoc.snapshots.frozen`; a shard file holding flat ranges, see
+#: `emakit.posthoc.snapshots.shards`); files using neither are written as 1. Newer ones are
+#: refused.
 SNAPSHOT_FORMAT_VERSION = 2
 SNAPSHOT_SUFFIX = ".safetensors"
 #: ``format`` value in the header of files ``emakit synthesize`` writes.
@@ -137,8 +126,8 @@ class SnapshotInfo:
         copied: names of tensors taken as they are at synthesis (buffers, integer
             tensors, no-EMA and ignored names) instead of averaged.
         format_version: the header's ``format_version`` (0 for ema-pytorch files).
-        source: ``"emakit"``, or `LEGACY_SOURCE` (``"ema-pytorch"``) for an
-            ema-pytorch ``<index>.<step>.pt`` file read through [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles].
+        source: ``"emakit"``, or ``"ema-pytorch"`` for an ema-pytorch
+            ``<index>.<step>.pt`` file read through [`LegacyProfiles`][emakit.posthoc.snapshots.legacy.LegacyProfiles].
         exact_dtypes: for ema-pytorch files, the dtype each integer or bool tensor is
             restored to (ema-pytorch stored it as a float); empty for emakit snapshots.
         run: the id of the run that wrote it (``""`` for snapshots of emakit versions
@@ -147,9 +136,9 @@ class SnapshotInfo:
             was read; None when not known.
         header_digest: SHA-256 of the header bytes when read (``""`` for ema-pytorch files).
         shards: for a snapshot of a sharded model, every rank's file in rank order
-            (``path`` is rank 0's; see [`emakit.posthoc.shards`][emakit.posthoc.shards]); empty otherwise.
+            (``path`` is rank 0's; see [`emakit.posthoc.snapshots.shards`][emakit.posthoc.snapshots.shards]); empty otherwise.
         frozen: the side files holding its frozen tensors (one per file of the snapshot
-            that has one, see [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]);
+            that has one, see [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]);
             empty when it stores every tensor itself.
         frozen_names: the tensors it takes from ``frozen``; of a sharded set, those that
             every rank file storing a block of them takes from its side file (what the
@@ -178,7 +167,12 @@ class SnapshotInfo:
     def nbytes(self) -> int:
         """Size of the file in bytes (of every rank's file, for a sharded snapshot; its side
         files, which other snapshots share, not counted)."""
-        return sum(p.stat().st_size for p in self.shards or (self.path,))
+        return sum(p.stat().st_size for p in self.files)
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The files of the snapshot: every rank's for a sharded one, else ``(path,)``."""
+        return self.shards or (self.path,)
 
     @property
     def world(self) -> int:
@@ -191,19 +185,6 @@ class SnapshotInfo:
         return self.source == LEGACY_SOURCE
 
 
-def is_writer() -> bool:
-    """Whether this process writes files: always, except on ranks other than 0 of an
-    initialized ``torch.distributed`` process group."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return True
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}"
-
-
 def snapshot_filename(
     step: int, sigma_rel: float, gamma: float, shard: tuple[int, int] | None = None
 ) -> str:
@@ -214,10 +195,8 @@ def snapshot_filename(
 
     The zero-padded step makes a sorted listing chronological.
     """
-    name = f"step-{step:09d}_sigma_rel-{_fmt(sigma_rel)}_gamma-{_fmt(gamma)}"
-    if shard is not None:
-        name += shard_suffix(*shard)
-    return name + SNAPSHOT_SUFFIX
+    name = f"step-{step:09d}_sigma_rel-{sigma_rel:.6g}_gamma-{gamma:.6g}"
+    return name + (shard_suffix(*shard) if shard else "") + SNAPSHOT_SUFFIX
 
 
 def snapshot_header(
@@ -234,10 +213,8 @@ def snapshot_header(
 ) -> dict[str, str]:
     """The header metadata of a snapshot (see the module docstring for the layout);
     ``frozen``: the entries naming its side file
-    ([`reference_fields()`][emakit.posthoc.frozen_files.reference_fields]), which make it format
-    version 2."""
-    from .._version import __version__
-
+    ([`FrozenPart.fields()`][emakit.posthoc.snapshots.frozen.FrozenPart.fields]), which
+    make it format version 2."""
     header = {
         "format": SNAPSHOT_FORMAT,
         "format_version": "2" if frozen else "1",
@@ -299,36 +276,20 @@ def write_snapshots(
 
 
 def write_snapshot(
-    path: str | os.PathLike[str],
-    tensors: Mapping[str, Tensor],
-    *,
-    step: int,
-    t: int,
-    gamma: float,
-    sigma_rel: float,
-    profile: int,
-    update_every: int,
-    copied: frozenset[str] | set[str],
-    run: str = "",
+    path: str | os.PathLike[str], tensors: Mapping[str, Tensor], **fields: object
 ) -> Path:
     """Write one snapshot atomically (temporary file in the same folder, fsync, rename).
 
     Args:
         path: the destination file.
         tensors: name -> tensor, already in the dtype to store.
-        step, t, gamma, sigma_rel, profile, update_every, copied, run: the header fields
-            (see [`SnapshotInfo`][emakit.posthoc.snapshots.SnapshotInfo]).
-
-    Returns:
-        ``path`` as a `Path`.
+        **fields: the header fields of `snapshot_header()` (``step``, ``t``, ``gamma``,
+            ``sigma_rel``, ``profile``, ``update_every``, ``copied``, ``run``).
 
     Raises:
         EMAWriteError: the file could not be written; it was left as it was.
     """
-    header = snapshot_header(
-        step=step, t=t, gamma=gamma, sigma_rel=sigma_rel, profile=profile,
-        update_every=update_every, copied=copied, run=run,
-    )  # fmt: skip
+    header = snapshot_header(**fields)  # type: ignore[arg-type]
     return write_snapshots([path], lambda i: (tensors, header))[0]
 
 
@@ -342,10 +303,9 @@ def _malformed(path: Path, key: str, value: object, why: str) -> EMAStateError:
 def _count(meta: Mapping[str, str], key: str, path: Path, low: int, default: int | None) -> int:
     if key not in meta and default is not None:
         return default
-    try:
-        return stored_count(f"snapshot {path}", key, meta[key], low=low, text=True)
-    except KeyError:
-        raise _malformed(path, key, None, "missing") from None
+    if key not in meta:
+        raise _malformed(path, key, None, "missing")
+    return stored_count(f"snapshot {path}", key, meta[key], low=low, text=True)
 
 
 def _real(meta: Mapping[str, str], key: str, path: Path, low: float | None = None) -> float:
@@ -361,10 +321,9 @@ def _real(meta: Mapping[str, str], key: str, path: Path, low: float | None = Non
     return x
 
 
-def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None) -> SnapshotInfo:
-    """A snapshot's header, every field checked; errors name the file and the field."""
-    if "format_version" not in meta:
-        raise _malformed(path, "format_version", None, "missing")
+def parse_header(path: Path, meta: Mapping[str, str], f: SafetensorsFile) -> SnapshotInfo:
+    """A snapshot's header (of a whole-model file, or of one rank's file), every field
+    checked; errors name the file and the field."""
     version = _count(meta, "format_version", path, 1, None)
     newest = SNAPSHOT_FORMAT_VERSION
     if meta.get("format") == SHARD_FORMAT:  # version 2: flat ranges (ZeRO-3 partitions)
@@ -396,37 +355,14 @@ def _parse(path: Path, meta: Mapping[str, str], f: SafetensorsFile | None = None
         copied=frozenset(copied),
         format_version=version,
         run=run,
-        identity=None if f is None else f.identity,
-        header_digest="" if f is None else f.header_digest,
+        identity=f.identity,
+        header_digest=f.header_digest,
         frozen=() if ref is None else (ref.file,),
         frozen_names=frozenset() if ref is None else ref.names,
     )
 
 
-def _shard_entry(
-    path: Path, meta: Mapping[str, str], f: SafetensorsFile
-) -> tuple[ShardEntry, SnapshotInfo]:
-    """One rank's file of a sharded snapshot: its set, rank and stored volumes."""
-    info = _parse(path, meta, f)
-    rank, world = shard_fields(path, meta)
-    with join_frozen(f) as g:  # the blocks of its frozen tensors are in its side file
-        layout = parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
-    volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
-    write = meta.get("shard_set", "")  # one write's files only: never two writes' mixed
-    key = (
-        info.step,
-        info.t,
-        info.gamma,
-        info.sigma_rel,
-        info.profile,
-        info.run,
-        info.copied,
-        write,
-    )
-    return ShardEntry(key, rank, world, path, volumes), info
-
-
-def _looks_damaged(meta: Mapping[str, str]) -> bool:
+def looks_damaged(meta: Mapping[str, str]) -> bool:
     """A header that is almost a snapshot's: its format one or two characters off, or
     missing while the profile fields are there (a flipped bit in the key)."""
     fmt = meta.get("format")
@@ -459,140 +395,114 @@ def read_snapshot_info(path: str | os.PathLike[str]) -> SnapshotInfo:
             raise EMAStateError(
                 f"{p} is not an emakit post-hoc snapshot (its header format is "
                 f"{meta.get('format')!r}, expected {SNAPSHOT_FORMAT!r})"
-                + ("; the header looks damaged" if _looks_damaged(meta) else "")
+                + ("; the header looks damaged" if looks_damaged(meta) else "")
             )
-        return _parse(p, meta, f)
+        return parse_header(p, meta, f)
 
 
-#: safetensors codes of the integer and bool dtypes.
-_EXACT = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8}
-_EXACT.update({"U8": torch.uint8, "BOOL": torch.bool})
+# -- reading the tensors ------------------------------------------------------------------
 
 
-def _legacy_layout(
-    emakit: list[SnapshotInfo], legacy: LegacyProfiles
-) -> tuple[frozenset[str], tuple[tuple[str, torch.dtype], ...]]:
-    """The copied names and exact dtypes ema-pytorch files are read with."""
-    if legacy.copied is not None:
-        return legacy.copied, legacy.exact_dtypes
-    if emakit:  # the folder's own snapshots know the model
-        ref = emakit[-1]
-        with SafetensorsFile(ref.path, "snapshot") as f:
-            stored = set(f.keys())
-            codes = {n: f.code(n) for n in sorted(ref.copied) if n in stored}
-        return ref.copied, tuple((n, _EXACT[c]) for n, c in codes.items() if c in _EXACT)
-    return frozenset(), ()
+class SnapshotReader(Protocol):
+    """The tensors of one open snapshot (`open_snapshot()`): a `SafetensorsFile`, one
+    joined with its side file, or an ema-pytorch file's tensors."""
+
+    def keys(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def get(self, name: str) -> Tensor: ...
 
 
-def _legacy_snapshots(
-    root: Path, emakit: list[SnapshotInfo], legacy: LegacyProfiles
-) -> list[SnapshotInfo]:
-    files = list_legacy_files(root)
-    profiles = {f.path: legacy.profile(f) for f in files}  # raises for a bad index first
-    empty = [f for f in files if f.step == 0]
-    if empty:
-        warnings.warn(
-            f"skipping {len(empty)} ema-pytorch snapshot(s) of step 0 ({empty[0].path.name}, "
-            f"...): written before any update(), they average nothing",
-            PostHocWarning,
-            stacklevel=3,
+class _TensorsReader:
+    """An ema-pytorch file's tensors, loaded whole, read as a `SnapshotReader`."""
+
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        self._t = tensors
+
+    def keys(self) -> list[str]:
+        return list(self._t)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._t[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._t[name].dtype
+
+    def get(self, name: str) -> Tensor:
+        return self._t[name]
+
+
+def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str) -> None:
+    if (info.identity is not None and identity != info.identity) or (
+        info.header_digest and digest != info.header_digest
+    ):
+        raise EMAStateError(
+            f"snapshot {info.path} changed after the synthesis was planned (it was replaced "
+            f"or rewritten: another process is writing to the folder?); plan the synthesis "
+            f"again once the folder is no longer written to"
         )
-    files = [f for f in files if f.step > 0]
-    if not files:
-        return []
-    copied, exact = _legacy_layout(emakit, legacy)
-    return [
-        SnapshotInfo(
-            path=f.path,
-            step=f.step,
-            t=legacy.t_of(f.step),
-            gamma=profiles[f.path][0],
-            sigma_rel=profiles[f.path][1],
-            profile=f.profile,
-            update_every=legacy.update_every,
-            copied=copied,
-            format_version=0,
-            source=LEGACY_SOURCE,
-            exact_dtypes=exact,
-        )
-        for f in files
-    ]
 
 
-def list_snapshots(
-    folder: str | os.PathLike[str], *, legacy: LegacyProfiles | None = None
-) -> list[SnapshotInfo]:
-    """The snapshots in ``folder``, sorted by ``(step, gamma)``.
-
-    ``*.safetensors`` files whose header says ``format = emakit.posthoc.snapshot`` count
-    and, with ``legacy``, ema-pytorch's ``<profile index>.<step>.pt`` files (see
-    [`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles]; without it they are left out: [`list_legacy_files()`][emakit.posthoc.legacy.list_legacy_files]
-    finds them). Anything else in the folder (other files, other safetensors files,
-    emakit's temporary files) is ignored. A ``.safetensors`` file whose header cannot be
-    read, or whose header is almost a snapshot's (a damaged ``format``), is skipped with a
-    [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Snapshots of every run are listed (see
-    [`emakit.posthoc.runs`][emakit.posthoc.runs] to pick one).
-
-    Args:
-        folder: the snapshot folder.
-        legacy: the profiles of ema-pytorch's files by index. Default None: leave them out.
-
-    Returns:
-        The snapshots' headers; empty if the folder holds none.
+@contextmanager
+def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
+    """Open one snapshot for reading through one open file: an emakit file lazily
+    (its header, then one tensor at a time; joined with its side file, if it has one), an
+    ema-pytorch file loaded whole (``torch.load(weights_only=True)``).
 
     Raises:
-        EMAFileNotFoundError: ``folder`` does not exist.
-        EMAValueError: ``folder`` is not a folder.
-        EMAStateError: a snapshot was written by a newer emakit, or a field of its header
-            is malformed (naming the file and the field); an ema-pytorch file's profile
-            index is out of range of ``legacy.gammas``.
+        EMAStateError: the file changed since ``info`` was read (another file at the path,
+            or another header); an ema-pytorch file that cannot be loaded safely; a
+            damaged file.
     """
-    root = existing_folder(folder)
-    found: list[SnapshotInfo] = []
-    shards: list[tuple[ShardEntry, SnapshotInfo]] = []
-    seen: dict = {}  # side files checked
-    for path in sorted(root.iterdir()):
-        name = path.name
-        if name.startswith(".") or TEMP_PREFIX in name or not name.endswith(SNAPSHOT_SUFFIX):
-            continue
-        if is_side_file(name) or not path.is_file():
-            continue
-        try:
-            f = SafetensorsFile(path, "snapshot")
-        except EMAError as e:  # unreadable, a FIFO, or a file that vanished since the listing
-            warnings.warn(f"skipping {path}: {e}", PostHocWarning, stacklevel=2)
-            continue
-        with f:
+    if info.is_legacy:
+        with open_regular(info.path, "ema-pytorch snapshot") as fh:
+            st = os.fstat(fh.fileno())
+            _check_unchanged(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
+            tensors = legacy_tensors(fh, info.path)
+        yield _TensorsReader(tensors)
+        return
+    with SafetensorsFile(info.path, "snapshot") as f:
+        _check_unchanged(info, f.identity, f.header_digest)
+        with join_frozen(f) as g:
+            yield g
+
+
+#: name -> (global shape, the block this file stores, or None).
+Layout = Mapping[str, tuple[tuple[int, ...], Block | None]]
+
+
+def snapshot_sources(
+    info: SnapshotInfo, first: int | None = None
+) -> Iterator[tuple[SnapshotReader, Layout]]:
+    """The files of ``info``, one open at a time, each with its layout (name -> global
+    shape and the block it stores). A whole-model snapshot is one file storing every
+    tensor whole; a sharded one yields its rank files, starting with rank ``first`` (the
+    caller's own rank: with an unchanged world size that file alone holds the caller's
+    blocks, and the caller stops iterating). A file whose frozen tensors are in a side
+    file is yielded joined with it (see
+    [`join_frozen()`][emakit.posthoc.snapshots.frozen.join_frozen]): every reader sees every tensor.
+
+    Raises:
+        EMAStateError: a file changed since it was listed, or its header is malformed.
+    """
+    if not info.shards:
+        with open_snapshot(info) as f:
+            yield f, {n: (f.shape(n), Block.whole(f.shape(n))) for n in f.keys()}  # noqa: SIM118
+        return
+    order: Sequence[int] = range(len(info.shards))
+    if first is not None and 0 <= first < len(info.shards):
+        order = [first, *(r for r in order if r != first)]
+    for r in order:
+        path = info.shards[r]
+        with SafetensorsFile(path, "snapshot shard") as f:
+            if path == info.path:
+                _check_unchanged(info, f.identity, f.header_digest)
             meta = f.metadata
-            ours = meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT)
-            why = side_missing(path, meta, seen) if ours else ""
-            if why:
-                warnings.warn(why, PostHocWarning, stacklevel=2)
-                continue
-            if meta.get("format") == SNAPSHOT_FORMAT:
-                found.append(_parse(path, meta, f))  # a malformed field raises, never skips
-            elif meta.get("format") == SHARD_FORMAT:
-                shards.append(_shard_entry(path, meta, f))
-            elif _looks_damaged(meta):
-                warnings.warn(
-                    f"skipping {path}: its header is almost a snapshot's but its format is "
-                    f"{meta.get('format')!r}; the file is damaged",
-                    PostHocWarning,
-                    stacklevel=2,
+            if meta.get("step") != str(info.step) or meta.get("rank") != str(r):
+                raise EMAStateError(
+                    f"snapshot shard {path} changed after the synthesis was planned (its "
+                    f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
+                    f"plan the synthesis again once the folder is no longer written to"
                 )
-    by_path = {e.path: info for e, info in shards}
-    for group in complete_sets(e for e, _ in shards):
-        first, infos = by_path[group[0].path], [by_path[e.path] for e in group]
-        found.append(
-            dataclasses.replace(
-                first,
-                shards=tuple(e.path for e in group),
-                frozen=tuple(p for i in infos for p in i.frozen),
-                frozen_names=set_frozen_names(group, [i.frozen_names for i in infos]),
-            )
-        )
-    found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
-    if legacy is not None:
-        found.extend(_legacy_snapshots(root, found, legacy))
-        found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
-    return found
+            with join_frozen(f) as g:  # its frozen blocks are in its side file
+                yield g, parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118

@@ -1,62 +1,44 @@
-"""ema-pytorch's post-hoc snapshot files, known by their names, and the snapshot folder.
+"""ema-pytorch's post-hoc snapshot files: their names, their profiles, their tensors.
 
 ema-pytorch's ``PostHocEMA`` writes ``<profile index>.<step>.pt`` files (``torch.save`` of a
 ``KarrasEMA.state_dict()``, every value in its ``checkpoint_dtype``) that record no gamma:
-[`LegacyProfiles`][emakit.posthoc.legacy.LegacyProfiles] says which profile each index is. [`list_legacy_files()`][emakit.posthoc.legacy.list_legacy_files] finds
-them by name; `emakit.posthoc.snapshots` reads them as snapshots.
+[`LegacyProfiles`][emakit.posthoc.snapshots.legacy.LegacyProfiles] says which profile each
+index is. [`list_legacy_files()`][emakit.posthoc.snapshots.folder.list_legacy_files] finds
+them by name, [`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots] reads
+them as snapshots, `load_legacy_tensors()` loads one with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
+from torch import Tensor
 
-from ..errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
-from .math import check_gamma, check_sigma_rel, gamma_to_sigma_rel, sigma_rel_to_gamma
+from ..._files.reading import open_regular, refusal_reason
+from ..._validate import integer
+from ...errors import EMAStateError, EMATypeError, EMAValueError
+from ..math import check_gamma, check_sigma_rel, gamma_to_sigma_rel, sigma_rel_to_gamma
 
 __all__ = [
     "LEGACY_NAME",
     "LEGACY_SOURCE",
     "LegacyFile",
     "LegacyProfiles",
-    "as_folder",
-    "existing_folder",
-    "list_legacy_files",
+    "legacy_tensors",
+    "load_legacy_tensors",
 ]
 
-#: `source` of snapshots written by
-#: ``ema_pytorch.PostHocEMA``.
+#: `source` of snapshots written by ``ema_pytorch.PostHocEMA``.
 LEGACY_SOURCE = "ema-pytorch"
 #: ema-pytorch's snapshot file names: ``<profile index>.<step>.pt``.
 LEGACY_NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
-
-
-def as_folder(folder: object) -> Path:
-    """``folder`` as a `Path`, or an error naming ``checkpoint_folder``."""
-    if not isinstance(folder, (str, os.PathLike)):
-        raise EMATypeError(
-            f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
-            f"({type(folder).__name__})"
-        )
-    return Path(folder)
-
-
-def existing_folder(folder: object) -> Path:
-    """``folder`` if it is an existing folder, or an error saying what it is."""
-    root = as_folder(folder)
-    if not root.is_dir():
-        what = "is not a folder" if root.exists() else "does not exist"
-        error = EMAValueError if root.exists() else EMAFileNotFoundError
-        raise error(
-            f"snapshot folder {str(root)!r} {what}; pass the checkpoint_folder that "
-            f"PostHocEMA wrote its snapshots to"
-        )
-    return root
 
 
 @dataclass(frozen=True)
@@ -79,7 +61,7 @@ class LegacyProfiles:
     """The profiles of an ema-pytorch run, to read its ``<index>.<step>.pt`` snapshots.
 
     ema-pytorch's files record neither gamma nor which tensors are buffers.
-    [`emakit.posthoc.PostHocEMA.legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles] builds this from the PostHocEMA; the
+    [`PostHocEMA.legacy_profiles()`][emakit.posthoc.posthoc_ema.PostHocEMA.legacy_profiles] builds this from the PostHocEMA; the
     CLI from ``--legacy-sigma-rels`` / ``--legacy-gammas``.
 
     Attributes:
@@ -116,10 +98,8 @@ class LegacyProfiles:
                 f"gammas must hold one value per profile index (and sigma_rels, if given, "
                 f"as many), got gammas={self.gammas!r}, sigma_rels={srs!r}"
             )
-        every = self.update_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise EMAValueError(f"update_every must be an int >= 1, got update_every={every!r}")
-        set_ = object.__setattr__
+        integer("update_every", self.update_every, low=1)
+        set_ = object.__setattr__  # a frozen dataclass: its fields normalized once, here
         set_(self, "gammas", gammas)
         if srs is not None:
             set_(self, "sigma_rels", tuple(check_sigma_rel(s, "sigma_rels") for s in srs))
@@ -174,19 +154,50 @@ class LegacyProfiles:
         return 1 + k * ((step - 1) // k)
 
 
-def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
-    """ema-pytorch's snapshot files (``<profile index>.<step>.pt``) in ``folder``, by
-    ``(step, profile)``; found by name, nothing is read.
+def legacy_tensors(f: IO[bytes], path: Path) -> dict[str, Tensor]:
+    """The EMA model's tensors in the open ema-pytorch snapshot ``f`` (at ``path``), as
+    stored: names without the ``ema_model.`` prefix, ``initted`` and ``step`` left out.
+
+    Loaded with ``torch.load(weights_only=True)``: a file holding anything but tensors
+    (e.g. a pickled object with code) is refused, never executed.
 
     Raises:
-        EMAFileNotFoundError: ``folder`` does not exist.
-        EMAValueError: ``folder`` is not a folder.
+        EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
     """
-    root = existing_folder(folder)
-    found = []
-    for path in root.iterdir():
-        m = LEGACY_NAME.match(path.name)
-        if m and path.is_file():
-            found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
-    found.sort(key=lambda f: (f.step, f.profile, f.path.name))
-    return found
+    try:
+        obj = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise EMAStateError(
+            f"{path} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
+            f"True) refused it ({refusal_reason(e)}). emakit reads .pt snapshots with "
+            f"weights_only=True and never runs pickled code; move the file out of the "
+            f"snapshot folder if it is not one of ema-pytorch's snapshots"
+        ) from e
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
+    ):
+        raise EMAStateError(
+            f"{path} holds a {type(obj).__name__} that is not an ema-pytorch KarrasEMA state "
+            f"dict (names -> tensors); move it out of the snapshot folder"
+        )
+    prefix = "ema_model."
+    stray = sorted(k for k in obj if not k.startswith(prefix) and k not in ("initted", "step"))
+    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)}
+    if stray or not out:
+        raise EMAStateError(
+            f"{path} is not an ema-pytorch KarrasEMA state dict: expected initted, step and "
+            f"ema_model.* keys, got {sorted(obj)[:10]}; move it out of the snapshot folder"
+        )
+    return out
+
+
+def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """`legacy_tensors()` of the ema-pytorch snapshot at ``path``.
+
+    Raises:
+        EMAFileNotFoundError: the file does not exist.
+        EMAValueError: it is not a regular file (a FIFO...).
+        EMAStateError: the file cannot be loaded safely, or is not a ``KarrasEMA`` state.
+    """
+    with open_regular(path, "ema-pytorch snapshot") as f:
+        return legacy_tensors(f, Path(path))

@@ -17,33 +17,38 @@ negative); they come from the latest snapshot at or before the target step.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
 
+from .._core.forward import eval_call
 from .._core.shadow import unwrap_model
 from .._core.state import StateCodec, check_loadable, reals, text
-from .._dist.collectives import AGREE_TIMEOUT_S
+from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
+from .._dist.deepspeed import ZeroPartitions
 from .._files.reading import writable_folder
-from .._validate import boolean
+from .._validate import boolean, floating_dtype
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
-from .karras import KarrasEMA, profile_time, resolve_profiles
-from .math import PostHocWarning
-from .runs import check_run_id, new_run_id, run_to_continue
-from .snapshots import RUN_PATTERN, LegacyProfiles, SnapshotInfo, is_writer, list_snapshots
-from .synthesizing import SynthesisMethods
-from .writing import SnapshotWriter, check_snapshottable
+from .karras import KarrasEMA, profile_time, resolve_profile
+from .math import PostHocWarning, check_gamma, check_sigma_rel
+from .snapshots.folder import check_run_id, list_snapshots, new_run_id, run_to_continue, runs_in
+from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
+from .snapshots.legacy import LegacyProfiles
+from .snapshots.shards import is_sharded
+from .snapshots.writer import SnapshotWriter, check_snapshottable
+from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args, synthesize_into
+from .synthesis.sweep import SweepResult, run_sweep
 
-__all__ = [
-    "POSTHOC_STATE_VERSION",
-    "PostHocEMA",
-]
+__all__ = ["POSTHOC_STATE_VERSION", "PostHocEMA"]
+
+T = TypeVar("T")
 
 #: Version of the layout `PostHocEMA.state_dict()` writes.
 POSTHOC_STATE_VERSION = 2
@@ -54,26 +59,49 @@ _CODEC = StateCodec(
     legacy_version_key="version",
 )
 
-_KARRAS_KWARGS = frozenset(
-    {
-        "frozen",
-        "param_or_buffer_names_no_ema",
-        "ignore_names",
-        "ignore_startswith_names",
-        "allow_different_devices",
-        "move_ema_to_online_device",
-        "use_foreach",
-        "ema_dtype",
-        "skip_nonfinite",
-        "device",
-        "async_update",
-        "share_frozen",
-        "partition",
-    }
-)
+#: The keywords PostHocEMA passes on to each KarrasEMA: all of KarrasEMA's but those it
+#: sets itself.
+_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA.__init__).parameters) - {
+    "self",
+    "model",
+    "sigma_rel",
+    "gamma",
+    "ema_model",
+    "update_every",
+}
 
 
-class PostHocEMA(nn.Module, SynthesisMethods):
+def resolve_profiles(
+    sigma_rels: Sequence[float] | None, gammas: Sequence[float] | None
+) -> tuple[tuple[float | None, ...], tuple[float, ...]]:
+    """The profiles of a PostHocEMA: ``(sigma_rels, gammas)`` from one of
+    ``sigma_rels``/``gammas`` (default ``sigma_rels=(0.05, 0.28)``), validated and
+    distinct; the sigma_rels are None when gammas are given (each KarrasEMA then derives
+    its own from its gamma)."""
+    if sigma_rels is not None and gammas is not None:
+        raise EMAValueError(
+            f"give sigma_rels or gammas, not both, got {sigma_rels=!r} and {gammas=!r}"
+        )
+    name, values = ("gammas", gammas) if gammas is not None else ("sigma_rels", sigma_rels)
+    values = (0.05, 0.28) if values is None else values
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise EMATypeError(f"{name} must be a tuple of numbers, got {name}={values!r}")
+    values = tuple(values)
+    if not values:
+        raise EMAValueError(f"{name} must hold at least one value, got {name}={values!r}")
+    if name == "sigma_rels":
+        resolved = [resolve_profile(check_sigma_rel(v, name), None) for v in values]
+    else:
+        resolved = [resolve_profile(None, check_gamma(v, name)) for v in values]
+    gs = tuple(g for _, g in resolved)
+    if len(set(gs)) != len(gs) or len({snapshot_filename(0, *p) for p in resolved}) != len(gs):
+        raise EMAValueError(
+            f"{name} must be distinct (each profile writes its own snapshots), got {name}={values!r}"
+        )
+    return tuple(s if name == "sigma_rels" else None for s, _ in resolved), gs
+
+
+class PostHocEMA(nn.Module):
     """Several power-function EMAs of one model, snapshotted for post-hoc synthesis.
 
     Karras et al. 2024 (arXiv:2312.02696, §3): track a few [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] profiles
@@ -89,7 +117,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     A drop-in for a run that used ema-pytorch: its snapshot files
     (``<profile index>.<step>.pt``) in ``checkpoint_folder`` are read as snapshots of this
-    PostHocEMA's profiles (``gammas[index]``, see [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]) and used with
+    PostHocEMA's profiles (``gammas[index]``, see [`legacy_profiles()`][emakit.posthoc.posthoc_ema.PostHocEMA.legacy_profiles]) and used with
     emakit's own.
 
     Args:
@@ -103,7 +131,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             or ``gammas``. Default None: ``(0.05, 0.28)`` when neither is given.
         gammas: profile exponents to track, each ``>= GAMMA_MIN`` (~ -0.382).
         checkpoint_every_num_steps: write snapshots every this many ``update()`` calls, or
-            ``"manual"`` to write only on [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint]. Default 1000.
+            ``"manual"`` to write only on [`checkpoint()`][emakit.posthoc.posthoc_ema.PostHocEMA.checkpoint]. Default 1000.
         checkpoint_folder: where snapshots go; created if missing; a resumed run keeps
             writing to it. Default ``"./post-hoc-ema-checkpoints"``.
         checkpoint_dtype: dtype floating tensors are stored in; None keeps the EMA's.
@@ -112,11 +140,11 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             Default 100.
         run_id: keyword-only; the id recorded in every snapshot of this run (1 to 64
             letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
-            resumes. Default None: a fresh random id (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+            resumes. Default None: a fresh random id (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]).
         store_frozen_once: keyword-only; frozen weights shared with the model
             (``share_frozen=True``, the default) are written once per distinct value, into
             a side file that the snapshots refer to (see
-            [`emakit.posthoc.frozen_files`][emakit.posthoc.frozen_files]), instead of into every
+            [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]), instead of into every
             snapshot; synthesis gives the same weights. ``False`` writes every tensor into
             every snapshot (files that other tools can read alone). Default True.
         **kwargs: passed to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA]: ``frozen``,
@@ -171,13 +199,6 @@ class PostHocEMA(nn.Module, SynthesisMethods):
                 f"checkpoint_every_num_steps={every!r}"
             )
         checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
-        if checkpoint_dtype is not None and not (
-            isinstance(checkpoint_dtype, torch.dtype) and checkpoint_dtype.is_floating_point
-        ):
-            raise EMATypeError(
-                f"checkpoint_dtype must be a floating torch.dtype (e.g. torch.float16) or None, "
-                f"got {checkpoint_dtype=!r}"
-            )
         if ema_model is not None and not (isinstance(ema_model, nn.Module) or callable(ema_model)):
             raise EMATypeError(
                 f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
@@ -204,11 +225,11 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         self.sigma_rels = tuple(m.sigma_rel for m in self.profiles)
         self.checkpoint_every_num_steps = every
         self.checkpoint_folder = Path(checkpoint_folder)
-        self.checkpoint_dtype = checkpoint_dtype
+        self.checkpoint_dtype = floating_dtype("checkpoint_dtype", checkpoint_dtype)
         self.run_id = new_run_id() if run_id is None else check_run_id("run_id", run_id)
         self._writer = SnapshotWriter(store_frozen_once)
         self._loaded_run: str | None = None
-        if is_writer():
+        if is_rank_zero():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
 
     def _new_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
@@ -278,7 +299,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The snapshots in `checkpoint_folder`, sorted by step: emakit's and
-        ema-pytorch's ``<profile index>.<step>.pt`` files (read with [`legacy_profiles()`][emakit.posthoc.posthoc.PostHocEMA.legacy_profiles]).
+        ema-pytorch's ``<profile index>.<step>.pt`` files (read with [`legacy_profiles()`][emakit.posthoc.posthoc_ema.PostHocEMA.legacy_profiles]).
 
         Raises:
             EMAStateError: an ema-pytorch file's profile index is not one of this
@@ -311,7 +332,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
     def release_folder(self) -> None:
         """Release the lock on `checkpoint_folder` that this run holds while it
         writes snapshots (also released when the object is garbage-collected or the
-        process ends); the next [`checkpoint()`][emakit.posthoc.posthoc.PostHocEMA.checkpoint] takes it again."""
+        process ends); the next [`checkpoint()`][emakit.posthoc.posthoc_ema.PostHocEMA.checkpoint] takes it again."""
         self._writer.release()
 
     def checkpoint(self, *, timeout_s: float = AGREE_TIMEOUT_S) -> list[Path]:
@@ -322,15 +343,15 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         profile ends at its step. The step's files are written as one set, atomically (all
         of them or none, see `write_snapshots()`), named like
         ``step-000001000_sigma_rel-0.05_gamma-16.9722.safetensors``, and record this run's
-        id. The first write takes the folder's lock (see [`emakit.posthoc.runs`][emakit.posthoc.runs]).
+        id. The first write takes the folder's lock (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]).
 
         A model held whole on every rank (one process, DDP) is written by rank 0 alone. A
         sharded model (FSDP2, HSDP, FSDP with tensor parallelism, DeepSpeed ZeRO-3,
         ``partition=True``) is written by every rank: each rank its own blocks (or
         partitions) of every tensor, into its own files (``...rank-00003-of-
-        00004.safetensors``, see [`emakit.posthoc.shards`][emakit.posthoc.shards]), so **call it on every
+        00004.safetensors``, see [`emakit.posthoc.snapshots.shards`][emakit.posthoc.snapshots.shards]), so **call it on every
         rank** (``update()`` does); a call on some ranks only raises after ``timeout_s``
-        (see `emakit.posthoc.writing`).
+        (see `emakit.posthoc.snapshots.writer`).
 
         Args:
             timeout_s: keyword-only; for a sharded model, seconds a rank waits for the
@@ -340,7 +361,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             The files this rank wrote (empty on ranks other than 0 for a whole model).
 
         Raises:
-            EMARuntimeError: called before the first [`update()`][emakit.posthoc.posthoc.PostHocEMA.update]; another run is
+            EMARuntimeError: called before the first [`update()`][emakit.posthoc.posthoc_ema.PostHocEMA.update]; another run is
                 writing to the folder; for a sharded model, some ranks did not call it.
             EMAWriteError: a file could not be written (disk full...): an ``OSError``
                 naming the files; none of the step's files was written.
@@ -360,6 +381,173 @@ class PostHocEMA(nn.Module, SynthesisMethods):
         )
         self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
         return paths
+
+    # -- synthesis ------------------------------------------------------------------------
+
+    def _on_rank_zero(self, fn: Callable[[], T]) -> T:
+        """``fn()``: for a sharded model under ``torch.distributed``, computed by rank 0
+        and broadcast (a collective: the folder is listed once, not by every rank, and
+        every rank uses the same snapshots; an error raises on every rank)."""
+        if not (dist_ready() and is_sharded(self.profiles[0].ema_model)):
+            return fn()
+        box: list[Any] = [None]
+        if torch.distributed.get_rank() == 0:
+            try:
+                box[0] = fn()
+            except EMAError as e:
+                box[0] = e
+        torch.distributed.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return cast(T, box[0])
+
+    def _snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots a synthesis uses: this run's when the folder holds any, else the
+        folder's only run's, and ema-pytorch's files read as this PostHocEMA's profiles."""
+        folder, legacy = self.checkpoint_folder, self.legacy_profiles()
+        run = self.run_id if self.run_id in runs_in(list_snapshots(folder)) else None
+        return pick_snapshots(folder, legacy, run)
+
+    def _synthesized(self, sigma_rel: float | None, gamma: float | None) -> KarrasEMA:
+        """A KarrasEMA of the model with this profile, to load a reconstruction into
+        (built as the profiles are: sharded like them)."""
+        return KarrasEMA(
+            self.model,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            ema_model=self._new_ema_model(),
+            update_every=self.update_every,
+            **self._karras_kwargs,
+        )
+
+    def synthesize_ema_model(
+        self,
+        gamma: float | None = None,
+        sigma_rel: float | None = None,
+        step: int | None = None,
+    ) -> KarrasEMA:
+        """Reconstruct the power-function EMA with ``gamma`` (or ``sigma_rel``) at ``step``.
+
+        ema-pytorch's name and argument order: ``synthesize_ema_model(7.0)`` is
+        ``gamma=7.0``; pass ``sigma_rel=`` by keyword. The same synthesis as
+        [`emakit.posthoc.synthesize()`][emakit.posthoc.synthesis.plan.synthesize] from the
+        folder alone, into a model.
+
+        Algorithm 3 of arXiv:2312.02696 in float64 (normalized weights, snapshots at or
+        before ``step`` only), then a streamed weighted sum of the snapshots (see
+        [`SynthesisPlan`][emakit.posthoc.synthesis.plan.SynthesisPlan]): emakit's and, read as this
+        PostHocEMA's profiles, ema-pytorch's (see `legacy_profiles()`). Buffers come
+        from the latest snapshot at or before ``step``. The snapshots are this run's
+        (`run_id`) when the folder holds any, else the folder's only run's; a folder
+        of several other runs is refused (build with ``run_id=`` to pick one).
+
+        Args:
+            gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382). Give this or
+                ``sigma_rel``.
+            sigma_rel: the target relative EMA length, in ``(0, SIGMA_REL_MAX]`` (~0.30028;
+                above ``1/sqrt(12)`` gamma < 0: more weight on early iterates).
+            step: the target step. Default None: the latest snapshot's step.
+
+        Returns:
+            A [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] of the model with that profile, whose ``ema_model`` holds
+            the reconstruction and whose ``step`` is ``step``; call it (``synth(x)``) or
+            use ``synth.ema_model``. For a sharded model it is sharded alike, on every
+            rank (call this on every rank): under FSDP2 its ``ema_model`` holds this
+            rank's shards; under DeepSpeed ZeRO-3 (or ``partition=True``) this rank's
+            partitions, used as an [`EMA`][emakit.EMA]'s are: ``synth(x)`` and
+            ``synth.swap()`` run the engine's module on them,
+            [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] writes
+            the whole model. The snapshots may come from any number of ranks.
+
+        Raises:
+            EMAValueError: bad target, no snapshots, missing folder, ``step`` before the
+                first snapshot.
+            EMAStateError: the snapshots do not match the model, or changed since they
+                were listed; several runs and none of them this one; an ema-pytorch file
+                whose profile index is out of range or that ``torch.load(weights_only=True)``
+                refuses.
+
+        Warns:
+            PostHocWarning: an integer tensor of an ema-pytorch file overflowed float16
+                (its value is lost): the model's current value is kept, as ema-pytorch does.
+        """
+        plan = self._on_rank_zero(
+            lambda: plan_synthesis(
+                self.checkpoint_folder,
+                sigma_rel=sigma_rel,
+                gamma=gamma,
+                step=step,
+                snapshots=self._snapshots(),
+            )
+        )
+        synth = self._synthesized(sigma_rel, gamma)
+        synthesize_into(cast(nn.Module, synth.ema_model), plan)
+        synth.tracker.reset(plan.step)
+        return synth
+
+    def sweep(
+        self,
+        evaluate: Callable[[nn.Module], Any],
+        sigma_rels: Sequence[float] | str,
+        *,
+        step: int | None = None,
+        mode: Literal["min", "max"] = "min",
+        lengths_per_pass: int = 8,
+        plot: str | os.PathLike[str] | None = None,
+    ) -> SweepResult:
+        """Synthesize the EMA at each of ``sigma_rels`` and score it with ``evaluate``.
+
+        The way the EMA length is chosen (arXiv:2312.02696, Fig. 1 and §3): each snapshot
+        is read once per ``lengths_per_pass`` lengths and added into all of them (see
+        `emakit.posthoc.synthesis.sweep`), each reconstruction is loaded into one EMA model
+        (sharded like the model, for FSDP2: then call it on every rank) and
+        ``evaluate(model) -> float`` scores it. Under DeepSpeed ZeRO-3 (or
+        ``partition=True``) ``model`` is the engine's module with the reconstruction's
+        partitions swapped in (as in ``synth.swap()``), on every rank.
+
+        Args:
+            evaluate: scores the synthesized EMA model (in eval mode, under no_grad).
+            sigma_rels: the lengths to try, each in ``(0, SIGMA_REL_MAX]``, or a spec
+                such as ``"0.05:0.25:9"`` (see [`sweep()`][emakit.posthoc.synthesis.sweep.sweep]).
+            step: the step to synthesize at. Default None: the latest snapshot's.
+            mode: ``"min"`` if lower scores are better (a loss, FID), else ``"max"``.
+                Default ``"min"``.
+            lengths_per_pass: lengths held in memory at once (one float32 model each).
+                Default 8.
+            plot: write the score against ``sigma_rel`` to this PNG, the tracked profiles
+                marked (needs matplotlib). Default None.
+
+        Returns:
+            A [`SweepResult`][emakit.posthoc.SweepResult]: ``(sigma_rel, score)`` pairs
+            in order, ``.best``, ``.plot(path)``, ``.table()``.
+
+        Example:
+            >>> result = posthoc.sweep(val_loss, sigma_rels=[0.05, 0.1, 0.15, 0.2])  # doctest: +SKIP
+            >>> result.best  # doctest: +SKIP
+            (0.1, 0.0123)
+        """
+        folder = self.checkpoint_folder
+
+        def scorer() -> tuple[Callable[[dict[str, torch.Tensor]], Any], dict[str, Any]]:
+            synth = self._synthesized(self.sigma_rels[0], None)
+            model = cast(nn.Module, synth.ema_model).eval()
+
+            def score(out: dict[str, torch.Tensor]) -> Any:
+                load_into(model, out)
+                return _evaluated(synth, evaluate)
+
+            return score, region_args(model)
+
+        return run_sweep(
+            folder,
+            sigma_rels,
+            step=step,
+            mode=mode,
+            lengths_per_pass=lengths_per_pass,
+            plot=plot,
+            snapshots=lambda: self._on_rank_zero(self._snapshots),
+            scorer=scorer,
+        )
 
     # -- forward --------------------------------------------------------------------------
 
@@ -409,7 +597,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Resume from a state written by [`state_dict()`][emakit.posthoc.posthoc.PostHocEMA.state_dict] (or by ema-pytorch 0.8.3).
+        """Resume from a state written by [`state_dict()`][emakit.posthoc.posthoc_ema.PostHocEMA.state_dict] (or by ema-pytorch 0.8.3).
 
         Snapshots already in `checkpoint_folder` stay and are used; the resumed run
         keeps writing there under the run id the state records. A state without one (a
@@ -458,7 +646,7 @@ class PostHocEMA(nn.Module, SynthesisMethods):
 
     def _folder_run(self) -> str | None:
         """The run to continue after loading a state without a run id (on rank 0)."""
-        if not (is_writer() and self.checkpoint_folder.is_dir()):
+        if not (is_rank_zero() and self.checkpoint_folder.is_dir()):
             return None
         run = run_to_continue(self.checkpoint_folder, self.run_id)
         if run is not None:
@@ -495,3 +683,16 @@ class PostHocEMA(nn.Module, SynthesisMethods):
             f"update_every={self.update_every}, checkpoint_every_num_steps={every!r}, "
             f"checkpoint_folder={str(self.checkpoint_folder)!r}"
         )
+
+
+def _evaluated(synth: KarrasEMA, fn: Callable[[nn.Module], Any]) -> Any:
+    """``fn`` of the module that computes with ``synth``'s weights, in eval mode without
+    grad: its EMA model, or for a partitioned EMA (DeepSpeed ZeRO-3, ``partition=True``,
+    whose EMA model holds only this rank's partitions) the online model with the EMA
+    partitions swapped in (a collective, as ``synth(x)`` is)."""
+    model = cast(nn.Module, synth.ema_model)
+    if isinstance(model, ZeroPartitions):
+        online = synth.model
+        return synth.swap().run(eval_call, online, fn, (online,), {})
+    with torch.no_grad():
+        return fn(model)

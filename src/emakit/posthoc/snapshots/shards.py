@@ -4,7 +4,7 @@ A sharded EMA (FSDP2, HSDP, FSDP with tensor parallelism: DTensor parameters; De
 ZeRO-3 partitions, or ``EMA(partition=True)``'s slices) is snapshotted by every rank at
 once: each rank writes the part of every tensor that it holds into its own file,
 ``<snapshot name>.rank-<r>-of-<world>.safetensors``, with the header of a snapshot (see
-`emakit.posthoc.snapshots`) plus
+`emakit.posthoc.snapshots.format`) plus
 
 * ``"format": "emakit.posthoc.snapshot-shard"`` (so a reader that knows only whole-model
   snapshots leaves the files alone),
@@ -40,7 +40,7 @@ DeepSpeed's padding (``param.ds_tensor``'s first elements, see
 ranks) is not stored. So the shards of a set partition every tensor: the set holds one
 model's bytes, whatever the mesh.
 
-Readers combine both kinds ([`align()`][emakit.posthoc.shards.align]): a rectangular block that
+Readers combine both kinds ([`align()`][emakit.posthoc.snapshots.shards.align]): a rectangular block that
 is a contiguous range of the flattened tensor (FSDP2's row blocks, a whole tensor) is
 that range, so a ZeRO-3 folder synthesizes into an FSDP2 model, a whole model or another
 number of ranks, and the reverse.
@@ -50,8 +50,8 @@ the step, profile, run and write (``shard_set``), and their blocks add up to eve
 snapshot that a crash interrupted) is skipped with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
 
 This module is a leaf of `emakit.posthoc`: block arithmetic, headers and the
-grouping of shard files into sets; `emakit.posthoc.snapshots` lists them and
-`emakit.posthoc.assemble` reads them.
+grouping of shard files into sets; `emakit.posthoc.snapshots.folder` lists them and
+`emakit.posthoc.synthesis.weighted_sum` reads them.
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from .._dist.deepspeed import WORLD_KEY, ZeroPartitions
-from .._dist.dtensor import is_dtensor
-from ..errors import EMAStateError
-from .math import PostHocWarning
+from ..._dist.collectives import is_rank_zero
+from ..._dist.deepspeed import WORLD_KEY, ZeroPartitions
+from ..._dist.dtensor import is_dtensor
+from ...errors import EMAStateError
+from ..math import PostHocWarning
 
 __all__ = [
     "FLAT_LAYOUT_VERSION",
@@ -79,11 +79,9 @@ __all__ = [
     "ShardEntry",
     "align",
     "complete_sets",
-    "flat_range",
-    "held_block",
     "intersect",
+    "is_sharded",
     "layout_json",
-    "local_block",
     "model_blocks",
     "parse_layout",
     "set_frozen_names",
@@ -181,37 +179,33 @@ def align(region: Block, stored: Block, shape: tuple[int, ...], name: str) -> tu
             f"tensor {name!r} (shape {shape}) is stored as a range of its flattened elements "
             f"in one place and as the block {region if r is None else stored} of its columns "
             f"in another, which emakit cannot combine; synthesize the snapshots in one process "
-            f"(emakit.posthoc.synthesize_state_dict) and load the result instead"
+            f"(emakit.posthoc.synthesize) and load the result instead"
         )
     return r, s
 
 
-def _is_rank_zero() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+def is_sharded(model: nn.Module | None) -> bool:
+    """Whether an EMA model's weights are DTensors (FSDP2 and friends) or partitions
+    (DeepSpeed ZeRO-3, ``partition=True``): then each rank holds a part of each tensor."""
+    if isinstance(model, ZeroPartitions):
+        return True
+    return model is not None and any(is_dtensor(v) for v in model.state_dict().values())
 
 
-def held_block(t: Tensor) -> Block:
-    """The block of the full tensor that this rank holds of ``t``: a DTensor's local shard
-    (``__create_chunk_list__``, the protocol ``torch.distributed.checkpoint`` uses), or the
-    whole of another tensor."""
+def _held(t: Tensor, store: bool) -> tuple[Tensor, Block] | None:
+    """The block of the full tensor ``t`` that this rank holds, with the local tensor
+    holding it: a DTensor's local shard (``__create_chunk_list__``, the protocol
+    ``torch.distributed.checkpoint`` uses), the whole of another tensor. With ``store``,
+    what this rank stores of it in a sharded snapshot, or None: a replicated block is
+    stored by the replica at coordinate 0 of every mesh dimension it is replicated over,
+    a plain tensor (the same on every rank) by rank 0, an empty block nowhere."""
     if not is_dtensor(t):
-        return Block.whole(t.shape)
-    chunk = t.__create_chunk_list__()[0]  # type: ignore[attr-defined]
-    return Block(tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
-
-
-def local_block(t: Tensor) -> tuple[Tensor, Block] | None:
-    """The block of the full tensor ``t`` that this rank stores in a sharded snapshot, and
-    the local tensor holding it; None when this rank stores nothing of ``t``.
-
-    A DTensor's block is its local shard (``__create_chunk_list__``), stored by the replica
-    at coordinate 0 of every mesh dimension it is replicated over; another tensor (the same
-    on every rank) is stored whole by rank 0. No collective is run.
-    """
-    if not is_dtensor(t):
-        return (t, Block.whole(t.shape)) if _is_rank_zero() else None
+        return (t, Block.whole(t.shape)) if is_rank_zero() or not store else None
     d: Any = t
+    chunk = d.__create_chunk_list__()[0]
+    block = Block(tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+    if not store:
+        return d.to_local(), block
     coordinate = d.device_mesh.get_coordinate() or []
     for placement, c in zip(d.placements, coordinate, strict=False):
         if placement.is_partial():
@@ -222,16 +216,13 @@ def local_block(t: Tensor) -> tuple[Tensor, Block] | None:
         if placement.is_replicate() and c != 0:
             return None
     local = d.to_local()
-    block = held_block(t)
     if tuple(local.shape) != block.size:  # a torch whose chunks are not the local shard
         raise EMAStateError(
             f"a DTensor's local shard has shape {tuple(local.shape)} but its chunk is "
             f"{block.size} (placements {d.placements}): emakit cannot snapshot this layout; "
             f"save it with emakit.distributed.save_sharded_ema instead"
         )
-    if block.numel == 0:
-        return None
-    return local, block
+    return (local, block) if block.numel else None
 
 
 def model_blocks(
@@ -242,10 +233,10 @@ def model_blocks(
     ``empty``, the blocks of every tensor it holds, empty ones included (the regions a
     synthesis on this rank fills).
 
-    A DTensor contributes its `local_block()` (`held_block()` with ``empty``); a partition
-    of a ZeRO-3 EMA model (a `ZeroPartitions`, see `emakit._dist.deepspeed`) its flat
-    range (1-D, the padding left out); any other tensor is stored whole by rank 0 (with
-    ``empty``, held whole on every rank). No collective is run.
+    A DTensor contributes its local shard, a partition of a ZeRO-3 EMA model (a
+    `ZeroPartitions`, see `emakit._dist.deepspeed`) its flat range (1-D, the padding
+    left out); any other tensor is stored whole by rank 0 (with ``empty``, held whole on
+    every rank). No collective is run.
     """
     state = model.state_dict()
     zero = model if isinstance(model, ZeroPartitions) else None
@@ -260,10 +251,8 @@ def model_blocks(
         if zero is not None and span is not None:
             shapes[name] = tuple(int(x) for x in zero.shapes[name][0])
             held = (value, Block((span[0],), (span[1],), True)) if span[1] or empty else None
-        elif empty:
-            held = (value, held_block(value))
         else:
-            held = local_block(value)
+            held = _held(value, store=not empty)
         if held is not None:
             tensors[name], blocks[name] = held
     return tensors, blocks, shapes
@@ -275,21 +264,17 @@ def shard_suffix(rank: int, world: int) -> str:
     return f".rank-{rank:05d}-of-{world:05d}"
 
 
-def _where(block: Block | None) -> object:
-    if block is None:
-        return None
-    if block.flat:
-        return {"flat": [block.offset[0], block.size[0]]}
-    return list(block.offset)
-
-
 def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Block]) -> str:
     """The ``shard_layout`` header field: ``{name: [global shape, offset, flat range or
     null]}`` (see the module docstring)."""
-    return json.dumps(
-        {n: [list(shape), _where(blocks.get(n))] for n, shape in shapes.items()},
-        separators=(",", ":"),
-    )
+
+    def where(b: Block | None) -> object:
+        if b is None:
+            return None
+        return {"flat": [b.offset[0], b.size[0]]} if b.flat else list(b.offset)
+
+    layout = {n: [list(shape), where(blocks.get(n))] for n, shape in shapes.items()}
+    return json.dumps(layout, separators=(",", ":"))
 
 
 def _bad(path: Path, why: str) -> EMAStateError:
@@ -310,26 +295,43 @@ def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
     return rank, world
 
 
-def _flat_block(
-    path: Path, name: str, where: object, shape: tuple[int, ...], stored: tuple[int, ...]
-) -> Block:
-    """The flat range ``{"flat": [start, length]}`` of ``name``, checked against its
-    shape and the stored 1-D tensor."""
-    span = where.get("flat") if isinstance(where, dict) and len(where) == 1 else None
+def _block(
+    path: Path, name: str, entry: object, stored: Mapping[str, tuple[int, ...]]
+) -> tuple[tuple[int, ...], Block | None]:
+    """One ``shard_layout`` entry ``[global shape, where]``, checked against the tensors
+    the file holds: ``where`` is an offset, ``{"flat": [start, length]}`` or null."""
+    ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+    shape = tuple(entry[0]) if ok else ()  # type: ignore[index]
+    where = entry[1] if ok and all(isinstance(s, int) and s >= 0 for s in shape) else ()  # type: ignore[index]
+    if where is None:
+        if name in stored:
+            raise _bad(path, f"{name!r} is stored but shard_layout says it is not")
+        return shape, None
+    if not isinstance(where, (list, dict)) or where == ():
+        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
+    if name not in stored:
+        raise _bad(path, f"shard_layout places {name!r}, which the file does not hold")
+    size = tuple(stored[name])
+    if isinstance(where, list):
+        block = Block(tuple(int(x) for x in where), size)
+        if len(block.offset) != len(shape) or intersect(block, Block.whole(shape)) != block:
+            raise _bad(path, f"{name!r}'s block {block} lies outside its shape {shape}")
+        return shape, block
+    span = where.get("flat") if len(where) == 1 else None
     if not (
         isinstance(span, list)
         and len(span) == 2
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span)
     ):
-        raise _bad(path, f"shard_layout[{name!r}] = {[list(shape), where]!r}")
+        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
     start, length = span
-    if stored != (length,) or start + length > math.prod(shape):
+    if size != (length,) or start + length > math.prod(shape):
         raise _bad(
             path,
             f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
-            f"elements does not match the stored tensor of shape {stored}",
+            f"elements does not match the stored tensor of shape {size}",
         )
-    return Block((start,), (length,), flat=True)
+    return shape, Block((start,), (length,), flat=True)
 
 
 def parse_layout(
@@ -344,29 +346,7 @@ def parse_layout(
         raise _bad(path, "shard_layout is not JSON") from None
     if not isinstance(raw, dict):
         raise _bad(path, "shard_layout is not a mapping")
-    out: dict[str, tuple[tuple[int, ...], Block | None]] = {}
-    for name, entry in raw.items():
-        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
-        shape = tuple(entry[0]) if ok else ()
-        ok = ok and all(isinstance(s, int) and s >= 0 for s in shape)
-        where = entry[1] if ok else None
-        if not ok or (where is not None and not isinstance(where, (list, dict))):
-            raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
-        if where is None:
-            if name in stored:
-                raise _bad(path, f"{name!r} is stored but shard_layout says it is not")
-            out[name] = (shape, None)
-            continue
-        if name not in stored:
-            raise _bad(path, f"shard_layout places {name!r}, which the file does not hold")
-        if isinstance(where, dict):
-            out[name] = (shape, _flat_block(path, name, where, shape, tuple(stored[name])))
-            continue
-        block = Block(tuple(int(x) for x in where), tuple(stored[name]))
-        whole = Block.whole(shape)
-        if len(block.offset) != len(shape) or intersect(block, whole) != block:
-            raise _bad(path, f"{name!r}'s block {block} lies outside its shape {shape}")
-        out[name] = (shape, block)
+    out = {name: _block(path, name, entry, stored) for name, entry in raw.items()}
     if set(stored) - set(out):
         raise _bad(path, f"tensors {sorted(set(stored) - set(out))[:5]} are not in shard_layout")
     return out

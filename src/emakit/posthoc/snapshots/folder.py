@@ -1,0 +1,556 @@
+"""A snapshot folder: what it holds, which run wrote what, and one writer at a time.
+
+* [`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots] reads the headers
+  of every snapshot in a folder (emakit's, the complete sets of rank files of sharded
+  snapshots, and, given their profiles, ema-pytorch's ``<index>.<step>.pt`` files, which
+  [`list_legacy_files()`][emakit.posthoc.snapshots.folder.list_legacy_files] finds by
+  name); [`find_snapshot_folder()`][emakit.posthoc.snapshots.folder.find_snapshot_folder]
+  finds the folder itself inside a folder that holds one (``emakit demo`` writes its
+  snapshots to ``OUT/posthoc-snapshots``, next to ``summary.json``).
+
+**Runs.** Two experiments that share a snapshot folder (the default folder name, a
+copy-pasted config) would otherwise be mixed at synthesis without a word, and the result
+is garbage. So:
+
+* Each [`PostHocEMA`][emakit.PostHocEMA] run has an id (`new_run_id()`, or the ``run_id=``
+  it was given), written into every snapshot header (``run``) and kept in its
+  ``state_dict()``, so a resumed run keeps writing under its id.
+* While a run writes, it holds an exclusive lock on the folder ([`FolderLock`][emakit.posthoc.snapshots.folder.FolderLock], a
+  ``flock`` on ``.emakit-posthoc.lock``, removed when released): a second run writing to
+  the same folder at the same time is refused. The lock dies with the process (a killed
+  run leaves the file, unlocked); where the file system has no locks the run ids still
+  keep runs apart.
+* Synthesis and ``emakit inspect`` refuse a folder holding more than one run unless the
+  caller picks one ([`pick_run()`][emakit.posthoc.snapshots.folder.pick_run]);
+  `PostHocEMA.synthesize_ema_model()` picks its own run.
+
+Snapshots written before emakit recorded run ids have the run ``""`` (shown as
+``(none)``): pick them with ``run=""``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import threading
+import uuid
+import warnings
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..._files.atomic import LOCKS_AVAILABLE, TEMP_PREFIX, try_lock
+from ..._files.safetensors_file import SafetensorsFile
+from ...errors import (
+    EMAError,
+    EMAFileNotFoundError,
+    EMARuntimeError,
+    EMAStateError,
+    EMATypeError,
+    EMAValueError,
+)
+from ..math import PostHocWarning
+from .format import (
+    RUN_PATTERN,
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_SUFFIX,
+    SnapshotInfo,
+    looks_damaged,
+    parse_header,
+)
+from .frozen import is_side_file, join_frozen, side_missing
+from .legacy import LEGACY_NAME, LEGACY_SOURCE, LegacyFile, LegacyProfiles
+from .shards import (
+    SHARD_FORMAT,
+    ShardEntry,
+    complete_sets,
+    parse_layout,
+    set_frozen_names,
+    shard_fields,
+)
+
+__all__ = [
+    "LOCK_NAME",
+    "FolderLock",
+    "check_run_id",
+    "describe_runs",
+    "existing_folder",
+    "find_snapshot_folder",
+    "first_write_warnings",
+    "list_legacy_files",
+    "list_snapshots",
+    "new_run_id",
+    "own_path",
+    "pick_run",
+    "run_to_continue",
+    "runs_in",
+]
+
+#: The lock file a writing run holds in its snapshot folder.
+LOCK_NAME = ".emakit-posthoc.lock"
+
+
+def existing_folder(folder: object) -> Path:
+    """``folder`` if it is an existing folder, or an error saying what it is."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise EMATypeError(
+            f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
+            f"({type(folder).__name__})"
+        )
+    root = Path(folder)
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        error = EMAValueError if root.exists() else EMAFileNotFoundError
+        raise error(
+            f"snapshot folder {str(root)!r} {what}; pass the checkpoint_folder that "
+            f"PostHocEMA wrote its snapshots to"
+        )
+    return root
+
+
+# -- what a folder holds ----------------------------------------------------------------------
+
+
+def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
+    """ema-pytorch's snapshot files (``<profile index>.<step>.pt``) in ``folder``, by
+    ``(step, profile)``; found by name, nothing is read.
+
+    Raises:
+        EMAFileNotFoundError: ``folder`` does not exist.
+        EMAValueError: ``folder`` is not a folder.
+    """
+    found = []
+    for path in existing_folder(folder).iterdir():
+        m = LEGACY_NAME.match(path.name)
+        if m and path.is_file():
+            found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
+    found.sort(key=lambda f: (f.step, f.profile, f.path.name))
+    return found
+
+
+def _shard_entry(
+    path: Path, meta: Mapping[str, str], f: SafetensorsFile
+) -> tuple[ShardEntry, SnapshotInfo]:
+    """One rank's file of a sharded snapshot: its set, rank and stored volumes."""
+    info = parse_header(path, meta, f)
+    rank, world = shard_fields(path, meta)
+    with join_frozen(f) as g:  # the blocks of its frozen tensors are in its side file
+        layout = parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
+    volumes = {n: (shape, 0 if b is None else b.numel) for n, (shape, b) in layout.items()}
+    write = meta.get("shard_set", "")  # one write's files only: never two writes' mixed
+    key = (info.step, info.t, info.gamma, info.sigma_rel, info.profile, info.run, info.copied)
+    return ShardEntry((*key, write), rank, world, path, volumes), info
+
+
+def _legacy_snapshots(
+    root: Path, emakit: list[SnapshotInfo], legacy: LegacyProfiles
+) -> list[SnapshotInfo]:
+    """ema-pytorch's files as snapshots of ``legacy``'s profiles; the tensors they copy
+    and the exact dtypes of integer ones from ``legacy``, else from the folder's latest
+    emakit snapshot."""
+    files = list_legacy_files(root)
+    profiles = {f.path: legacy.profile(f) for f in files}  # raises for a bad index first
+    empty = [f for f in files if f.step == 0]
+    if empty:
+        warnings.warn(
+            f"skipping {len(empty)} ema-pytorch snapshot(s) of step 0 ({empty[0].path.name}, "
+            f"...): written before any update(), they average nothing",
+            PostHocWarning,
+            stacklevel=3,
+        )
+    files = [f for f in files if f.step > 0]
+    if not files:
+        return []
+    copied, exact = legacy.copied, legacy.exact_dtypes
+    if copied is None:  # the folder's own snapshots know the model, if it has any
+        copied, exact = frozenset(), ()
+        if emakit:
+            ref = emakit[-1]
+            with SafetensorsFile(ref.path, "snapshot") as f:
+                dtypes = {n: f.dtype(n) for n in sorted(ref.copied & set(f.keys()))}
+            copied = ref.copied
+            exact = tuple(
+                (n, d) for n, d in dtypes.items() if not (d.is_floating_point or d.is_complex)
+            )
+    return [
+        SnapshotInfo(
+            path=f.path,
+            step=f.step,
+            t=legacy.t_of(f.step),
+            gamma=profiles[f.path][0],
+            sigma_rel=profiles[f.path][1],
+            profile=f.profile,
+            update_every=legacy.update_every,
+            copied=copied,
+            format_version=0,
+            source=LEGACY_SOURCE,
+            exact_dtypes=exact,
+        )
+        for f in files
+    ]
+
+
+def list_snapshots(
+    folder: str | os.PathLike[str], *, legacy: LegacyProfiles | None = None
+) -> list[SnapshotInfo]:
+    """The snapshots in ``folder``, sorted by ``(step, gamma)``.
+
+    ``*.safetensors`` files whose header says ``format = emakit.posthoc.snapshot`` count
+    (and the complete sets of rank files of sharded snapshots) and, with ``legacy``,
+    ema-pytorch's ``<profile index>.<step>.pt`` files (see
+    [`LegacyProfiles`][emakit.posthoc.snapshots.legacy.LegacyProfiles]; without it they are left out: [`list_legacy_files()`][emakit.posthoc.snapshots.folder.list_legacy_files]
+    finds them). Anything else in the folder (other files, other safetensors files,
+    emakit's temporary files) is ignored. A ``.safetensors`` file whose header cannot be
+    read, or whose header is almost a snapshot's (a damaged ``format``), is skipped with a
+    [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Snapshots of every run are
+    listed (`pick_run()` picks one).
+
+    Args:
+        folder: the snapshot folder.
+        legacy: the profiles of ema-pytorch's files by index. Default None: leave them out.
+
+    Returns:
+        The snapshots' headers; empty if the folder holds none.
+
+    Raises:
+        EMAFileNotFoundError: ``folder`` does not exist.
+        EMAValueError: ``folder`` is not a folder.
+        EMAStateError: a snapshot was written by a newer emakit, or a field of its header
+            is malformed (naming the file and the field); an ema-pytorch file's profile
+            index is out of range of ``legacy.gammas``.
+    """
+    root = existing_folder(folder)
+    found: list[SnapshotInfo] = []
+    shards: list[tuple[ShardEntry, SnapshotInfo]] = []
+    seen: dict = {}  # side files checked
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if name.startswith(".") or TEMP_PREFIX in name or not name.endswith(SNAPSHOT_SUFFIX):
+            continue
+        if is_side_file(name) or not path.is_file():
+            continue
+        try:
+            f = SafetensorsFile(path, "snapshot")
+        except EMAError as e:  # unreadable, a FIFO, or a file that vanished since the listing
+            warnings.warn(f"skipping {path}: {e}", PostHocWarning, stacklevel=2)
+            continue
+        with f:
+            meta = f.metadata
+            kind = meta.get("format")
+            why = side_missing(path, meta, seen) if kind in (SNAPSHOT_FORMAT, SHARD_FORMAT) else ""
+            if why:
+                warnings.warn(why, PostHocWarning, stacklevel=2)
+            elif kind == SNAPSHOT_FORMAT:
+                found.append(parse_header(path, meta, f))  # a malformed field raises
+            elif kind == SHARD_FORMAT:
+                shards.append(_shard_entry(path, meta, f))
+            elif looks_damaged(meta):
+                warnings.warn(
+                    f"skipping {path}: its header is almost a snapshot's but its format is "
+                    f"{kind!r}; the file is damaged",
+                    PostHocWarning,
+                    stacklevel=2,
+                )
+    by_path = {e.path: info for e, info in shards}
+    for group in complete_sets(e for e, _ in shards):
+        infos = [by_path[e.path] for e in group]
+        found.append(
+            dataclasses.replace(
+                infos[0],
+                shards=tuple(e.path for e in group),
+                frozen=tuple(p for i in infos for p in i.frozen),
+                frozen_names=set_frozen_names(group, [i.frozen_names for i in infos]),
+            )
+        )
+    found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
+    if legacy is not None:
+        found.extend(_legacy_snapshots(root, found, legacy))
+        found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
+    return found
+
+
+def find_snapshot_folder(folder: str | os.PathLike[str]) -> Path:
+    """The folder that holds the snapshots: ``folder`` itself if it holds any (or is not a
+    folder: the caller's own checks then report it), else its one subfolder that does.
+
+    Args:
+        folder: a snapshot folder, or a folder with one snapshot subfolder (a demo run's).
+
+    Returns:
+        ``folder``, or that subfolder.
+
+    Raises:
+        EMAValueError: ``folder`` holds no snapshots and several subfolders do (the
+            message lists them).
+
+    Example:
+        >>> find_snapshot_folder("emakit-demo-20240101-120000")  # doctest: +SKIP
+        PosixPath('emakit-demo-20240101-120000/posthoc-snapshots')
+    """
+
+    def holds(p: Path) -> bool:
+        return bool(list_snapshots(p) or list_legacy_files(p))
+
+    folder = Path(folder)
+    if not folder.is_dir() or holds(folder):
+        return folder
+    subs = sorted(p for p in folder.iterdir() if p.is_dir() and holds(p))
+    if len(subs) > 1:
+        raise EMAValueError(
+            f"{str(folder)!r} holds no post-hoc snapshots itself, but {len(subs)} of its "
+            f"subfolders do ({', '.join(repr(str(p)) for p in subs[:5])}); pass one of them"
+        )
+    return subs[0] if subs else folder
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def new_run_id() -> str:
+    """A fresh run id: 16 random hex digits."""
+    return uuid.uuid4().hex[:16]
+
+
+def check_run_id(name: str, value: object) -> str:
+    """``value`` if it is a valid run id (1 to 64 letters, digits, ``.``, ``_``, ``-``,
+    starting with a letter or digit), or an error naming the argument ``name``."""
+    if not isinstance(value, str):
+        raise EMATypeError(f"{name} must be a str, got {name}={value!r} ({type(value).__name__})")
+    if not RUN_PATTERN.match(value):
+        raise EMAValueError(
+            f"{name} must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a letter "
+            f"or digit), got {name}={value!r}"
+        )
+    return value
+
+
+def runs_in(snaps: Sequence[SnapshotInfo]) -> dict[str, list[SnapshotInfo]]:
+    """emakit's snapshots by run id (``""``: written before run ids), in order of first
+    step; ema-pytorch's files belong to no run and are left out."""
+    runs: dict[str, list[SnapshotInfo]] = {}
+    for s in sorted(snaps, key=lambda s: (s.step, s.path.name)):
+        if not s.is_legacy:
+            runs.setdefault(s.run, []).append(s)
+    return runs
+
+
+def describe_runs(runs: dict[str, list[SnapshotInfo]]) -> str:
+    """One line per run: id, snapshot count, steps."""
+    return "; ".join(
+        f"{run or '(none)'}: {len(snaps)} snapshot(s), steps {snaps[0].step}..{snaps[-1].step}"
+        for run, snaps in runs.items()
+    )
+
+
+def pick_run(
+    snaps: Sequence[SnapshotInfo], run: str | None, folder: str | os.PathLike[str]
+) -> list[SnapshotInfo]:
+    """The snapshots of one run (and any ema-pytorch files), or an error for a mixed folder.
+
+    Args:
+        snaps: the folder's snapshots ([`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots]).
+        run: the run to keep; ``""`` keeps the snapshots written before run ids. Default
+            None: the folder must hold at most one run.
+        folder: the folder, for messages.
+
+    Raises:
+        EMAStateError: ``run`` is None and the folder holds more than one run.
+        EMAValueError: ``run`` has no snapshots in the folder.
+    """
+    runs = runs_in(snaps)
+    if run is None:
+        if len(runs) > 1:
+            raise EMAStateError(
+                f"{os.fspath(folder)!r} holds the snapshots of {len(runs)} runs "
+                f"({describe_runs(runs)}); synthesizing from a mix of runs gives wrong "
+                f"weights. Pick one: run=<id> (emakit synthesize/inspect --run ID), or move "
+                f"the other runs' files out of the folder"
+            )
+        return list(snaps)
+    if not isinstance(run, str):
+        raise EMATypeError(f"run must be a str or None, got run={run!r} ({type(run).__name__})")
+    if run not in runs:
+        raise EMAValueError(
+            f"run={run!r} has no snapshots in {os.fspath(folder)!r}; the runs there are: "
+            f"{describe_runs(runs) or 'none'}"
+        )
+    return [s for s in snaps if s.is_legacy or s.run == run]
+
+
+def first_write_warnings(folder: Path, run: str, step: int) -> list[str]:
+    """What a run should be told before its first write into ``folder`` at ``step``:
+    other runs' snapshots there, and its own (or ema-pytorch's) after ``step``, left by a
+    run that was resumed from an earlier state."""
+    out = []
+    snaps = list_snapshots(folder)
+    others = {r: v for r, v in runs_in(snaps).items() if r != run}
+    if others:
+        out.append(
+            f"{str(folder)!r} already holds the snapshots of other run(s) "
+            f"({describe_runs(others)}); this run ({run!r}) writes its own next to them "
+            f"(named ..._run-{run}.safetensors where steps and profiles coincide: theirs are "
+            f"kept), and synthesis from the folder must pick a run (run=..., emakit "
+            f"synthesize --run). Give each experiment its own checkpoint_folder"
+        )
+    later = [s.step for s in snaps if s.run == run and s.step > step]
+    theirs = [f for f in list_legacy_files(folder) if f.step > step]
+    if later or theirs:
+        kept = (
+            f" (not ema-pytorch's {len(theirs)} file(s) like {theirs[0].path.name}: remove them)"
+            if theirs
+            else ""
+        )
+        out.append(
+            f"{str(folder)!r} already holds {len(later) + len(theirs)} snapshot(s) after step "
+            f"{step} (up to step {max(later + [f.step for f in theirs])}), from before a "
+            f"resume. Snapshots of this run overwrite them as training passes their "
+            f"steps{kept}; synthesis at or before step {step} ignores them"
+        )
+    return out
+
+
+def run_to_continue(folder: Path, own: str) -> str | None:
+    """The run a resumed [`PostHocEMA`][emakit.PostHocEMA] whose state records no run id
+    continues: the folder's only identified run, when it is not ``own`` already."""
+    runs = [r for r in runs_in(list_snapshots(folder)) if r]
+    return runs[0] if len(runs) == 1 and runs[0] != own else None
+
+
+def own_path(path: Path, run: str) -> Path:
+    """Where run ``run`` writes the snapshot named ``path``: ``path`` itself, unless a file
+    another run wrote (or an unreadable one) has that name; then ``path`` with
+    ``_run-<run>`` before the suffix, so two experiments in one folder never replace each
+    other's snapshots."""
+    if not os.path.lexists(path):
+        return path
+    try:  # a whole-model snapshot, or one rank's file of a sharded one
+        with SafetensorsFile(path, "snapshot file") as f:
+            meta = f.metadata
+        ours = meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT) and meta.get("run", "") == run
+    except EMAError:
+        ours = False  # unreadable: not ours to replace either
+    if ours:
+        return path
+    return path.with_name(f"{path.name[: -len(SNAPSHOT_SUFFIX)]}_run-{run}{SNAPSHOT_SUFFIX}")
+
+
+# -- the folder lock --------------------------------------------------------------------------
+
+_held: dict[str, tuple[int, str, int]] = {}  # folder -> (fd, run, holders) in this process
+_held_lock = threading.Lock()
+
+
+def _release(key: str) -> None:
+    with _held_lock:
+        entry = _held.get(key)
+        if entry is None:
+            return
+        fd, run, holders = entry
+        if holders > 1:
+            _held[key] = (fd, run, holders - 1)
+            return
+        del _held[key]
+        # Removed while still locked: a run that opened it meanwhile sees, once it holds
+        # the lock, that the name points elsewhere (or nowhere), and opens it again.
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(key, LOCK_NAME))
+    os.close(fd)  # the flock goes with the descriptor
+
+
+def _lock_file(path: Path) -> int | None:
+    """A descriptor holding the flock of ``path`` (created if missing), None where the
+    file system has no locks; raises BlockingIOError while another process holds it."""
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        held = try_lock(fd)
+        if held is False:
+            os.close(fd)
+            raise BlockingIOError(f"{path} is locked")
+        if held is None:  # a file system without locks
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        os.close(fd)  # its holder removed it as we opened it: take the new one
+    raise EMARuntimeError(f"could not lock {path}")  # pragma: no cover
+
+
+class FolderLock:
+    """An exclusive lock on a snapshot folder, held by one run while it writes.
+
+    Objects of one run in one process share the lock; another run, in this process or
+    another, is refused while it is held. The lock is released by [`release()`][emakit.posthoc.snapshots.folder.FolderLock.release], when
+    this object is garbage-collected, or when the process ends (killed too). A copy or an
+    unpickled object holds nothing until it locks again.
+
+    Args:
+        folder: the snapshot folder (it must exist).
+        run: the run id taking the lock.
+
+    Raises:
+        EMARuntimeError: another run holds the folder (the message names it, its process
+            and host, and the fix).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], run: str) -> None:
+        self.folder = Path(folder)
+        self.run = run
+        self.locked = False
+        self._finalizer: weakref.finalize | None = None
+        key = os.path.realpath(self.folder)
+        with _held_lock:
+            entry = _held.get(key)
+            if entry is not None:
+                fd, holder, holders = entry
+                if holder != run:
+                    raise self._busy(f"run {holder!r} of this process")
+                _held[key] = (fd, run, holders + 1)
+            else:
+                if not LOCKS_AVAILABLE:
+                    return  # no locks on this platform: run ids still keep runs apart
+                try:
+                    locked = _lock_file(self.folder / LOCK_NAME)
+                except BlockingIOError:
+                    raise self._busy(self._holder()) from None
+                if locked is None:
+                    return
+                info = {"run": run, "pid": os.getpid(), "host": socket.gethostname()}
+                with contextlib.suppress(OSError):
+                    os.ftruncate(locked, 0)
+                    os.pwrite(locked, json.dumps(info).encode(), 0)
+                _held[key] = (locked, run, 1)
+            self.locked = True
+            self._finalizer = weakref.finalize(self, _release, key)
+
+    def _holder(self) -> str:
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads((self.folder / LOCK_NAME).read_text(encoding="utf-8"))
+            return f"run {info.get('run')!r} (process {info.get('pid')} on {info.get('host')!r})"
+        return "another run"
+
+    def _busy(self, holder: str) -> EMARuntimeError:
+        return EMARuntimeError(
+            f"snapshot folder {str(self.folder)!r} is being written by {holder}; run "
+            f"{self.run!r} may not write there too (two runs in one folder mix their "
+            f"snapshots): give this PostHocEMA another checkpoint_folder, or wait for that "
+            f"run to end"
+        )
+
+    def release(self) -> None:
+        """Release the lock (this object's share of it); a no-op when not held."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.locked = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"folder": self.folder, "run": self.run}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.folder, self.run = state["folder"], state["run"]
+        self.locked, self._finalizer = False, None
