@@ -219,19 +219,20 @@ class StreamRunner:
         return {"device": self.device, "_stream": None, "_done": None, "_pending": False}
 
 
-class Handles:
-    """Several hook handles removed together (``handle.remove()``)."""
+class _LiveHooks:
+    """The optimizer hooks of a live `ThreadRunner` (see `hook_optimizer()`): removing them
+    waits for the pending update and turns live mode off (back to snapshots)."""
 
-    def __init__(self, *handles: Any, on_remove: Callable[[], None] | None = None) -> None:
+    def __init__(self, runner: ThreadRunner, *handles: Any) -> None:
+        self.runner = runner
         self.handles = handles
-        self.on_remove = on_remove
 
     def remove(self) -> None:
-        """Remove every hook, then run the cleanup."""
+        """Remove every hook, then wait and leave live mode."""
         for h in self.handles:
             h.remove()
-        if self.on_remove is not None:
-            self.on_remove()
+        self.runner.wait()
+        self.runner.live = False
 
 
 def hook_optimizer(
@@ -252,9 +253,4 @@ def hook_optimizer(
         return post
     pre = optimizer.register_step_pre_hook(lambda *_: runner.wait())
     runner.live = True
-
-    def detach() -> None:
-        runner.wait()
-        runner.live = False  # no pre-step hook any more: back to snapshots
-
-    return Handles(post, pre, on_remove=detach)
+    return _LiveHooks(runner, post, pre)
