@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -81,23 +79,11 @@ class _LazyGroup(click.Group):
                 formatter.write_dl(rows)
 
 
-@contextmanager
-def _plain_warnings() -> Iterator[None]:
-    """Show warnings as one ``Warning: <message>`` line on stderr while the block runs.
-
-    Python's default display adds the file path, line number and source line of the code
-    that warned, which mean nothing to someone running a command.
-    """
-
-    def show(message: Warning | str, *where: object, **more: object) -> None:
-        click.echo(f"Warning: {message}", err=True)  # not where it was raised
-
-    previous = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = previous
+def _show_warning(message: Warning | str, *where: object, **more: object) -> None:
+    """Show a warning as one ``Warning: <message>`` line on stderr: Python's default display
+    adds the file path, line number and source line of the code that warned, which mean
+    nothing to someone running a command."""
+    click.echo(f"Warning: {message}", err=True)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -115,7 +101,8 @@ def main(ctx: click.Context) -> None:
 
     Run `emakit COMMAND --help` for the options of a command.
     """
-    ctx.with_resource(_plain_warnings())
+    ctx.with_resource(warnings.catch_warnings())  # restores showwarning when the command ends
+    warnings.showwarning = _show_warning
 
 
 @main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")

@@ -108,45 +108,47 @@ class Numbers(click.ParamType):
 #: buffers, these are taken (not averaged) from ema-pytorch's files.
 NORM_BUFFERS = {"running_mean": None, "running_var": None, "num_batches_tracked": torch.int64}
 
-_FOLDER_OPTIONS = [
-    click.option(
-        "--legacy-sigma-rels",
-        type=Numbers(),
-        metavar="S[,S...]",
-        help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
-        "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
-    ),
-    click.option(
-        "--legacy-gammas", type=Numbers(), metavar="G[,G...]", help="The same as gammas, in order."
-    ),
-    click.option(
-        "--legacy-update-every",
-        type=click.IntRange(min=1),
-        help="The update_every of that ema-pytorch run (its default: 100); required with "
-        "--legacy-sigma-rels / --legacy-gammas.",
-    ),
-    click.option(
-        "--run",
-        metavar="ID",
-        help="The run whose snapshots to use, for a folder holding several runs' snapshots "
-        "(inspect lists them); '' picks snapshots written before emakit recorded runs.",
-    ),
-]
-
 
 def folder_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every`` and
-    ``--run`` (the run to use in a folder holding the snapshots of several)."""
-    for option in reversed(_FOLDER_OPTIONS):
+    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every`` (passed
+    on to `open_folder()`) and ``--run`` (the run to use in a folder holding several)."""
+    options = [
+        click.option(
+            "--legacy-sigma-rels",
+            type=Numbers(),
+            metavar="S[,S...]",
+            help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
+            "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
+        ),
+        click.option(
+            "--legacy-gammas",
+            type=Numbers(),
+            metavar="G[,G...]",
+            help="The same as gammas, in order.",
+        ),
+        click.option(
+            "--legacy-update-every",
+            type=click.IntRange(min=1),
+            help="The update_every of that ema-pytorch run (its default: 100); required with "
+            "--legacy-sigma-rels / --legacy-gammas.",
+        ),
+        click.option(
+            "--run",
+            metavar="ID",
+            help="The run whose snapshots to use, for a folder holding several runs' snapshots "
+            "(inspect lists them); '' picks snapshots written before emakit recorded runs.",
+        ),
+    ]
+    for option in reversed(options):
         command = option(command)
     return command
 
 
 def open_folder(
     folder: Path,
-    sigma_rels: list[float] | None,
-    gammas: list[float] | None,
-    update_every: int | None,
+    legacy_sigma_rels: list[float] | None = None,
+    legacy_gammas: list[float] | None = None,
+    legacy_update_every: int | None = None,
 ) -> tuple[Path, LegacyProfiles | None]:
     """``(the folder holding the snapshots, the profiles to read ema-pytorch's files with,
     None without the options)``: ``folder``, or its one snapshot subfolder (a demo run's),
@@ -155,6 +157,7 @@ def open_folder(
     found = find_snapshot_folder(folder)
     if found != folder:
         click.echo(f"Note: {folder} holds no snapshots itself; using {found}", err=True)
+    sigma_rels, gammas, update_every = legacy_sigma_rels, legacy_gammas, legacy_update_every
     if sigma_rels is not None and gammas is not None:
         raise click.UsageError("give at most one of --legacy-sigma-rels and --legacy-gammas")
     if sigma_rels is None and gammas is None:
@@ -196,14 +199,8 @@ def progress_bar(
         yield lambda label, total: lambda done, total_: None
         return
     try:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich import console
+        from rich import progress as bars
     except ImportError:  # rich is an optional extra: fall back to click's bar
         with ExitStack() as stack:
 
@@ -216,9 +213,10 @@ def progress_bar(
 
             yield start_click
         return
-    columns = (BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
-    progress = Progress(TextColumn("{task.description}"), *columns, console=Console(stderr=True))
-    with progress:  # on stderr: stdout stays for the results
+    columns = [bars.TextColumn("{task.description}"), bars.BarColumn(), bars.MofNCompleteColumn()]
+    columns += [bars.TextColumn(unit), bars.TimeElapsedColumn()]
+    stderr = console.Console(stderr=True)  # stdout stays for the results
+    with bars.Progress(*columns, console=stderr) as progress:
 
         def start_rich(label: str, total: int) -> Callable[[int, int], None]:
             task = progress.add_task(label, total=total)
@@ -352,10 +350,8 @@ def synthesize(
     force: bool,
     dtype: str,
     progress: bool,
-    legacy_sigma_rels: list[float] | None,
-    legacy_gammas: list[float] | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.
 
@@ -377,10 +373,10 @@ def synthesize(
         raise click.UsageError("give exactly one of --sigma-rel and --gamma")
     key, values = ("sigma_rel", sigma_rel) if sigma_rel is not None else ("gamma", gamma)
     try:
-        folder, legacy = open_folder(folder, legacy_sigma_rels, legacy_gammas, legacy_update_every)
-        snaps = pick_snapshots(folder, legacy, run)
+        folder, profiles = open_folder(folder, **legacy)
+        snaps = pick_snapshots(folder, profiles, run)
         plans = [plan_synthesis(folder, step=step, snapshots=snaps, **{key: v}) for v in values]  # type: ignore[arg-type, union-attr]
-        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in (*s.files, *s.frozen)]
+        inputs = [f for s in list_snapshots(folder, legacy=profiles) for f in (*s.files, *s.frozen)]
         inputs += [f.path for f in list_legacy_files(folder)]
         paths = _output_paths(out, key, values, inputs, force)  # type: ignore[arg-type]
         with progress_bar(progress) as start:
@@ -478,10 +474,8 @@ def sweep_cmd(
     step: int | None,
     maximize: bool,
     lengths_per_pass: int,
-    legacy_sigma_rels: list[float] | None,
-    legacy_gammas: list[float] | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.
 
@@ -495,7 +489,7 @@ def sweep_cmd(
             --eval my_project.evaluation:validation_loss --plot sweep.png
     """
     try:
-        folder, legacy = open_folder(folder, legacy_sigma_rels, legacy_gammas, legacy_update_every)
+        folder, profiles = open_folder(folder, **legacy)
         result = sweep(
             folder,
             evaluate,
@@ -504,7 +498,7 @@ def sweep_cmd(
             mode="max" if maximize else "min",
             lengths_per_pass=lengths_per_pass,
             run=run,
-            legacy=legacy,
+            legacy=profiles,
             plot=plot,
         )
     except (EMAError, OSError) as e:
@@ -804,10 +798,8 @@ def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
 @folder_options
 def inspect_cmd(
     path: Path,
-    legacy_sigma_rels: list[float] | None,
-    legacy_gammas: list[float] | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.
 
@@ -827,8 +819,7 @@ def inspect_cmd(
                 click.echo("")
                 (_inspect_safetensors if file.suffix == ".safetensors" else _inspect_torch)(file)
         elif path.is_dir():
-            legacy = open_folder(path, legacy_sigma_rels, legacy_gammas, legacy_update_every)
-            _inspect_folder(*legacy, run)
+            _inspect_folder(*open_folder(path, **legacy), run)
         elif path.suffix == ".safetensors":
             _inspect_safetensors(path)
         else:

@@ -200,10 +200,6 @@ class PostHocEMA(nn.Module):
                 f"checkpoint_every_num_steps={every!r}"
             )
         checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
-        if ema_model is not None and not (isinstance(ema_model, nn.Module) or callable(ema_model)):
-            raise EMATypeError(
-                f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
-            )
         srs, gs = resolve_profiles(sigma_rels, gammas)
         model = unwrap_model(model)
         self._model = [model]  # a list keeps it out of the module tree and state_dict
@@ -372,7 +368,7 @@ class PostHocEMA(nn.Module):
             raise EMARuntimeError(
                 "checkpoint() needs at least one update() first: there is no EMA to save yet"
             )
-        paths = self._writer.write(
+        paths, self.run_id = self._writer.write(  # sharded: rank 0's run id on every rank
             self.profiles,
             self.checkpoint_folder,
             step=step,
@@ -380,7 +376,6 @@ class PostHocEMA(nn.Module):
             run=self.run_id,
             timeout_s=timeout_s,
         )
-        self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
         return paths
 
     # -- synthesis ------------------------------------------------------------------------

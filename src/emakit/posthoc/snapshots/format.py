@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -84,7 +84,6 @@ __all__ = [
     "SNAPSHOT_SUFFIX",
     "SYNTHESIZED_FORMAT",
     "SnapshotInfo",
-    "SnapshotReader",
     "looks_damaged",
     "open_snapshot",
     "parse_header",
@@ -403,33 +402,15 @@ def read_snapshot_info(path: str | os.PathLike[str]) -> SnapshotInfo:
 # -- reading the tensors ------------------------------------------------------------------
 
 
-class SnapshotReader(Protocol):
-    """The tensors of one open snapshot (`open_snapshot()`): a `SafetensorsFile`, one
-    joined with its side file, or an ema-pytorch file's tensors."""
-
-    def keys(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dtype(self, name: str) -> torch.dtype: ...
-    def get(self, name: str) -> Tensor: ...
-
-
-class _TensorsReader:
-    """An ema-pytorch file's tensors, loaded whole, read as a `SnapshotReader`."""
-
-    def __init__(self, tensors: dict[str, Tensor]) -> None:
-        self._t = tensors
-
-    def keys(self) -> list[str]:
-        return list(self._t)
+class _Tensors(dict[str, Tensor]):
+    """An ema-pytorch file's tensors, loaded whole, read as a snapshot file is (``keys()``,
+    ``get(name)``, and:)."""
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._t[name].shape)
+        return tuple(self[name].shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._t[name].dtype
-
-    def get(self, name: str) -> Tensor:
-        return self._t[name]
+        return self[name].dtype
 
 
 def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str) -> None:
@@ -444,10 +425,11 @@ def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str)
 
 
 @contextmanager
-def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
+def open_snapshot(info: SnapshotInfo) -> Iterator[Any]:
     """Open one snapshot for reading through one open file: an emakit file lazily
     (its header, then one tensor at a time; joined with its side file, if it has one), an
-    ema-pytorch file loaded whole (``torch.load(weights_only=True)``).
+    ema-pytorch file loaded whole (``torch.load(weights_only=True)``). The reader has
+    ``keys()``, ``shape(name)``, ``dtype(name)`` and ``get(name)`` (a `SafetensorsFile`).
 
     Raises:
         EMAStateError: the file changed since ``info`` was read (another file at the path,
@@ -459,7 +441,7 @@ def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
             st = os.fstat(fh.fileno())
             _check_unchanged(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
             tensors = legacy_tensors(fh, info.path)
-        yield _TensorsReader(tensors)
+        yield _Tensors(tensors)
         return
     with SafetensorsFile(info.path, "snapshot") as f:
         _check_unchanged(info, f.identity, f.header_digest)
@@ -471,9 +453,7 @@ def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
 Layout = Mapping[str, tuple[tuple[int, ...], Block | None]]
 
 
-def snapshot_sources(
-    info: SnapshotInfo, first: int | None = None
-) -> Iterator[tuple[SnapshotReader, Layout]]:
+def snapshot_sources(info: SnapshotInfo, first: int | None = None) -> Iterator[tuple[Any, Layout]]:
     """The files of ``info``, one open at a time, each with its layout (name -> global
     shape and the block it stores). A whole-model snapshot is one file storing every
     tensor whole; a sharded one yields its rank files, starting with rank ``first`` (the

@@ -81,11 +81,11 @@ __all__ = [
     "complete_sets",
     "intersect",
     "is_sharded",
-    "layout_json",
     "model_blocks",
     "parse_layout",
     "set_frozen_names",
     "shard_fields",
+    "shard_header",
     "shard_suffix",
 ]
 
@@ -264,9 +264,16 @@ def shard_suffix(rank: int, world: int) -> str:
     return f".rank-{rank:05d}-of-{world:05d}"
 
 
-def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Block]) -> str:
-    """The ``shard_layout`` header field: ``{name: [global shape, offset, flat range or
-    null]}`` (see the module docstring)."""
+def shard_header(
+    shard: tuple[int, int],
+    write_id: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    blocks: Mapping[str, Block],
+) -> dict[str, str]:
+    """The header entries of rank ``shard[0]``'s file (of ``shard[1]`` ranks) of the write
+    ``write_id`` (see the module docstring): the format, rank, world, set id and
+    ``shard_layout`` (``{name: [global shape, offset, flat range or null]}``), and
+    `FLAT_LAYOUT_VERSION` when the file stores a flat range."""
 
     def where(b: Block | None) -> object:
         if b is None:
@@ -274,7 +281,16 @@ def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Bloc
         return {"flat": [b.offset[0], b.size[0]]} if b.flat else list(b.offset)
 
     layout = {n: [list(shape), where(blocks.get(n))] for n, shape in shapes.items()}
-    return json.dumps(layout, separators=(",", ":"))
+    header = {
+        "format": SHARD_FORMAT,
+        "rank": str(shard[0]),
+        "world": str(shard[1]),
+        "shard_set": f"{write_id:016x}",
+        "shard_layout": json.dumps(layout, separators=(",", ":")),
+    }
+    if any(b.flat for b in blocks.values()):  # an emakit before flat ranges refuses it
+        header["format_version"] = str(FLAT_LAYOUT_VERSION)
+    return header
 
 
 def _bad(path: Path, why: str) -> EMAStateError:
