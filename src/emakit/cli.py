@@ -52,31 +52,16 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 class _LazyGroup(click.Group):
-    """A group whose ``_LAZY_COMMANDS`` are imported only when they run."""
+    """A group whose ``_LAZY_COMMANDS`` are imported only when one of them runs: until then
+    each is a placeholder carrying its short help, which ``emakit --help`` lists."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in _LAZY_COMMANDS and cmd_name not in self.commands:
-            module, attribute, _ = _LAZY_COMMANDS[cmd_name]
-            command = getattr(importlib.import_module(module), attribute)
-            self.add_command(command, cmd_name)
-        return super().get_command(ctx, cmd_name)
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        # The listing must not import the lazy commands: their short help is static.
-        rows = []
-        for name in self.list_commands(ctx):
-            if name in _LAZY_COMMANDS and name not in self.commands:
-                rows.append((name, _LAZY_COMMANDS[name][2]))
-                continue
-            command = self.get_command(ctx, name)
-            if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] in _LAZY_COMMANDS:
+            module, attribute, _ = _LAZY_COMMANDS[args[0]]
+            self.add_command(getattr(importlib.import_module(module), attribute), args[0])
+        return super().resolve_command(ctx, args)
 
 
 def _show_warning(message: Warning | str, *where: object, **more: object) -> None:
@@ -103,6 +88,10 @@ def main(ctx: click.Context) -> None:
     """
     ctx.with_resource(warnings.catch_warnings())  # restores showwarning when the command ends
     warnings.showwarning = _show_warning
+
+
+for _name, (_, _, _short_help) in _LAZY_COMMANDS.items():
+    main.add_command(click.Command(_name, short_help=_short_help))
 
 
 @main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")

@@ -85,23 +85,16 @@ def fail(error: BaseException) -> click.ClickException:
     return click.ClickException(text or type(error).__name__)
 
 
-class Numbers(click.ParamType):
-    """An option's comma-separated numbers (``0.05,0.1``), as a list of floats."""
-
-    name = "numbers"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, list):
-            return value
-        try:
-            numbers = [float(part) for part in value.split(",") if part.strip()]
-        except ValueError:
-            numbers = []
-        if not numbers:
-            self.fail(
-                f"expected comma-separated numbers such as 0.05,0.1, got {value!r}", param, ctx
-            )
-        return numbers
+def numbers(ctx: click.Context, param: click.Parameter, text: str | None) -> list[float] | None:
+    """An option's comma-separated numbers (``0.05,0.1``), as floats."""
+    try:
+        values = [float(part) for part in (text or "").split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if text is not None and not values:
+        message = f"expected comma-separated numbers such as 0.05,0.1, got {text!r}"
+        raise click.BadParameter(message, ctx, param)
+    return None if text is None else values
 
 
 #: Buffers of torch's norm layers: without an emakit snapshot to say which tensors are
@@ -115,14 +108,14 @@ def folder_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option(
             "--legacy-sigma-rels",
-            type=Numbers(),
+            callback=numbers,
             metavar="S[,S...]",
             help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
             "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
         ),
         click.option(
             "--legacy-gammas",
-            type=Numbers(),
+            callback=numbers,
             metavar="G[,G...]",
             help="The same as gammas, in order.",
         ),
@@ -311,14 +304,14 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--sigma-rel",
-    type=Numbers(),
+    callback=numbers,
     metavar="S[,S...]",
     help=f"Relative EMA length(s) to reconstruct, comma-separated, each in (0, {SIGMA_REL_MAX:.5f}]; "
     "e.g. 0.05,0.1,0.15.",
 )
 @click.option(
     "--gamma",
-    type=Numbers(),
+    callback=numbers,
     metavar="G[,G...]",
     help="Power-function exponent(s) to reconstruct instead of --sigma-rel, comma-separated.",
 )

@@ -425,27 +425,37 @@ def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str)
 
 
 @contextmanager
-def open_snapshot(info: SnapshotInfo) -> Iterator[Any]:
-    """Open one snapshot for reading through one open file: an emakit file lazily
-    (its header, then one tensor at a time; joined with its side file, if it has one), an
-    ema-pytorch file loaded whole (``torch.load(weights_only=True)``). The reader has
-    ``keys()``, ``shape(name)``, ``dtype(name)`` and ``get(name)`` (a `SafetensorsFile`).
+def open_snapshot(info: SnapshotInfo, rank: int = 0) -> Iterator[Any]:
+    """Open one snapshot (or rank ``rank``'s file of a sharded one) for reading through one
+    open file: an emakit file lazily (its header, then one tensor at a time; joined with
+    its side file, if it has one), an ema-pytorch file loaded whole
+    (``torch.load(weights_only=True)``). The reader has ``keys()``, ``shape(name)``,
+    ``dtype(name)`` and ``get(name)`` (a `SafetensorsFile`).
 
     Raises:
         EMAStateError: the file changed since ``info`` was read (another file at the path,
             or another header); an ema-pytorch file that cannot be loaded safely; a
             damaged file.
     """
+    path = info.files[rank]
     if info.is_legacy:
-        with open_regular(info.path, "ema-pytorch snapshot") as fh:
+        with open_regular(path, "ema-pytorch snapshot") as fh:
             st = os.fstat(fh.fileno())
             _check_unchanged(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
-            tensors = legacy_tensors(fh, info.path)
+            tensors = legacy_tensors(fh, path)
         yield _Tensors(tensors)
         return
-    with SafetensorsFile(info.path, "snapshot") as f:
-        _check_unchanged(info, f.identity, f.header_digest)
-        with join_frozen(f) as g:
+    with SafetensorsFile(path, "snapshot") as f:
+        if rank == 0:
+            _check_unchanged(info, f.identity, f.header_digest)
+        meta = f.metadata
+        if info.shards and (meta.get("step") != str(info.step) or meta.get("rank") != str(rank)):
+            raise EMAStateError(
+                f"snapshot shard {path} changed after the synthesis was planned (its "
+                f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
+                f"plan the synthesis again once the folder is no longer written to"
+            )
+        with join_frozen(f) as g:  # a shard file's frozen blocks are in its side file too
             yield g
 
 
@@ -454,35 +464,24 @@ Layout = Mapping[str, tuple[tuple[int, ...], Block | None]]
 
 
 def snapshot_sources(info: SnapshotInfo, first: int | None = None) -> Iterator[tuple[Any, Layout]]:
-    """The files of ``info``, one open at a time, each with its layout (name -> global
-    shape and the block it stores). A whole-model snapshot is one file storing every
-    tensor whole; a sharded one yields its rank files, starting with rank ``first`` (the
-    caller's own rank: with an unchanged world size that file alone holds the caller's
-    blocks, and the caller stops iterating). A file whose frozen tensors are in a side
-    file is yielded joined with it (see
+    """The files of ``info`` (`open_snapshot()`), one open at a time, each with its layout
+    (name -> global shape and the block it stores). A whole-model snapshot is one file
+    storing every tensor whole; a sharded one yields its rank files, starting with rank
+    ``first`` (the caller's own rank: with an unchanged world size that file alone holds
+    the caller's blocks, and the caller stops iterating). A file whose frozen tensors are
+    in a side file is yielded joined with it (see
     [`join_frozen()`][emakit.posthoc.snapshots.frozen.join_frozen]): every reader sees every tensor.
 
     Raises:
         EMAStateError: a file changed since it was listed, or its header is malformed.
     """
-    if not info.shards:
-        with open_snapshot(info) as f:
-            yield f, {n: (f.shape(n), Block.whole(f.shape(n))) for n in f.keys()}  # noqa: SIM118
-        return
-    order: Sequence[int] = range(len(info.shards))
-    if first is not None and 0 <= first < len(info.shards):
-        order = [first, *(r for r in order if r != first)]
-    for r in order:
-        path = info.shards[r]
-        with SafetensorsFile(path, "snapshot shard") as f:
-            if path == info.path:
-                _check_unchanged(info, f.identity, f.header_digest)
-            meta = f.metadata
-            if meta.get("step") != str(info.step) or meta.get("rank") != str(r):
-                raise EMAStateError(
-                    f"snapshot shard {path} changed after the synthesis was planned (its "
-                    f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
-                    f"plan the synthesis again once the folder is no longer written to"
-                )
-            with join_frozen(f) as g:  # its frozen blocks are in its side file
-                yield g, parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
+    order = list(range(info.world))
+    if first is not None and 0 <= first < info.world:
+        order.insert(0, order.pop(first))
+    for rank in order:
+        with open_snapshot(info, rank) as f:
+            shapes = {n: f.shape(n) for n in f.keys()}  # noqa: SIM118 - a reader is not a dict
+            if info.shards:
+                yield f, parse_layout(info.files[rank], f.metadata, shapes)
+            else:
+                yield f, {n: (shape, Block.whole(shape)) for n, shape in shapes.items()}
