@@ -44,7 +44,7 @@ from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
 from .snapshots.legacy import LegacyProfiles
 from .snapshots.shards import is_sharded
 from .snapshots.writer import SnapshotWriter, check_snapshottable
-from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args, synthesize_into
+from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args
 from .synthesis.sweep import SweepResult, run_sweep
 
 __all__ = ["POSTHOC_STATE_VERSION", "PostHocEMA"]
@@ -477,7 +477,9 @@ class PostHocEMA(nn.Module):
             )
         )
         synth = self._synthesized(sigma_rel, gamma)
-        synthesize_into(cast(nn.Module, synth.ema_model), plan)
+        # each rank builds the blocks it holds, from whichever snapshot files overlap them
+        model = cast(nn.Module, synth.ema_model)
+        load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
         synth.tracker.reset(plan.step)
         return synth
 

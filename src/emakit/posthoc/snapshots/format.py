@@ -75,7 +75,15 @@ from ...errors import EMAStateError
 from ..math import GAMMA_MIN
 from .frozen import frozen_ref, join_frozen
 from .legacy import LEGACY_SOURCE, legacy_tensors
-from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, Block, parse_layout, shard_suffix
+from .shards import (
+    FLAT_LAYOUT_VERSION,
+    SHARD_FORMAT,
+    Block,
+    header_names,
+    malformed,
+    parse_layout,
+    shard_suffix,
+)
 
 __all__ = [
     "RUN_PATTERN",
@@ -292,18 +300,11 @@ def write_snapshot(
     return write_snapshots([path], lambda i: (tensors, header))[0]
 
 
-def _malformed(path: Path, key: str, value: object, why: str) -> EMAStateError:
-    return EMAStateError(
-        f"snapshot {path} has a malformed {key!r} in its header ({key}={value!r}: {why}); "
-        f"the file is damaged or was not written by emakit: move it out of the folder"
-    )
-
-
 def _count(meta: Mapping[str, str], key: str, path: Path, low: int, default: int | None) -> int:
     if key not in meta and default is not None:
         return default
     if key not in meta:
-        raise _malformed(path, key, None, "missing")
+        raise malformed(path, f"{key} missing")
     return stored_count(f"snapshot {path}", key, meta[key], low=low, text=True)
 
 
@@ -313,10 +314,10 @@ def _real(meta: Mapping[str, str], key: str, path: Path, low: float | None = Non
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise _malformed(path, key, value, "not a number") from None
+        raise malformed(path, f"{key}={value!r}: not a number") from None
     if not (math.isfinite(x) and (x > 0 if low is None else x >= low)):
         bound = "> 0" if low is None else f">= {low:.6f}"
-        raise _malformed(path, key, value, f"must be finite and {bound}")
+        raise malformed(path, f"{key}={value!r}: must be finite and {bound}")
     return x
 
 
@@ -328,20 +329,15 @@ def parse_header(path: Path, meta: Mapping[str, str], f: SafetensorsFile) -> Sna
     if meta.get("format") == SHARD_FORMAT:  # version 2: flat ranges (ZeRO-3 partitions)
         newest = max(newest, FLAT_LAYOUT_VERSION)
     not_newer(f"snapshot {path}", "format_version", version, newest)
-    try:
-        copied = json.loads(meta.get("copied", "[]"))
-    except ValueError:
-        raise _malformed(path, "copied", meta.get("copied"), "not JSON") from None
-    if not isinstance(copied, list) or not all(isinstance(n, str) for n in copied):
-        raise _malformed(path, "copied", meta.get("copied"), "not a JSON list of names")
+    copied = header_names(path, meta, "copied", absent="[]")
     gamma = _real(meta, "gamma", path, low=GAMMA_MIN)
     step = _count(meta, "step", path, 1, None)
     t = _count(meta, "t", path, 1, step)
     if t > step:
-        raise _malformed(path, "t", meta.get("t"), f"after step={step}")
+        raise malformed(path, f"t={meta.get('t')!r}: after step={step}")
     run = meta.get("run", "")
     if run and not RUN_PATTERN.match(run):
-        raise _malformed(path, "run", run, "not a run id")
+        raise malformed(path, f"run={run!r}: not a run id")
     ref = frozen_ref(path, meta)
     return SnapshotInfo(
         path=path,
@@ -351,7 +347,7 @@ def parse_header(path: Path, meta: Mapping[str, str], f: SafetensorsFile) -> Sna
         sigma_rel=_real(meta, "sigma_rel", path),
         profile=_count(meta, "profile", path, 0, 0),
         update_every=_count(meta, "update_every", path, 1, 1),
-        copied=frozenset(copied),
+        copied=copied,
         format_version=version,
         run=run,
         identity=f.identity,

@@ -79,8 +79,10 @@ __all__ = [
     "ShardEntry",
     "align",
     "complete_sets",
+    "header_names",
     "intersect",
     "is_sharded",
+    "malformed",
     "model_blocks",
     "parse_layout",
     "set_frozen_names",
@@ -293,11 +295,26 @@ def shard_header(
     return header
 
 
-def _bad(path: Path, why: str) -> EMAStateError:
+def malformed(path: Path, why: str) -> EMAStateError:
+    """The error for a snapshot file whose header emakit cannot read (any snapshot's: this
+    leaf module holds what every header reader shares); ``why`` names the field and its
+    value."""
     return EMAStateError(
-        f"sharded snapshot file {path} has a malformed header ({why}); the file is damaged "
-        f"or was not written by emakit: move it out of the folder"
+        f"snapshot file {path} has a malformed header ({why}); the file is damaged or was "
+        f"not written by emakit: move it out of the folder"
     )
+
+
+def header_names(path: Path, meta: Mapping[str, str], key: str, absent: str = "") -> frozenset[str]:
+    """The header entry ``key`` of a snapshot file: a JSON list of tensor names, checked;
+    ``absent`` is read in its place when it is missing (by default, an error)."""
+    try:
+        names = json.loads(meta.get(key, absent))
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise malformed(path, f"{key}={meta.get(key)!r}: not a JSON list of names")
+    return frozenset(names)
 
 
 def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
@@ -305,9 +322,9 @@ def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
     try:
         rank, world = int(meta["rank"]), int(meta["world"])
     except (KeyError, ValueError):
-        raise _bad(path, f"rank={meta.get('rank')!r}, world={meta.get('world')!r}") from None
+        raise malformed(path, f"rank={meta.get('rank')!r}, world={meta.get('world')!r}") from None
     if not 0 <= rank < world:
-        raise _bad(path, f"rank={rank} is not in [0, world={world})")
+        raise malformed(path, f"rank={rank} is not in [0, world={world})")
     return rank, world
 
 
@@ -321,17 +338,17 @@ def _block(
     where = entry[1] if ok and all(isinstance(s, int) and s >= 0 for s in shape) else ()  # type: ignore[index]
     if where is None:
         if name in stored:
-            raise _bad(path, f"{name!r} is stored but shard_layout says it is not")
+            raise malformed(path, f"{name!r} is stored but shard_layout says it is not")
         return shape, None
     if not isinstance(where, (list, dict)) or where == ():
-        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
+        raise malformed(path, f"shard_layout[{name!r}] = {entry!r}")
     if name not in stored:
-        raise _bad(path, f"shard_layout places {name!r}, which the file does not hold")
+        raise malformed(path, f"shard_layout places {name!r}, which the file does not hold")
     size = tuple(stored[name])
     if isinstance(where, list):
         block = Block(tuple(int(x) for x in where), size)
         if len(block.offset) != len(shape) or intersect(block, Block.whole(shape)) != block:
-            raise _bad(path, f"{name!r}'s block {block} lies outside its shape {shape}")
+            raise malformed(path, f"{name!r}'s block {block} lies outside its shape {shape}")
         return shape, block
     span = where.get("flat") if len(where) == 1 else None
     if not (
@@ -339,10 +356,10 @@ def _block(
         and len(span) == 2
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span)
     ):
-        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
+        raise malformed(path, f"shard_layout[{name!r}] = {entry!r}")
     start, length = span
     if size != (length,) or start + length > math.prod(shape):
-        raise _bad(
+        raise malformed(
             path,
             f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
             f"elements does not match the stored tensor of shape {size}",
@@ -359,12 +376,14 @@ def parse_layout(
     try:
         raw = json.loads(meta.get("shard_layout", ""))
     except ValueError:
-        raise _bad(path, "shard_layout is not JSON") from None
+        raise malformed(path, "shard_layout is not JSON") from None
     if not isinstance(raw, dict):
-        raise _bad(path, "shard_layout is not a mapping")
+        raise malformed(path, "shard_layout is not a mapping")
     out = {name: _block(path, name, entry, stored) for name, entry in raw.items()}
     if set(stored) - set(out):
-        raise _bad(path, f"tensors {sorted(set(stored) - set(out))[:5]} are not in shard_layout")
+        raise malformed(
+            path, f"tensors {sorted(set(stored) - set(out))[:5]} are not in shard_layout"
+        )
     return out
 
 
