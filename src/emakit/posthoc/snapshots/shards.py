@@ -328,43 +328,39 @@ def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
     return rank, world
 
 
+def _naturals(x: object) -> bool:
+    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+
+
 def _block(
     path: Path, name: str, entry: object, stored: Mapping[str, tuple[int, ...]]
 ) -> tuple[tuple[int, ...], Block | None]:
     """One ``shard_layout`` entry ``[global shape, where]``, checked against the tensors
     the file holds: ``where`` is an offset, ``{"flat": [start, length]}`` or null."""
-    ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
-    shape = tuple(entry[0]) if ok else ()  # type: ignore[index]
-    where = entry[1] if ok and all(isinstance(s, int) and s >= 0 for s in shape) else ()  # type: ignore[index]
+    ok = isinstance(entry, list) and len(entry) == 2 and _naturals(entry[0])
+    shape, where = (tuple(entry[0]), entry[1]) if ok else ((), ())  # type: ignore[index]
+    if (where is None) != (name not in stored):
+        held = "stored but shard_layout says it is not" if where is None else "not stored"
+        raise malformed(path, f"{name!r} is {held}, but shard_layout[{name!r}] = {entry!r}")
     if where is None:
-        if name in stored:
-            raise malformed(path, f"{name!r} is stored but shard_layout says it is not")
         return shape, None
-    if not isinstance(where, (list, dict)) or where == ():
-        raise malformed(path, f"shard_layout[{name!r}] = {entry!r}")
-    if name not in stored:
-        raise malformed(path, f"shard_layout places {name!r}, which the file does not hold")
     size = tuple(stored[name])
-    if isinstance(where, list):
-        block = Block(tuple(int(x) for x in where), size)
-        if len(block.offset) != len(shape) or intersect(block, Block.whole(shape)) != block:
-            raise malformed(path, f"{name!r}'s block {block} lies outside its shape {shape}")
-        return shape, block
-    span = where.get("flat") if len(where) == 1 else None
-    if not (
-        isinstance(span, list)
-        and len(span) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span)
-    ):
-        raise malformed(path, f"shard_layout[{name!r}] = {entry!r}")
-    start, length = span
-    if size != (length,) or start + length > math.prod(shape):
+    span = where.get("flat") if isinstance(where, dict) and len(where) == 1 else None
+    if _naturals(span) and len(span) == 2:  # type: ignore[arg-type]
+        start, length = span  # type: ignore[misc]
+        if size != (length,) or start + length > math.prod(shape):
+            raise malformed(
+                path,
+                f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
+                f"elements does not match the stored tensor of shape {size}",
+            )
+        return shape, Block((start,), (length,), flat=True)
+    block = Block(tuple(where), size) if _naturals(where) and len(where) == len(shape) else None
+    if block is None or intersect(block, Block.whole(shape)) != block:
         raise malformed(
-            path,
-            f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
-            f"elements does not match the stored tensor of shape {size}",
+            path, f"shard_layout[{name!r}] = {entry!r} is no block of it (stored: {size})"
         )
-    return shape, Block((start,), (length,), flat=True)
+    return shape, block
 
 
 def parse_layout(
