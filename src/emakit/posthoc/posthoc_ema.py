@@ -310,9 +310,7 @@ class PostHocEMA(nn.Module):
         tensors it takes rather than averages (buffers, integer tensors) and the exact
         dtypes of integer ones come from the EMA model, as for emakit's snapshots."""
         ema = self.profiles[0]
-        if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
-            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        state = ema.ema_model.state_dict()
+        state = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
         exact = tuple(
             (n, v.dtype) for n, v in state.items() if not (v.is_floating_point() or v.is_complex())
         )

@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..._files.atomic import LOCKS_AVAILABLE, try_lock
+from ..._files.atomic import try_lock
 from ..._files.safetensors_file import SafetensorsFile
 from ...errors import (
     EMAError,
@@ -509,13 +509,11 @@ class FolderLock:
                     raise self._busy(f"run {holder!r} of this process")
                 _held[key] = (fd, run, holders + 1)
             else:
-                if not LOCKS_AVAILABLE:
-                    return  # no locks on this platform: run ids still keep runs apart
                 try:
                     locked = _lock_file(self.folder / LOCK_NAME)
                 except BlockingIOError:
                     raise self._busy(self._holder()) from None
-                if locked is None:
+                if locked is None:  # no locks here: run ids still keep runs apart
                     return
                 info = {"run": run, "pid": os.getpid(), "host": socket.gethostname()}
                 with contextlib.suppress(OSError):
@@ -542,8 +540,7 @@ class FolderLock:
     def release(self) -> None:
         """Release the lock (this object's share of it); a no-op when not held."""
         if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
+            self._finalizer()  # once: a finalizer runs at most once
         self.locked = False
 
     def __getstate__(self) -> dict[str, Any]:
