@@ -425,14 +425,11 @@ def own_path(path: Path, run: str) -> Path:
     other's snapshots."""
     if not os.path.lexists(path):
         return path
-    try:  # a whole-model snapshot, or one rank's file of a sharded one
-        with SafetensorsFile(path, "snapshot file") as f:
-            meta = f.metadata
-        ours = meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT) and meta.get("run", "") == run
-    except EMAError:
-        ours = False  # unreadable: not ours to replace either
-    if ours:
-        return path
+    # a whole-model snapshot, or one rank's file of a sharded one; unreadable: not ours
+    with contextlib.suppress(EMAError), SafetensorsFile(path, "snapshot file") as f:
+        meta = f.metadata
+        if meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT) and meta.get("run", "") == run:
+            return path
     return path.with_name(f"{path.name[: -len(SNAPSHOT_SUFFIX)]}_run-{run}{SNAPSHOT_SUFFIX}")
 
 

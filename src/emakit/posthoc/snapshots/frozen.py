@@ -195,12 +195,9 @@ def frozen_ref(path: Path, meta: Mapping[str, str]) -> FrozenRef | None:
 
 def _side_file_ok(path: Path, digest: str) -> bool:
     """Whether ``path`` is a readable side file whose header records ``digest``."""
-    try:
-        with SafetensorsFile(path, "frozen weights file") as f:
-            meta = f.metadata
-    except EMAError:
-        return False
-    return meta.get("format") == FROZEN_FORMAT and meta.get("digest") == digest
+    with contextlib.suppress(EMAError), SafetensorsFile(path, "frozen weights file") as f:
+        return f.metadata.get("format") == FROZEN_FORMAT and f.metadata.get("digest") == digest
+    return False
 
 
 def side_missing(path: Path, meta: Mapping[str, str], seen: dict[Any, bool]) -> str:
