@@ -532,11 +532,11 @@ def _row(name: str, dtype: torch.dtype, shape: Sequence[int], code: bool = True)
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} GiB"
 
 
 def _table(rows: list[list[str]]) -> str:
