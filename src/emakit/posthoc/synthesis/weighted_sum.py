@@ -126,6 +126,17 @@ def _exact(
     return fill[name].detach().to("cpu", copy=True)
 
 
+def _mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    """How the tensors ``have`` (name -> shape) differ from ``want``: the names it lacks
+    and adds, the shapes that differ; ``""`` when they match."""
+    lacks, adds = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    both = sorted(have.keys() & want.keys())
+    shapes = [f"{n!r} has shape {have[n]}, not {want[n]}" for n in both if have[n] != want[n]]
+    if not (lacks or adds or shapes):
+        return ""
+    return "; ".join([f"lacks {lacks[:10]}", f"has {adds[:10]}", *shapes[:3]])
+
+
 class _Pass:
     """One pass over snapshots: the tensors' names and global shapes (learned from the
     first file read, which every later one must match), the region of each to build, and
@@ -148,17 +159,12 @@ class _Pass:
         if self.wanted is None:
             self.regions = {n: Block.whole(s) for n, s in shapes.items()}
             return
-        missing, extra = sorted(shapes.keys() - self.wanted), sorted(self.wanted.keys() - shapes)
-        differ = [n for n, s in self.model_shapes.items() if shapes.get(n, s) != tuple(s)]
-        if missing or extra or differ:
+        model = {n: tuple(self.model_shapes.get(n, shapes.get(n, ()))) for n in self.wanted}
+        why = _mismatch(model, shapes)
+        if why:
             raise EMAStateError(
-                f"the snapshots do not match the model: the model lacks {missing[:10]} and "
-                f"has {extra[:10]}, which the snapshots do not hold"
-                + "".join(
-                    f"; tensor {n!r} has shape {shapes[n]} in {snap.path} but "
-                    f"{tuple(self.model_shapes[n])} in the model"
-                    for n in differ[:3]
-                )
+                f"the snapshots do not match the model ({snap.path} and those like it): the "
+                f"model {why}"
             )
         self.regions = dict(self.wanted)
 
@@ -184,27 +190,12 @@ class _Pass:
                 if self.base is None:
                     self._learn(snap, shapes)
                 base: Any = self.base
-                if shapes != self.shapes or snap.copied != base.copied:
-                    missing, extra = (
-                        sorted(self.shapes.keys() - shapes),
-                        sorted(shapes.keys() - self.shapes),
-                    )
-                    differ = [
-                        n for n in shapes.keys() & self.shapes.keys() if shapes[n] != self.shapes[n]
-                    ]
+                why = _mismatch(shapes, self.shapes)
+                if why or snap.copied != base.copied:
                     raise EMAStateError(
                         f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
-                        f"missing {missing[:10]}, extra {extra[:10]}"
-                        + "".join(
-                            f", {n!r} has shape {shapes[n]}, not {self.shapes[n]}"
-                            for n in differ[:3]
-                        )
-                        + (
-                            ""
-                            if snap.copied == base.copied
-                            else ", a different set of copied names"
-                        )
-                        + "; keep only snapshots of one model in the folder"
+                        f"it {why or 'copies other names'}; keep only snapshots of one model in "
+                        f"the folder"
                     )
                 wanted = names(set(shapes)) if callable(names) else names
                 need = {n: self.regions[n].numel for n in wanted}
