@@ -62,14 +62,8 @@ _CODEC = StateCodec(
 
 #: The keywords PostHocEMA passes on to each KarrasEMA: all of KarrasEMA's but those it
 #: sets itself.
-_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA.__init__).parameters) - {
-    "self",
-    "model",
-    "sigma_rel",
-    "gamma",
-    "ema_model",
-    "update_every",
-}
+_OWN = {"model", "sigma_rel", "gamma", "ema_model", "update_every"}
+_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA).parameters) - _OWN
 
 
 def resolve_profiles(
