@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..._files.atomic import try_lock
+from ..._files.atomic import LOCKS_AVAILABLE, try_lock
 from ..._files.safetensors_file import SafetensorsFile
 from ...errors import (
     EMAError,
@@ -506,11 +506,13 @@ class FolderLock:
                     raise self._busy(f"run {holder!r} of this process")
                 _held[key] = (fd, run, holders + 1)
             else:
+                if not LOCKS_AVAILABLE:
+                    return  # no locks on this platform (no lock file either)
                 try:
                     locked = _lock_file(self.folder / LOCK_NAME)
                 except BlockingIOError:
                     raise self._busy(self._holder()) from None
-                if locked is None:  # no locks here: run ids still keep runs apart
+                if locked is None:  # no locks on this file system: run ids keep runs apart
                     return
                 info = {"run": run, "pid": os.getpid(), "host": socket.gethostname()}
                 with contextlib.suppress(OSError):
