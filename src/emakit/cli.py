@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -54,50 +52,23 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 class _LazyGroup(click.Group):
-    """A group whose ``_LAZY_COMMANDS`` are imported only when they run."""
+    """A group whose ``_LAZY_COMMANDS`` are imported only when one of them runs: until then
+    each is a placeholder carrying its short help, which ``emakit --help`` lists."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in _LAZY_COMMANDS and cmd_name not in self.commands:
-            module, attribute, _ = _LAZY_COMMANDS[cmd_name]
-            command = getattr(importlib.import_module(module), attribute)
-            self.add_command(command, cmd_name)
-        return super().get_command(ctx, cmd_name)
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        # The listing must not import the lazy commands: their short help is static.
-        rows = []
-        for name in self.list_commands(ctx):
-            if name in _LAZY_COMMANDS and name not in self.commands:
-                rows.append((name, _LAZY_COMMANDS[name][2]))
-                continue
-            command = self.get_command(ctx, name)
-            if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] in _LAZY_COMMANDS:
+            module, attribute, _ = _LAZY_COMMANDS[args[0]]
+            self.add_command(getattr(importlib.import_module(module), attribute), args[0])
+        return super().resolve_command(ctx, args)
 
 
-@contextmanager
-def _plain_warnings() -> Iterator[None]:
-    """Show warnings as one ``Warning: <message>`` line on stderr while the block runs.
-
-    Python's default display adds the file path, line number and source line of the code
-    that warned, which mean nothing to someone running a command.
-    """
-
-    def show(message: Warning | str, *where: object, **more: object) -> None:
-        click.echo(f"Warning: {message}", err=True)  # not where it was raised
-
-    previous = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = previous
+def _show_warning(message: Warning | str, *where: object, **more: object) -> None:
+    """Show a warning as one ``Warning: <message>`` line on stderr: Python's default display
+    adds the file path, line number and source line of the code that warned, which mean
+    nothing to someone running a command."""
+    click.echo(f"Warning: {message}", err=True)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -115,7 +86,12 @@ def main(ctx: click.Context) -> None:
 
     Run `emakit COMMAND --help` for the options of a command.
     """
-    ctx.with_resource(_plain_warnings())
+    ctx.with_resource(warnings.catch_warnings())  # restores showwarning when the command ends
+    warnings.showwarning = _show_warning
+
+
+for _name, (_, _, _short_help) in _LAZY_COMMANDS.items():
+    main.add_command(click.Command(_name, short_help=_short_help))
 
 
 @main.command(short_help="Train on the digits with noisy SGD: online vs EMA vs post-hoc EMA.")

@@ -31,13 +31,11 @@ reported on one line (``Error: ...``), never as a traceback.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import math
 import os
 import re
-import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -48,8 +46,8 @@ import click
 import torch
 
 from .._files.atomic import atomic_path
-from .._files.reading import file_kind, torch_load, writable_path, write_errors
-from .._files.safetensors_file import SafetensorsFile, write_safetensors
+from .._files.reading import open_regular, torch_load, writable_path, write_errors
+from .._files.safetensors_file import ST_DTYPES, SafetensorsFile, write_safetensors
 from .._version import __version__
 from ..checkpoint import emakit_header
 from ..errors import EMAError
@@ -69,11 +67,11 @@ from .snapshots.format import (
     SYNTHESIZED_FORMAT,
     SnapshotInfo,
     read_snapshot_info,
+    snapshot_sources,
 )
 from .snapshots.frozen import FROZEN_FORMAT, join_frozen
-from .snapshots.legacy import LEGACY_NAME, LegacyFile, LegacyProfiles, load_legacy_tensors
-from .snapshots.shards import parse_layout
-from .synthesis.plan import SynthesisPlan, plan_synthesis
+from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
+from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
 __all__ = ["inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
@@ -87,82 +85,76 @@ def fail(error: BaseException) -> click.ClickException:
     return click.ClickException(text or type(error).__name__)
 
 
-def fmt(x: float) -> str:
-    """A number in at most 6 significant digits."""
-    return f"{x:.6g}"
-
-
-def floats(option: str, text: str | None) -> list[float]:
-    """Comma-separated numbers of ``option`` (empty for None), or a usage error."""
-    if text is None:
-        return []
+def numbers(ctx: click.Context, param: click.Parameter, text: str | None) -> list[float] | None:
+    """An option's comma-separated numbers (``0.05,0.1``), as floats."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = [float(part) for part in (text or "").split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(
-            f"expected comma-separated numbers such as 0.05,0.1, got {text!r}", param_hint=option
-        ) from None
-    if not values:
-        raise click.BadParameter(f"no value given in {text!r}", param_hint=option)
-    return values
+        values = []
+    if text is not None and not values:
+        message = f"expected comma-separated numbers such as 0.05,0.1, got {text!r}"
+        raise click.BadParameter(message, ctx, param)
+    return None if text is None else values
 
 
 #: Buffers of torch's norm layers: without an emakit snapshot to say which tensors are
 #: buffers, these are taken (not averaged) from ema-pytorch's files.
 NORM_BUFFERS = {"running_mean": None, "running_var": None, "num_batches_tracked": torch.int64}
-LEGACY_HINT = (
-    "pass --legacy-sigma-rels S,S (the sigma_rels of the ema-pytorch PostHocEMA that wrote "
-    "them, in its order: <i>.<step>.pt is of the i-th) or --legacy-gammas G,G, with "
-    "--legacy-update-every N"
-)
-
-_FOLDER_OPTIONS = [
-    click.option(
-        "--legacy-sigma-rels",
-        metavar="S[,S...]",
-        help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
-        "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
-    ),
-    click.option("--legacy-gammas", metavar="G[,G...]", help="The same as gammas, in order."),
-    click.option(
-        "--legacy-update-every",
-        type=click.IntRange(min=1),
-        default=None,
-        help="The update_every of that ema-pytorch run (its default: 100); required with "
-        "--legacy-sigma-rels / --legacy-gammas.",
-    ),
-    click.option(
-        "--run",
-        "run",
-        metavar="ID",
-        default=None,
-        help="The run whose snapshots to use, for a folder holding several runs' snapshots "
-        "(inspect lists them); '' picks snapshots written before emakit recorded runs.",
-    ),
-]
 
 
 def folder_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every`` and
-    ``--run`` (the run to use in a folder holding the snapshots of several)."""
-    for option in reversed(_FOLDER_OPTIONS):
+    """Add ``--legacy-sigma-rels``, ``--legacy-gammas``, ``--legacy-update-every`` (passed
+    on to `open_folder()`) and ``--run`` (the run to use in a folder holding several)."""
+    options = [
+        click.option(
+            "--legacy-sigma-rels",
+            callback=numbers,
+            metavar="S[,S...]",
+            help="Profiles of ema-pytorch's <index>.<step>.pt snapshot files in FOLDER: the "
+            "sigma_rels of its PostHocEMA, in order. Needed to synthesize from them.",
+        ),
+        click.option(
+            "--legacy-gammas",
+            callback=numbers,
+            metavar="G[,G...]",
+            help="The same as gammas, in order.",
+        ),
+        click.option(
+            "--legacy-update-every",
+            type=click.IntRange(min=1),
+            help="The update_every of that ema-pytorch run (its default: 100); required with "
+            "--legacy-sigma-rels / --legacy-gammas.",
+        ),
+        click.option(
+            "--run",
+            metavar="ID",
+            help="The run whose snapshots to use, for a folder holding several runs' snapshots "
+            "(inspect lists them); '' picks snapshots written before emakit recorded runs.",
+        ),
+    ]
+    for option in reversed(options):
         command = option(command)
     return command
 
 
 def open_folder(
-    folder: Path, sigma_rels: str | None, gammas: str | None, update_every: int | None
-) -> tuple[Path, LegacyProfiles | None, str | None]:
-    """``(the folder holding the snapshots, the profiles to read ema-pytorch's files with
-    (None without the options), a note to print when it had to guess which tensors are
-    buffers)``: ``folder``, or its one snapshot subfolder (a demo run's), said so."""
+    folder: Path,
+    legacy_sigma_rels: list[float] | None = None,
+    legacy_gammas: list[float] | None = None,
+    legacy_update_every: int | None = None,
+) -> tuple[Path, LegacyProfiles | None]:
+    """``(the folder holding the snapshots, the profiles to read ema-pytorch's files with,
+    None without the options)``: ``folder``, or its one snapshot subfolder (a demo run's),
+    said so. Where ema-pytorch's files alone cannot say which tensors are buffers, the
+    guess is said too."""
     found = find_snapshot_folder(folder)
     if found != folder:
         click.echo(f"Note: {folder} holds no snapshots itself; using {found}", err=True)
+    sigma_rels, gammas, update_every = legacy_sigma_rels, legacy_gammas, legacy_update_every
     if sigma_rels is not None and gammas is not None:
         raise click.UsageError("give at most one of --legacy-sigma-rels and --legacy-gammas")
     if sigma_rels is None and gammas is None:
-        return found, None, None
+        return found, None
     if update_every is None:
         raise click.UsageError(
             "--legacy-sigma-rels / --legacy-gammas need --legacy-update-every N too: the "
@@ -170,26 +162,24 @@ def open_folder(
             "file's averaging ends"
         )
     legacy = (
-        LegacyProfiles.from_sigma_rels(
-            floats("--legacy-sigma-rels", sigma_rels), update_every=update_every
-        )
+        LegacyProfiles.from_sigma_rels(sigma_rels, update_every=update_every)
         if sigma_rels is not None
-        else LegacyProfiles(tuple(floats("--legacy-gammas", gammas)), update_every=update_every)
+        else LegacyProfiles(tuple(gammas), update_every=update_every)  # type: ignore[arg-type]
     )
     files = list_legacy_files(found) if found.is_dir() else []
     if not files or list_snapshots(found):
-        return found, legacy, None  # nothing to read, or emakit's snapshots say which are buffers
+        return found, legacy  # nothing to read, or emakit's snapshots say which are buffers
     names = sorted(load_legacy_tensors(files[-1].path))
-    leaf = {n: n.rsplit(".", 1)[-1] for n in names}
-    copied = frozenset(n for n in names if leaf[n] in NORM_BUFFERS)
-    exact = tuple((n, d) for n in sorted(copied) if (d := NORM_BUFFERS[leaf[n]]) is not None)
-    note = (
+    copied = [n for n in names if n.rsplit(".", 1)[-1] in NORM_BUFFERS]
+    exact = [(n, d) for n in copied if (d := NORM_BUFFERS[n.rsplit(".", 1)[-1]]) is not None]
+    click.echo(
         f"Note: ema-pytorch's files do not say which tensors are buffers; taking "
         f"{len(copied)} norm-layer buffer(s) from the latest snapshot "
-        f"({', '.join(sorted(copied)[:4]) or 'none'}{', ...' if len(copied) > 4 else ''}) "
-        f"and averaging the other {len(names) - len(copied)} tensors"
+        f"({', '.join(copied[:4]) or 'none'}{', ...' if len(copied) > 4 else ''}) "
+        f"and averaging the other {len(names) - len(copied)} tensors",
+        err=True,
     )
-    return found, dataclasses.replace(legacy, copied=copied, exact_dtypes=exact), note
+    return found, dataclasses.replace(legacy, copied=frozenset(copied), exact_dtypes=tuple(exact))
 
 
 @contextmanager
@@ -202,14 +192,8 @@ def progress_bar(
         yield lambda label, total: lambda done, total_: None
         return
     try:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich import console
+        from rich import progress as bars
     except ImportError:  # rich is an optional extra: fall back to click's bar
         with ExitStack() as stack:
 
@@ -222,9 +206,10 @@ def progress_bar(
 
             yield start_click
         return
-    columns = (BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
-    progress = Progress(TextColumn("{task.description}"), *columns, console=Console(stderr=True))
-    with progress:  # on stderr: stdout stays for the results
+    columns = [bars.TextColumn("{task.description}"), bars.BarColumn(), bars.MofNCompleteColumn()]
+    columns += [bars.TextColumn(unit), bars.TimeElapsedColumn()]
+    stderr = console.Console(stderr=True)  # stdout stays for the results
+    with bars.Progress(*columns, console=stderr) as progress:
 
         def start_rich(label: str, total: int) -> Callable[[int, int], None]:
             task = progress.add_task(label, total=total)
@@ -236,7 +221,6 @@ def progress_bar(
 _STEP = click.option(
     "--step",
     type=click.IntRange(min=1),
-    default=None,
     help="Training step to synthesize at; only snapshots at or before it are used. "
     "Default: the latest snapshot's step.",
 )
@@ -250,9 +234,22 @@ SYNTHESIZED_FORMAT_VERSION = 1
 OUTPUT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
-def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
-    """The output files: ``out``, or one per value named after it; the suffix says the
-    format (`OUTPUT_FORMATS`)."""
+def _inode(path: Path) -> object:
+    """What names the file at ``path`` (through links too): its device and inode, or the
+    path itself when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return st.st_dev, st.st_ino
+
+
+def _output_paths(
+    out: Path, key: str, values: Sequence[float], inputs: Sequence[Path], force: bool
+) -> list[Path]:
+    """The output files: ``out``, or one per value named after it, in the format the suffix
+    names (`OUTPUT_FORMATS`). Never one of ``inputs`` (a path to it, a symlink or a hard
+    link); an existing file only with ``force``."""
     if out.suffix.lower() not in OUTPUT_FORMATS:
         raise click.BadParameter(
             f"{out} has the suffix {out.suffix or '(none)'!r}; synthesize writes "
@@ -264,39 +261,23 @@ def _output_paths(out: Path, key: str, values: Sequence[float]) -> list[Path]:
         writable_path("--out", out)
     except EMAError as e:
         raise click.BadParameter(str(e), param_hint="--out") from None
-    if len(values) == 1:
-        return [out]
-    paths = [out.with_name(f"{out.stem}.{key}-{fmt(v)}{out.suffix}") for v in values]
+    paths = [out.with_name(f"{out.stem}.{key}-{v:.6g}{out.suffix}") for v in values]
+    paths = [out] if len(values) == 1 else paths
     if len(set(paths)) != len(paths):
-        raise click.BadParameter(f"the values {list(values)} repeat", param_hint=f"--{key}")
-    return paths
-
-
-def _check_outputs(paths: Sequence[Path], inputs: Sequence[Path], force: bool) -> None:
-    """Refuse an output that is one of the inputs (the same file: a path to it, a
-    symlink or a hard link), a folder, or, without ``force``, any existing file."""
-    ids = {}
-    for p in inputs:
-        with contextlib.suppress(OSError):
-            found = os.stat(p)
-            ids[(found.st_dev, found.st_ino)] = p
+        option = "--" + key.replace("_", "-")
+        raise click.BadParameter(f"the values {list(values)} repeat", param_hint=option)
+    given = {_inode(p): p for p in inputs}
     for path in paths:
-        try:
-            st = os.stat(path)
-            same = ids.get((st.st_dev, st.st_ino))
-        except OSError:
-            same = None
-        if same:
+        if (same := given.get(_inode(path))) is not None:
             raise click.ClickException(
                 f"--out {path} is the input snapshot {same}: synthesize never overwrites its "
                 f"inputs; name the output differently"
             )
-        if os.path.isdir(path):
-            raise click.ClickException(f"--out {path} is a folder; give a file name")
         if os.path.lexists(path) and not force:
             raise click.ClickException(
                 f"--out {path} already exists; pass --force to replace it, or choose another name"
             )
+    return paths
 
 
 def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPlan) -> None:
@@ -323,14 +304,14 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--sigma-rel",
-    "sigma_rel",
+    callback=numbers,
     metavar="S[,S...]",
     help=f"Relative EMA length(s) to reconstruct, comma-separated, each in (0, {SIGMA_REL_MAX:.5f}]; "
     "e.g. 0.05,0.1,0.15.",
 )
 @click.option(
     "--gamma",
-    "gamma",
+    callback=numbers,
     metavar="G[,G...]",
     help="Power-function exponent(s) to reconstruct instead of --sigma-rel, comma-separated.",
 )
@@ -355,17 +336,15 @@ def _write_output(path: Path, state: dict[str, torch.Tensor], plan: SynthesisPla
 @folder_options
 def synthesize(
     folder: Path,
-    sigma_rel: str | None,
-    gamma: str | None,
+    sigma_rel: list[float] | None,
+    gamma: list[float] | None,
     step: int | None,
     out: Path,
     force: bool,
     dtype: str,
     progress: bool,
-    legacy_sigma_rels: str | None,
-    legacy_gammas: str | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.
 
@@ -385,27 +364,17 @@ def synthesize(
     """
     if (sigma_rel is None) == (gamma is None):
         raise click.UsageError("give exactly one of --sigma-rel and --gamma")
-    key, values = (
-        ("sigma_rel", floats("--sigma-rel", sigma_rel))
-        if sigma_rel is not None
-        else ("gamma", floats("--gamma", gamma))
-    )
-    paths = _output_paths(out, key, values)
+    key, values = ("sigma_rel", sigma_rel) if sigma_rel is not None else ("gamma", gamma)
     try:
-        folder, legacy, note = open_folder(
-            folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
-        )
-        plans = [
-            plan_synthesis(folder, step=step, legacy=legacy, run=run, **{key: v})  # type: ignore[arg-type]
-            for v in values
-        ]
-        inputs = [f for s in list_snapshots(folder, legacy=legacy) for f in (*s.files, *s.frozen)]
-        _check_outputs(paths, inputs + [f.path for f in list_legacy_files(folder)], force)
-        if note and any(s.is_legacy for p in plans for s in p.snapshots):
-            click.echo(note, err=True)
+        folder, profiles = open_folder(folder, **legacy)
+        snaps = pick_snapshots(folder, profiles, run)
+        plans = [plan_synthesis(folder, step=step, snapshots=snaps, **{key: v}) for v in values]  # type: ignore[arg-type, union-attr]
+        inputs = [f for s in list_snapshots(folder, legacy=profiles) for f in (*s.files, *s.frozen)]
+        inputs += [f.path for f in list_legacy_files(folder)]
+        paths = _output_paths(out, key, values, inputs, force)  # type: ignore[arg-type]
         with progress_bar(progress) as start:
             for plan, path in zip(plans, paths, strict=True):
-                label = f"sigma_rel={fmt(plan.sigma_rel)} step={plan.step}"
+                label = f"sigma_rel={plan.sigma_rel:.6g} step={plan.step}"
                 state = plan.run(
                     dtype=getattr(torch, dtype), progress=start(label, len(plan.snapshots))
                 )
@@ -416,7 +385,7 @@ def synthesize(
     for plan, path in zip(plans, paths, strict=True):
         theirs = sum(s.is_legacy for s in plan.snapshots)
         click.echo(
-            f"wrote {path}  (sigma_rel={fmt(plan.sigma_rel)}, gamma={fmt(plan.gamma)}, "
+            f"wrote {path}  (sigma_rel={plan.sigma_rel:.6g}, gamma={plan.gamma:.6g}, "
             f"step={plan.step}, {len(plan.snapshots)} snapshots"
             + (f" ({theirs} from ema-pytorch)" if theirs else "")
             + f", profile error {plan.solution.residual:.2g})"
@@ -426,25 +395,30 @@ def synthesize(
 # -- emakit sweep ----------------------------------------------------------------------------
 
 
-def load_function(spec: str) -> Callable[[Any], Any]:
-    """``module:function`` -> the function (the current folder is importable).
+def sweep_spec(ctx: click.Context, param: click.Parameter, spec: str) -> list[float]:
+    """``--sigma-rel A:B:N`` (or ``A,B,C``) -> the lengths (`sweep_lengths()`)."""
+    try:
+        return sweep_lengths(spec)
+    except EMAError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
 
-    Raises:
-        click.BadParameter: a malformed spec, a module that cannot be imported, or a name
-            that is not a callable of the module.
-    """
+
+def load_function(ctx: click.Context, param: click.Parameter, spec: str) -> Callable[..., Any]:
+    """``--eval module:function`` -> the function (the current folder is importable);
+    a malformed spec, a module that cannot be imported or a name that is not one of its
+    callables is a usage error."""
     module_name, sep, name = spec.partition(":")
     if not sep or not module_name or not name:
-        raise click.BadParameter(f"expected module:function, got {spec!r}", param_hint="--eval")
+        raise click.BadParameter(f"expected module:function, got {spec!r}", ctx, param)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise click.BadParameter(f"cannot import {module_name!r}: {e}", param_hint="--eval") from e
+        raise click.BadParameter(f"cannot import {module_name!r}: {e}", ctx, param) from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise click.BadParameter(f"{module_name!r} has no function {name!r}", param_hint="--eval")
+        raise click.BadParameter(f"{module_name!r} has no function {name!r}", ctx, param)
     return fn  # type: ignore[no-any-return]
 
 
@@ -452,23 +426,23 @@ def load_function(spec: str) -> Callable[[Any], Any]:
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--sigma-rel",
-    "sigma_rel",
     required=True,
     metavar="A:B:N",
+    callback=sweep_spec,
     help="The lengths to try: N evenly spaced sigma_rel from A to B (e.g. 0.03:0.25:12), or "
     "a comma-separated list.",
 )
 @click.option(
     "--eval",
-    "eval_spec",
+    "evaluate",
     required=True,
     metavar="MODULE:FUNCTION",
+    callback=load_function,
     help="The scoring function, FUNCTION(state_dict) -> float, importable from the current folder.",
 )
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
     help="Write the score against sigma_rel as a PNG (needs matplotlib).",
 )
 @_STEP
@@ -487,16 +461,14 @@ def load_function(spec: str) -> Callable[[Any], Any]:
 @folder_options
 def sweep_cmd(
     folder: Path,
-    sigma_rel: str,
-    eval_spec: str,
+    sigma_rel: list[float],
+    evaluate: Callable[..., Any],
     plot: Path | None,
     step: int | None,
     maximize: bool,
     lengths_per_pass: int,
-    legacy_sigma_rels: str | None,
-    legacy_gammas: str | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.
 
@@ -510,30 +482,23 @@ def sweep_cmd(
             --eval my_project.evaluation:validation_loss --plot sweep.png
     """
     try:
-        lengths = sweep_lengths(sigma_rel)
-    except EMAError as e:
-        raise click.BadParameter(str(e), param_hint="--sigma-rel") from e
-    evaluate = load_function(eval_spec)
-    try:
-        folder, legacy, _ = open_folder(
-            folder, legacy_sigma_rels, legacy_gammas, legacy_update_every
-        )
+        folder, profiles = open_folder(folder, **legacy)
         result = sweep(
             folder,
             evaluate,
-            lengths,
+            sigma_rel,
             step=step,
             mode="max" if maximize else "min",
             lengths_per_pass=lengths_per_pass,
             run=run,
-            legacy=legacy,
+            legacy=profiles,
             plot=plot,
         )
     except (EMAError, OSError) as e:
         raise fail(e) from e
     click.echo(result.table())
     best, score = result.best
-    click.echo(f"best: sigma_rel={fmt(best)} (score {score:.6g}, step {result.step})")
+    click.echo(f"best: sigma_rel={best:.6g} (score {score:.6g}, step {result.step})")
     if plot is not None:
         click.echo(f"wrote {plot}")
 
@@ -548,19 +513,30 @@ READS = (
     "(.pt, .bin, a Lightning .ckpt), Accelerate save_state folders and Transformers "
     "checkpoint-N folders"
 )
-_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"}
-_CODES.update({torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"})
+#: What ``inspect`` calls the safetensors files of post-hoc EMA, by their header's format.
+TITLES = {
+    SNAPSHOT_FORMAT: "post-hoc EMA snapshot",
+    FROZEN_FORMAT: "frozen weights side file of post-hoc snapshots",
+}
+#: The counters of an EMA state that ``inspect`` shows.
+COUNTERS = ("version", "karras_version", "step", "initted", "gammas", "gamma", "t")
 
-#: A tensor as inspect lists it: name, safetensors dtype code (or torch's name), shape.
-Row = tuple[str, str, list[int]]
+#: A tensor as inspect lists it: name, dtype (safetensors' code, or torch's name), shape,
+#: and whether it is floating.
+Row = tuple[str, str, list[int], bool]
+
+
+def _row(name: str, dtype: torch.dtype, shape: Sequence[int], code: bool = True) -> Row:
+    text = ST_DTYPES.get(dtype, str(dtype)) if code else str(dtype).replace("torch.", "")
+    return name, text, list(shape), dtype.is_floating_point
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} GiB"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -570,51 +546,36 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
-def _describe_tensors(tensors: list[Row], copied: frozenset[str] | None = None) -> str:
-    dtypes = ", ".join(sorted({d for _, d, _ in tensors}))
+def _describe(
+    rows: list[Row], copied: frozenset[str] | None = None, label: str = "", limit: int = 0
+) -> None:
+    """One line of the tensors' count, values and dtypes (the averaged values, given the
+    names ``copied``), then the first ``limit`` tensors."""
+    dtypes = ", ".join(sorted({r[1] for r in rows})) or "-"
     if copied is None:
-        values = sum(math.prod(s) for _, _, s in tensors)
-        return f"{len(tensors)} tensors, {values:,} values, dtypes {dtypes}"
-    averaged = [t for t in tensors if t[0] not in copied]
-    return (
-        f"{len(tensors)} tensors ({len(averaged)} averaged, {len(tensors) - len(averaged)} "
-        f"copied), {sum(math.prod(s) for _, _, s in averaged):,} averaged values, dtypes {dtypes}"
-    )
+        values = sum(math.prod(shape) for _, _, shape, floating in rows if floating)
+        what = f"{len(rows)} tensors, {values:,} floating values"
+    else:
+        averaged = [math.prod(shape) for name, _, shape, _ in rows if name not in copied]
+        what = (
+            f"{len(rows)} tensors ({len(averaged)} averaged, {len(rows) - len(averaged)} "
+            f"copied), {sum(averaged):,} averaged values"
+        )
+    click.echo(f"{label}{what}, {dtypes}")
+    for name, text, shape, _ in rows[:limit]:
+        click.echo(f"  {name}  {text}  {shape}")
+    if len(rows) > limit > 0:
+        click.echo(f"  ... and {len(rows) - limit} more")
 
 
 def _snapshot_rows(info: SnapshotInfo) -> list[Row]:
-    """A snapshot's tensors with their global shapes (its frozen ones included)."""
-    if info.is_legacy:
-        tensors = load_legacy_tensors(info.path).items()
-        return [(n, _CODES.get(v.dtype, _dtype(v)), list(v.shape)) for n, v in tensors]
-    with SafetensorsFile(info.path) as f, join_frozen(f) as g:
-        rows = [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
-        if not info.shards:
-            return rows
-        # a sharded snapshot: the global shapes from the layout of rank 0's file
-        layout = parse_layout(info.path, f.metadata, {n: g.shape(n) for n, _, _ in rows})
-    codes = {n: code for n, code, _ in rows}
-    code = next(iter(codes.values()), "?")
-    return [(n, codes.get(n, code), list(shape)) for n, (shape, _) in layout.items()]
-
-
-def _list_legacy_files(files: list[LegacyFile], limit: int = 20) -> None:
-    steps = sorted({f.step for f in files})
-    indices = ", ".join(str(i) for i in sorted({f.profile for f in files}))
-    click.echo(
-        f"{len(files)} ema-pytorch snapshot file(s) (<profile index>.<step>.pt): profile "
-        f"indices {indices}, steps {steps[0]}..{steps[-1]}"
-    )
-    rows = [["profile index", "step", "file"]]
-    rows += [[str(f.profile), str(f.step), f.path.name] for f in files[:limit]]
-    click.echo(_table(rows))
-    if len(files) > limit:
-        click.echo(f"... and {len(files) - limit} more")
-    click.echo(f"they do not record their profiles; to synthesize from them, {LEGACY_HINT}")
+    """A snapshot's tensors (its frozen ones too) with their global shapes, from its first
+    file (rank 0's for a sharded snapshot: its layout has every tensor)."""
+    for f, layout in snapshot_sources(info):
+        dtypes = {n: f.dtype(n) for n in f.keys()}  # noqa: SIM118 - a reader is not a dict
+        some = next(iter(dtypes.values()), torch.float32)  # for what rank 0 stores none of
+        return [_row(n, dtypes.get(n, some), shape) for n, (shape, _) in layout.items()]
+    return []  # pragma: no cover - a snapshot has a file
 
 
 def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None) -> None:
@@ -636,12 +597,27 @@ def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None
     if snaps:
         _snapshot_table(snaps)
     if theirs and legacy is None:
-        _list_legacy_files(theirs)
-    elif theirs:
-        used = sum(s.is_legacy for s in snaps)
+        steps = sorted({f.step for f in theirs})
+        indices = ", ".join(str(i) for i in sorted({f.profile for f in theirs}))
         click.echo(
-            f"{used} of them ema-pytorch snapshot files (<profile index>.<step>.pt), read as "
-            f"the given profiles with update_every={legacy.update_every}"  # type: ignore[union-attr]
+            f"{len(theirs)} ema-pytorch snapshot file(s) (<profile index>.<step>.pt): profile "
+            f"indices {indices}, steps {steps[0]}..{steps[-1]}"
+        )
+        rows = [["profile index", "step", "file"]]
+        click.echo(_table(rows + [[str(f.profile), str(f.step), f.path.name] for f in theirs[:20]]))
+        if len(theirs) > 20:
+            click.echo(f"... and {len(theirs) - 20} more")
+        click.echo(
+            "they do not record their profiles; to synthesize from them, pass "
+            "--legacy-sigma-rels S,S (the sigma_rels of the ema-pytorch PostHocEMA that wrote "
+            "them, in its order: <i>.<step>.pt is of the i-th) or --legacy-gammas G,G, with "
+            "--legacy-update-every N"
+        )
+    elif theirs:
+        click.echo(
+            f"{sum(s.is_legacy for s in snaps)} of them ema-pytorch snapshot files (<profile "
+            f"index>.<step>.pt), read as the given profiles with update_every="
+            f"{legacy.update_every}"  # type: ignore[union-attr]
         )
     if others:
         click.echo(f"{len(others)} other file(s) in the folder ignored")
@@ -653,15 +629,16 @@ def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
         by_profile.setdefault((s.gamma, s.sigma_rel), []).append(s)
     rows = [["profile", "sigma_rel", "gamma", "snapshots", "steps", "dtype", "size", "source"]]
     for (gamma, sigma_rel), group in sorted(by_profile.items(), key=lambda kv: kv[1][0].profile):
-        float_dtypes = {d for n, d, _ in _snapshot_rows(group[-1]) if n not in group[-1].copied}
+        last = group[-1]
+        dtypes = {d for n, d, _, _ in _snapshot_rows(last) if n not in last.copied}
         rows.append(
             [
                 str(group[0].profile),
-                fmt(sigma_rel),
-                fmt(gamma),
+                f"{sigma_rel:.6g}",
+                f"{gamma:.6g}",
                 str(len(group)),
-                f"{group[0].step}..{group[-1].step}",
-                ",".join(sorted(float_dtypes)),
+                f"{group[0].step}..{last.step}",
+                ",".join(sorted(dtypes)),
                 _size(sum(s.nbytes for s in group)),
                 "+".join(sorted({s.source for s in group}, reverse=True)),
             ]
@@ -682,45 +659,33 @@ def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
             f"{names} tensors), used by {users} snapshot(s); not counted in the sizes above"
         )
     ref = next((s for s in reversed(snaps) if not s.is_legacy), snaps[-1])
-    click.echo(f"each snapshot: {_describe_tensors(_snapshot_rows(ref), ref.copied)}")
+    _describe(_snapshot_rows(ref), ref.copied, label="each snapshot: ")
 
 
 def _inspect_safetensors(path: Path) -> None:
     with SafetensorsFile(path) as f, join_frozen(f) as g:  # a snapshot's frozen tensors too
-        meta, tensors = dict(f.metadata), [(n, g.code(n), list(g.shape(n))) for n in g.keys()]  # noqa: SIM118
+        meta, rows = dict(f.metadata), [_row(n, g.dtype(n), g.shape(n)) for n in g.keys()]  # noqa: SIM118
     kind = meta.get("format", "(none)")
-    size = _size(path.stat().st_size)
-    if kind == SNAPSHOT_FORMAT:
-        info = read_snapshot_info(path)
-        click.echo(f"post-hoc EMA snapshot {path} ({size})")
-        click.echo(
-            f"profile {info.profile}: sigma_rel={fmt(info.sigma_rel)} gamma={fmt(info.gamma)}"
-        )
-        click.echo(
-            f"step {info.step} (profile ends at t={info.t}), update_every={info.update_every}, "
-            f"format_version {info.format_version}, run {info.run or '(none)'}"
-        )
-        click.echo(_describe_tensors(tensors, info.copied))
-        if info.frozen:
-            click.echo(
-                f"{len(info.frozen_names)} frozen tensor(s) stored once, in "
-                f"{info.frozen[0].name} ({_size(info.frozen[0].stat().st_size)})"
-            )
+    # every field of a snapshot's header checked; a damaged emakit header is an error
+    info = read_snapshot_info(path) if kind == SNAPSHOT_FORMAT else emakit_header(meta, str(path))
+    what = TITLES.get(kind, "safetensors file")
+    click.echo(f"{what} {path} ({_size(path.stat().st_size)}), format {kind}")
+    if not isinstance(info, SnapshotInfo):
+        for key in sorted(meta.keys() - {"format"}):
+            click.echo(f"  {key}: {meta[key]}")
+        _describe(rows, limit=12)
         return
-    if kind == FROZEN_FORMAT:
-        click.echo(f"frozen weights side file of post-hoc snapshots {path} ({size})")
-        click.echo(f"run {meta.get('run')}, digest {meta.get('digest')}")
-        click.echo(_describe_tensors(tensors))
-        return
-    emakit_header(meta, str(path))  # a damaged emakit header is an error, not a listing
-    click.echo(f"safetensors file {path} ({size}), format {kind}")
-    for key in sorted(k for k in meta if k not in {"format", "copied"}):
-        click.echo(f"  {key}: {meta[key]}")
-    click.echo(_describe_tensors(tensors))
-    for name, code, shape in tensors[:12]:
-        click.echo(f"  {name}  {code}  {shape}")
-    if len(tensors) > 12:
-        click.echo(f"  ... and {len(tensors) - 12} more")
+    click.echo(
+        f"profile {info.profile}: sigma_rel={info.sigma_rel:.6g} gamma={info.gamma:.6g}, "
+        f"step {info.step} (profile ends at t={info.t}), update_every={info.update_every}, "
+        f"format_version {info.format_version}, run {info.run or '(none)'}"
+    )
+    _describe(rows, info.copied)
+    if info.frozen:
+        click.echo(
+            f"{len(info.frozen_names)} frozen tensor(s) stored once, in "
+            f"{info.frozen[0].name} ({_size(info.frozen[0].stat().st_size)})"
+        )
 
 
 def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
@@ -750,8 +715,9 @@ def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
 
 def _not_a_checkpoint(path: Path) -> None:
     """Refuse, saying what it is, a file whose first bytes show it is neither a torch file
-    (a zip archive, or a pickle) nor anything else ``inspect`` reads."""
-    with open(path, "rb") as f:
+    (a zip archive, or a pickle) nor anything else ``inspect`` reads; refuse a FIFO, a
+    socket or a device without waiting on it."""
+    with open_regular(path, "checkpoint file") as f:
         head = f.read(64)
     if head.startswith((b"PK\x03\x04", b"\x80")):
         return
@@ -769,7 +735,7 @@ def _not_a_checkpoint(path: Path) -> None:
     raise click.ClickException(f"{path} is {what}, not a checkpoint; {READS}")
 
 
-def _inspect_torch(path: Path, limit: int = 12) -> None:
+def _inspect_torch(path: Path) -> None:
     """A torch file: an EMA state (alone, or inside a framework's checkpoint) with its
     counters, emakit's metadata and its tensors; any other dict's counters and sizes."""
     _not_a_checkpoint(path)  # summary.json, a text file: say what it is
@@ -786,31 +752,27 @@ def _inspect_torch(path: Path, limit: int = 12) -> None:
     if not isinstance(state, Mapping):
         click.echo(f"holds a {type(state).__name__}")
         return
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    for key in ("version", "karras_version", "step", "initted", "gammas", "gamma", "t"):
-        if key in tensors:
-            click.echo(f"  {key}: {tensors[key].tolist()}")
-    for key, value in sorted((getattr(state, "_metadata", None) or {}).get("", {}).items()):
-        click.echo(f"  {key}: {value}")  # emakit's extras (layout version, run, skips...)
+    tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    shown = [(k, tensors[k].tolist()) for k in COUNTERS if k in tensors]
+    shown += sorted((getattr(state, "_metadata", None) or {}).get("", {}).items())
+    for key, value in shown:  # the counters, then emakit's extras (layout, run, skips...)
+        click.echo(f"  {key}: {value}")
     if where is None:
-        others = sorted(str(k) for k in state if k not in tensors)
-        floating = sum(v.numel() for v in tensors.values() if v.is_floating_point())
-        dtypes = ", ".join(sorted({_dtype(v) for v in tensors.values()})) or "-"
-        click.echo(
-            f"{len(tensors)} tensors, {floating:,} floating values, dtypes {dtypes}"
-            + (f"; other entries: {others[:10]}" if others else "")
-        )
+        _describe([_row(k, v.dtype, v.shape, code=False) for k, v in tensors.items()])
+        if others := sorted(str(k) for k in state if str(k) not in tensors):
+            click.echo(f"other entries: {others[:10]}")
         return
-    for prefix, label in (("ema_model.", "EMA"), ("online_model.", "online model")):
-        group = {k[len(prefix) :]: v for k, v in tensors.items() if str(k).startswith(prefix)}
+    for prefix, label, limit in (
+        ("ema_model.", "EMA: ", 12),
+        ("online_model.", "online model: ", 0),
+    ):
+        group = [
+            _row(k[len(prefix) :], v.dtype, v.shape, False)
+            for k, v in tensors.items()
+            if k.startswith(prefix)
+        ]
         if group:
-            floating = sum(v.numel() for v in group.values() if v.is_floating_point())
-            dtypes = ", ".join(sorted({_dtype(v) for v in group.values()}))
-            click.echo(f"{label}: {len(group)} tensors, {floating:,} floating values, {dtypes}")
-        for name, v in list(group.items())[:limit] if label == "EMA" else ():
-            click.echo(f"  {name}  {_dtype(v)}  {list(v.shape)}")
-        if label == "EMA" and len(group) > limit:
-            click.echo(f"  ... and {len(group) - limit} more")
+            _describe(group, label=label, limit=limit)
 
 
 def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
@@ -829,10 +791,8 @@ def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
 @folder_options
 def inspect_cmd(
     path: Path,
-    legacy_sigma_rels: str | None,
-    legacy_gammas: str | None,
-    legacy_update_every: int | None,
     run: str | None,
+    **legacy: Any,
 ) -> None:
     """Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.
 
@@ -845,26 +805,14 @@ def inspect_cmd(
     a device) is refused.
     """
     try:
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError:
-            raise click.ClickException(f"{path} does not exist") from None
-        framework = _framework_files(path) if stat.S_ISDIR(mode) else None
+        framework = _framework_files(path) if path.is_dir() else None
         if framework is not None:
             click.echo(f"{framework[0]} {path}")
             for file in framework[1]:
                 click.echo("")
                 (_inspect_safetensors if file.suffix == ".safetensors" else _inspect_torch)(file)
-        elif stat.S_ISDIR(mode):
-            folder, legacy, _ = open_folder(
-                path, legacy_sigma_rels, legacy_gammas, legacy_update_every
-            )
-            _inspect_folder(folder, legacy, run)
-        elif not stat.S_ISREG(mode):
-            raise click.ClickException(
-                f"{path} is {file_kind(mode)}, not a checkpoint file or a snapshot folder; "
-                f"emakit inspect reads only regular files and folders"
-            )
+        elif path.is_dir():
+            _inspect_folder(*open_folder(path, **legacy), run)
         elif path.suffix == ".safetensors":
             _inspect_safetensors(path)
         else:

@@ -216,7 +216,7 @@ class KarrasEMA(EMA):
     def beta(self, value: float) -> None:
         # EMA stores the ceiling of its inverse-gamma warm-up here; the power-function
         # decay has none, so the value is only kept for reference.
-        self.__dict__["_beta_ceiling"] = value
+        self._beta_ceiling = value
 
     @property
     def t(self) -> int:
@@ -240,17 +240,18 @@ class KarrasEMA(EMA):
         """``{"default": get_current_decay()}`` (a power-function EMA has one group)."""
         return {"default": self.get_current_decay()}
 
+    def _averages(self, name: str) -> bool:
+        """Whether the tensor ``name`` of the EMA model is averaged: neither ignored nor
+        copied (its dtype aside)."""
+        skip = self.param_or_buffer_names_no_ema | self.ignore_names
+        return name not in skip and not name.startswith(tuple(self.ignore_startswith_names))
+
     def averaged_names(self) -> set[str]:
         """Names of the EMA model's parameters that are averaged (floating, neither ignored
         nor copied); a snapshot records the others as copied."""
-        skip = self.param_or_buffer_names_no_ema | self.ignore_names
-        prefixes = tuple(self.ignore_startswith_names)
+        params = self.ema_model.named_parameters(remove_duplicate=False)
         return {
-            n
-            for n, p in self.ema_model.named_parameters(remove_duplicate=False)
-            if (p.is_floating_point() or p.is_complex())
-            and n not in skip
-            and not n.startswith(prefixes)
+            n for n, p in params if (p.is_floating_point() or p.is_complex()) and self._averages(n)
         }
 
     def shared_names(self) -> frozenset[str]:
@@ -268,15 +269,8 @@ class KarrasEMA(EMA):
     def iter_all_ema_params_and_buffers(self) -> Iterator[Tensor]:
         """The EMA model's averaged tensors: floating parameters and buffers that are
         neither ignored nor copied (ema-pytorch's method)."""
-        for name, t in (
-            *self.get_params_iter(self.ema_model),
-            *self.get_buffers_iter(self.ema_model),
-        ):
-            ignored = name in self.ignore_names or name.startswith(
-                tuple(self.ignore_startswith_names)
-            )
-            if not ignored and name not in self.param_or_buffer_names_no_ema:
-                yield t
+        named = (*self.get_params_iter(self.ema_model), *self.get_buffers_iter(self.ema_model))
+        return (t for name, t in named if self._averages(name))
 
     def catch_up(self) -> None:
         """Average in the current weights if the last averaging update was before the

@@ -43,7 +43,7 @@ from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
 from .snapshots.legacy import LegacyProfiles
 from .snapshots.shards import is_sharded
 from .snapshots.writer import SnapshotWriter, check_snapshottable
-from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args, synthesize_into
+from .synthesis.plan import load_into, pick_snapshots, plan_synthesis, region_args
 from .synthesis.sweep import SweepResult, run_sweep
 
 __all__ = ["POSTHOC_STATE_VERSION", "PostHocEMA"]
@@ -61,14 +61,8 @@ _CODEC = StateCodec(
 
 #: The keywords PostHocEMA passes on to each KarrasEMA: all of KarrasEMA's but those it
 #: sets itself.
-_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA.__init__).parameters) - {
-    "self",
-    "model",
-    "sigma_rel",
-    "gamma",
-    "ema_model",
-    "update_every",
-}
+_OWN = {"model", "sigma_rel", "gamma", "ema_model", "update_every"}
+_KARRAS_KWARGS = frozenset(inspect.signature(KarrasEMA).parameters) - _OWN
 
 
 def resolve_profiles(
@@ -199,10 +193,6 @@ class PostHocEMA(nn.Module):
                 f"checkpoint_every_num_steps={every!r}"
             )
         checkpoint_folder = writable_folder("checkpoint_folder", checkpoint_folder)
-        if ema_model is not None and not (isinstance(ema_model, nn.Module) or callable(ema_model)):
-            raise EMATypeError(
-                f"ema_model must be a Module or a zero-argument factory, got {type(ema_model).__name__}"
-            )
         srs, gs = resolve_profiles(sigma_rels, gammas)
         model = unwrap_model(model)
         self._model = [model]  # a list keeps it out of the module tree and state_dict
@@ -313,9 +303,7 @@ class PostHocEMA(nn.Module):
         tensors it takes rather than averages (buffers, integer tensors) and the exact
         dtypes of integer ones come from the EMA model, as for emakit's snapshots."""
         ema = self.profiles[0]
-        if ema.ema_model is None:  # pragma: no cover - KarrasEMA builds its model eagerly
-            raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-        state = ema.ema_model.state_dict()
+        state = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
         exact = tuple(
             (n, v.dtype) for n, v in state.items() if not (v.is_floating_point() or v.is_complex())
         )
@@ -371,7 +359,7 @@ class PostHocEMA(nn.Module):
             raise EMARuntimeError(
                 "checkpoint() needs at least one update() first: there is no EMA to save yet"
             )
-        paths = self._writer.write(
+        paths, self.run_id = self._writer.write(  # sharded: rank 0's run id on every rank
             self.profiles,
             self.checkpoint_folder,
             step=step,
@@ -379,7 +367,6 @@ class PostHocEMA(nn.Module):
             run=self.run_id,
             timeout_s=timeout_s,
         )
-        self.run_id = self._writer.run or self.run_id  # sharded: rank 0's id on every rank
         return paths
 
     # -- synthesis ------------------------------------------------------------------------
@@ -481,7 +468,9 @@ class PostHocEMA(nn.Module):
             )
         )
         synth = self._synthesized(sigma_rel, gamma)
-        synthesize_into(cast(nn.Module, synth.ema_model), plan)
+        # each rank builds the blocks it holds, from whichever snapshot files overlap them
+        model = cast(nn.Module, synth.ema_model)
+        load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
         synth.tracker.reset(plan.step)
         return synth
 

@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..._files.atomic import LOCKS_AVAILABLE, TEMP_PREFIX, try_lock
+from ..._files.atomic import LOCKS_AVAILABLE, try_lock
 from ..._files.safetensors_file import SafetensorsFile
 from ...errors import (
     EMAError,
@@ -169,7 +169,7 @@ def _legacy_snapshots(
     if copied is None:  # the folder's own snapshots know the model, if it has any
         copied, exact = frozenset(), ()
         if emakit:
-            ref = emakit[-1]
+            ref = max(emakit, key=lambda s: (s.step, s.gamma, s.path.name))
             with SafetensorsFile(ref.path, "snapshot") as f:
                 dtypes = {n: f.dtype(n) for n in sorted(ref.copied & set(f.keys()))}
             copied = ref.copied
@@ -227,11 +227,11 @@ def list_snapshots(
     found: list[SnapshotInfo] = []
     shards: list[tuple[ShardEntry, SnapshotInfo]] = []
     seen: dict = {}  # side files checked
-    for path in sorted(root.iterdir()):
+    for path in sorted(root.iterdir()):  # not emakit's temporary files (".<name>.emakit-tmp-...")
         name = path.name
-        if name.startswith(".") or TEMP_PREFIX in name or not name.endswith(SNAPSHOT_SUFFIX):
+        if name.startswith(".") or not name.endswith(SNAPSHOT_SUFFIX) or is_side_file(name):
             continue
-        if is_side_file(name) or not path.is_file():
+        if not path.is_file():
             continue
         try:
             f = SafetensorsFile(path, "snapshot")
@@ -266,11 +266,9 @@ def list_snapshots(
                 frozen_names=set_frozen_names(group, [i.frozen_names for i in infos]),
             )
         )
-    found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
     if legacy is not None:
         found.extend(_legacy_snapshots(root, found, legacy))
-        found.sort(key=lambda s: (s.step, s.gamma, s.path.name))
-    return found
+    return sorted(found, key=lambda s: (s.step, s.gamma, s.path.name))
 
 
 def find_snapshot_folder(folder: str | os.PathLike[str]) -> Path:
@@ -427,14 +425,11 @@ def own_path(path: Path, run: str) -> Path:
     other's snapshots."""
     if not os.path.lexists(path):
         return path
-    try:  # a whole-model snapshot, or one rank's file of a sharded one
-        with SafetensorsFile(path, "snapshot file") as f:
-            meta = f.metadata
-        ours = meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT) and meta.get("run", "") == run
-    except EMAError:
-        ours = False  # unreadable: not ours to replace either
-    if ours:
-        return path
+    # a whole-model snapshot, or one rank's file of a sharded one; unreadable: not ours
+    with contextlib.suppress(EMAError), SafetensorsFile(path, "snapshot file") as f:
+        meta = f.metadata
+        if meta.get("format") in (SNAPSHOT_FORMAT, SHARD_FORMAT) and meta.get("run", "") == run:
+            return path
     return path.with_name(f"{path.name[: -len(SNAPSHOT_SUFFIX)]}_run-{run}{SNAPSHOT_SUFFIX}")
 
 
@@ -512,12 +507,12 @@ class FolderLock:
                 _held[key] = (fd, run, holders + 1)
             else:
                 if not LOCKS_AVAILABLE:
-                    return  # no locks on this platform: run ids still keep runs apart
+                    return  # no locks on this platform (no lock file either)
                 try:
                     locked = _lock_file(self.folder / LOCK_NAME)
                 except BlockingIOError:
                     raise self._busy(self._holder()) from None
-                if locked is None:
+                if locked is None:  # no locks on this file system: run ids keep runs apart
                     return
                 info = {"run": run, "pid": os.getpid(), "host": socket.gethostname()}
                 with contextlib.suppress(OSError):
@@ -544,8 +539,7 @@ class FolderLock:
     def release(self) -> None:
         """Release the lock (this object's share of it); a no-op when not held."""
         if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
+            self._finalizer()  # once: a finalizer runs at most once
         self.locked = False
 
     def __getstate__(self) -> dict[str, Any]:

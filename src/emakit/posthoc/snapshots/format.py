@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -75,7 +75,15 @@ from ...errors import EMAStateError
 from ..math import GAMMA_MIN
 from .frozen import frozen_ref, join_frozen
 from .legacy import LEGACY_SOURCE, legacy_tensors
-from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, Block, parse_layout, shard_suffix
+from .shards import (
+    FLAT_LAYOUT_VERSION,
+    SHARD_FORMAT,
+    Block,
+    header_names,
+    malformed,
+    parse_layout,
+    shard_suffix,
+)
 
 __all__ = [
     "RUN_PATTERN",
@@ -84,7 +92,6 @@ __all__ = [
     "SNAPSHOT_SUFFIX",
     "SYNTHESIZED_FORMAT",
     "SnapshotInfo",
-    "SnapshotReader",
     "looks_damaged",
     "open_snapshot",
     "parse_header",
@@ -293,18 +300,11 @@ def write_snapshot(
     return write_snapshots([path], lambda i: (tensors, header))[0]
 
 
-def _malformed(path: Path, key: str, value: object, why: str) -> EMAStateError:
-    return EMAStateError(
-        f"snapshot {path} has a malformed {key!r} in its header ({key}={value!r}: {why}); "
-        f"the file is damaged or was not written by emakit: move it out of the folder"
-    )
-
-
 def _count(meta: Mapping[str, str], key: str, path: Path, low: int, default: int | None) -> int:
     if key not in meta and default is not None:
         return default
     if key not in meta:
-        raise _malformed(path, key, None, "missing")
+        raise malformed(path, f"{key} missing")
     return stored_count(f"snapshot {path}", key, meta[key], low=low, text=True)
 
 
@@ -314,10 +314,10 @@ def _real(meta: Mapping[str, str], key: str, path: Path, low: float | None = Non
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise _malformed(path, key, value, "not a number") from None
+        raise malformed(path, f"{key}={value!r}: not a number") from None
     if not (math.isfinite(x) and (x > 0 if low is None else x >= low)):
         bound = "> 0" if low is None else f">= {low:.6f}"
-        raise _malformed(path, key, value, f"must be finite and {bound}")
+        raise malformed(path, f"{key}={value!r}: must be finite and {bound}")
     return x
 
 
@@ -329,20 +329,15 @@ def parse_header(path: Path, meta: Mapping[str, str], f: SafetensorsFile) -> Sna
     if meta.get("format") == SHARD_FORMAT:  # version 2: flat ranges (ZeRO-3 partitions)
         newest = max(newest, FLAT_LAYOUT_VERSION)
     not_newer(f"snapshot {path}", "format_version", version, newest)
-    try:
-        copied = json.loads(meta.get("copied", "[]"))
-    except ValueError:
-        raise _malformed(path, "copied", meta.get("copied"), "not JSON") from None
-    if not isinstance(copied, list) or not all(isinstance(n, str) for n in copied):
-        raise _malformed(path, "copied", meta.get("copied"), "not a JSON list of names")
+    copied = header_names(path, meta, "copied", absent="[]")
     gamma = _real(meta, "gamma", path, low=GAMMA_MIN)
     step = _count(meta, "step", path, 1, None)
     t = _count(meta, "t", path, 1, step)
     if t > step:
-        raise _malformed(path, "t", meta.get("t"), f"after step={step}")
+        raise malformed(path, f"t={meta.get('t')!r}: after step={step}")
     run = meta.get("run", "")
     if run and not RUN_PATTERN.match(run):
-        raise _malformed(path, "run", run, "not a run id")
+        raise malformed(path, f"run={run!r}: not a run id")
     ref = frozen_ref(path, meta)
     return SnapshotInfo(
         path=path,
@@ -352,7 +347,7 @@ def parse_header(path: Path, meta: Mapping[str, str], f: SafetensorsFile) -> Sna
         sigma_rel=_real(meta, "sigma_rel", path),
         profile=_count(meta, "profile", path, 0, 0),
         update_every=_count(meta, "update_every", path, 1, 1),
-        copied=frozenset(copied),
+        copied=copied,
         format_version=version,
         run=run,
         identity=f.identity,
@@ -403,33 +398,15 @@ def read_snapshot_info(path: str | os.PathLike[str]) -> SnapshotInfo:
 # -- reading the tensors ------------------------------------------------------------------
 
 
-class SnapshotReader(Protocol):
-    """The tensors of one open snapshot (`open_snapshot()`): a `SafetensorsFile`, one
-    joined with its side file, or an ema-pytorch file's tensors."""
-
-    def keys(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dtype(self, name: str) -> torch.dtype: ...
-    def get(self, name: str) -> Tensor: ...
-
-
-class _TensorsReader:
-    """An ema-pytorch file's tensors, loaded whole, read as a `SnapshotReader`."""
-
-    def __init__(self, tensors: dict[str, Tensor]) -> None:
-        self._t = tensors
-
-    def keys(self) -> list[str]:
-        return list(self._t)
+class _Tensors(dict[str, Tensor]):
+    """An ema-pytorch file's tensors, loaded whole, read as a snapshot file is (``keys()``,
+    ``get(name)``, and:)."""
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._t[name].shape)
+        return tuple(self[name].shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._t[name].dtype
-
-    def get(self, name: str) -> Tensor:
-        return self._t[name]
+        return self[name].dtype
 
 
 def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str) -> None:
@@ -444,26 +421,37 @@ def _check_unchanged(info: SnapshotInfo, identity: tuple[int, ...], digest: str)
 
 
 @contextmanager
-def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
-    """Open one snapshot for reading through one open file: an emakit file lazily
-    (its header, then one tensor at a time; joined with its side file, if it has one), an
-    ema-pytorch file loaded whole (``torch.load(weights_only=True)``).
+def open_snapshot(info: SnapshotInfo, rank: int = 0) -> Iterator[Any]:
+    """Open one snapshot (or rank ``rank``'s file of a sharded one) for reading through one
+    open file: an emakit file lazily (its header, then one tensor at a time; joined with
+    its side file, if it has one), an ema-pytorch file loaded whole
+    (``torch.load(weights_only=True)``). The reader has ``keys()``, ``shape(name)``,
+    ``dtype(name)`` and ``get(name)`` (a `SafetensorsFile`).
 
     Raises:
         EMAStateError: the file changed since ``info`` was read (another file at the path,
             or another header); an ema-pytorch file that cannot be loaded safely; a
             damaged file.
     """
+    path = info.files[rank]
     if info.is_legacy:
-        with open_regular(info.path, "ema-pytorch snapshot") as fh:
+        with open_regular(path, "ema-pytorch snapshot") as fh:
             st = os.fstat(fh.fileno())
             _check_unchanged(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
-            tensors = legacy_tensors(fh, info.path)
-        yield _TensorsReader(tensors)
+            tensors = legacy_tensors(fh, path)
+        yield _Tensors(tensors)
         return
-    with SafetensorsFile(info.path, "snapshot") as f:
-        _check_unchanged(info, f.identity, f.header_digest)
-        with join_frozen(f) as g:
+    with SafetensorsFile(path, "snapshot") as f:
+        if rank == 0:
+            _check_unchanged(info, f.identity, f.header_digest)
+        meta = f.metadata
+        if info.shards and (meta.get("step") != str(info.step) or meta.get("rank") != str(rank)):
+            raise EMAStateError(
+                f"snapshot shard {path} changed after the synthesis was planned (its "
+                f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
+                f"plan the synthesis again once the folder is no longer written to"
+            )
+        with join_frozen(f) as g:  # a shard file's frozen blocks are in its side file too
             yield g
 
 
@@ -471,38 +459,25 @@ def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotReader]:
 Layout = Mapping[str, tuple[tuple[int, ...], Block | None]]
 
 
-def snapshot_sources(
-    info: SnapshotInfo, first: int | None = None
-) -> Iterator[tuple[SnapshotReader, Layout]]:
-    """The files of ``info``, one open at a time, each with its layout (name -> global
-    shape and the block it stores). A whole-model snapshot is one file storing every
-    tensor whole; a sharded one yields its rank files, starting with rank ``first`` (the
-    caller's own rank: with an unchanged world size that file alone holds the caller's
-    blocks, and the caller stops iterating). A file whose frozen tensors are in a side
-    file is yielded joined with it (see
+def snapshot_sources(info: SnapshotInfo, first: int | None = None) -> Iterator[tuple[Any, Layout]]:
+    """The files of ``info`` (`open_snapshot()`), one open at a time, each with its layout
+    (name -> global shape and the block it stores). A whole-model snapshot is one file
+    storing every tensor whole; a sharded one yields its rank files, starting with rank
+    ``first`` (the caller's own rank: with an unchanged world size that file alone holds
+    the caller's blocks, and the caller stops iterating). A file whose frozen tensors are
+    in a side file is yielded joined with it (see
     [`join_frozen()`][emakit.posthoc.snapshots.frozen.join_frozen]): every reader sees every tensor.
 
     Raises:
         EMAStateError: a file changed since it was listed, or its header is malformed.
     """
-    if not info.shards:
-        with open_snapshot(info) as f:
-            yield f, {n: (f.shape(n), Block.whole(f.shape(n))) for n in f.keys()}  # noqa: SIM118
-        return
-    order: Sequence[int] = range(len(info.shards))
-    if first is not None and 0 <= first < len(info.shards):
-        order = [first, *(r for r in order if r != first)]
-    for r in order:
-        path = info.shards[r]
-        with SafetensorsFile(path, "snapshot shard") as f:
-            if path == info.path:
-                _check_unchanged(info, f.identity, f.header_digest)
-            meta = f.metadata
-            if meta.get("step") != str(info.step) or meta.get("rank") != str(r):
-                raise EMAStateError(
-                    f"snapshot shard {path} changed after the synthesis was planned (its "
-                    f"header now says step {meta.get('step')}, rank {meta.get('rank')}); "
-                    f"plan the synthesis again once the folder is no longer written to"
-                )
-            with join_frozen(f) as g:  # its frozen blocks are in its side file
-                yield g, parse_layout(path, meta, {n: g.shape(n) for n in g.keys()})  # noqa: SIM118
+    order = list(range(info.world))
+    if first is not None and 0 <= first < info.world:
+        order.insert(0, order.pop(first))
+    for rank in order:
+        with open_snapshot(info, rank) as f:
+            shapes = {n: f.shape(n) for n in f.keys()}  # noqa: SIM118 - a reader is not a dict
+            if info.shards:
+                yield f, parse_layout(info.files[rank], f.metadata, shapes)
+            else:
+                yield f, {n: (shape, Block.whole(shape)) for n, shape in shapes.items()}

@@ -78,7 +78,7 @@ from ..._files.safetensors_file import SafetensorsFile
 from ..._version import __version__
 from ...errors import EMAError, EMAStateError
 from ..math import PostHocWarning
-from .shards import shard_suffix
+from .shards import header_names, malformed, shard_suffix
 
 __all__ = [
     "FROZEN_FORMAT",
@@ -183,32 +183,21 @@ def frozen_ref(path: Path, meta: Mapping[str, str]) -> FrozenRef | None:
     if "frozen_file" not in meta:
         return None
     file, digest = meta.get("frozen_file", ""), meta.get("frozen_digest", "")
-    try:
-        names = json.loads(meta.get("frozen_names", ""))
-    except ValueError:
-        names = None
+    names = header_names(path, meta, "frozen_names")
     for key, ok in (
         ("frozen_file", is_side_file(file)),
         ("frozen_digest", _DIGEST.match(digest) and file.startswith(f"frozen-{digest[:32]}.")),
-        ("frozen_names", isinstance(names, list) and all(isinstance(n, str) for n in names)),
     ):
         if not ok:
-            raise EMAStateError(
-                f"snapshot {path} has a malformed {key!r} in its header ({key}="
-                f"{meta.get(key)!r}); the file is damaged or was not written by emakit: move "
-                f"it out of the folder"
-            )
-    return FrozenRef(path.parent / file, digest, frozenset(names))  # type: ignore[arg-type]
+            raise malformed(path, f"{key}={meta.get(key)!r}")
+    return FrozenRef(path.parent / file, digest, names)
 
 
 def _side_file_ok(path: Path, digest: str) -> bool:
     """Whether ``path`` is a readable side file whose header records ``digest``."""
-    try:
-        with SafetensorsFile(path, "frozen weights file") as f:
-            meta = f.metadata
-    except EMAError:
-        return False
-    return meta.get("format") == FROZEN_FORMAT and meta.get("digest") == digest
+    with contextlib.suppress(EMAError), SafetensorsFile(path, "frozen weights file") as f:
+        return f.metadata.get("format") == FROZEN_FORMAT and f.metadata.get("digest") == digest
+    return False
 
 
 def side_missing(path: Path, meta: Mapping[str, str], seen: dict[Any, bool]) -> str:
@@ -252,10 +241,6 @@ class FrozenJoin:
     def dtype(self, name: str) -> torch.dtype:
         """A tensor's stored dtype."""
         return self._of(name).dtype(name)
-
-    def code(self, name: str) -> str:
-        """A tensor's safetensors dtype code."""
-        return self._of(name).code(name)
 
     def get(self, name: str) -> Tensor:
         """A tensor, as stored."""

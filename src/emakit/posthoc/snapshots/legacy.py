@@ -173,20 +173,16 @@ def legacy_tensors(f: IO[bytes], path: Path) -> dict[str, Tensor]:
             f"weights_only=True and never runs pickled code; move the file out of the "
             f"snapshot folder if it is not one of ema-pytorch's snapshots"
         ) from e
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
-    ):
-        raise EMAStateError(
-            f"{path} holds a {type(obj).__name__} that is not an ema-pytorch KarrasEMA state "
-            f"dict (names -> tensors); move it out of the snapshot folder"
-        )
     prefix = "ema_model."
-    stray = sorted(k for k in obj if not k.startswith(prefix) and k not in ("initted", "step"))
-    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)}
-    if stray or not out:
+    tensors = isinstance(obj, Mapping) and all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
+    )
+    out = {k[len(prefix) :]: v for k, v in obj.items() if k.startswith(prefix)} if tensors else {}
+    if not out or any(not k.startswith(prefix) and k not in ("initted", "step") for k in obj):
+        got = sorted(map(str, obj))[:10] if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
         raise EMAStateError(
-            f"{path} is not an ema-pytorch KarrasEMA state dict: expected initted, step and "
-            f"ema_model.* keys, got {sorted(obj)[:10]}; move it out of the snapshot folder"
+            f"{path} is not an ema-pytorch KarrasEMA state dict: expected the tensors initted, "
+            f"step and ema_model.*, got {got}; move it out of the snapshot folder"
         )
     return out
 

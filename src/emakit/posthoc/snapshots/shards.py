@@ -79,13 +79,15 @@ __all__ = [
     "ShardEntry",
     "align",
     "complete_sets",
+    "header_names",
     "intersect",
     "is_sharded",
-    "layout_json",
+    "malformed",
     "model_blocks",
     "parse_layout",
     "set_frozen_names",
     "shard_fields",
+    "shard_header",
     "shard_suffix",
 ]
 
@@ -264,9 +266,16 @@ def shard_suffix(rank: int, world: int) -> str:
     return f".rank-{rank:05d}-of-{world:05d}"
 
 
-def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Block]) -> str:
-    """The ``shard_layout`` header field: ``{name: [global shape, offset, flat range or
-    null]}`` (see the module docstring)."""
+def shard_header(
+    shard: tuple[int, int],
+    write_id: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    blocks: Mapping[str, Block],
+) -> dict[str, str]:
+    """The header entries of rank ``shard[0]``'s file (of ``shard[1]`` ranks) of the write
+    ``write_id`` (see the module docstring): the format, rank, world, set id and
+    ``shard_layout`` (``{name: [global shape, offset, flat range or null]}``), and
+    `FLAT_LAYOUT_VERSION` when the file stores a flat range."""
 
     def where(b: Block | None) -> object:
         if b is None:
@@ -274,14 +283,38 @@ def layout_json(shapes: Mapping[str, tuple[int, ...]], blocks: Mapping[str, Bloc
         return {"flat": [b.offset[0], b.size[0]]} if b.flat else list(b.offset)
 
     layout = {n: [list(shape), where(blocks.get(n))] for n, shape in shapes.items()}
-    return json.dumps(layout, separators=(",", ":"))
+    header = {
+        "format": SHARD_FORMAT,
+        "rank": str(shard[0]),
+        "world": str(shard[1]),
+        "shard_set": f"{write_id:016x}",
+        "shard_layout": json.dumps(layout, separators=(",", ":")),
+    }
+    if any(b.flat for b in blocks.values()):  # an emakit before flat ranges refuses it
+        header["format_version"] = str(FLAT_LAYOUT_VERSION)
+    return header
 
 
-def _bad(path: Path, why: str) -> EMAStateError:
+def malformed(path: Path, why: str) -> EMAStateError:
+    """The error for a snapshot file whose header emakit cannot read (any snapshot's: this
+    leaf module holds what every header reader shares); ``why`` names the field and its
+    value."""
     return EMAStateError(
-        f"sharded snapshot file {path} has a malformed header ({why}); the file is damaged "
-        f"or was not written by emakit: move it out of the folder"
+        f"snapshot file {path} has a malformed header ({why}); the file is damaged or was "
+        f"not written by emakit: move it out of the folder"
     )
+
+
+def header_names(path: Path, meta: Mapping[str, str], key: str, absent: str = "") -> frozenset[str]:
+    """The header entry ``key`` of a snapshot file: a JSON list of tensor names, checked;
+    ``absent`` is read in its place when it is missing (by default, an error)."""
+    try:
+        names = json.loads(meta.get(key, absent))
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise malformed(path, f"{key}={meta.get(key)!r}: not a JSON list of names")
+    return frozenset(names)
 
 
 def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
@@ -289,10 +322,14 @@ def shard_fields(path: Path, meta: Mapping[str, str]) -> tuple[int, int]:
     try:
         rank, world = int(meta["rank"]), int(meta["world"])
     except (KeyError, ValueError):
-        raise _bad(path, f"rank={meta.get('rank')!r}, world={meta.get('world')!r}") from None
+        raise malformed(path, f"rank={meta.get('rank')!r}, world={meta.get('world')!r}") from None
     if not 0 <= rank < world:
-        raise _bad(path, f"rank={rank} is not in [0, world={world})")
+        raise malformed(path, f"rank={rank} is not in [0, world={world})")
     return rank, world
+
+
+def _naturals(x: object) -> bool:
+    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
 
 
 def _block(
@@ -300,38 +337,30 @@ def _block(
 ) -> tuple[tuple[int, ...], Block | None]:
     """One ``shard_layout`` entry ``[global shape, where]``, checked against the tensors
     the file holds: ``where`` is an offset, ``{"flat": [start, length]}`` or null."""
-    ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
-    shape = tuple(entry[0]) if ok else ()  # type: ignore[index]
-    where = entry[1] if ok and all(isinstance(s, int) and s >= 0 for s in shape) else ()  # type: ignore[index]
+    ok = isinstance(entry, list) and len(entry) == 2 and _naturals(entry[0])
+    shape, where = (tuple(entry[0]), entry[1]) if ok else ((), ())  # type: ignore[index]
+    if (where is None) != (name not in stored):
+        held = "stored but shard_layout says it is not" if where is None else "not stored"
+        raise malformed(path, f"{name!r} is {held}, but shard_layout[{name!r}] = {entry!r}")
     if where is None:
-        if name in stored:
-            raise _bad(path, f"{name!r} is stored but shard_layout says it is not")
         return shape, None
-    if not isinstance(where, (list, dict)) or where == ():
-        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
-    if name not in stored:
-        raise _bad(path, f"shard_layout places {name!r}, which the file does not hold")
     size = tuple(stored[name])
-    if isinstance(where, list):
-        block = Block(tuple(int(x) for x in where), size)
-        if len(block.offset) != len(shape) or intersect(block, Block.whole(shape)) != block:
-            raise _bad(path, f"{name!r}'s block {block} lies outside its shape {shape}")
-        return shape, block
-    span = where.get("flat") if len(where) == 1 else None
-    if not (
-        isinstance(span, list)
-        and len(span) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span)
-    ):
-        raise _bad(path, f"shard_layout[{name!r}] = {entry!r}")
-    start, length = span
-    if size != (length,) or start + length > math.prod(shape):
-        raise _bad(
-            path,
-            f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
-            f"elements does not match the stored tensor of shape {size}",
+    span = where.get("flat") if isinstance(where, dict) and len(where) == 1 else None
+    if _naturals(span) and len(span) == 2:  # type: ignore[arg-type]
+        start, length = span  # type: ignore[misc]
+        if size != (length,) or start + length > math.prod(shape):
+            raise malformed(
+                path,
+                f"{name!r}'s flat range [{start}, {start + length}) of its {math.prod(shape)} "
+                f"elements does not match the stored tensor of shape {size}",
+            )
+        return shape, Block((start,), (length,), flat=True)
+    block = Block(tuple(where), size) if _naturals(where) and len(where) == len(shape) else None
+    if block is None or intersect(block, Block.whole(shape)) != block:
+        raise malformed(
+            path, f"shard_layout[{name!r}] = {entry!r} is no block of it (stored: {size})"
         )
-    return shape, Block((start,), (length,), flat=True)
+    return shape, block
 
 
 def parse_layout(
@@ -343,12 +372,14 @@ def parse_layout(
     try:
         raw = json.loads(meta.get("shard_layout", ""))
     except ValueError:
-        raise _bad(path, "shard_layout is not JSON") from None
+        raise malformed(path, "shard_layout is not JSON") from None
     if not isinstance(raw, dict):
-        raise _bad(path, "shard_layout is not a mapping")
+        raise malformed(path, "shard_layout is not a mapping")
     out = {name: _block(path, name, entry, stored) for name, entry in raw.items()}
     if set(stored) - set(out):
-        raise _bad(path, f"tensors {sorted(set(stored) - set(out))[:5]} are not in shard_layout")
+        raise malformed(
+            path, f"tensors {sorted(set(stored) - set(out))[:5]} are not in shard_layout"
+        )
     return out
 
 

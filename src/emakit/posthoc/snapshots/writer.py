@@ -46,8 +46,8 @@ from ..karras import KarrasEMA
 from ..math import PostHocWarning
 from .folder import FolderLock, first_write_warnings, own_path
 from .format import snapshot_filename, snapshot_header, write_snapshots
-from .frozen import FrozenPart, collect_frozen_files, frozen_part, snapshot_tensors
-from .shards import FLAT_LAYOUT_VERSION, SHARD_FORMAT, is_sharded, layout_json, model_blocks
+from .frozen import collect_frozen_files, frozen_part, snapshot_tensors
+from .shards import is_sharded, model_blocks, shard_header
 
 __all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable"]
 
@@ -89,15 +89,12 @@ class SnapshotWriter:
         store_frozen_once: whether shared frozen tensors go into side files.
         checked: whether the folder was checked before this run's first write.
         lock: the folder lock held (rank 0), or None.
-        run: the run id the last write used (for a sharded model, rank 0's, which every
-            rank adopts), or None before the first write.
     """
 
     def __init__(self, store_frozen_once: bool = True) -> None:
         self.store_frozen_once = store_frozen_once
         self.checked = False
         self.lock: FolderLock | None = None
-        self.run: str | None = None
 
     def release(self) -> None:
         """Release the folder lock, if held."""
@@ -125,19 +122,19 @@ class SnapshotWriter:
         dtype: torch.dtype | None,
         run: str,
         timeout_s: float = AGREE_TIMEOUT_S,
-    ) -> list[Path]:
+    ) -> tuple[list[Path], str]:
         """Write every profile's snapshot of ``step`` (see the module docstring).
 
         Returns:
-            The files this rank wrote.
+            ``(the files this rank wrote, the run id written)``: for a sharded model,
+            rank 0's, which every rank adopts (ids drawn at random differ by rank).
         """
         if not (is_sharded(profiles[0].ema_model) and dist_ready()):
-            writer = is_rank_zero()
-            if writer:
+            if is_rank_zero():
                 self._take_folder(folder, run, step)
             for ema in profiles:
                 ema.catch_up()
-            return self._files(profiles, folder, step, dtype, run) if writer else []
+            return (self._files(profiles, folder, step, dtype, run) if is_rank_zero() else []), run
         agreed = agree(
             "PostHocEMA.checkpoint",
             step=step,
@@ -145,25 +142,23 @@ class SnapshotWriter:
             timeout_s=timeout_s,
             extra=secrets.randbits(64),  # rank 0's draw names this write on every rank
         )
-        box = [run]  # rank 0's run id: ids drawn at random differ from rank to rank
+        box = [run]
         torch.distributed.broadcast_object_list(box, src=0)
-        self.run = run = str(box[0])
+        run = str(box[0])
         for ema in profiles:  # every rank, before anything can fail: the EMAs stay alike
             ema.catch_up()
-        voted = False
+        voted = []
 
         def vote() -> None:  # every file written: replace the old ones only if all ranks did
-            nonlocal voted
-            voted = True
+            voted.append(True)
             _share(None, folder, step)
 
         shard = (torch.distributed.get_rank(), torch.distributed.get_world_size())
         try:
             if shard[0] == 0:
                 self._take_folder(folder, run, step)
-            else:
-                folder.mkdir(parents=True, exist_ok=True)
-            return self._files(profiles, folder, step, dtype, run, shard, agreed, vote)
+            folder.mkdir(parents=True, exist_ok=True)
+            return self._files(profiles, folder, step, dtype, run, shard, agreed, vote), run
         except (OSError, EMAError) as e:
             if voted:  # the vote failed (nothing replaced), or a rename after it did
                 raise
@@ -182,33 +177,26 @@ class SnapshotWriter:
         vote: Callable[[], None] | None = None,
     ) -> list[Path]:
         """Write this rank's files of ``step``: the side file of the shared frozen tensors
-        if new (renamed into place first), then one snapshot file per profile (of this
-        rank's blocks, with ``shard=(rank, world)``), as one set."""
+        (`emakit.posthoc.snapshots.frozen`) if new, renamed into place first, then one
+        snapshot file per profile (of this rank's blocks, with ``shard=(rank, world)``), as
+        one set."""
         names = [snapshot_filename(step, e.sigma_rel, e.gamma, shard) for e in profiles]
         paths = [own_path(folder / name, run) for name in names]  # never another run's
-        part = self._frozen(profiles, folder, dtype, run, shard)
+        models: list[Any] = [e.ema_model for e in profiles]
+        part = None
+        if self.store_frozen_once and not any(isinstance(m, ZeroPartitions) for m in models):
+            states = [m.state_dict() if shard is None else model_blocks(m)[0] for m in models]
+            shared = [e.shared_names() for e in profiles]
+            part = frozen_part(states, shared, dtype=dtype, folder=folder, run=run, shard=shard)
         side = [part.path] if part is not None and part.new else []
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
-            if side and part is not None and index == 0:
+            if part is not None and side and index == 0:
                 return snapshot_tensors(part.tensors, dtype), part.header(run)
             index -= len(side)
-            ema = profiles[index]
-            model = ema.ema_model
-            if model is None:  # pragma: no cover - checkpoint() requires an update
-                raise EMARuntimeError("the EMA model does not exist yet: call update() first")
-            fields: dict[str, str] = {}
+            ema, model = profiles[index], models[index]
             if shard is not None:
                 state, blocks, shapes = model_blocks(model)
-                fields = {
-                    "format": SHARD_FORMAT,
-                    "rank": str(shard[0]),
-                    "world": str(shard[1]),
-                    "shard_set": f"{write_id:016x}",
-                    "shard_layout": layout_json(shapes, blocks),
-                }
-                if any(b.flat for b in blocks.values()):  # an older emakit refuses it
-                    fields["format_version"] = str(FLAT_LAYOUT_VERSION)
             elif isinstance(model, ZeroPartitions):  # one process: the partitions are whole
                 state = {n: model.full(n, None) for n in model.layout()}
             else:
@@ -224,33 +212,16 @@ class SnapshotWriter:
                 run=run,
                 frozen=None if part is None else part.fields(index),
             )
-            header.update(fields)
+            if shard is not None:
+                header.update(shard_header(shard, write_id, shapes, blocks))
             leave = frozenset() if part is None else part.names[index]
-            stored = {n: v for n, v in state.items() if n not in leave}
-            return snapshot_tensors(stored, dtype), header
+            return snapshot_tensors(
+                {n: v for n, v in state.items() if n not in leave}, dtype
+            ), header
 
         written = write_snapshots(side + paths, produce, before_replace=vote)
         collect_frozen_files(folder, run, shard)  # the files of values no snapshot uses
         return written
-
-    def _frozen(
-        self,
-        profiles: Sequence[KarrasEMA],
-        folder: Path,
-        dtype: torch.dtype | None,
-        run: str,
-        shard: tuple[int, int] | None,
-    ) -> FrozenPart | None:
-        """What this rank stores of the profiles' shared frozen tensors (see
-        `emakit.posthoc.snapshots.frozen`), or None."""
-        models = [e.ema_model for e in profiles]
-        if not self.store_frozen_once or any(
-            m is None or isinstance(m, ZeroPartitions) for m in models
-        ):
-            return None  # ZeRO-3 partitions are never shared
-        states = [m.state_dict() if shard is None else model_blocks(m)[0] for m in models]  # type: ignore[union-attr]
-        shared = [e.shared_names() for e in profiles]
-        return frozen_part(states, shared, dtype=dtype, folder=folder, run=run, shard=shard)
 
 
 def _share(failure: BaseException | None, folder: Path, step: int) -> None:

@@ -41,7 +41,7 @@ from ..math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_wei
 from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run
 from ..snapshots.format import SnapshotInfo, open_snapshot
 from ..snapshots.legacy import LegacyProfiles
-from ..snapshots.shards import Block, is_sharded, model_blocks
+from ..snapshots.shards import is_sharded, model_blocks
 from .weighted_sum import weighted_sums
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "plan_synthesis",
     "region_args",
     "synthesize",
-    "synthesize_into",
     "synthesize_state_dict",
 ]
 
@@ -89,10 +88,7 @@ class SynthesisPlan:
         *,
         dtype: torch.dtype | None = torch.float32,
         progress: Callable[[int, int], None] | None = None,
-        fill: Mapping[str, Tensor] | None = None,
-        regions: Mapping[str, Block] | None = None,
-        rank: int | None = None,
-        shapes: Mapping[str, tuple[int, ...]] | None = None,
+        **where: Any,
     ) -> dict[str, Tensor]:
         """Stream the snapshots into the reconstructed state dict (see
         `emakit.posthoc.synthesis.weighted_sum.weighted_sums()`).
@@ -106,13 +102,15 @@ class SynthesisPlan:
             dtype: dtype of the averaged tensors returned; None keeps the snapshots'
                 dtype. Default ``torch.float32``. Copied tensors keep their stored dtype.
             progress: called as ``progress(done, total)`` after each snapshot.
-            fill: values for integer tensors an ema-pytorch file lost (its float16 copy
-                overflowed to inf), used with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning]. Default None:
-                such a tensor raises.
-            regions: name -> the block of each tensor to build (a rank's shard, see
-                [`Block`][emakit.posthoc.snapshots.shards.Block]). Default None: whole tensors.
-            rank: the caller's rank, whose files of a sharded snapshot are read first.
-            shapes: the model's global shapes of the tensors in ``regions``, checked.
+            **where: keyword-only; what part of which model to build (`region_args()`
+                gives them for a model): ``fill``, values for integer tensors an
+                ema-pytorch file lost (its float16 copy overflowed to inf), used with a
+                [`PostHocWarning`][emakit.posthoc.math.PostHocWarning] (default None:
+                such a tensor raises); ``regions``, name -> the block of each tensor to
+                build (a rank's shard, see [`Block`][emakit.posthoc.snapshots.shards.Block];
+                default None: whole tensors); ``rank``, the caller's rank, whose files of a
+                sharded snapshot are read first; ``shapes``, the model's global shapes of
+                the tensors in ``regions``, checked.
 
         Returns:
             name -> tensor (on CPU), loadable with ``model.load_state_dict``. Integer and
@@ -123,16 +121,7 @@ class SynthesisPlan:
                 ema-pytorch file cannot be loaded with ``weights_only=True``; an integer
                 tensor was lost (see ``fill``).
         """
-        return weighted_sums(
-            self.snapshots,
-            [self],
-            regions=regions,
-            rank=rank,
-            shapes=shapes,
-            dtype=dtype,
-            fill=fill,
-            progress=progress,
-        )[0]
+        return weighted_sums(self.snapshots, [self], dtype=dtype, progress=progress, **where)[0]
 
 
 def pick_snapshots(
@@ -374,25 +363,6 @@ def region_args(model: nn.Module) -> dict[str, Any]:
     rank = torch.distributed.get_rank() if dist_ready() else None
     fill = None if is_sharded(model) else model.state_dict()
     return {"regions": regions, "shapes": shapes, "rank": rank, "fill": fill}
-
-
-def synthesize_into(model: nn.Module, plan: SynthesisPlan) -> None:
-    """Load ``plan``'s reconstruction into ``model``'s tensors, in place.
-
-    Each rank gets the block or partition of every tensor it holds (`region_args()`; all
-    of every tensor for a model held whole), cut out of whichever snapshot files overlap
-    it (the rank's own first): the snapshots may come from any number of ranks, or from
-    one process, sharded either way. No collective is run; memory is the rank's blocks in
-    float32 plus one stored tensor (or block) at a time.
-
-    Args:
-        model: the module to fill (the EMA model of a synthesized [`KarrasEMA`][emakit.KarrasEMA]).
-        plan: the synthesis ([`plan_synthesis()`][emakit.posthoc.synthesis.plan.plan_synthesis]).
-
-    Raises:
-        EMAStateError: the snapshots do not match the model (names or shapes).
-    """
-    load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
 
 
 def load_into(model: nn.Module, out: Mapping[str, Tensor]) -> None:

@@ -26,6 +26,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -50,8 +51,8 @@ def _add(dst: Tensor, src: Tensor, alpha: float) -> None:
         dst.add_(src, alpha=alpha)
         return
     rows = max(1, ADD_CHUNK // max(1, src[0].numel()))
-    for i in range(0, src.shape[0], rows):
-        dst[i : i + rows].add_(src[i : i + rows], alpha=alpha)
+    for d, s in zip(dst.split(rows), src.split(rows), strict=True):
+        d.add_(s, alpha=alpha)
 
 
 @dataclass(frozen=True)
@@ -99,17 +100,6 @@ class Target(Protocol):
     def buffers_from(self) -> SnapshotInfo: ...
 
 
-def _mismatch(snap: SnapshotInfo, base: SnapshotInfo, names: set[str], keys: set[str]) -> None:
-    if keys != names or snap.copied != base.copied:
-        missing, extra = sorted(names - keys), sorted(keys - names)
-        raise EMAStateError(
-            f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
-            f"missing {missing[:10]}, extra {extra[:10]}"
-            + ("" if missing or extra else ", and a different set of copied names")
-            + "; keep only snapshots of one model in the folder"
-        )
-
-
 def _exact(
     snap: SnapshotInfo, name: str, value: Tensor, fill: Mapping[str, Tensor] | None
 ) -> Tensor:
@@ -136,45 +126,47 @@ def _exact(
     return fill[name].detach().to("cpu", copy=True)
 
 
+def _mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
+    """How the tensors ``have`` (name -> shape) differ from ``want``: the names it lacks
+    and adds, the shapes that differ; ``""`` when they match."""
+    lacks, adds = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    both = sorted(have.keys() & want.keys())
+    shapes = [f"{n!r} has shape {have[n]}, not {want[n]}" for n in both if have[n] != want[n]]
+    if not (lacks or adds or shapes):
+        return ""
+    return "; ".join([f"lacks {lacks[:10]}", f"has {adds[:10]}", *shapes[:3]])
+
+
 class _Pass:
-    """The state of one pass: the regions wanted and what has been read into them."""
+    """One pass over snapshots: the tensors' names and global shapes (learned from the
+    first file read, which every later one must match), the region of each to build, and
+    the pieces of the stored tensors that fall in them."""
 
     def __init__(
         self,
-        base: SnapshotInfo,
         regions: Mapping[str, Block] | None,
         rank: int | None,
-        shapes: Mapping[str, tuple[int, ...]] | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None,
     ) -> None:
-        self.base = base
-        self.model_shapes = shapes
-        self.rank = rank
-        self.wanted = None if regions is None else dict(regions)
+        self.wanted, self.rank, self.model_shapes = regions, rank, shapes or {}
+        self.base: SnapshotInfo | None = None
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.names: set[str] = set()
         self.regions: dict[str, Block] = {}
 
-    def _first(self, layout: Mapping[str, tuple[tuple[int, ...], Block | None]]) -> None:
-        """Take the names and global shapes from the base's first file."""
-        self.shapes = {n: shape for n, (shape, _) in layout.items()}
-        self.names = set(self.shapes)
+    def _learn(self, snap: SnapshotInfo, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Take the names and global shapes from the first file, checked against the model's."""
+        self.base, self.shapes = snap, shapes
         if self.wanted is None:
-            self.regions = {n: Block.whole(s) for n, s in self.shapes.items()}
+            self.regions = {n: Block.whole(s) for n, s in shapes.items()}
             return
-        if set(self.wanted) != self.names:
-            missing = sorted(self.names - set(self.wanted))
-            extra = sorted(set(self.wanted) - self.names)
+        model = {n: tuple(self.model_shapes.get(n, shapes.get(n, ()))) for n in self.wanted}
+        why = _mismatch(model, shapes)
+        if why:
             raise EMAStateError(
-                f"the snapshots do not match the model: the model lacks {missing[:10]} and "
-                f"has {extra[:10]}, which the snapshots do not hold"
+                f"the snapshots do not match the model ({snap.path} and those like it): the "
+                f"model {why}"
             )
-        for name, shape in (self.model_shapes or {}).items():
-            if tuple(shape) != self.shapes[name]:
-                raise EMAStateError(
-                    f"the snapshots do not match the model: tensor {name!r} has shape "
-                    f"{self.shapes[name]} in {self.base.path} but {tuple(shape)} in the model"
-                )
-        self.regions = self.wanted
+        self.regions = dict(self.wanted)
 
     def visit(
         self,
@@ -185,38 +177,40 @@ class _Pass:
         """Call ``use(name, piece)`` for every stored block of ``names`` in ``snap`` that
         overlaps its region (the `Piece` says what part and where it goes); files are
         read until every region is covered. ``names`` may be a function of the model's
-        names, for the first visit (which learns them)."""
+        names, for the first visit (which learns them).
+
+        Raises:
+            EMAStateError: ``snap`` does not hold the tensors (names, global shapes, copied
+                names) of the first snapshot read.
+        """
         need: dict[str, int] | None = None
-        left = 0
-        wanted: set[str] = set()
         for f, layout in snapshot_sources(snap, first=self.rank):
             if need is None:
-                if not self.shapes:
-                    self._first(layout)
-                wanted = names(self.names) if callable(names) else names
-                _mismatch(snap, self.base, self.names, set(layout))
-                need = {n: self.regions[n].numel for n in wanted}
-                left = sum(need.values())
-            for name in wanted:
-                shape, block = layout[name]
-                if shape != self.shapes[name]:
+                shapes = {n: shape for n, (shape, _) in layout.items()}
+                if self.base is None:
+                    self._learn(snap, shapes)
+                base: Any = self.base
+                why = _mismatch(shapes, self.shapes)
+                if why or snap.copied != base.copied:
                     raise EMAStateError(
-                        f"tensor {name!r} has shape {shape} in {snap.path} but "
-                        f"{self.shapes[name]} in {self.base.path}; keep only snapshots of one "
-                        f"model"
+                        f"snapshot {snap.path} does not hold the same tensors as {base.path}: "
+                        f"it {why or 'copies other names'}; keep only snapshots of one model in "
+                        f"the folder"
                     )
-                if block is None or need[name] == 0:
+                wanted = names(set(shapes)) if callable(names) else names
+                need = {n: self.regions[n].numel for n in wanted}
+            for name, left in need.items():
+                shape, block = layout[name]
+                if block is None or left == 0:
                     continue
                 region, block = align(self.regions[name], block, shape, name)
                 common = intersect(block, region)
-                if common is None:
-                    continue
-                whole = block == region == common
-                src, dst = block.slices(common), region.slices(common)
-                use(name, Piece(f.get(name), src, dst, region.flat, whole))
-                need[name] -= common.numel
-                left -= common.numel
-            if left <= 0:
+                if common is not None:
+                    whole = block == region == common
+                    src, dst = block.slices(common), region.slices(common)
+                    use(name, Piece(f.get(name), src, dst, region.flat, whole))
+                    need[name] -= common.numel
+            if not any(need.values()):
                 break
 
 
@@ -260,30 +254,34 @@ def weighted_sums(
             snapshots hold, or a snapshot used holds inf or NaN in an averaged tensor (the
             message names the snapshots).
     """
+    run = _Pass(regions, rank, shapes)
+    copied: dict[Path, dict[str, Tensor]] = {}
+
+    def copies(source: SnapshotInfo) -> dict[str, Tensor]:  # read once per buffer source
+        if source.path not in copied:
+            copied[source.path] = _copied(run, source, fill)
+        return copied[source.path]
+
     base = targets[0].buffers_from
-    run = _Pass(base, regions, rank, shapes)
-    copied = {str(base.path): _copied(run, base, fill)}  # the first read learns the layout
-    averaged = run.names - base.copied
+    copies(base)  # the first read learns the layout
+    averaged = set(run.shapes) - base.copied
     accs: list[dict[str, Tensor]] = [{} for _ in targets]
     stored: dict[str, torch.dtype] = {}
-
     nonfinite: dict[str, list[str]] = {}  # tensor -> snapshots holding inf/NaN for it
 
     def add(weights: Sequence[float], label: str) -> Callable[[str, Piece], None]:
         used = any(w != 0.0 for w in weights)
 
         def use(name: str, piece: Piece) -> None:
-            x = piece.stored
+            x, part = piece.stored, piece.part()
             stored.setdefault(name, x.dtype)
-            part = piece.part()
             if used and not bool(torch.isfinite(part).all()):
                 nonfinite.setdefault(name, []).append(label)
-            for k, weight in enumerate(weights):
-                acc = accs[k].get(name)
-                if acc is None:
+            for acc, weight in zip(accs, weights, strict=True):
+                if name not in acc:
                     wide = torch.complex64 if x.is_complex() else torch.float32
-                    acc = accs[k][name] = torch.zeros(run.regions[name].size, dtype=wide)
-                _add(piece.into(acc), part, weight)
+                    acc[name] = torch.zeros(run.regions[name].size, dtype=wide)
+                _add(piece.into(acc[name]), part, weight)
 
         return use
 
@@ -310,23 +308,16 @@ def weighted_sums(
             f"float32 or bfloat16 (PostHocEMA(checkpoint_dtype=...)); or synthesize at a step "
             f"before the first such snapshot"
         )
-    for target in targets:
-        source = target.buffers_from
-        if str(source.path) not in copied:
-            copied[str(source.path)] = _copied(run, source, fill)
     outs = []
-    for k, target in enumerate(targets):
-        out: dict[str, Tensor] = {}
-        for name in run.shapes:
-            if name in base.copied:
-                out[name] = copied[str(target.buffers_from.path)][name]
-                continue
-            acc = accs[k].pop(name, None)
-            if acc is None:  # an empty region (or an empty tensor): nothing was read
-                acc = torch.zeros(run.regions[name].size, dtype=torch.float32)
-            want = dtype if dtype is not None else stored.get(name, acc.dtype)
-            out[name] = acc if (acc.is_complex() or acc.dtype == want) else acc.to(want)
-        outs.append(out)
+    for acc, target in zip(accs, targets, strict=True):
+        out = dict(copies(target.buffers_from))
+        for name in averaged:
+            # an empty region (or an empty tensor) read nothing: zeros
+            x = acc.pop(name, None)
+            x = torch.zeros(run.regions[name].size) if x is None else x
+            want = dtype if dtype is not None else stored.get(name, x.dtype)
+            out[name] = x if (x.is_complex() or x.dtype == want) else x.to(want)
+        outs.append({n: out[n] for n in run.shapes})
     return outs
 
 
@@ -347,7 +338,7 @@ def _copied(
         piece.into(out[name]).copy_(piece.part(x))
 
     run.visit(source, lambda names: names & source.copied, use)
-    for name in source.copied & run.names:
+    for name in source.copied & set(run.shapes):
         if name not in out:  # an empty region: the model's dtype is not known from here
             out[name] = torch.zeros(run.regions[name].size)
     return out
