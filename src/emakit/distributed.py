@@ -62,7 +62,7 @@ from ._core.swap import Swap
 from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
 from ._files.reading import writable_folder
-from .checkpoint import check_ema, read_weights, write_weights
+from .checkpoint import check_ema, load_ema_weights, write_weights
 from .ema import EMA
 from .errors import EMARuntimeError, EMAStateError, EMAValueError
 
@@ -134,7 +134,7 @@ def load_full_ema_weights(
     """Alias of [`load_ema_weights()`][emakit.checkpoint.load_ema_weights], kept for code
     written before ``load_ema_weights`` read a file into a partitioned EMA (DeepSpeed
     ZeRO-3, ``partition=True``: a collective, every rank calls it)."""
-    return read_weights(ema, path, timeout_s=timeout_s, operation="load_full_ema_weights")
+    return load_ema_weights(ema, path, timeout_s=timeout_s)
 
 
 # -- sharded checkpoints (DCP) ------------------------------------------------------------------

@@ -36,6 +36,7 @@ import re
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..errors import EMARuntimeError, EMAStateError
 from .arrival import default_store, missing_ranks
@@ -46,6 +47,7 @@ __all__ = [
     "agree",
     "collective_device",
     "dist_ready",
+    "gather_padded",
     "is_rank_zero",
 ]
 
@@ -66,14 +68,13 @@ OPERATIONS = {
     3: "save_full_ema_weights",
     4: "load_sharded_ema (after loading)",
     5: "state_dict of a ZeRO-3 EMA",
-    6: "load_full_ema_weights",
     7: "PostHocEMA.checkpoint",
     8: "save_ema_weights",
     9: "load_ema_weights",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
 #: Codes of one collective under its two names (the verb and its ``_full_`` alias meet).
-_SAME = {8: 3, 9: 6}
+_SAME = {8: 3}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's
 _MASK32 = (1 << 32) - 1
 
@@ -100,6 +101,33 @@ def collective_device(group: Any = None) -> torch.device:
     if "gloo" not in backend and "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def gather_padded(
+    local: Tensor, rows: int, group: Any = None, *, to_writer: bool = False
+) -> Tensor | None:
+    """Every rank's ``local``, padded with zeros to ``rows`` rows, in one buffer of
+    ``world * rows`` rows in rank order: an all-gather on ``group`` (every rank receives
+    it), or with ``to_writer`` a gather to rank 0, the writer (the other ranks receive
+    nothing and get None). The one way emakit assembles a full tensor from shards: FSDP2's
+    rows (`emakit._files.export`) and DeepSpeed's flat partitions (`emakit._dist.deepspeed`).
+    """
+    dist = torch.distributed
+    if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
+        padded = local.new_zeros((rows, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        local = padded
+    world = dist.get_world_size(group)
+    out = None
+    if not to_writer or dist.get_rank() == 0:
+        out = local.new_empty((world * rows, *local.shape[1:]))
+    if to_writer:
+        chunks = None if out is None else list(out.chunk(world))
+        dist.gather(local.contiguous(), chunks, dst=0, group=group)
+    else:  # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local.contiguous(), group=group)
+    return out
 
 
 def _global_rank(group: Any, index: int) -> int:

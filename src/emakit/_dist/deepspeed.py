@@ -28,13 +28,13 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import EMAStateError
-from .collectives import agree
+from .collectives import agree, gather_padded
 
 __all__ = [
     "WORLD_KEY",
@@ -338,14 +338,21 @@ class ZeroPartitions(nn.Module):
             return full
         return full.reshape(-1).narrow(0, *span)
 
-    def full(self, name: str, dtype: torch.dtype | None) -> Tensor:
+    def full(
+        self, name: str, dtype: torch.dtype | None, *, to_writer: bool = False
+    ) -> Tensor | None:
         """The full EMA tensor ``name`` (a collective for a partition: every rank calls
-        it, in the same order), floating values cast to ``dtype`` before the gather."""
-        t = self.get_parameter(name) if name in self.shapes else self.state_dict()[name]
+        it, in the same order), floating values cast to ``dtype`` before the gather; with
+        ``to_writer`` gathered to rank 0 alone (None on the other ranks of its group, and on
+        the ranks of groups without rank 0), as the streamed export wants it."""
         if name not in self.shapes:
-            return t
+            return self.state_dict()[name]
         shape, numel, group, size = self.shapes[name]
-        return gather_partition(t, shape, numel, group, size, dtype)
+        dist = torch.distributed
+        if to_writer and dist.is_initialized() and 0 not in dist.get_process_group_ranks(group):
+            return None  # another replica of the partitions: rank 0's group sends them
+        part = self.get_parameter(name)
+        return gather_partition(part, shape, numel, group, size, dtype, to_writer=to_writer)
 
 
 def build_partitions(
@@ -395,22 +402,19 @@ def gather_partition(
     group: Any,
     size: int,
     dtype: torch.dtype | None,
-) -> Tensor:
+    *,
+    to_writer: bool = False,
+) -> Tensor | None:
     """The full tensor from every rank's 1-D partition ``part`` (one all-gather on
-    ``group``): the ranks' partitions, each padded to ``size``, in rank order, the first
-    ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
-    dist = torch.distributed
-    local = part.detach()
+    ``group``, or with ``to_writer`` a gather to rank 0, None elsewhere:
+    `gather_padded()`): the ranks' partitions, each padded to ``size``, in rank order, the
+    first ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
+    local: Tensor | None = part.detach().reshape(-1)
     if dtype is not None and local.is_floating_point():
         local = local.to(dtype)
-    if not dist.is_initialized():  # one process: the partition is the whole tensor
-        return local.reshape(-1)[:numel].view(shape)
-    if local.numel() != size:
-        local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
-    out = local.new_empty(dist.get_world_size(group) * size)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local.contiguous(), group=group)
-    return out[:numel].view(shape)
+    if torch.distributed.is_initialized():  # else one process: the partition is whole
+        local = gather_padded(local, size, group, to_writer=to_writer)
+    return None if local is None else local[:numel].view(shape)
 
 
 class PartitionSwap:
@@ -461,7 +465,8 @@ class PartitionSwap:
         with torch.no_grad():
             for s in self.sliced:
                 p = s.param.detach().view(-1)
-                p.copy_(gather_partition(s.view, p.shape, p.numel(), None, s.size, None))
+                full = gather_partition(s.view, p.shape, p.numel(), None, s.size, None)
+                p.copy_(cast(Tensor, full))
 
 
 def _available(p: Tensor) -> bool:
