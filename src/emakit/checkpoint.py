@@ -39,13 +39,13 @@ from torch import Tensor
 
 from . import _validate as check
 from ._core.tree import leaves
-from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready
+from ._dist.collectives import AGREE_TIMEOUT_S, agree_on, dist_ready
 from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ._dist.dtensor import fsdp_module_type, is_dtensor
 from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
-from ._files.safetensors_file import SafetensorsFile, out_dtype
+from ._files.safetensors_file import out_dtype, read_safetensors
 from ._validate import not_newer, stored_count
 from .ema import EMA
 from .errors import (
@@ -274,7 +274,7 @@ def write_weights(
         header.update(metadata)
     collective = dist_ready() and (gather is not None or every_rank)
     if collective:
-        agree(operation, step=int(ema.step), skips=ema.num_skipped_nonfinite, timeout_s=timeout_s)
+        agree_on(operation, ema, timeout_s=timeout_s)
     writer = not collective or torch.distributed.get_rank() == 0
     failure = export.write_streamed(
         dest, tensors, header, dtype, gather or (lambda name, _: tensors[name]), writer=writer
@@ -425,18 +425,8 @@ def load_ema_weights(
     timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
     parts = ema.ema_model if isinstance(ema.ema_model, ZeroPartitions) else None
     if parts is not None and dist_ready():
-        skips = ema.num_skipped_nonfinite
-        agree(
-            "load_ema_weights",
-            step=int(ema.step),
-            skips=skips,
-            timeout_s=timeout_s,
-            check_counts=False,
-        )
-    with SafetensorsFile(src, "checkpoint file") as f:
-        # mapped from the file: a partition keeps only its own pages
-        tensors = {name: f.get(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-        metadata = dict(f.metadata)
+        agree_on("load_ema_weights", ema, timeout_s=timeout_s, check_counts=False)
+    tensors, metadata = read_safetensors(src)  # mapped: a partition keeps its own pages
     tensors.update(frozen_tensors(src, metadata, tensors))  # a post-hoc snapshot's, stored once
     if parts is not None:
         tensors = {name: parts.own_part(name, t) for name, t in tensors.items()}

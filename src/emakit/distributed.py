@@ -59,7 +59,7 @@ import torch
 from . import _validate as check
 from ._core.sharding import copy_module
 from ._core.swap import Swap
-from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
+from ._dist.collectives import AGREE_TIMEOUT_S, agree_on, dist_ready, is_rank_zero
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
 from ._files.reading import writable_folder
 from .checkpoint import check_ema, load_ema_weights, write_weights
@@ -148,45 +148,22 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
     return True, group, torch.distributed.get_rank(group=group) == 0
 
 
-def _agree(
-    ema: EMA, operation: str, group: Any, timeout_s: float, *, counts: bool = True, extra: int = 0
-) -> int:
-    """Every rank of ``group`` is in ``operation`` with the same step and skip count (one
-    bounded all-gather, see `emakit._dist.collectives`); ``extra``: 64 bits from rank 0."""
-    return agree(
-        operation,
-        step=int(ema.step),
-        skips=ema.num_skipped_nonfinite,
-        group=group,
-        timeout_s=timeout_s,
-        check_counts=counts,
-        extra=extra,
-    )
-
-
-def _failures(e: BaseException) -> str:
+def _failures(e: BaseException, folder: Path) -> str:
     """One line per failed rank of a DCP ``CheckpointException`` (its own text is a
-    traceback per rank)."""
+    traceback per rank), and ``"; the disk is full ..."`` when a rank's failure is a full
+    disk: an ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of
+    saying it)."""
     failures = getattr(e, "failures", None) or {}
-    lines = []
+    lines, full = [], False
     for rank, (exc, _) in sorted(failures.items()):
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        lines.append(f"rank {rank}: {text}")
-    return "; ".join(lines) or str(e)
-
-
-def _disk_full(e: BaseException, folder: Path) -> str:
-    """``"; the disk is full (ENOSPC ...)"`` when a rank's failure is a full disk: an
-    ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of saying it)."""
-    failures = getattr(e, "failures", None) or {}
-    for exc, _ in failures.values():
+        lines.append(f"rank {rank}: {' '.join(str(exc).split()) or type(exc).__name__}")
         chain: BaseException | None = exc
-        while chain is not None:
+        while chain is not None and not full:
             full = isinstance(chain, OSError) and chain.errno == errno.ENOSPC
-            if full or "unexpected pos" in str(chain):
-                return f"; the disk is full (ENOSPC: no space left on device) under {folder}"
+            full = full or "unexpected pos" in str(chain)
             chain = chain.__cause__ or chain.__context__
-    return ""
+    disk = f"; the disk is full (ENOSPC: no space left on device) under {folder}" if full else ""
+    return ("; ".join(lines) or str(e)) + disk
 
 
 def save_sharded_ema(
@@ -262,7 +239,8 @@ def save_sharded_ema(
     distributed, group, coordinator = _group(kwargs)
     version = _dcp.new_version()
     if distributed:  # the coordinator's version name rides along with the check
-        agreed = _agree(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
+        extra = int(version[2:], 16)
+        agreed = agree_on("save_sharded_ema", ema, group=group, timeout_s=timeout_s, extra=extra)
         version = f"v-{agreed:016x}"
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
@@ -274,8 +252,8 @@ def save_sharded_ema(
         if coordinator:  # every rank is done with it: DCP gathered their outcomes
             shutil.rmtree(folder / version, ignore_errors=True)
         raise EMARuntimeError(
-            f"saving the sharded checkpoint {folder} failed ({_failures(e)})"
-            f"{_disk_full(e, folder)}; the partial version folder {version} was removed and "
+            f"saving the sharded checkpoint {folder} failed ({_failures(e, folder)}); the "
+            f"partial version folder {version} was removed and "
             f"the previous checkpoint there is still the current one"
         ) from e
     # DCP returns on the coordinator once every rank's data and the .metadata are written.
@@ -296,7 +274,9 @@ def sharded_checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> Path:
     """
     from ._files import dcp as _dcp
 
-    return _dcp.resolve(Path(os.fspath(checkpoint_id)))
+    folder = Path(os.fspath(checkpoint_id))
+    current = _dcp.read_pointer(folder)
+    return folder if current is None else folder / current
 
 
 def load_sharded_ema(
@@ -350,7 +330,8 @@ def load_sharded_ema(
     current = _dcp.read_pointer(folder) if coordinator else None
     if distributed:
         extra = 0 if current is None else int(current[2:], 16)
-        agreed = _agree(ema, "load_sharded_ema", group, timeout_s, counts=False, extra=extra)
+        kw = {"group": group, "timeout_s": timeout_s, "extra": extra, "check_counts": False}
+        agreed = agree_on("load_sharded_ema", ema, **kw)
         current = f"v-{agreed:016x}" if agreed else None
     target = folder if current is None else folder / current
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
@@ -360,11 +341,11 @@ def load_sharded_ema(
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:
         raise EMAStateError(
-            f"sharded checkpoint {folder} cannot be loaded: {_failures(e)}"
+            f"sharded checkpoint {folder} cannot be loaded: {_failures(e, folder)}"
         ) from None
     ema.load_state_dict(state)
     if distributed:
-        _agree(ema, "load_sharded_ema (after loading)", group, timeout_s)
+        agree_on("load_sharded_ema (after loading)", ema, group=group, timeout_s=timeout_s)
 
 
 def _unalias(state: dict[str, Any], model: object) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "AGREE_TIMEOUT_S",
     "OPERATIONS",
     "agree",
+    "agree_on",
     "collective_device",
     "dist_ready",
     "gather_padded",
@@ -141,21 +142,23 @@ def _ranks(ranks: list[int]) -> str:
 def _missing_by_collective(group: Any, timeout_s: float) -> list[int] | None:
     """The fallback where torch exposes no store (`emakit._dist.arrival.default_store()`):
     the ranks that did not arrive, where the backend can tell: a gloo group's
-    ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others). None
-    when everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
+    ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others); other
+    backends run one bounded all-reduce of a single number, which cannot. None when
+    everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
     dist = torch.distributed
-    if "gloo" not in str(dist.get_backend(group)).lower():
-        return [] if not _gathered(group, timeout_s) else None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    gloo = "gloo" in str(dist.get_backend(group)).lower()
     try:
-        dist.monitored_barrier(
-            group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
-        )
+        if gloo:
+            dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
+        else:
+            one = torch.ones(1, dtype=torch.int64, device=collective_device(group))
+            dist.all_reduce(one, group=group, async_op=True).wait(timeout=timeout)
     except RuntimeError as e:
-        text = " ".join(str(e).split())
-        found = re.search(r"Ranks? ([\d, ]+) failed to pass", text)
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", " ".join(str(e).split()))
         if found:
             return [int(r) for r in found.group(1).replace(",", " ").split()]
-        return [0] if dist.get_rank(group) != 0 else []
+        return [0] if gloo and dist.get_rank(group) != 0 else []
     return None
 
 
@@ -176,18 +179,6 @@ def _arrivals(operation: str, group: Any, timeout_s: float) -> tuple[list[int] |
         "No collective was started, but this rank's emakit calls are now out of step with "
         "the others': fix the program and start the job again"
     )
-
-
-def _gathered(group: Any, timeout_s: float) -> bool:
-    """One bounded all-reduce of a single number: whether every rank came."""
-    device = collective_device(group)
-    one = torch.ones(1, dtype=torch.int64, device=device)
-    try:
-        work = torch.distributed.all_reduce(one, group=group, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:
-        return False
-    return True
 
 
 def _by_value(ranks: list[int], values: list[Any]) -> dict[Any, list[int]]:
@@ -301,3 +292,9 @@ def agree(
                     f"to recover, load the last checkpoint saved before the ranks diverged"
                 )
     return (table[0][4] << 32) | table[0][5]
+
+
+def agree_on(operation: str, counts: Any, **kwargs: Any) -> int:
+    """`agree()` on the ``step`` and ``num_skipped_nonfinite`` of ``counts`` (an EMA, or
+    its tracker); ``kwargs`` are `agree()`'s (``group``, ``timeout_s``, ...)."""
+    return agree(operation, step=int(counts.step), skips=counts.num_skipped_nonfinite, **kwargs)

@@ -28,20 +28,20 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import EMAStateError
-from .collectives import agree, gather_padded
+from .collectives import agree_on, gather_padded
 
 __all__ = [
     "WORLD_KEY",
     "PartitionSlot",
     "PartitionSwap",
     "ZeroPartitions",
-    "engine_type",
     "gather_partition",
     "is_partition",
     "own_span",
@@ -57,14 +57,10 @@ __all__ = [
 WORLD_KEY = "partition_layout"
 
 
-def engine_type() -> type | None:
-    """``deepspeed.runtime.engine.DeepSpeedEngine`` if deepspeed has been imported."""
-    return getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
-
-
 def unwrap_engine(model: Any) -> Any:
-    """``engine.module`` for a DeepSpeed engine (the module that holds the weights)."""
-    cls = engine_type()
+    """``engine.module`` for a DeepSpeed engine (the module that holds the weights; the
+    class ``deepspeed.runtime.engine.DeepSpeedEngine`` is looked up, never imported)."""
+    cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
     if cls is not None and isinstance(model, cls):
         return getattr(model, "module")  # noqa: B009 (isinstance narrowed it to object)
     return model
@@ -162,13 +158,10 @@ class PartitionSlot:
         self.param, self.part, self.ptr = param, part, part.data_ptr()
         self.view = flat.narrow(0, 0 if zero3 else start, valid)
 
-    def _sliced(self) -> Tensor:
-        p = self.param
-        return p.ds_tensor if is_zero3_param(p) else p  # type: ignore[attr-defined]
-
     def get(self, key: str, default: object = None) -> object:
         """The view while the partition has not moved, else ``default``."""
-        part = self._sliced()
+        p = self.param
+        part = p.ds_tensor if is_zero3_param(p) else p  # type: ignore[attr-defined]
         if part is self.part and part.data_ptr() == self.ptr:
             return self.view
         return default
@@ -181,14 +174,9 @@ _SLOTS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 _VIEWS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 
 
-def _forget(table: dict[int, Any], key: int) -> Callable[[object], None]:
-    """A weakref callback that drops ``table[key]`` (the table bound now: at interpreter
-    exit the module's globals may already be None)."""
-
-    def drop(_: object) -> None:
-        table.pop(key, None)
-
-    return drop
+def _drop(table: dict[int, Any], key: int, _: object) -> None:
+    """The weakref callback that forgets a dead tensor's entry."""
+    table.pop(key, None)
 
 
 def partition(param: Tensor) -> PartitionSlot:
@@ -197,9 +185,9 @@ def partition(param: Tensor) -> PartitionSlot:
     if entry is not None and entry[0]() is param and entry[1].get("") is not None:
         return entry[1]
     slot = PartitionSlot(param)
-    key, view = id(param), id(slot.view)
-    _SLOTS[key] = (weakref.ref(param, _forget(_SLOTS, key)), slot)
-    _VIEWS[view] = (weakref.ref(slot.view, _forget(_VIEWS, view)), slot)
+    # the callbacks hold their table (at interpreter exit, module globals may be None)
+    for table, t in ((_SLOTS, param), (_VIEWS, slot.view)):
+        table[id(t)] = (weakref.ref(t, partial(_drop, table, id(t))), slot)
     return slot
 
 
@@ -253,18 +241,16 @@ class ZeroPartitions(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        key = prefix + WORLD_KEY
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key in missing_keys:
-            missing_keys.remove(key)
+        for keys in (missing_keys, unexpected_keys):  # checked by refuse_other_world()
+            if prefix + WORLD_KEY in keys:
+                keys.remove(prefix + WORLD_KEY)
 
     def agree(self, tracker: Any) -> None:
         """Every rank's EMA at the same step and skip count before a state is taken (one
-        bounded all-gather, `agree()`): the ranks' states
+        bounded all-gather, `agree_on()`): the ranks' states
         are the parts of one, as DeepSpeed's ``save_checkpoint`` saves them together.
 
         Raises:
@@ -273,8 +259,7 @@ class ZeroPartitions(nn.Module):
         """
         if torch.distributed.is_initialized():
             tracker.sync_views()
-            step, skips = tracker.step, tracker.num_skipped_nonfinite
-            agree("state_dict of a ZeRO-3 EMA", step=step, skips=skips)
+            agree_on("state_dict of a ZeRO-3 EMA", tracker)
 
     def refuse_other_world(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Raise unless ``state_dict`` holds this rank's partitions for this world size.
