@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as tree_utils
 
 from . import _validate as check
 from .ema import EMA, unwrap_model
@@ -36,18 +37,22 @@ __all__ = ["interpolate", "update_bn"]
 # -- interpolate ----------------------------------------------------------------------------
 
 
+def _ema_model(what: str, ema: EMA) -> nn.Module:
+    """The EMA model of ``ema`` (the argument ``what``), or an error saying why there is none."""
+    ema_model = getattr(ema, "ema_model", None)
+    if not isinstance(ema_model, nn.Module):
+        raise EMATypeError(
+            f"{what} is an {type(ema).__name__} without an EMA model (lazy_init_ema=True "
+            f"before the first update(), or an EMAPytree); pass a module or a state dict"
+        )
+    return ema_model
+
+
 def _as_state_dict(i: int, source: object) -> Mapping[str, Any]:
     if isinstance(source, EMA):
-        ema_model = getattr(source, "ema_model", None)
-        if not isinstance(ema_model, nn.Module):
-            raise EMATypeError(
-                f"models_or_state_dicts[{i}] is an {type(source).__name__} without an EMA "
-                f"model (lazy_init_ema=True before the first update(), or an EMAPytree); "
-                f"pass its state dict instead"
-            )
-        return ema_model.state_dict()
+        return _ema_model(f"models_or_state_dicts[{i}]", source).state_dict()
     if isinstance(source, torch.optim.swa_utils.AveragedModel):
-        return unwrap_model(source.module).state_dict()
+        source = source.module
     if isinstance(source, nn.Module):
         return unwrap_model(source).state_dict()
     if isinstance(source, Mapping):
@@ -202,31 +207,18 @@ def interpolate(
 
 
 def _first_input(batch: Any) -> Any:
-    if isinstance(batch, (list, tuple)):
-        if not batch:
-            raise EMAValueError(
-                "the loader yielded an empty list/tuple; its first element is the input"
-            )
-        return batch[0]
-    if isinstance(batch, Mapping):
-        if not batch:
-            raise EMAValueError("the loader yielded an empty dict; its first value is the input")
-        return next(iter(batch.values()))
-    return batch
+    if not isinstance(batch, (list, tuple, Mapping)):
+        return batch
+    if not batch:
+        raise EMAValueError(
+            f"the loader yielded an empty {type(batch).__name__}; its first element (or "
+            f"value) is the input"
+        )
+    return next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
 
 
-def _to_device(x: Any, device: torch.device | str | None) -> Any:
-    if device is None:
-        return x
-    if isinstance(x, Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(_to_device(v, device) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    if isinstance(x, Mapping):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    return x
+def _moved(x: Any, device: torch.device | str) -> Any:
+    return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
 
 
 class _Moments:
@@ -321,12 +313,7 @@ def update_bn(
         4
     """
     if isinstance(model, EMA):
-        ema_model = getattr(model, "ema_model", None)
-        if not isinstance(ema_model, nn.Module):
-            raise EMATypeError(
-                f"model is an {type(model).__name__} without an EMA model; pass a Module"
-            )
-        model = ema_model
+        model = _ema_model("model", model)
     if not isinstance(model, nn.Module):
         raise EMATypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if input_fn is not None and not callable(input_fn):
@@ -358,7 +345,10 @@ def update_bn(
             m.track_running_stats = False
         model.train()
         for batch in loader:
-            model(_to_device(get_input(batch), device))
+            x = get_input(batch)
+            if device is not None:  # the tensors in it, however nested (torch's pytrees)
+                x = tree_utils.tree_map(lambda t: _moved(t, device), x)
+            model(x)
             batches += 1
     finally:
         for h in handles:

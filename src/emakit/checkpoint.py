@@ -248,12 +248,12 @@ def write_weights(
     metadata: Mapping[str, str] | None = None,
     tied_once: bool = False,
     timeout_s: float = AGREE_TIMEOUT_S,
-    operation: str = "save_ema_weights",
     every_rank: bool = False,
 ) -> Path:
-    """[`save_ema_weights()`][emakit.checkpoint.save_ema_weights], named ``operation`` in
-    the ranks' agreement; with ``every_rank`` a collective for every EMA under
-    ``torch.distributed`` (the whole EMA written by rank 0), not only for a sharded one."""
+    """[`save_ema_weights()`][emakit.checkpoint.save_ema_weights]; with ``every_rank``
+    [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] (so named in the
+    ranks' agreement): a collective for every EMA under ``torch.distributed`` (the whole
+    EMA written by rank 0), not only for a sharded one."""
     ema = check_ema(ema)
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
@@ -274,6 +274,7 @@ def write_weights(
         header.update(metadata)
     collective = dist_ready() and (gather is not None or every_rank)
     if collective:
+        operation = "save_full_ema_weights" if every_rank else "save_ema_weights"
         agree_on(operation, ema, timeout_s=timeout_s)
     writer = not collective or torch.distributed.get_rank() == 0
     failure = export.write_streamed(
@@ -465,8 +466,12 @@ def load_weights(
         current, prefix = ema.ema_model.state_dict(), "ema_model."
     expected = set(current)
     weights = _align_keys(weights, expected)
-    if ema.kind == "module":
-        weights = _fill_tied(ema, weights)
+    if ema.kind == "module":  # a tied tensor stored once (save_model...) fills its names
+        weights = dict(weights)
+        for names in tied_names(ema):
+            present = [n for n in names if n in weights]
+            if present:
+                weights.update({n: weights[present[0]] for n in names if n not in weights})
     missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if strict and (missing or extra):
         raise EMAStateError(
@@ -501,21 +506,6 @@ def load_weights(
         ema.load_state_dict(state, strict=False)
     except EMAError as e:
         raise EMAStateError(f"{source}: {e}") from e
-
-
-def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Give names missing from ``weights`` the value of a tied name that is present.
-
-    ``safetensors.torch.save_model`` and other exporters store a tied tensor once; the
-    model still has it under each name.
-    """
-    out = dict(weights)
-    for names in tied_names(ema):
-        present = [n for n in names if n in out]
-        if present:
-            for n in names:
-                out.setdefault(n, out[present[0]])
-    return out
 
 
 def tied_names(ema: EMA) -> list[list[str]]:

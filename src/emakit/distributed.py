@@ -118,14 +118,7 @@ def save_full_ema_weights(
         >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
         >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
     """
-    return write_weights(
-        ema,
-        path,
-        dtype=dtype,
-        timeout_s=timeout_s,
-        operation="save_full_ema_weights",
-        every_rank=True,
-    )
+    return write_weights(ema, path, dtype=dtype, timeout_s=timeout_s, every_rank=True)
 
 
 def load_full_ema_weights(
@@ -146,6 +139,14 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
     if kwargs.get("no_dist") or not dist_ready():
         return False, group, True
     return True, group, torch.distributed.get_rank(group=group) == 0
+
+
+def _checked(ema: object, timeout_s: object) -> tuple[EMA, float]:
+    """The EMA of a sharded save or load (its EMA model built if lazy) and its timeout."""
+    ema = check_ema(ema)
+    if ema.ema_model is None:
+        ema.init_ema()
+    return ema, check.real("timeout_s", timeout_s, low=0.0, low_open=True)
 
 
 def _failures(e: BaseException, folder: Path) -> str:
@@ -225,10 +226,7 @@ def save_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = check_ema(ema)
-    if ema.ema_model is None:
-        ema.init_ema()
-    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    ema, timeout_s = _checked(ema, timeout_s)
     if isinstance(checkpoint_id, str) and "://" in checkpoint_id:
         raise EMAValueError(
             f"checkpoint_id must be a file-system folder, got checkpoint_id={checkpoint_id!r}; "
@@ -320,10 +318,7 @@ def load_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = check_ema(ema)
-    if ema.ema_model is None:
-        ema.init_ema()
-    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    ema, timeout_s = _checked(ema, timeout_s)
     distributed, group, coordinator = _group(kwargs)
     folder = Path(os.fspath(checkpoint_id))
     # the coordinator's current version (0: a plain DCP folder) rides along with the check

@@ -96,16 +96,6 @@ def _read_json(path: Path) -> Any:
         ) from e
 
 
-def _tensor_file(path: Path) -> dict[str, Tensor]:
-    content, _ = _load_file(path)  # safetensors, or torch.load(weights_only=True)
-    if not _is_tensor_map(content):
-        raise EMAStateError(
-            f"{path} (diffusers EMAModel folder) holds {_describe(content)}, not a mapping "
-            f"of parameter names to tensors"
-        )
-    return dict(content)
-
-
 def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
     """The weights (model names) and ``optimization_step`` of a folder written by
     diffusers' ``EMAModel.save_pretrained``, or an error naming the folder and what it
@@ -142,21 +132,28 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
         path = folder / name
         if not path.is_file():
             continue
-        if not name.endswith(".index.json"):
-            return _tensor_file(path), opt_step
-        index = _read_json(path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()
-        ):
-            raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
+        shards = [name]  # a single file, or the shards an index lists
+        if name.endswith(".index.json"):
+            index = _read_json(path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
+                raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
+            shards = sorted(set(weight_map.values()))
         weights: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in shards:
             if Path(shard).name != shard or shard in (".", ".."):
                 raise EMAStateError(
                     f"{path} names the shard {shard!r}, which is not a file name inside {folder}"
                 )
-            weights.update(_tensor_file(folder / shard))
+            content, _ = _load_file(folder / shard)  # safetensors, or weights_only=True
+            if not _is_tensor_map(content):
+                raise EMAStateError(
+                    f"{folder / shard} (diffusers EMAModel folder) holds {_describe(content)}, "
+                    f"not a mapping of parameter names to tensors"
+                )
+            weights.update(content)
         return weights, opt_step
     raise EMAStateError(
         f"{folder} has a diffusers EMAModel config.json but no weights file ({found}); {expected}"

@@ -395,8 +395,7 @@ def gather_partition(
     `gather_padded()`): the ranks' partitions, each padded to ``size``, in rank order, the
     first ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
     local: Tensor | None = part.detach().reshape(-1)
-    if dtype is not None and local.is_floating_point():
-        local = local.to(dtype)
+    local = local.to(dtype) if dtype is not None and local.is_floating_point() else local
     if torch.distributed.is_initialized():  # else one process: the partition is whole
         local = gather_padded(local, size, group, to_writer=to_writer)
     return None if local is None else local[:numel].view(shape)
@@ -455,5 +454,6 @@ class PartitionSwap:
 
 
 def _available(p: Tensor) -> bool:
+    """Whether DeepSpeed holds ``p`` gathered (``ZeroParamStatus.AVAILABLE``)."""
     status = getattr(p, "ds_status", None)
     return getattr(status, "name", None) == "AVAILABLE"

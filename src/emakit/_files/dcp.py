@@ -188,7 +188,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise EMAStateError(f"{self.path} holds a persistent reference; it is not DCP metadata")
 
 
-def _check_metadata(metadata: Any, path: str) -> Metadata:
+def _check_metadata(metadata: Any, path: str) -> None:
     if not isinstance(metadata, Metadata):
         raise EMAStateError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     storage = metadata.storage_data
@@ -203,7 +203,6 @@ def _check_metadata(metadata: Any, path: str) -> Metadata:
                 f"{path}: the storage entry of {getattr(index, 'fqn', index)!r} names the "
                 f"file {name!r}, which is not a file inside the checkpoint folder"
             )
-    return metadata
 
 
 class SafeReader(FileSystemReader):
@@ -231,7 +230,7 @@ class SafeReader(FileSystemReader):
                     f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the "
                     f"checkpoint is damaged"
                 ) from e
-        metadata = _check_metadata(metadata, str(path))
+        _check_metadata(metadata, str(path))
         storage_meta = metadata.storage_meta
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()

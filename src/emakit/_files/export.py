@@ -45,7 +45,7 @@ from .._dist.dtensor import is_dtensor
 from ..errors import EMAError, EMAValueError, EMAWriteError
 from .atomic import atomic_path
 from .reading import write_errors
-from .safetensors_file import safetensors_layout, write_tensor
+from .safetensors_file import out_dtype, safetensors_layout, write_tensor
 
 __all__ = ["full_tensor", "share_outcome", "tensor_for_writer", "write_streamed"]
 
@@ -91,15 +91,10 @@ def tensor_for_writer(t: Tensor, dtype: torch.dtype | None) -> Tensor | None:
 
 def _cast_local(d: Any, dtype: torch.dtype | None) -> Tensor:
     local = d.to_local()
-    if dtype is not None and local.is_floating_point():
-        local = local.to(dtype)
-    mesh = d.device_mesh
-    if local.device.type != mesh.device_type:  # e.g. shards kept on the CPU by FSDP's offload
-        target = torch.device(mesh.device_type)
-        if mesh.device_type == "cuda":
-            target = torch.device("cuda", torch.cuda.current_device())
-        local = local.to(target)
-    return local
+    target, kind = local.device, d.device_mesh.device_type
+    if target.type != kind:  # e.g. shards kept on the CPU by FSDP's offload
+        target = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else kind
+    return local.to(target, out_dtype(local, dtype))
 
 
 def _rows_dim(

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _KINDS = (
+    (stat.S_ISREG, "a regular file"),
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISSOCK, "a socket"),
@@ -57,8 +58,6 @@ _KINDS = (
 
 def file_kind(mode: int) -> str:
     """What a ``st_mode`` is, in words (``"a regular file"``, ``"a FIFO (named pipe)"``...)."""
-    if stat.S_ISREG(mode):
-        return "a regular file"
     return next((word for test, word in _KINDS if test(mode)), "not a regular file")
 
 
