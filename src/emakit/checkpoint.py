@@ -119,7 +119,7 @@ def _full_tensors(ema: EMA) -> tuple[dict[str, Tensor], Gather | None]:
             "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
         )
     if isinstance(model, ZeroPartitions):
-        return model.layout(), lambda name, dtype: model.full(name, dtype, to_writer=True)
+        return model.layout(), lambda name, dtype: model.gathered(name, dtype, to_writer=True)
     tensors = model.state_dict()
     if not any(is_dtensor(t) for t in tensors.values()):
         return tensors, None
@@ -132,7 +132,7 @@ def weights_header(
     """The header metadata [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes for ``ema`` and ``tensors``."""
     from ._version import __version__
 
-    inner = ema.ema_pytree if ema.kind == "pytree" else ema.ema_model
+    inner = ema.ema_model  # the EMA pytree, for an EMA of a pytree
     if isinstance(inner, ZeroPartitions):
         model_class = inner.model_class
     else:  # the model's own class, not FSDP2's generated FSDP<Name> subclass
@@ -432,17 +432,13 @@ def load_ema_weights(
     if parts is not None:
         tensors = {name: parts.own_part(name, t) for name, t in tensors.items()}
         tensors[WORLD_KEY] = parts.layout_tensor()
-    step: int | None = None
-    initted = True
     header = emakit_header(metadata, str(src))
-    if header is not None:
-        if metadata.get("kind", ema.kind) != ema.kind:
-            raise EMAStateError(
-                f"{src} holds the weights of an EMA of a {metadata['kind']}, but ema is an "
-                f"EMA of a {ema.kind}"
-            )
-        if restore_step:
-            step, initted = header
+    if header is not None and metadata.get("kind", ema.kind) != ema.kind:
+        raise EMAStateError(
+            f"{src} holds the weights of an EMA of a {metadata['kind']}, but ema is an "
+            f"EMA of a {ema.kind}"
+        )
+    step, initted = header if header is not None and restore_step else (None, True)
     load_weights(ema, tensors, step=step, initted=initted, strict=strict, source=str(src))
     return metadata
 

@@ -13,8 +13,8 @@ padded so that every rank's partition has the same length. Then
   parameters are released, the EMA partitions are copied into ``ds_tensor`` (by the
   caller), and the next forward gathers them; on exit the same dance puts the online
   partitions back, bit for bit;
-* `gather_partition()` assembles one full tensor from every rank's partitions (the
-  streamed full export).
+* [`ZeroPartitions.full()`][emakit._dist.deepspeed.ZeroPartitions.full] assembles one full
+  tensor from every rank's partitions (`gather_padded()`, for the streamed full export).
 
 DeepSpeed's classes are looked up in ``sys.modules`` under their import paths; nothing
 here imports deepspeed. The attributes read (``ds_tensor``, ``ds_shape``, ``ds_numel``,
@@ -42,7 +42,6 @@ __all__ = [
     "PartitionSlot",
     "PartitionSwap",
     "ZeroPartitions",
-    "gather_partition",
     "is_partition",
     "own_span",
     "partition",
@@ -323,21 +322,29 @@ class ZeroPartitions(nn.Module):
             return full
         return full.reshape(-1).narrow(0, *span)
 
-    def full(
-        self, name: str, dtype: torch.dtype | None, *, to_writer: bool = False
-    ) -> Tensor | None:
-        """The full EMA tensor ``name`` (a collective for a partition: every rank calls
-        it, in the same order), floating values cast to ``dtype`` before the gather; with
-        ``to_writer`` gathered to rank 0 alone (None on the other ranks of its group, and on
-        the ranks of groups without rank 0), as the streamed export wants it."""
+    def full(self, name: str, dtype: torch.dtype | None) -> Tensor:
+        """The full EMA tensor ``name`` on every rank (a collective for a partition: every
+        rank calls it, in the same order), floating values cast to ``dtype`` before the
+        gather."""
+        return cast(Tensor, self.gathered(name, dtype, to_writer=False))
+
+    def gathered(self, name: str, dtype: torch.dtype | None, *, to_writer: bool) -> Tensor | None:
+        """`full()`, or with ``to_writer`` the full tensor gathered to rank 0 alone (None on
+        the other ranks of its group, and on the ranks of groups without rank 0), as the
+        streamed export wants it."""
         if name not in self.shapes:
             return self.state_dict()[name]
         shape, numel, group, size = self.shapes[name]
+        local = self.get_parameter(name).detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
         dist = torch.distributed
-        if to_writer and dist.is_initialized() and 0 not in dist.get_process_group_ranks(group):
+        if not dist.is_initialized():  # one process: the partition is the whole tensor
+            return local[:numel].view(shape)
+        if to_writer and 0 not in dist.get_process_group_ranks(group):
             return None  # another replica of the partitions: rank 0's group sends them
-        part = self.get_parameter(name)
-        return gather_partition(part, shape, numel, group, size, dtype, to_writer=to_writer)
+        out = gather_padded(local, size, group, to_writer=to_writer)
+        return None if out is None else out[:numel].view(shape)
 
 
 def build_partitions(
@@ -378,27 +385,6 @@ def build_partitions(
             if b is not None and tracked(full):
                 copy.register_buffer(key, torch.empty(0, dtype=b.dtype, device=b.device))
     return root
-
-
-def gather_partition(
-    part: Tensor,
-    shape: torch.Size,
-    numel: int,
-    group: Any,
-    size: int,
-    dtype: torch.dtype | None,
-    *,
-    to_writer: bool = False,
-) -> Tensor | None:
-    """The full tensor from every rank's 1-D partition ``part`` (one all-gather on
-    ``group``, or with ``to_writer`` a gather to rank 0, None elsewhere:
-    `gather_padded()`): the ranks' partitions, each padded to ``size``, in rank order, the
-    first ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
-    local: Tensor | None = part.detach().reshape(-1)
-    local = local.to(dtype) if dtype is not None and local.is_floating_point() else local
-    if torch.distributed.is_initialized():  # else one process: the partition is whole
-        local = gather_padded(local, size, group, to_writer=to_writer)
-    return None if local is None else local[:numel].view(shape)
 
 
 class PartitionSwap:
@@ -446,11 +432,12 @@ class PartitionSwap:
 
     def spread(self) -> None:
         """Every sliced parameter whole again from the ranks' slices (a collective)."""
+        if not torch.distributed.is_initialized():
+            return  # one process: each slice is its whole parameter
         with torch.no_grad():
             for s in self.sliced:
                 p = s.param.detach().view(-1)
-                full = gather_partition(s.view, p.shape, p.numel(), None, s.size, None)
-                p.copy_(cast(Tensor, full))
+                p.copy_(cast(Tensor, gather_padded(s.view, s.size))[: p.numel()])
 
 
 def _available(p: Tensor) -> bool:

@@ -29,15 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-fcntl: Any
 try:
-    import fcntl as _fcntl
-
-    fcntl = _fcntl
+    import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 #: Whether this platform has advisory file locks (``fcntl.flock``).
 LOCKS_AVAILABLE = fcntl is not None
@@ -79,14 +76,6 @@ def fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _mode(dest: Path) -> int | None:
-    """The permission bits of the file a write replaces (None: there is none)."""
-    try:
-        return dest.stat().st_mode & 0o777
-    except OSError:
-        return None
 
 
 def try_lock(fd: int) -> bool | None:
@@ -231,20 +220,18 @@ def atomic_paths(
         raise ValueError(f"atomic_paths needs different destinations, got {dests}")
     made: list[tuple[int, Path]] = []
     try:
-        modes = []
         for dest in dests:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            modes.append(_mode(dest))
             made.append(_make_temp(dest))
         yield [tmp for _, tmp in made]
-        for (_, tmp), mode in zip(made, modes, strict=True):
+        for (_, tmp), dest in zip(made, dests, strict=True):
             # Reopen by name: the writer may have replaced the inode we created.
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            # Only now: a read-only mode set earlier would stop the writer from opening it.
-            if mode is not None:
-                with contextlib.suppress(OSError):
-                    os.chmod(tmp, mode)
+            # The replaced file's mode (a new file keeps the umask's), only now: a read-only
+            # mode set earlier would stop the writer from opening it.
+            with contextlib.suppress(OSError):
+                os.chmod(tmp, dest.stat().st_mode & 0o777)
         if before_replace is not None:
             before_replace()
         for (_, tmp), dest in zip(made, dests, strict=True):

@@ -24,7 +24,7 @@ already is on the CPU): at most about twice the largest tensor, whatever the mod
 size. Every other rank holds its padded shard of one tensor at a time (placements other
 than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
 on each rank of the mesh). DeepSpeed's partitions are gathered to rank 0 the same way
-([`ZeroPartitions.full()`][emakit._dist.deepspeed.ZeroPartitions.full]). A failure on rank 0
+([`ZeroPartitions.gathered()`][emakit._dist.deepspeed.ZeroPartitions.gathered]). A failure on rank 0
 (disk full, a value the export ``dtype`` cannot hold) does not leave the other ranks
 waiting in a gather: rank 0 goes on gathering without writing, and `share_outcome()`
 then raises on every rank.
@@ -33,6 +33,7 @@ then raises on every rank.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -134,13 +135,10 @@ def _gather_rows(
 
 def _check_fits(name: str, t: Tensor, dtype: torch.dtype | None) -> None:
     """Refuse a cast to ``dtype`` that would turn finite EMA values of ``t`` into ``inf``."""
-    if dtype is None or not t.is_floating_point() or t.numel() == 0:
-        return
-    limit = torch.finfo(dtype).max
-    if torch.finfo(t.dtype).max <= limit:
-        return
-    with torch.no_grad():
-        big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
+    limit = math.inf if dtype is None else torch.finfo(dtype).max
+    if not t.is_floating_point() or t.numel() == 0 or torch.finfo(t.dtype).max <= limit:
+        return  # nothing to narrow
+    big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
     if big > limit:
         raise EMAValueError(
             f"dtype={dtype} cannot hold the EMA tensor {name!r}: its largest magnitude is "
