@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -191,10 +192,8 @@ def interpolate(
         if not (first.is_floating_point() or first.is_complex()):
             out[name] = first.detach().clone()
             continue
-        dtype = torch.float32
-        for v in values:
-            if v.is_floating_point() or v.is_complex():
-                dtype = torch.promote_types(dtype, v.dtype)
+        wide = (v.dtype for v in values if v.is_floating_point() or v.is_complex())
+        dtype = functools.reduce(torch.promote_types, wide, torch.float32)
         acc = torch.zeros(first.shape, dtype=dtype, device=first.device)
         for wi, v in zip(w, values, strict=True):
             if wi != 0.0:

@@ -26,7 +26,7 @@ from . import _validate as check
 from ._files.reading import open_regular, torch_load
 from ._files.safetensors_file import read_safetensors
 from ._validate import stored_count
-from .checkpoint import check_ema, emakit_header, load_weights, tied_names
+from .checkpoint import check_ema, emakit_header, few, load_weights, tied_names
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
@@ -76,13 +76,9 @@ def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
     return torch_load(path, "checkpoint file", yours=True), None
 
 
-def _first(items: list[str]) -> str:
-    return f"{items[:12]}{' ...' if len(items) > 12 else ''}"
-
-
 def _describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
-        return f"a mapping with keys {_first([str(k) for k in obj])}"
+        return f"a mapping with keys {few([str(k) for k in obj], 12)}"
     return f"a {type(obj).__name__}"
 
 
@@ -102,7 +98,7 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
     holds."""
     config_path = folder / "config.json"
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    found = f"found {_first(names) if names else 'nothing'}"
+    found = f"found {few(names, 12) if names else 'nothing'}"
     expected = (
         "expected what diffusers' EMAModel.save_pretrained(path) writes: config.json with "
         "the EMA's optimization_step, and diffusion_pytorch_model.safetensors (or .bin, or "
@@ -247,11 +243,14 @@ def _positional(ema: EMA, shadow: Any, source: str) -> dict[str, Tensor]:
     return weights
 
 
-def _foreign_weights(
-    ema: EMA, obj: Mapping[str, Any], fmt: str, source: str
-) -> tuple[Any, int | None, str]:
+def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, int | None, str]:
     """``(weights by name, the update count found or None, the source named)`` of a foreign
-    checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's)."""
+    checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's), or of the
+    diffusers folder ``obj``."""
+    if isinstance(obj, Path):
+        weights, found = _diffusers_folder(obj)
+        return weights, found, f"{source} (diffusers EMAModel.save_pretrained folder)"
+    _require_keys(obj, fmt, source, ())  # a mapping
     if fmt == "timm" and not _is_tensor_map(obj):
         key = next((k for k in _TIMM_KEYS if k in obj), _TIMM_KEYS[0])
         _require_keys(obj, fmt, source, (key,))
@@ -367,7 +366,7 @@ def load_foreign_state(
                 f"EMAModel.save_pretrained folder, got format={format!r}; pass format='auto' "
                 f"or 'diffusers', or the path of the checkpoint file inside it"
             )
-        source = str(folder)
+        source, obj = str(folder), folder
     else:
         if isinstance(obj, (str, os.PathLike)):
             source = str(obj)
@@ -401,13 +400,8 @@ def load_foreign_state(
 
     if ema.ema_model is None:
         ema.init_ema()
-    if folder is not None:
-        weights, found = _diffusers_folder(folder)
-        source += " (diffusers EMAModel.save_pretrained folder)"
-    else:
-        _require_keys(obj, fmt, source, ())  # a mapping
-        weights, counted, source = _foreign_weights(ema, obj, fmt, source)
-        found = found if counted is None else counted
+    weights, counted, source = _foreign_weights(ema, obj, fmt, source)
+    found = found if counted is None else counted
     if not isinstance(weights, Mapping):
         raise EMAStateError(f"{source} holds {_describe(weights)}, not a state dict")
     found = step if step is not None else found
