@@ -75,13 +75,11 @@ WEIGHTS_FORMAT = "emakit.ema_weights"
 WEIGHTS_FORMAT_VERSION = 1
 #: ``format`` of the other safetensors files emakit writes (post-hoc snapshots, synthesized
 #: weights): they hold a model state dict and load as plain weights.
-OTHER_EMAKIT_FORMATS = frozenset(
-    {
-        "emakit.posthoc.snapshot",
-        "emakit.posthoc.snapshot-shard",
-        "emakit.posthoc.synthesized",
-        "emakit.posthoc.frozen",  # a snapshot folder's side file of frozen weights
-    }
+OTHER_EMAKIT_FORMATS = (
+    "emakit.posthoc.snapshot",
+    "emakit.posthoc.snapshot-shard",
+    "emakit.posthoc.synthesized",
+    "emakit.posthoc.frozen",  # a snapshot folder's side file of frozen weights
 )
 #: Header entries only emakit's files have.
 _EMAKIT_ENTRIES = ("format_version", "emakit_version")

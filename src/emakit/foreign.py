@@ -248,8 +248,8 @@ def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, in
     checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's), or of the
     diffusers folder ``obj``."""
     if isinstance(obj, Path):
-        weights, found = _diffusers_folder(obj)
-        return weights, found, f"{source} (diffusers EMAModel.save_pretrained folder)"
+        weights, opt_step = _diffusers_folder(obj)
+        return weights, opt_step, f"{source} (diffusers EMAModel.save_pretrained folder)"
     _require_keys(obj, fmt, source, ())  # a mapping
     if fmt == "timm" and not _is_tensor_map(obj):
         key = next((k for k in _TIMM_KEYS if k in obj), _TIMM_KEYS[0])
@@ -353,8 +353,7 @@ def load_foreign_state(
     if not isinstance(format, str) or format not in ("auto", *FOREIGN_FORMATS):
         error = EMAValueError if isinstance(format, str) else EMATypeError
         raise error(f"format must be 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}")
-    if step is not None:
-        step = check.integer("step", step, low=0)
+    step = check.optional_integer("step", step, low=0)
     check.boolean("strict", strict)
     source, found = "the checkpoint", None
     folder = Path(obj) if isinstance(obj, (str, os.PathLike)) and Path(obj).is_dir() else None

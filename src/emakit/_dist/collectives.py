@@ -77,7 +77,6 @@ _CODES = {name: code for code, name in OPERATIONS.items()}
 #: Codes of one collective under its two names (the verb and its ``_full_`` alias meet).
 _SAME = {8: 3}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's
-_MASK32 = (1 << 32) - 1
 
 
 def dist_ready() -> bool:
@@ -219,12 +218,10 @@ def agree(
         EMAStateError: the ranks' steps or skip counts differ (raised on every rank).
     """
     dist = torch.distributed
-    code = _CODES[operation]
-    device = collective_device(group)
     world = dist.get_world_size(group)
-    extra &= (1 << 64) - 1
-    row = [_MAGIC, code, int(step), int(skips), extra >> 32, extra & _MASK32]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    extra &= (1 << 64) - 1  # in two int64 columns, 32 bits each
+    row = [_MAGIC, _CODES[operation], int(step), int(skips), extra >> 32, extra & 0xFFFFFFFF]
+    mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
     rows = [torch.empty_like(mine) for _ in range(world)]
     me = dist.get_rank()
     missing, aftermath = _arrivals(operation, group, timeout_s)

@@ -46,8 +46,7 @@ def torch_version() -> tuple[int, int]:
 
 def fsdp_module_type() -> type | None:
     """FSDP2's ``torch.distributed.fsdp.FSDPModule`` if it has been imported, else None."""
-    module = sys.modules.get("torch.distributed.fsdp")
-    return getattr(module, "FSDPModule", None)
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
 
 
 def check_fsdp2_torch(tensors: Iterable[object], modules: Iterable[object] = ()) -> None:

@@ -250,12 +250,13 @@ def atomic_paths(
         remove_stale_temps(folder)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
     """Write ``path`` atomically by calling ``write(file_object)`` on a temporary file.
 
     Args:
         path: the destination.
-        write: called once with a binary file object opened for writing (seekable).
+        write: called once with a binary file object opened for writing (seekable); what
+            it returns is ignored.
 
     Returns:
         ``path`` as a `Path`.
@@ -274,6 +275,4 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (see [`atomic_write()`][emakit._files.atomic.atomic_write])."""
 
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-    return Path(path)
+    return atomic_write(path, lambda f: f.write(data))

@@ -111,8 +111,7 @@ def _rows_dim(
         p.is_replicate() for i, p in enumerate(placements) if i != rows[0]
     ):
         return None
-    ranks = mesh.mesh
-    line = ranks[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
+    line = mesh.mesh[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
     if (writer and 0 not in line) or line != sorted(line):
         return None
     return rows[0]
