@@ -84,16 +84,15 @@ def _weights(weights: object, n: int, normalize: bool) -> list[float]:
     ]
     out = [check.real(f"weights[{i}]", w, low=0.0) for i, w in enumerate(real)]
     total = math.fsum(out)
-    if normalize:
-        if total == 0:
-            raise EMAValueError(
-                f"weights must not all be 0 (normalize=True divides by their sum), got {weights=!r}"
-            )
-        out = [w / total for w in out]
-    return out
+    if normalize and total == 0:
+        raise EMAValueError(
+            f"weights must not all be 0 (normalize=True divides by their sum), got {weights=!r}"
+        )
+    return [w / total for w in out] if normalize else out
 
 
 def _check_keys(states: Sequence[Mapping[str, Any]]) -> None:
+    """Every state has the names of the first, or an error listing the missing and extra."""
     first = states[0].keys()
     for i, sd in enumerate(states[1:], start=1):
         missing, extra = sorted(first - sd.keys()), sorted(sd.keys() - first)
@@ -214,10 +213,6 @@ def _first_input(batch: Any) -> Any:
             f"value) is the input"
         )
     return next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
-
-
-def _moved(x: Any, device: torch.device | str) -> Any:
-    return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
 
 
 class _Moments:
@@ -346,7 +341,7 @@ def update_bn(
         for batch in loader:
             x = get_input(batch)
             if device is not None:  # the tensors in it, however nested (torch's pytrees)
-                x = tree_utils.tree_map(lambda t: _moved(t, device), x)
+                x = tree_utils.tree_map_only(Tensor, lambda t: t.to(device, non_blocking=True), x)
             model(x)
             batches += 1
     finally:

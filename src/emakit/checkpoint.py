@@ -46,7 +46,6 @@ from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
 from ._files.safetensors_file import out_dtype, read_safetensors
-from ._validate import not_newer, stored_count
 from .ema import EMA
 from .errors import (
     EMAError,
@@ -357,8 +356,9 @@ def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None,
             f"{source}: the header says format={WEIGHTS_FORMAT!r} but has no format_version; "
             f"the header is damaged"
         )
-    not_newer(source, "format_version", metadata["format_version"], WEIGHTS_FORMAT_VERSION)
-    step = stored_count(source, "step", metadata["step"], text=True) if "step" in metadata else None
+    check.not_newer(source, "format_version", metadata["format_version"], WEIGHTS_FORMAT_VERSION)
+    text = metadata.get("step")
+    step = None if text is None else check.stored_count(source, "step", text, text=True)
     flag = metadata.get("initted", "true")
     if flag not in ("true", "false"):
         raise EMAStateError(

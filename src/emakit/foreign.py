@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from . import _validate as check
 from ._files.reading import open_regular, torch_load
 from ._files.safetensors_file import read_safetensors
-from ._validate import stored_count
 from .checkpoint import check_ema, emakit_header, few, load_weights, tied_names
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
@@ -123,7 +122,7 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
         raise EMAStateError(
             f"{config_path}: optimization_step must be an int >= 0, got {opt_step!r}"
         )
-    opt_step = stored_count(str(config_path), "optimization_step", opt_step)
+    opt_step = check.stored_count(str(config_path), "optimization_step", opt_step)
     for name in _DIFFUSERS_WEIGHTS:
         path = folder / name
         if not path.is_file():
@@ -260,7 +259,7 @@ def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, in
     key, counter = _LAYOUTS[fmt]
     _require_keys(obj, fmt, source, (key,))
     source = f"{source} ({fmt})"
-    found = None if obj.get(counter) is None else stored_count(source, counter, obj[counter])
+    found = None if obj.get(counter) is None else check.stored_count(source, counter, obj[counter])
     if key == "shadow_params":
         return _positional(ema, obj[key], source), found, source
     return {k: v for k, v in obj.items() if k != key}, found, source

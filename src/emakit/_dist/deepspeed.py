@@ -153,9 +153,8 @@ class PartitionSlot:
         part = param.ds_tensor if zero3 else param  # type: ignore[attr-defined]
         self.size = part.numel() if zero3 else -(-numel // world)
         start, valid = own_span(rank, self.size, numel)
-        flat = part.detach().view(-1)
         self.param, self.part, self.ptr = param, part, part.data_ptr()
-        self.view = flat.narrow(0, 0 if zero3 else start, valid)
+        self.view = part.detach().view(-1).narrow(0, 0 if zero3 else start, valid)
 
     def get(self, key: str, default: object = None) -> object:
         """The view while the partition has not moved, else ``default``."""

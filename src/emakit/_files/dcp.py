@@ -115,21 +115,16 @@ def commit(folder: Path, version: str) -> None:
     atomic_write_bytes(folder / POINTER, json.dumps(pointer).encode())
 
 
-def remove_stale(folder: Path, keep: str) -> list[Path]:
+def remove_stale(folder: Path, keep: str) -> None:
     """Remove the version folders other than ``keep`` (superseded, or left by a killed
     save) and the top-level files of a plain DCP checkpoint the pointer replaced."""
-    removed = []
     for entry in list(os.scandir(folder)):
-        path = Path(entry.path)
         if entry.is_dir(follow_symlinks=False) and _VERSION.match(entry.name):
             if entry.name != keep:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+                shutil.rmtree(entry.path, ignore_errors=True)
         elif entry.is_file(follow_symlinks=False) and _DCP_FILE.match(entry.name):
             with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path)
-    return removed
+                os.unlink(entry.path)
 
 
 # -- reading without unpickling code -----------------------------------------------------------
@@ -231,10 +226,9 @@ class SafeReader(FileSystemReader):
                     f"checkpoint is damaged"
                 ) from e
         _check_metadata(metadata, str(path))
-        storage_meta = metadata.storage_meta
-        if storage_meta is None:
-            storage_meta = metadata.storage_meta = StorageMeta()
-        storage_meta.load_id = self.load_id
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
