@@ -29,7 +29,7 @@ the honest measure. (The torch profiler's memory events were tried and dropped: 
 outside an op, such as the ``del`` of a written tensor, are not all recorded, so its running
 sum only grows.) Next to it, "held": the most bytes the exporter itself holds at once, by
 construction: for ``streamed`` the largest gather buffer (recorded by wrapping
-``emakit._files.export.full_tensor``), for ``gathered`` the whole state dict.
+``emakit._files.export.tensor_for_writer``), for ``gathered`` the whole state dict.
 
 This file is a script, not part of the test suite; it asserts nothing.
 """
@@ -131,15 +131,15 @@ def _rank(rank: int, port: int, args: dict, out: Path) -> None:
         total = sum(t.numel() for t in tensors.values()) * width
 
         held = [0]
-        gather = export.full_tensor
+        gather = export.tensor_for_writer
 
-        def recorded(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor:
+        def recorded(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor | None:
             out = gather(t, dt)
-            if out is not t:  # a gather buffer (plain tensors are written as they are)
+            if out is not None and out is not t:  # a gather buffer on rank 0
                 held[0] = max(held[0], out.untyped_storage().nbytes())
             return out
 
-        export.full_tensor = recorded
+        export.tensor_for_writer = recorded
         dist.barrier()
         before = _status()
         _reset_hwm()

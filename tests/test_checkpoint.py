@@ -289,15 +289,17 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
     ema = EMA(net)
     path = save_ema_weights(ema, tmp_path / "ema.safetensors")
     before = path.read_bytes()
-    from emakit import checkpoint
+    from emakit._files import export
 
-    real = checkpoint.write_safetensors
+    real, written = export.write_tensor, []
 
-    def broken(f, tensors, metadata, dtype=None):
-        real(f, dict(list(tensors.items())[:2]), metadata, dtype)
-        raise OSError("disk full")
+    def broken(f, t, dtype=None):  # the disk fills up after two tensors
+        if len(written) == 2:
+            raise OSError("disk full")
+        written.append(t)
+        real(f, t, dtype)
 
-    monkeypatch.setattr(checkpoint, "write_safetensors", broken)
+    monkeypatch.setattr(export, "write_tensor", broken)
     with torch.no_grad():
         ema.ema_model.conv.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):

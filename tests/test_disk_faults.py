@@ -68,6 +68,12 @@ class DiskFull:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return self.real(f, tensors, metadata, dtype)
 
+    def write_tensor(self, f, t, dtype=None):  # emakit's streamed EMA weights writer
+        self.calls += 1
+        if self.calls == self.fail_on:
+            f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     def save_file(self, tensors, filename, metadata=None):  # safetensors' writer
         self.calls += 1
         if self.calls == self.fail_on:
@@ -109,13 +115,13 @@ def test_disk_full_mid_step_writes_none_of_the_steps_snapshots(
 def test_disk_full_while_saving_ema_weights_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from emakit import checkpoint
+    from emakit._files import export
 
     path = tmp_path / "ema.safetensors"
     ema = EMA(nn.Linear(2, 2))
     save_ema_weights(ema, path)
     before = path.read_bytes()
-    monkeypatch.setattr(checkpoint, "write_safetensors", DiskFull(1, None).write_safetensors)
+    monkeypatch.setattr(export, "write_tensor", DiskFull(1, None).write_tensor)
     with pytest.raises(OSError) as info:
         save_ema_weights(ema, path)
     assert isinstance(info.value, EMAError) and info.value.errno == errno.ENOSPC

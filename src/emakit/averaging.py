@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as tree_utils
 
 from . import _validate as check
 from .ema import EMA, unwrap_model
@@ -36,18 +38,22 @@ __all__ = ["interpolate", "update_bn"]
 # -- interpolate ----------------------------------------------------------------------------
 
 
+def _ema_model(what: str, ema: EMA) -> nn.Module:
+    """The EMA model of ``ema`` (the argument ``what``), or an error saying why there is none."""
+    ema_model = getattr(ema, "ema_model", None)
+    if not isinstance(ema_model, nn.Module):
+        raise EMATypeError(
+            f"{what} is an {type(ema).__name__} without an EMA model (lazy_init_ema=True "
+            f"before the first update(), or an EMAPytree); pass a module or a state dict"
+        )
+    return ema_model
+
+
 def _as_state_dict(i: int, source: object) -> Mapping[str, Any]:
     if isinstance(source, EMA):
-        ema_model = getattr(source, "ema_model", None)
-        if not isinstance(ema_model, nn.Module):
-            raise EMATypeError(
-                f"models_or_state_dicts[{i}] is an {type(source).__name__} without an EMA "
-                f"model (lazy_init_ema=True before the first update(), or an EMAPytree); "
-                f"pass its state dict instead"
-            )
-        return ema_model.state_dict()
+        return _ema_model(f"models_or_state_dicts[{i}]", source).state_dict()
     if isinstance(source, torch.optim.swa_utils.AveragedModel):
-        return unwrap_model(source.module).state_dict()
+        source = source.module
     if isinstance(source, nn.Module):
         return unwrap_model(source).state_dict()
     if isinstance(source, Mapping):
@@ -78,16 +84,15 @@ def _weights(weights: object, n: int, normalize: bool) -> list[float]:
     ]
     out = [check.real(f"weights[{i}]", w, low=0.0) for i, w in enumerate(real)]
     total = math.fsum(out)
-    if normalize:
-        if total == 0:
-            raise EMAValueError(
-                f"weights must not all be 0 (normalize=True divides by their sum), got {weights=!r}"
-            )
-        out = [w / total for w in out]
-    return out
+    if normalize and total == 0:
+        raise EMAValueError(
+            f"weights must not all be 0 (normalize=True divides by their sum), got {weights=!r}"
+        )
+    return [w / total for w in out] if normalize else out
 
 
 def _check_keys(states: Sequence[Mapping[str, Any]]) -> None:
+    """Every state has the names of the first, or an error listing the missing and extra."""
     first = states[0].keys()
     for i, sd in enumerate(states[1:], start=1):
         missing, extra = sorted(first - sd.keys()), sorted(sd.keys() - first)
@@ -186,10 +191,8 @@ def interpolate(
         if not (first.is_floating_point() or first.is_complex()):
             out[name] = first.detach().clone()
             continue
-        dtype = torch.float32
-        for v in values:
-            if v.is_floating_point() or v.is_complex():
-                dtype = torch.promote_types(dtype, v.dtype)
+        wide = (v.dtype for v in values if v.is_floating_point() or v.is_complex())
+        dtype = functools.reduce(torch.promote_types, wide, torch.float32)
         acc = torch.zeros(first.shape, dtype=dtype, device=first.device)
         for wi, v in zip(w, values, strict=True):
             if wi != 0.0:
@@ -202,31 +205,14 @@ def interpolate(
 
 
 def _first_input(batch: Any) -> Any:
-    if isinstance(batch, (list, tuple)):
-        if not batch:
-            raise EMAValueError(
-                "the loader yielded an empty list/tuple; its first element is the input"
-            )
-        return batch[0]
-    if isinstance(batch, Mapping):
-        if not batch:
-            raise EMAValueError("the loader yielded an empty dict; its first value is the input")
-        return next(iter(batch.values()))
-    return batch
-
-
-def _to_device(x: Any, device: torch.device | str | None) -> Any:
-    if device is None:
-        return x
-    if isinstance(x, Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(_to_device(v, device) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    if isinstance(x, Mapping):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    return x
+    if not isinstance(batch, (list, tuple, Mapping)):
+        return batch
+    if not batch:
+        raise EMAValueError(
+            f"the loader yielded an empty {type(batch).__name__}; its first element (or "
+            f"value) is the input"
+        )
+    return next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
 
 
 class _Moments:
@@ -321,12 +307,7 @@ def update_bn(
         4
     """
     if isinstance(model, EMA):
-        ema_model = getattr(model, "ema_model", None)
-        if not isinstance(ema_model, nn.Module):
-            raise EMATypeError(
-                f"model is an {type(model).__name__} without an EMA model; pass a Module"
-            )
-        model = ema_model
+        model = _ema_model("model", model)
     if not isinstance(model, nn.Module):
         raise EMATypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if input_fn is not None and not callable(input_fn):
@@ -358,7 +339,10 @@ def update_bn(
             m.track_running_stats = False
         model.train()
         for batch in loader:
-            model(_to_device(get_input(batch), device))
+            x = get_input(batch)
+            if device is not None:  # the tensors in it, however nested (torch's pytrees)
+                x = tree_utils.tree_map_only(Tensor, lambda t: t.to(device, non_blocking=True), x)
+            model(x)
             batches += 1
     finally:
         for h in handles:

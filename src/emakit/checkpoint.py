@@ -39,14 +39,13 @@ from torch import Tensor
 
 from . import _validate as check
 from ._core.tree import leaves
-from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready
+from ._dist.collectives import AGREE_TIMEOUT_S, agree_on, dist_ready
 from ._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ._dist.dtensor import fsdp_module_type, is_dtensor
 from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
-from ._files.safetensors_file import SafetensorsFile, out_dtype, write_safetensors
-from ._validate import not_newer, stored_count
+from ._files.safetensors_file import out_dtype, read_safetensors
 from .ema import EMA
 from .errors import (
     EMAError,
@@ -75,13 +74,11 @@ WEIGHTS_FORMAT = "emakit.ema_weights"
 WEIGHTS_FORMAT_VERSION = 1
 #: ``format`` of the other safetensors files emakit writes (post-hoc snapshots, synthesized
 #: weights): they hold a model state dict and load as plain weights.
-OTHER_EMAKIT_FORMATS = frozenset(
-    {
-        "emakit.posthoc.snapshot",
-        "emakit.posthoc.snapshot-shard",
-        "emakit.posthoc.synthesized",
-        "emakit.posthoc.frozen",  # a snapshot folder's side file of frozen weights
-    }
+OTHER_EMAKIT_FORMATS = (
+    "emakit.posthoc.snapshot",
+    "emakit.posthoc.snapshot-shard",
+    "emakit.posthoc.synthesized",
+    "emakit.posthoc.frozen",  # a snapshot folder's side file of frozen weights
 )
 #: Header entries only emakit's files have.
 _EMAKIT_ENTRIES = ("format_version", "emakit_version")
@@ -119,30 +116,11 @@ def _full_tensors(ema: EMA) -> tuple[dict[str, Tensor], Gather | None]:
             "the EMA model does not exist yet (lazy_init_ema=True): call update() first"
         )
     if isinstance(model, ZeroPartitions):
-        return model.layout(), model.full
+        return model.layout(), lambda name, dtype: model.gathered(name, dtype, to_writer=True)
     tensors = model.state_dict()
     if not any(is_dtensor(t) for t in tensors.values()):
         return tensors, None
     return tensors, lambda name, dtype: export.tensor_for_writer(tensors[name], dtype)
-
-
-def _check_fits(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> None:
-    """Refuse a cast to ``dtype`` that would turn finite EMA values into ``inf``."""
-    if dtype is None:
-        return
-    limit = torch.finfo(dtype).max
-    for name, t in tensors.items():
-        if not t.is_floating_point() or t.numel() == 0 or torch.finfo(t.dtype).max <= limit:
-            continue
-        with torch.no_grad():
-            big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
-        if big > limit:
-            raise EMAValueError(
-                f"dtype={dtype} cannot hold the EMA tensor {name!r}: its largest magnitude is "
-                f"{big:.6g}, above {str(dtype).replace('torch.', '')}'s maximum {limit:g}, so "
-                f"it would be written as inf; export in a wider dtype (torch.bfloat16 keeps "
-                f"float32's range) or leave dtype=None"
-            )
 
 
 def weights_header(
@@ -151,7 +129,7 @@ def weights_header(
     """The header metadata [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] writes for ``ema`` and ``tensors``."""
     from ._version import __version__
 
-    inner = ema.ema_pytree if ema.kind == "pytree" else ema.ema_model
+    inner = ema.ema_model  # the EMA pytree, for an EMA of a pytree
     if isinstance(inner, ZeroPartitions):
         model_class = inner.model_class
     else:  # the model's own class, not FSDP2's generated FSDP<Name> subclass
@@ -161,7 +139,7 @@ def weights_header(
         "format": WEIGHTS_FORMAT,
         "format_version": str(WEIGHTS_FORMAT_VERSION),
         "emakit_version": __version__,
-        "kind": "pytree" if ema.kind == "pytree" else "module",
+        "kind": ema.kind,
         "model_class": model_class,
         "step": str(int(ema.step)),
         "initted": "true" if bool(ema.initted) else "false",
@@ -224,9 +202,10 @@ def save_ema_weights(
         path: the destination file; its folder is created if missing.
         dtype: cast floating tensors to this dtype on the way out (e.g. ``torch.bfloat16``
             for deployment; for a sharded EMA, before they are gathered). Default None
-            keeps the shadow dtype. When the EMA is whole here, a cast that would turn a
-            finite value into ``inf`` (above 65504 in float16) raises ``EMAValueError``
-            naming the tensor and its largest magnitude; nothing is written.
+            keeps the shadow dtype. A cast that would turn a finite value into ``inf``
+            (above 65504 in float16) raises ``EMAValueError`` naming the tensor and its
+            largest magnitude (on every rank of a collective save, checked by rank 0 on
+            each gathered tensor); the previous file is left whole.
         metadata: extra ``str -> str`` header entries; they may not reuse emakit's keys.
         tied_once: keyword-only; store each tied tensor once. Default False.
         timeout_s: keyword-only; for a collective save, seconds a rank waits for the
@@ -244,6 +223,7 @@ def save_ema_weights(
             ``timeout_s``, or that meets another emakit collective.
         EMAStateError: a collective save of ranks whose EMAs are at different steps or
             skip counts (on every rank; nothing is written).
+        EMAValueError: ``dtype`` cannot hold a value of the EMA (see ``dtype``).
 
     Example:
         >>> import tempfile, safetensors.torch
@@ -265,19 +245,19 @@ def write_weights(
     metadata: Mapping[str, str] | None = None,
     tied_once: bool = False,
     timeout_s: float = AGREE_TIMEOUT_S,
-    operation: str = "save_ema_weights",
     every_rank: bool = False,
 ) -> Path:
-    """[`save_ema_weights()`][emakit.checkpoint.save_ema_weights], named ``operation`` in
-    the ranks' agreement; with ``every_rank`` a collective for every EMA under
-    ``torch.distributed`` (the whole EMA written by rank 0), not only for a sharded one."""
+    """[`save_ema_weights()`][emakit.checkpoint.save_ema_weights]; with ``every_rank``
+    [`save_full_ema_weights()`][emakit.distributed.save_full_ema_weights] (so named in the
+    ranks' agreement): a collective for every EMA under ``torch.distributed`` (the whole
+    EMA written by rank 0), not only for a sharded one."""
     ema = check_ema(ema)
     dest = writable_path("path", path)
     dtype = check.floating_dtype("dtype", dtype)
     timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
     tensors, gather = _full_tensors(ema)
     if check.boolean("tied_once", tied_once) and ema.kind == "module":
-        aliases = {n for names in _tied_names(ema) for n in names[1:]}
+        aliases = {n for names in tied_names(ema) for n in names[1:]}
         tensors = {k: v for k, v in tensors.items() if k not in aliases}
     header = weights_header(ema, tensors, dtype)
     if metadata is not None:
@@ -289,17 +269,15 @@ def write_weights(
         if clash:
             raise EMAValueError(f"metadata may not override emakit's header keys, got {clash}")
         header.update(metadata)
-    if gather is None:
-        _check_fits(tensors, dtype)
-        if not (every_rank and dist_ready()):
-            with write_errors([dest], "EMA weights file"):
-                atomic_write(dest, lambda f: write_safetensors(f, tensors, header, dtype))
-            return dest
-        gather = lambda name, _: tensors[name]  # noqa: E731 - whole on every rank
-    if dist_ready():
-        agree(operation, step=int(ema.step), skips=ema.num_skipped_nonfinite, timeout_s=timeout_s)
-    failure = export.write_sharded(dest, tensors, header, dtype, gather)
-    export.share_outcome(failure, str(dest))
+    collective = dist_ready() and (gather is not None or every_rank)
+    if collective:
+        operation = "save_full_ema_weights" if every_rank else "save_ema_weights"
+        agree_on(operation, ema, timeout_s=timeout_s)
+    writer = not collective or torch.distributed.get_rank() == 0
+    failure = export.write_streamed(
+        dest, tensors, header, dtype, gather or (lambda name, _: tensors[name]), writer=writer
+    )
+    export.share_outcome(failure, str(dest), collective)
     return dest
 
 
@@ -378,8 +356,9 @@ def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None,
             f"{source}: the header says format={WEIGHTS_FORMAT!r} but has no format_version; "
             f"the header is damaged"
         )
-    not_newer(source, "format_version", metadata["format_version"], WEIGHTS_FORMAT_VERSION)
-    step = stored_count(source, "step", metadata["step"], text=True) if "step" in metadata else None
+    check.not_newer(source, "format_version", metadata["format_version"], WEIGHTS_FORMAT_VERSION)
+    text = metadata.get("step")
+    step = None if text is None else check.stored_count(source, "step", text, text=True)
     flag = metadata.get("initted", "true")
     if flag not in ("true", "false"):
         raise EMAStateError(
@@ -438,20 +417,6 @@ def load_ema_weights(
         EMARuntimeError: a partitioned EMA's load that some ranks did not call within
             ``timeout_s``.
     """
-    return read_weights(ema, path, strict=strict, restore_step=restore_step, timeout_s=timeout_s)
-
-
-def read_weights(
-    ema: EMA,
-    path: str | os.PathLike[str],
-    *,
-    strict: bool = True,
-    restore_step: bool = True,
-    timeout_s: float = AGREE_TIMEOUT_S,
-    operation: str = "load_ema_weights",
-) -> dict[str, str]:
-    """[`load_ema_weights()`][emakit.checkpoint.load_ema_weights], named ``operation`` in
-    the ranks' agreement."""
     ema = check_ema(ema)
     src = as_path("path", path)
     check.boolean("strict", strict)
@@ -459,28 +424,19 @@ def read_weights(
     timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
     parts = ema.ema_model if isinstance(ema.ema_model, ZeroPartitions) else None
     if parts is not None and dist_ready():
-        skips = ema.num_skipped_nonfinite
-        agree(operation, step=int(ema.step), skips=skips, timeout_s=timeout_s, check_counts=False)
-    with SafetensorsFile(src, "checkpoint file") as f:
-        # mapped from the file: a partition keeps only its own pages
-        tensors = {name: f.get(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-        metadata = dict(f.metadata)
+        agree_on("load_ema_weights", ema, timeout_s=timeout_s, check_counts=False)
+    tensors, metadata = read_safetensors(src)  # mapped: a partition keeps its own pages
     tensors.update(frozen_tensors(src, metadata, tensors))  # a post-hoc snapshot's, stored once
     if parts is not None:
         tensors = {name: parts.own_part(name, t) for name, t in tensors.items()}
         tensors[WORLD_KEY] = parts.layout_tensor()
-    step: int | None = None
-    initted = True
     header = emakit_header(metadata, str(src))
-    if header is not None:
-        kind = "pytree" if ema.kind == "pytree" else "module"
-        if metadata.get("kind", kind) != kind:
-            raise EMAStateError(
-                f"{src} holds the weights of an EMA of a {metadata['kind']}, but ema is an "
-                f"EMA of a {kind}"
-            )
-        if restore_step:
-            step, initted = header
+    if header is not None and metadata.get("kind", ema.kind) != ema.kind:
+        raise EMAStateError(
+            f"{src} holds the weights of an EMA of a {metadata['kind']}, but ema is an "
+            f"EMA of a {ema.kind}"
+        )
+    step, initted = header if header is not None and restore_step else (None, True)
     load_weights(ema, tensors, step=step, initted=initted, strict=strict, source=str(src))
     return metadata
 
@@ -493,9 +449,9 @@ def load_weights(
     initted: bool,
     strict: bool,
     source: str,
-    what: str = "",
 ) -> None:
-    """Copy ``weights`` (model names) into the shadow, set step/initted, pairing strictly."""
+    """Copy ``weights`` (model names) into the shadow, set step/initted, pairing strictly;
+    errors name ``source``."""
     if ema.kind == "pytree":
         current, prefix = leaves(ema.ema_pytree), "ema."
     else:
@@ -504,20 +460,24 @@ def load_weights(
         current, prefix = ema.ema_model.state_dict(), "ema_model."
     expected = set(current)
     weights = _align_keys(weights, expected)
-    if ema.kind == "module":
-        weights = _fill_tied(ema, weights)
+    if ema.kind == "module":  # a tied tensor stored once (save_model...) fills its names
+        weights = dict(weights)
+        for names in tied_names(ema):
+            present = [n for n in names if n in weights]
+            if present:
+                weights.update({n: weights[present[0]] for n in names if n not in weights})
     missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if strict and (missing or extra):
         raise EMAStateError(
-            f"{source}{what} does not match the EMA model by name: missing {_few(missing)}, "
-            f"unexpected {_few(extra)}; it was saved from another model (or pass strict=False)"
+            f"{source} does not match the EMA model by name: missing {few(missing)}, "
+            f"unexpected {few(extra)}; it was saved from another model (or pass strict=False)"
         )
     if extra or missing:  # strict=False: say what was left out, never silently
         warnings.warn(
-            f"{source}{what} loaded with strict=False: {len(extra)} name(s) of the checkpoint "
-            f"match no tensor of the EMA model and were not loaded {_few(extra)}; "
+            f"{source} loaded with strict=False: {len(extra)} name(s) of the checkpoint "
+            f"match no tensor of the EMA model and were not loaded {few(extra)}; "
             f"{len(missing)} tensor(s) of the EMA model are not in it and keep their values "
-            f"{_few(missing)}",
+            f"{few(missing)}",
             UserWarning,
             stacklevel=3,
         )
@@ -525,14 +485,12 @@ def load_weights(
     for k in sorted(expected & set(weights)):
         if not isinstance(weights[k], Tensor):
             kind = type(weights[k]).__name__
-            raise EMAStateError(f"{source}{what}: entry {k!r} is a {kind}, not a tensor")
+            raise EMAStateError(f"{source}: entry {k!r} is a {kind}, not a tensor")
         if weights[k].shape != current[k].shape:
             have, want = tuple(weights[k].shape), tuple(current[k].shape)
             bad.append(f"{k}: {have} in the checkpoint vs {want} in the model")
     if bad:
-        raise EMAStateError(
-            f"{source}{what} has tensors of other shapes than the model: {_few(bad)}"
-        )
+        raise EMAStateError(f"{source} has tensors of other shapes than the model: {few(bad)}")
     state: dict[str, Any] = {
         "step": torch.tensor(int(ema.step) if step is None else step),
         "initted": torch.tensor(initted),
@@ -541,25 +499,10 @@ def load_weights(
     try:
         ema.load_state_dict(state, strict=False)
     except EMAError as e:
-        raise EMAStateError(f"{source}{what}: {e}") from e
+        raise EMAStateError(f"{source}: {e}") from e
 
 
-def _fill_tied(ema: EMA, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Give names missing from ``weights`` the value of a tied name that is present.
-
-    ``safetensors.torch.save_model`` and other exporters store a tied tensor once; the
-    model still has it under each name.
-    """
-    out = dict(weights)
-    for names in _tied_names(ema):
-        present = [n for n in names if n in out]
-        if present:
-            for n in names:
-                out.setdefault(n, out[present[0]])
-    return out
-
-
-def _tied_names(ema: EMA) -> list[list[str]]:
+def tied_names(ema: EMA) -> list[list[str]]:
     """The EMA model's tensor names, grouped by tensor: a group of two or more is tied."""
     groups: dict[int, list[str]] = {}
     model = ema.ema_model
@@ -572,7 +515,8 @@ def _tied_names(ema: EMA) -> list[list[str]]:
     return list(groups.values())
 
 
-def _few(items: list[str], n: int = 10) -> str:
+def few(items: list[str], n: int = 10) -> str:
+    """The first ``n`` of ``items`` and how many there are, for messages (``none`` when empty)."""
     return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
 
 

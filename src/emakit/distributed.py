@@ -59,10 +59,10 @@ import torch
 from . import _validate as check
 from ._core.sharding import copy_module
 from ._core.swap import Swap
-from ._dist.collectives import AGREE_TIMEOUT_S, agree, dist_ready, is_rank_zero
+from ._dist.collectives import AGREE_TIMEOUT_S, agree_on, dist_ready, is_rank_zero
 from ._dist.dtensor import fsdp_modules, is_dtensor, local_tensor
 from ._files.reading import writable_folder
-from .checkpoint import check_ema, read_weights, write_weights
+from .checkpoint import check_ema, load_ema_weights, write_weights
 from .ema import EMA
 from .errors import EMARuntimeError, EMAStateError, EMAValueError
 
@@ -118,14 +118,7 @@ def save_full_ema_weights(
         >>> # on every rank of a torchrun job, after ema = EMA(fsdp_model):
         >>> # save_full_ema_weights(ema, "ema.safetensors", dtype=torch.bfloat16)
     """
-    return write_weights(
-        ema,
-        path,
-        dtype=dtype,
-        timeout_s=timeout_s,
-        operation="save_full_ema_weights",
-        every_rank=True,
-    )
+    return write_weights(ema, path, dtype=dtype, timeout_s=timeout_s, every_rank=True)
 
 
 def load_full_ema_weights(
@@ -134,7 +127,7 @@ def load_full_ema_weights(
     """Alias of [`load_ema_weights()`][emakit.checkpoint.load_ema_weights], kept for code
     written before ``load_ema_weights`` read a file into a partitioned EMA (DeepSpeed
     ZeRO-3, ``partition=True``: a collective, every rank calls it)."""
-    return read_weights(ema, path, timeout_s=timeout_s, operation="load_full_ema_weights")
+    return load_ema_weights(ema, path, timeout_s=timeout_s)
 
 
 # -- sharded checkpoints (DCP) ------------------------------------------------------------------
@@ -148,45 +141,30 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
     return True, group, torch.distributed.get_rank(group=group) == 0
 
 
-def _agree(
-    ema: EMA, operation: str, group: Any, timeout_s: float, *, counts: bool = True, extra: int = 0
-) -> int:
-    """Every rank of ``group`` is in ``operation`` with the same step and skip count (one
-    bounded all-gather, see `emakit._dist.collectives`); ``extra``: 64 bits from rank 0."""
-    return agree(
-        operation,
-        step=int(ema.step),
-        skips=ema.num_skipped_nonfinite,
-        group=group,
-        timeout_s=timeout_s,
-        check_counts=counts,
-        extra=extra,
-    )
+def _checked(ema: object, timeout_s: object) -> tuple[EMA, float]:
+    """The EMA of a sharded save or load (its EMA model built if lazy) and its timeout."""
+    ema = check_ema(ema)
+    if ema.ema_model is None:
+        ema.init_ema()
+    return ema, check.real("timeout_s", timeout_s, low=0.0, low_open=True)
 
 
-def _failures(e: BaseException) -> str:
+def _failures(e: BaseException, folder: Path) -> str:
     """One line per failed rank of a DCP ``CheckpointException`` (its own text is a
-    traceback per rank)."""
+    traceback per rank), and ``"; the disk is full ..."`` when a rank's failure is a full
+    disk: an ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of
+    saying it)."""
     failures = getattr(e, "failures", None) or {}
-    lines = []
+    lines, full = [], False
     for rank, (exc, _) in sorted(failures.items()):
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        lines.append(f"rank {rank}: {text}")
-    return "; ".join(lines) or str(e)
-
-
-def _disk_full(e: BaseException, folder: Path) -> str:
-    """``"; the disk is full (ENOSPC ...)"`` when a rank's failure is a full disk: an
-    ``OSError`` ENOSPC, or torch's zip writer's "unexpected pos" (its way of saying it)."""
-    failures = getattr(e, "failures", None) or {}
-    for exc, _ in failures.values():
+        lines.append(f"rank {rank}: {' '.join(str(exc).split()) or type(exc).__name__}")
         chain: BaseException | None = exc
-        while chain is not None:
+        while chain is not None and not full:
             full = isinstance(chain, OSError) and chain.errno == errno.ENOSPC
-            if full or "unexpected pos" in str(chain):
-                return f"; the disk is full (ENOSPC: no space left on device) under {folder}"
+            full = full or "unexpected pos" in str(chain)
             chain = chain.__cause__ or chain.__context__
-    return ""
+    disk = f"; the disk is full (ENOSPC: no space left on device) under {folder}" if full else ""
+    return ("; ".join(lines) or str(e)) + disk
 
 
 def save_sharded_ema(
@@ -248,10 +226,7 @@ def save_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = check_ema(ema)
-    if ema.ema_model is None:
-        ema.init_ema()
-    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    ema, timeout_s = _checked(ema, timeout_s)
     if isinstance(checkpoint_id, str) and "://" in checkpoint_id:
         raise EMAValueError(
             f"checkpoint_id must be a file-system folder, got checkpoint_id={checkpoint_id!r}; "
@@ -262,7 +237,8 @@ def save_sharded_ema(
     distributed, group, coordinator = _group(kwargs)
     version = _dcp.new_version()
     if distributed:  # the coordinator's version name rides along with the check
-        agreed = _agree(ema, "save_sharded_ema", group, timeout_s, extra=int(version[2:], 16))
+        extra = int(version[2:], 16)
+        agreed = agree_on("save_sharded_ema", ema, group=group, timeout_s=timeout_s, extra=extra)
         version = f"v-{agreed:016x}"
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
@@ -274,8 +250,8 @@ def save_sharded_ema(
         if coordinator:  # every rank is done with it: DCP gathered their outcomes
             shutil.rmtree(folder / version, ignore_errors=True)
         raise EMARuntimeError(
-            f"saving the sharded checkpoint {folder} failed ({_failures(e)})"
-            f"{_disk_full(e, folder)}; the partial version folder {version} was removed and "
+            f"saving the sharded checkpoint {folder} failed ({_failures(e, folder)}); the "
+            f"partial version folder {version} was removed and "
             f"the previous checkpoint there is still the current one"
         ) from e
     # DCP returns on the coordinator once every rank's data and the .metadata are written.
@@ -296,7 +272,9 @@ def sharded_checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> Path:
     """
     from ._files import dcp as _dcp
 
-    return _dcp.resolve(Path(os.fspath(checkpoint_id)))
+    folder = Path(os.fspath(checkpoint_id))
+    current = _dcp.read_pointer(folder)
+    return folder if current is None else folder / current
 
 
 def load_sharded_ema(
@@ -340,17 +318,15 @@ def load_sharded_ema(
 
     from ._files import dcp as _dcp
 
-    ema = check_ema(ema)
-    if ema.ema_model is None:
-        ema.init_ema()
-    timeout_s = check.real("timeout_s", timeout_s, low=0.0, low_open=True)
+    ema, timeout_s = _checked(ema, timeout_s)
     distributed, group, coordinator = _group(kwargs)
     folder = Path(os.fspath(checkpoint_id))
     # the coordinator's current version (0: a plain DCP folder) rides along with the check
     current = _dcp.read_pointer(folder) if coordinator else None
     if distributed:
         extra = 0 if current is None else int(current[2:], 16)
-        agreed = _agree(ema, "load_sharded_ema", group, timeout_s, counts=False, extra=extra)
+        kw = {"group": group, "timeout_s": timeout_s, "extra": extra, "check_counts": False}
+        agreed = agree_on("load_sharded_ema", ema, **kw)
         current = f"v-{agreed:016x}" if agreed else None
     target = folder if current is None else folder / current
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
@@ -360,11 +336,11 @@ def load_sharded_ema(
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:
         raise EMAStateError(
-            f"sharded checkpoint {folder} cannot be loaded: {_failures(e)}"
+            f"sharded checkpoint {folder} cannot be loaded: {_failures(e, folder)}"
         ) from None
     ema.load_state_dict(state)
     if distributed:
-        _agree(ema, "load_sharded_ema (after loading)", group, timeout_s)
+        agree_on("load_sharded_ema (after loading)", ema, group=group, timeout_s=timeout_s)
 
 
 def _unalias(state: dict[str, Any], model: object) -> None:

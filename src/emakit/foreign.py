@@ -23,10 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._files.reading import open_regular, refusal_reason
+from ._files.reading import open_regular, torch_load
 from ._files.safetensors_file import read_safetensors
-from ._validate import stored_count
-from .checkpoint import check_ema, emakit_header, load_weights
+from .checkpoint import check_ema, emakit_header, few, load_weights, tied_names
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
@@ -43,52 +42,43 @@ FOREIGN_FORMATS = (
     "state_dict",
 )
 
-
-def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
-    """A checkpoint file's content and, for safetensors, its header metadata.
-
-    A torch file is read through the descriptor its type was sniffed from; a safetensors
-    file through one descriptor of its own (see `SafetensorsFile`).
-    """
-    with open_regular(path, "checkpoint file") as f:
-        head = f.read(9)
-        if not (len(head) == 9 and head[8:9] == b"{"):  # u64 header length, then JSON
-            f.seek(0)
-            try:
-                return torch.load(f, map_location="cpu", weights_only=True), None
-            except Exception as e:
-                raise _unreadable(path, e) from e
-    return read_safetensors(path)
-
-
-def _unreadable(path: Path, e: BaseException) -> EMAStateError:
-    reason = refusal_reason(e)
-    if reason.startswith("it holds"):
-        return EMAStateError(
-            f"{path}: {reason}, which emakit does not unpickle (torch.load(weights_only="
-            f"True) refuses it); if you trust the file, load it yourself with "
-            f"torch.load(path, weights_only=False) and pass the result"
-        )
-    return EMAStateError(
-        f"{path} is not a readable torch checkpoint ({reason}); it may be truncated or corrupt"
-    )
-
+#: Where the formats that are not a state dict of the model keep their weights and their
+#: update count: ``format -> (the key they must have, the counter's key)``. torch_ema and
+#: diffusers keep a list in ``model.parameters()`` order under ``shadow_params``;
+#: AveragedModel keeps ``module.*`` names beside ``n_averaged``.
+_LAYOUTS = {
+    "torch_ema": ("shadow_params", "num_updates"),
+    "diffusers": ("shadow_params", "optimization_step"),
+    "averaged_model": ("n_averaged", "n_averaged"),
+}
+#: The entries of a timm training checkpoint that hold the EMA's state dict.
+_TIMM_KEYS = ("state_dict_ema", "model_ema")
 
 #: What diffusers' ``ModelMixin.save_pretrained`` names its files (``diffusers.utils``
 #: constants), most preferred first, as ``from_pretrained`` prefers them: an index of
 #: shards, or a single file.
-_DIFFUSERS_CONFIG = "config.json"
 _DIFFUSERS_WEIGHTS = (
-    ("diffusion_pytorch_model.safetensors.index.json", True),
-    ("diffusion_pytorch_model.safetensors", False),
-    ("diffusion_pytorch_model.bin.index.json", True),
-    ("diffusion_pytorch_model.bin", False),
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin.index.json",
+    "diffusion_pytorch_model.bin",
 )
 
 
-def _listing(folder: Path) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    return f"{names[:12]}{' ...' if len(names) > 12 else ''}" if names else "nothing"
+def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
+    """A checkpoint file's content and, for safetensors, its header metadata (the file's
+    first bytes tell which it is); a torch file is read with ``weights_only=True``."""
+    with open_regular(path, "checkpoint file") as f:
+        head = f.read(9)
+    if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then JSON
+        return read_safetensors(path)
+    return torch_load(path, "checkpoint file", yours=True), None
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, Mapping):
+        return f"a mapping with keys {few([str(k) for k in obj], 12)}"
+    return f"a {type(obj).__name__}"
 
 
 def _read_json(path: Path) -> Any:
@@ -101,21 +91,13 @@ def _read_json(path: Path) -> Any:
         ) from e
 
 
-def _tensor_file(path: Path) -> dict[str, Tensor]:
-    content, _ = _load_file(path)  # safetensors, or torch.load(weights_only=True)
-    if not _is_tensor_map(content):
-        raise EMAStateError(
-            f"{path} (diffusers EMAModel folder) holds {_describe(content)}, not a mapping "
-            f"of parameter names to tensors"
-        )
-    return dict(content)
-
-
 def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
     """The weights (model names) and ``optimization_step`` of a folder written by
     diffusers' ``EMAModel.save_pretrained``, or an error naming the folder and what it
     holds."""
-    config_path = folder / _DIFFUSERS_CONFIG
+    config_path = folder / "config.json"
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    found = f"found {few(names, 12) if names else 'nothing'}"
     expected = (
         "expected what diffusers' EMAModel.save_pretrained(path) writes: config.json with "
         "the EMA's optimization_step, and diffusion_pytorch_model.safetensors (or .bin, or "
@@ -123,15 +105,15 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
     )
     if not config_path.is_file():
         raise EMAStateError(
-            f"{folder} is not a diffusers EMAModel folder: it has no config.json (found "
-            f"{_listing(folder)}); {expected}"
+            f"{folder} is not a diffusers EMAModel folder: it has no config.json ({found}); "
+            f"{expected}"
         )
     config = _read_json(config_path)
     if not isinstance(config, dict) or "optimization_step" not in config:
-        found = f"keys {sorted(config)[:12]}" if isinstance(config, dict) else _describe(config)
+        keys = f"keys {sorted(config)[:12]}" if isinstance(config, dict) else _describe(config)
         raise EMAStateError(
             f"{folder} is not a diffusers EMAModel folder: its config.json has no "
-            f"'optimization_step' (found {found}), so it is a plain model folder rather than "
+            f"'optimization_step' (found {keys}), so it is a plain model folder rather than "
             f"EMAModel.save_pretrained output; to load its weights as EMA weights, pass the "
             f"weights file with format='state_dict' and step="
         )
@@ -140,38 +122,37 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
         raise EMAStateError(
             f"{config_path}: optimization_step must be an int >= 0, got {opt_step!r}"
         )
-    opt_step = stored_count(str(config_path), "optimization_step", opt_step)
-    for name, is_index in _DIFFUSERS_WEIGHTS:
+    opt_step = check.stored_count(str(config_path), "optimization_step", opt_step)
+    for name in _DIFFUSERS_WEIGHTS:
         path = folder / name
         if not path.is_file():
             continue
-        if not is_index:
-            return _tensor_file(path), opt_step
-        index = _read_json(path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()
-        ):
-            raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
+        shards = [name]  # a single file, or the shards an index lists
+        if name.endswith(".index.json"):
+            index = _read_json(path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
+                raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
+            shards = sorted(set(weight_map.values()))
         weights: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in shards:
             if Path(shard).name != shard or shard in (".", ".."):
                 raise EMAStateError(
                     f"{path} names the shard {shard!r}, which is not a file name inside {folder}"
                 )
-            weights.update(_tensor_file(folder / shard))
+            content, _ = _load_file(folder / shard)  # safetensors, or weights_only=True
+            if not _is_tensor_map(content):
+                raise EMAStateError(
+                    f"{folder / shard} (diffusers EMAModel folder) holds {_describe(content)}, "
+                    f"not a mapping of parameter names to tensors"
+                )
+            weights.update(content)
         return weights, opt_step
     raise EMAStateError(
-        f"{folder} has a diffusers EMAModel config.json but no weights file (found "
-        f"{_listing(folder)}); {expected}"
+        f"{folder} has a diffusers EMAModel config.json but no weights file ({found}); {expected}"
     )
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, Mapping):
-        keys = [str(k) for k in obj]
-        return f"a mapping with keys {keys[:12]}{' ...' if len(keys) > 12 else ''}"
-    return f"a {type(obj).__name__}"
 
 
 def _is_tensor_map(obj: Any) -> bool:
@@ -208,7 +189,7 @@ def detect_format(obj: Any) -> str | None:
     if not isinstance(obj, Mapping):
         return None
     keys = [k for k in obj if isinstance(k, str)]
-    if any(isinstance(obj.get(k), Mapping) for k in ("state_dict_ema", "model_ema")):
+    if any(isinstance(obj.get(k), Mapping) for k in _TIMM_KEYS):
         return "timm"
     if isinstance(obj.get("shadow_params"), (list, tuple)):
         if "optimization_step" in obj:
@@ -235,80 +216,53 @@ def _require_keys(obj: Any, fmt: str, source: str, keys: tuple[str, ...]) -> Non
         )
 
 
-def _positional(ema: EMA, shadow: Any, source: str, fmt: str) -> dict[str, Tensor]:
+def _positional(ema: EMA, shadow: Any, source: str) -> dict[str, Tensor]:
     """torch_ema/diffusers ``shadow_params`` (a list in ``model.parameters()`` order) as
     named weights. Buffers, which those libraries do not track, keep the EMA's values."""
     if not isinstance(shadow, (list, tuple)) or not all(isinstance(t, Tensor) for t in shadow):
-        raise EMAStateError(f"{source} ({fmt}): shadow_params must be a list of tensors")
+        raise EMAStateError(f"{source}: shadow_params must be a list of tensors")
     ema_model: nn.Module = ema.ema_model  # load_foreign_state built it
     params = list(ema_model.named_parameters())
     if len(shadow) != len(params):
         raise EMAStateError(
-            f"{source} ({fmt}) holds {len(shadow)} shadow_params but the model has "
+            f"{source} holds {len(shadow)} shadow_params but the model has "
             f"{len(params)} parameters; the checkpoint must come from the same model's "
             f".parameters() (in that order, with no filtering)"
         )
     weights = dict(ema_model.state_dict())
-    aliases: dict[int, list[str]] = {}
-    for name, p in ema_model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
+    tied = {names[0]: names for names in tied_names(ema)}  # a parameter's first name leads
     for i, ((name, p), t) in enumerate(zip(params, shadow, strict=True)):
         if t.shape != p.shape:
             raise EMAStateError(
-                f"{source} ({fmt}): shadow_params[{i}] has shape {tuple(t.shape)} but parameter "
+                f"{source}: shadow_params[{i}] has shape {tuple(t.shape)} but parameter "
                 f"{i} of the model, {name!r}, has shape {tuple(p.shape)}; it was saved from "
                 f"another model"
             )
-        for alias in aliases[id(p)]:
-            weights[alias] = t
+        weights.update(dict.fromkeys(tied[name], t))
     return weights
 
 
-def _counter(obj: Mapping[str, Any], field: str, source: str, fmt: str) -> int | None:
-    """A foreign update counter (``num_updates``, ``optimization_step``, ``n_averaged``),
-    checked: a whole number in ``[0, 2**53]``, or an error naming the source and field."""
-    value = obj.get(field)
-    return None if value is None else stored_count(f"{source} ({fmt})", field, value)
-
-
-def _check_format(format: Any) -> None:
-    if not isinstance(format, str):
-        raise EMATypeError(
-            f"format must be a str, 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
-        )
-    if format != "auto" and format not in FOREIGN_FORMATS:
-        raise EMAValueError(
-            f"format must be 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}"
-        )
-
-
-def _foreign_weights(
-    ema: EMA, obj: Any, fmt: str, source: str, st_step: int | None
-) -> tuple[Any, int | None, str]:
+def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, int | None, str]:
     """``(weights by name, the update count found or None, the source named)`` of a foreign
-    checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's)."""
-    if fmt == "timm":
-        if not _is_tensor_map(obj):
-            key = next((k for k in ("state_dict_ema", "model_ema") if k in obj), None)
-            if key is None:
-                _require_keys(obj, fmt, source, ("state_dict_ema",))
-            obj, source = obj[key], f"{source}[{key!r}]"
-        weights, found = obj, None
-    elif fmt == "averaged_model":
-        _require_keys(obj, fmt, source, ("n_averaged",))
-        weights = {k: v for k, v in obj.items() if k != "n_averaged"}
-        found = _counter(obj, "n_averaged", source, fmt)
-    elif fmt == "torch_ema":
-        _require_keys(obj, fmt, source, ("shadow_params",))
-        weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _counter(obj, "num_updates", source, fmt)
-    elif fmt == "diffusers":
-        _require_keys(obj, fmt, source, ("shadow_params",))
-        weights = _positional(ema, obj["shadow_params"], source, fmt)
-        found = _counter(obj, "optimization_step", source, fmt)
-    else:  # state_dict
-        weights, found = obj, st_step
-    return weights, found, source
+    checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's), or of the
+    diffusers folder ``obj``."""
+    if isinstance(obj, Path):
+        weights, opt_step = _diffusers_folder(obj)
+        return weights, opt_step, f"{source} (diffusers EMAModel.save_pretrained folder)"
+    _require_keys(obj, fmt, source, ())  # a mapping
+    if fmt == "timm" and not _is_tensor_map(obj):
+        key = next((k for k in _TIMM_KEYS if k in obj), _TIMM_KEYS[0])
+        _require_keys(obj, fmt, source, (key,))
+        return obj[key], None, f"{source}[{key!r}] ({fmt})"
+    if fmt not in _LAYOUTS:  # a state dict of the model (timm's module.* included)
+        return obj, None, f"{source} ({fmt})"
+    key, counter = _LAYOUTS[fmt]
+    _require_keys(obj, fmt, source, (key,))
+    source = f"{source} ({fmt})"
+    found = None if obj.get(counter) is None else check.stored_count(source, counter, obj[counter])
+    if key == "shadow_params":
+        return _positional(ema, obj[key], source), found, source
+    return {k: v for k, v in obj.items() if k != key}, found, source
 
 
 def load_foreign_state(
@@ -395,14 +349,14 @@ def load_foreign_state(
         'torch_ema'
     """
     check_ema(ema)
-    _check_format(format)
-    if step is not None:
-        step = check.integer("step", step, low=0)
+    if not isinstance(format, str) or format not in ("auto", *FOREIGN_FORMATS):
+        error = EMAValueError if isinstance(format, str) else EMATypeError
+        raise error(f"format must be 'auto' or one of {FOREIGN_FORMATS}, got format={format!r}")
+    step = check.optional_integer("step", step, low=0)
     check.boolean("strict", strict)
-    source, what = "the checkpoint", ""
-    st_step: int | None = None
+    source, found = "the checkpoint", None
     folder = Path(obj) if isinstance(obj, (str, os.PathLike)) and Path(obj).is_dir() else None
-    fmt: str | None
+    fmt: str | None = "diffusers"
     if folder is not None:
         if format not in ("auto", "diffusers"):
             raise EMAValueError(
@@ -410,14 +364,13 @@ def load_foreign_state(
                 f"EMAModel.save_pretrained folder, got format={format!r}; pass format='auto' "
                 f"or 'diffusers', or the path of the checkpoint file inside it"
             )
-        source, fmt, what = str(folder), "diffusers", " (diffusers EMAModel.save_pretrained folder)"
+        source, obj = str(folder), folder
     else:
         if isinstance(obj, (str, os.PathLike)):
             source = str(obj)
             obj, metadata = _load_file(Path(obj))
             header = None if metadata is None else emakit_header(metadata, source)
-            if header is not None:
-                st_step = header[0]
+            found = None if header is None else header[0]  # the step save_ema_weights kept
         elif not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)):
             source = f"{type(obj).__name__}.state_dict()"
             obj = obj.state_dict()
@@ -443,26 +396,14 @@ def load_foreign_state(
             raise EMAStateError(f"{source} ({fmt}): {e}") from e
         return fmt
 
-    found: int | None
-    if folder is not None:
-        weights, found = _diffusers_folder(folder)
-    else:
-        _require_keys(obj, fmt, source, ())  # a mapping
-        if ema.ema_model is None:
-            ema.init_ema()
-        weights, found, source = _foreign_weights(ema, obj, fmt, source, st_step)
-        what = f" ({fmt})"
+    if ema.ema_model is None:
+        ema.init_ema()
+    weights, counted, source = _foreign_weights(ema, obj, fmt, source)
+    found = found if counted is None else counted
     if not isinstance(weights, Mapping):
-        raise EMAStateError(f"{source} ({fmt}) holds {_describe(weights)}, not a state dict")
-    load_weights(
-        ema,
-        weights,
-        step=step if step is not None else found,
-        initted=True,
-        strict=strict,
-        source=source,
-        what=what,
-    )
+        raise EMAStateError(f"{source} holds {_describe(weights)}, not a state dict")
+    found = step if step is not None else found
+    load_weights(ema, weights, step=found, initted=True, strict=strict, source=source)
     if int(ema.step) <= int(ema.update_after_step or 0):
         warnings.warn(
             f"after loading {source}, ema.step={int(ema.step)} <= update_after_step="

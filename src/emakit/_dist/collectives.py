@@ -36,6 +36,7 @@ import re
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..errors import EMARuntimeError, EMAStateError
 from .arrival import default_store, missing_ranks
@@ -44,8 +45,10 @@ __all__ = [
     "AGREE_TIMEOUT_S",
     "OPERATIONS",
     "agree",
+    "agree_on",
     "collective_device",
     "dist_ready",
+    "gather_padded",
     "is_rank_zero",
 ]
 
@@ -66,16 +69,14 @@ OPERATIONS = {
     3: "save_full_ema_weights",
     4: "load_sharded_ema (after loading)",
     5: "state_dict of a ZeRO-3 EMA",
-    6: "load_full_ema_weights",
     7: "PostHocEMA.checkpoint",
     8: "save_ema_weights",
     9: "load_ema_weights",
 }
 _CODES = {name: code for code, name in OPERATIONS.items()}
 #: Codes of one collective under its two names (the verb and its ``_full_`` alias meet).
-_SAME = {8: 3, 9: 6}
+_SAME = {8: 3}
 _MAGIC = 0x454D414B  # "EMAK": a row of emakit's, not some other all-gather's
-_MASK32 = (1 << 32) - 1
 
 
 def dist_ready() -> bool:
@@ -102,6 +103,33 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def gather_padded(
+    local: Tensor, rows: int, group: Any = None, *, to_writer: bool = False
+) -> Tensor | None:
+    """Every rank's ``local``, padded with zeros to ``rows`` rows, in one buffer of
+    ``world * rows`` rows in rank order: an all-gather on ``group`` (every rank receives
+    it), or with ``to_writer`` a gather to rank 0, the writer (the other ranks receive
+    nothing and get None). The one way emakit assembles a full tensor from shards: FSDP2's
+    rows (`emakit._files.export`) and DeepSpeed's flat partitions (`emakit._dist.deepspeed`).
+    """
+    dist = torch.distributed
+    if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
+        padded = local.new_zeros((rows, *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        local = padded
+    world = dist.get_world_size(group)
+    out = None
+    if not to_writer or dist.get_rank() == 0:
+        out = local.new_empty((world * rows, *local.shape[1:]))
+    if to_writer:
+        chunks = None if out is None else list(out.chunk(world))
+        dist.gather(local.contiguous(), chunks, dst=0, group=group)
+    else:  # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local.contiguous(), group=group)
+    return out
+
+
 def _global_rank(group: Any, index: int) -> int:
     return index if group is None else int(torch.distributed.get_global_rank(group, index))
 
@@ -113,21 +141,23 @@ def _ranks(ranks: list[int]) -> str:
 def _missing_by_collective(group: Any, timeout_s: float) -> list[int] | None:
     """The fallback where torch exposes no store (`emakit._dist.arrival.default_store()`):
     the ranks that did not arrive, where the backend can tell: a gloo group's
-    ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others). None
-    when everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
+    ``monitored_barrier`` names them on rank 0 (and rank 0's absence on the others); other
+    backends run one bounded all-reduce of a single number, which cannot. None when
+    everyone arrived; ``[]`` when they did not and the backend cannot tell who."""
     dist = torch.distributed
-    if "gloo" not in str(dist.get_backend(group)).lower():
-        return [] if not _gathered(group, timeout_s) else None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    gloo = "gloo" in str(dist.get_backend(group)).lower()
     try:
-        dist.monitored_barrier(
-            group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
-        )
+        if gloo:
+            dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
+        else:
+            one = torch.ones(1, dtype=torch.int64, device=collective_device(group))
+            dist.all_reduce(one, group=group, async_op=True).wait(timeout=timeout)
     except RuntimeError as e:
-        text = " ".join(str(e).split())
-        found = re.search(r"Ranks? ([\d, ]+) failed to pass", text)
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", " ".join(str(e).split()))
         if found:
             return [int(r) for r in found.group(1).replace(",", " ").split()]
-        return [0] if dist.get_rank(group) != 0 else []
+        return [0] if gloo and dist.get_rank(group) != 0 else []
     return None
 
 
@@ -148,18 +178,6 @@ def _arrivals(operation: str, group: Any, timeout_s: float) -> tuple[list[int] |
         "No collective was started, but this rank's emakit calls are now out of step with "
         "the others': fix the program and start the job again"
     )
-
-
-def _gathered(group: Any, timeout_s: float) -> bool:
-    """One bounded all-reduce of a single number: whether every rank came."""
-    device = collective_device(group)
-    one = torch.ones(1, dtype=torch.int64, device=device)
-    try:
-        work = torch.distributed.all_reduce(one, group=group, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:
-        return False
-    return True
 
 
 def _by_value(ranks: list[int], values: list[Any]) -> dict[Any, list[int]]:
@@ -200,12 +218,10 @@ def agree(
         EMAStateError: the ranks' steps or skip counts differ (raised on every rank).
     """
     dist = torch.distributed
-    code = _CODES[operation]
-    device = collective_device(group)
     world = dist.get_world_size(group)
-    extra &= (1 << 64) - 1
-    row = [_MAGIC, code, int(step), int(skips), extra >> 32, extra & _MASK32]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    extra &= (1 << 64) - 1  # in two int64 columns, 32 bits each
+    row = [_MAGIC, _CODES[operation], int(step), int(skips), extra >> 32, extra & 0xFFFFFFFF]
+    mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
     rows = [torch.empty_like(mine) for _ in range(world)]
     me = dist.get_rank()
     missing, aftermath = _arrivals(operation, group, timeout_s)
@@ -273,3 +289,9 @@ def agree(
                     f"to recover, load the last checkpoint saved before the ranks diverged"
                 )
     return (table[0][4] << 32) | table[0][5]
+
+
+def agree_on(operation: str, counts: Any, **kwargs: Any) -> int:
+    """`agree()` on the ``step`` and ``num_skipped_nonfinite`` of ``counts`` (an EMA, or
+    its tracker); ``kwargs`` are `agree()`'s (``group``, ``timeout_s``, ...)."""
+    return agree(operation, step=int(counts.step), skips=counts.num_skipped_nonfinite, **kwargs)

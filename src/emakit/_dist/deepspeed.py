@@ -13,8 +13,8 @@ padded so that every rank's partition has the same length. Then
   parameters are released, the EMA partitions are copied into ``ds_tensor`` (by the
   caller), and the next forward gathers them; on exit the same dance puts the online
   partitions back, bit for bit;
-* `gather_partition()` assembles one full tensor from every rank's partitions (the
-  streamed full export).
+* [`ZeroPartitions.full()`][emakit._dist.deepspeed.ZeroPartitions.full] assembles one full
+  tensor from every rank's partitions (`gather_padded()`, for the streamed full export).
 
 DeepSpeed's classes are looked up in ``sys.modules`` under their import paths; nothing
 here imports deepspeed. The attributes read (``ds_tensor``, ``ds_shape``, ``ds_numel``,
@@ -28,21 +28,20 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import EMAStateError
-from .collectives import agree
+from .collectives import agree_on, gather_padded
 
 __all__ = [
     "WORLD_KEY",
     "PartitionSlot",
     "PartitionSwap",
     "ZeroPartitions",
-    "engine_type",
-    "gather_partition",
     "is_partition",
     "own_span",
     "partition",
@@ -57,14 +56,10 @@ __all__ = [
 WORLD_KEY = "partition_layout"
 
 
-def engine_type() -> type | None:
-    """``deepspeed.runtime.engine.DeepSpeedEngine`` if deepspeed has been imported."""
-    return getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
-
-
 def unwrap_engine(model: Any) -> Any:
-    """``engine.module`` for a DeepSpeed engine (the module that holds the weights)."""
-    cls = engine_type()
+    """``engine.module`` for a DeepSpeed engine (the module that holds the weights; the
+    class ``deepspeed.runtime.engine.DeepSpeedEngine`` is looked up, never imported)."""
+    cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
     if cls is not None and isinstance(model, cls):
         return getattr(model, "module")  # noqa: B009 (isinstance narrowed it to object)
     return model
@@ -158,17 +153,13 @@ class PartitionSlot:
         part = param.ds_tensor if zero3 else param  # type: ignore[attr-defined]
         self.size = part.numel() if zero3 else -(-numel // world)
         start, valid = own_span(rank, self.size, numel)
-        flat = part.detach().view(-1)
         self.param, self.part, self.ptr = param, part, part.data_ptr()
-        self.view = flat.narrow(0, 0 if zero3 else start, valid)
-
-    def _sliced(self) -> Tensor:
-        p = self.param
-        return p.ds_tensor if is_zero3_param(p) else p  # type: ignore[attr-defined]
+        self.view = part.detach().view(-1).narrow(0, 0 if zero3 else start, valid)
 
     def get(self, key: str, default: object = None) -> object:
         """The view while the partition has not moved, else ``default``."""
-        part = self._sliced()
+        p = self.param
+        part = p.ds_tensor if is_zero3_param(p) else p  # type: ignore[attr-defined]
         if part is self.part and part.data_ptr() == self.ptr:
             return self.view
         return default
@@ -181,14 +172,9 @@ _SLOTS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 _VIEWS: dict[int, tuple[weakref.ref[Tensor], PartitionSlot]] = {}
 
 
-def _forget(table: dict[int, Any], key: int) -> Callable[[object], None]:
-    """A weakref callback that drops ``table[key]`` (the table bound now: at interpreter
-    exit the module's globals may already be None)."""
-
-    def drop(_: object) -> None:
-        table.pop(key, None)
-
-    return drop
+def _drop(table: dict[int, Any], key: int, _: object) -> None:
+    """The weakref callback that forgets a dead tensor's entry."""
+    table.pop(key, None)
 
 
 def partition(param: Tensor) -> PartitionSlot:
@@ -197,9 +183,9 @@ def partition(param: Tensor) -> PartitionSlot:
     if entry is not None and entry[0]() is param and entry[1].get("") is not None:
         return entry[1]
     slot = PartitionSlot(param)
-    key, view = id(param), id(slot.view)
-    _SLOTS[key] = (weakref.ref(param, _forget(_SLOTS, key)), slot)
-    _VIEWS[view] = (weakref.ref(slot.view, _forget(_VIEWS, view)), slot)
+    # the callbacks hold their table (at interpreter exit, module globals may be None)
+    for table, t in ((_SLOTS, param), (_VIEWS, slot.view)):
+        table[id(t)] = (weakref.ref(t, partial(_drop, table, id(t))), slot)
     return slot
 
 
@@ -253,18 +239,16 @@ class ZeroPartitions(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        key = prefix + WORLD_KEY
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key in missing_keys:
-            missing_keys.remove(key)
+        for keys in (missing_keys, unexpected_keys):  # checked by refuse_other_world()
+            if prefix + WORLD_KEY in keys:
+                keys.remove(prefix + WORLD_KEY)
 
     def agree(self, tracker: Any) -> None:
         """Every rank's EMA at the same step and skip count before a state is taken (one
-        bounded all-gather, `agree()`): the ranks' states
+        bounded all-gather, `agree_on()`): the ranks' states
         are the parts of one, as DeepSpeed's ``save_checkpoint`` saves them together.
 
         Raises:
@@ -273,8 +257,7 @@ class ZeroPartitions(nn.Module):
         """
         if torch.distributed.is_initialized():
             tracker.sync_views()
-            step, skips = tracker.step, tracker.num_skipped_nonfinite
-            agree("state_dict of a ZeRO-3 EMA", step=step, skips=skips)
+            agree_on("state_dict of a ZeRO-3 EMA", tracker)
 
     def refuse_other_world(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Raise unless ``state_dict`` holds this rank's partitions for this world size.
@@ -339,13 +322,28 @@ class ZeroPartitions(nn.Module):
         return full.reshape(-1).narrow(0, *span)
 
     def full(self, name: str, dtype: torch.dtype | None) -> Tensor:
-        """The full EMA tensor ``name`` (a collective for a partition: every rank calls
-        it, in the same order), floating values cast to ``dtype`` before the gather."""
-        t = self.get_parameter(name) if name in self.shapes else self.state_dict()[name]
+        """The full EMA tensor ``name`` on every rank (a collective for a partition: every
+        rank calls it, in the same order), floating values cast to ``dtype`` before the
+        gather."""
+        return cast(Tensor, self.gathered(name, dtype, to_writer=False))
+
+    def gathered(self, name: str, dtype: torch.dtype | None, *, to_writer: bool) -> Tensor | None:
+        """`full()`, or with ``to_writer`` the full tensor gathered to rank 0 alone (None on
+        the other ranks of its group, and on the ranks of groups without rank 0), as the
+        streamed export wants it."""
         if name not in self.shapes:
-            return t
+            return self.state_dict()[name]
         shape, numel, group, size = self.shapes[name]
-        return gather_partition(t, shape, numel, group, size, dtype)
+        local = self.get_parameter(name).detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
+        dist = torch.distributed
+        if not dist.is_initialized():  # one process: the partition is the whole tensor
+            return local[:numel].view(shape)
+        if to_writer and 0 not in dist.get_process_group_ranks(group):
+            return None  # another replica of the partitions: rank 0's group sends them
+        out = gather_padded(local, size, group, to_writer=to_writer)
+        return None if out is None else out[:numel].view(shape)
 
 
 def build_partitions(
@@ -386,31 +384,6 @@ def build_partitions(
             if b is not None and tracked(full):
                 copy.register_buffer(key, torch.empty(0, dtype=b.dtype, device=b.device))
     return root
-
-
-def gather_partition(
-    part: Tensor,
-    shape: torch.Size,
-    numel: int,
-    group: Any,
-    size: int,
-    dtype: torch.dtype | None,
-) -> Tensor:
-    """The full tensor from every rank's 1-D partition ``part`` (one all-gather on
-    ``group``): the ranks' partitions, each padded to ``size``, in rank order, the first
-    ``numel`` elements viewed as ``shape``, as DeepSpeed lays them out."""
-    dist = torch.distributed
-    local = part.detach()
-    if dtype is not None and local.is_floating_point():
-        local = local.to(dtype)
-    if not dist.is_initialized():  # one process: the partition is the whole tensor
-        return local.reshape(-1)[:numel].view(shape)
-    if local.numel() != size:
-        local = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])
-    out = local.new_empty(dist.get_world_size(group) * size)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local.contiguous(), group=group)
-    return out[:numel].view(shape)
 
 
 class PartitionSwap:
@@ -458,12 +431,15 @@ class PartitionSwap:
 
     def spread(self) -> None:
         """Every sliced parameter whole again from the ranks' slices (a collective)."""
+        if not torch.distributed.is_initialized():
+            return  # one process: each slice is its whole parameter
         with torch.no_grad():
             for s in self.sliced:
                 p = s.param.detach().view(-1)
-                p.copy_(gather_partition(s.view, p.shape, p.numel(), None, s.size, None))
+                p.copy_(cast(Tensor, gather_padded(s.view, s.size))[: p.numel()])
 
 
 def _available(p: Tensor) -> bool:
+    """Whether DeepSpeed holds ``p`` gathered (``ZeroParamStatus.AVAILABLE``)."""
     status = getattr(p, "ds_status", None)
     return getattr(status, "name", None) == "AVAILABLE"

@@ -20,7 +20,6 @@ from ..errors import EMATypeError
 __all__ = [
     "FSDP2_MIN_TORCH",
     "check_fsdp2_torch",
-    "dtensor_type",
     "fsdp_module_type",
     "fsdp_modules",
     "is_dtensor",
@@ -45,16 +44,9 @@ def torch_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def dtensor_type() -> type | None:
-    """``torch.distributed.tensor.DTensor`` if it has been imported, else None."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def fsdp_module_type() -> type | None:
     """FSDP2's ``torch.distributed.fsdp.FSDPModule`` if it has been imported, else None."""
-    module = sys.modules.get("torch.distributed.fsdp")
-    return getattr(module, "FSDPModule", None)
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
 
 
 def check_fsdp2_torch(tensors: Iterable[object], modules: Iterable[object] = ()) -> None:
@@ -88,7 +80,7 @@ def check_fsdp2_torch(tensors: Iterable[object], modules: Iterable[object] = ())
 
 def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (e.g. an FSDP2 parameter)."""
-    cls = dtensor_type()
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(t, cls)
 
 

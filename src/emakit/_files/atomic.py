@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-fcntl: Any
 try:
-    import fcntl as _fcntl
-
-    fcntl = _fcntl
+    import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 #: Whether this platform has advisory file locks (``fcntl.flock``).
 LOCKS_AVAILABLE = fcntl is not None
@@ -81,28 +78,6 @@ def fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def _umask() -> int:
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    # No /proc: the classic set-and-restore (briefly process-wide).
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _target_mode(dest: Path) -> int:
-    try:
-        return dest.stat().st_mode & 0o777
-    except OSError:
-        return 0o666 & ~_umask()
-
-
-def _is_temp_name(name: str) -> bool:
-    return name.startswith(".") and TEMP_PREFIX in name
-
-
 def try_lock(fd: int) -> bool | None:
     """Try an exclusive non-blocking lock: True held, False busy, None not supported."""
     if fcntl is None:
@@ -123,11 +98,16 @@ def _make_temp(dest: Path) -> tuple[int, Path]:
     not supported.
     """
     prefix = f".{dest.name[:_MAX_STEM]}{TEMP_PREFIX}"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
-        fd, name = tempfile.mkstemp(prefix=prefix, dir=dest.parent)
+        name = os.path.join(dest.parent, prefix + secrets.token_hex(4))
+        try:  # 0o666: the umask applies, as to any new file (not tempfile's private 0o600)
+            fd = os.open(name, flags, 0o666)
+        except FileExistsError:
+            continue
         with _live_lock:
             _live.add(name)
-        # A cleaner in another process may lock and delete the file between mkstemp and
+        # A cleaner in another process may lock and delete the file between its creation and
         # our lock; then the name no longer points at our file, and we start over.
         locked = try_lock(fd)
         try:
@@ -167,7 +147,8 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     now = time.time()
     for entry in entries:
         with contextlib.suppress(OSError):
-            if not _is_temp_name(entry.name) or not entry.is_file(follow_symlinks=False):
+            ours = entry.name.startswith(".") and TEMP_PREFIX in entry.name
+            if not ours or not entry.is_file(follow_symlinks=False):
                 continue
             with _live_lock:
                 if entry.path in _live:
@@ -239,19 +220,18 @@ def atomic_paths(
         raise ValueError(f"atomic_paths needs different destinations, got {dests}")
     made: list[tuple[int, Path]] = []
     try:
-        modes = []
         for dest in dests:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            modes.append(_target_mode(dest))
             made.append(_make_temp(dest))
         yield [tmp for _, tmp in made]
-        for (_, tmp), mode in zip(made, modes, strict=True):
+        for (_, tmp), dest in zip(made, dests, strict=True):
             # Reopen by name: the writer may have replaced the inode we created.
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            # Only now: a read-only mode set earlier would stop the writer from opening it.
+            # The replaced file's mode (a new file keeps the umask's), only now: a read-only
+            # mode set earlier would stop the writer from opening it.
             with contextlib.suppress(OSError):
-                os.chmod(tmp, mode)
+                os.chmod(tmp, dest.stat().st_mode & 0o777)
         if before_replace is not None:
             before_replace()
         for (_, tmp), dest in zip(made, dests, strict=True):
@@ -270,12 +250,13 @@ def atomic_paths(
         remove_stale_temps(folder)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
     """Write ``path`` atomically by calling ``write(file_object)`` on a temporary file.
 
     Args:
         path: the destination.
-        write: called once with a binary file object opened for writing (seekable).
+        write: called once with a binary file object opened for writing (seekable); what
+            it returns is ignored.
 
     Returns:
         ``path`` as a `Path`.
@@ -294,7 +275,4 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (see [`atomic_write()`][emakit._files.atomic.atomic_write])."""
 
-    def write(f: IO[bytes]) -> None:
-        f.write(data)
-
-    return atomic_write(path, write)
+    return atomic_write(path, lambda f: f.write(data))

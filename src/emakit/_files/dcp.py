@@ -46,17 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint.metadata as _md
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -72,7 +65,6 @@ __all__ = [
     "new_version",
     "read_pointer",
     "remove_stale",
-    "resolve",
 ]
 
 #: The pointer file naming a checkpoint folder's current version.
@@ -115,13 +107,6 @@ def read_pointer(folder: Path) -> str | None:
     return str(current)
 
 
-def resolve(folder: Path) -> Path:
-    """The DCP checkpoint to read for the checkpoint folder ``folder``: the version its
-    pointer names, or ``folder`` itself (a plain DCP checkpoint)."""
-    current = read_pointer(folder)
-    return folder if current is None else folder / current
-
-
 def commit(folder: Path, version: str) -> None:
     """Make ``folder/version`` (complete) the current checkpoint: one atomic replace of the
     pointer file."""
@@ -130,56 +115,48 @@ def commit(folder: Path, version: str) -> None:
     atomic_write_bytes(folder / POINTER, json.dumps(pointer).encode())
 
 
-def remove_stale(folder: Path, keep: str) -> list[Path]:
+def remove_stale(folder: Path, keep: str) -> None:
     """Remove the version folders other than ``keep`` (superseded, or left by a killed
     save) and the top-level files of a plain DCP checkpoint the pointer replaced."""
-    removed = []
     for entry in list(os.scandir(folder)):
-        path = Path(entry.path)
         if entry.is_dir(follow_symlinks=False) and _VERSION.match(entry.name):
             if entry.name != keep:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+                shutil.rmtree(entry.path, ignore_errors=True)
         elif entry.is_file(follow_symlinks=False) and _DCP_FILE.match(entry.name):
             with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path)
-    return removed
+                os.unlink(entry.path)
 
 
 # -- reading without unpickling code -----------------------------------------------------------
 
-_METADATA_CLASSES: dict[tuple[str, str], Any] = {
-    (c.__module__, c.__qualname__): c
-    for c in (
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-        ChunkStorageMetadata,
-        BytesStorageMetadata,
-        _StorageInfo,
-    )
-}
-_OTHER_CLASSES = {
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout``'s stand-in: a torch layout by name."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise EMAStateError(f"{name!r} is not a torch layout")
+    return value
+
+
+#: What a ``.metadata`` file may refer to: the classes DCP's metadata module defines (its
+#: dataclasses and enums), its storage records, and the plain types their fields hold
+#: (torch dtypes, layouts and memory formats are looked up apart).
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{
+        (_md.__name__, name): c
+        for name, c in vars(_md).items()
+        if isinstance(c, type) and c.__module__ == _md.__name__
+    },
+    **{
+        ("pathlib", name): Path
+        for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+    },
+    (_StorageInfo.__module__, _StorageInfo.__qualname__): _StorageInfo,
     ("torch", "Size"): torch.Size,
-    ("pathlib", "PosixPath"): Path,
-    ("pathlib", "WindowsPath"): Path,
-    ("pathlib", "PurePosixPath"): Path,
-    ("pathlib", "PureWindowsPath"): Path,
-    ("pathlib", "Path"): Path,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.serialization", "_get_layout"): _layout,
 }
-
-
-def _torch_constant(module: str, name: str) -> Any:
-    """A torch dtype, layout or memory format (``torch.float32``...), or None."""
-    if module != "torch":
-        return None
-    value = getattr(torch, name, None)
-    kinds = (torch.dtype, torch.layout, torch.memory_format)
-    return value if isinstance(value, kinds) else None
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -190,13 +167,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _METADATA_CLASSES.get((module, name)) or _OTHER_CLASSES.get((module, name))
-        if found is None:
-            found = _torch_constant(module, name)
-        if found is None and (module, name) == ("torch.serialization", "_get_layout"):
-            found = _layout
-        if found is None and module == "torch.distributed.checkpoint.metadata":
-            found = _enum(name)
+        found = _ALLOWED.get((module, name))
+        if found is None and module == "torch":  # torch.float32, torch.strided...
+            value = getattr(torch, name, None)
+            found = value if isinstance(value, _TORCH_CONSTANTS) else None
         if found is None:
             raise EMAStateError(
                 f"{self.path} refers to {module}.{name}, which is not part of DCP's checkpoint "
@@ -209,23 +183,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise EMAStateError(f"{self.path} holds a persistent reference; it is not DCP metadata")
 
 
-def _layout(name: str) -> torch.layout:
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, torch.layout):
-        raise EMAStateError(f"{name!r} is not a torch layout")
-    return value
-
-
-def _enum(name: str) -> Any:
-    import enum
-
-    import torch.distributed.checkpoint.metadata as md
-
-    value = getattr(md, name, None)
-    return value if isinstance(value, type) and issubclass(value, enum.Enum) else None
-
-
-def _check_metadata(metadata: Any, path: str) -> Metadata:
+def _check_metadata(metadata: Any, path: str) -> None:
     if not isinstance(metadata, Metadata):
         raise EMAStateError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     storage = metadata.storage_data
@@ -240,7 +198,6 @@ def _check_metadata(metadata: Any, path: str) -> Metadata:
                 f"{path}: the storage entry of {getattr(index, 'fqn', index)!r} names the "
                 f"file {name!r}, which is not a file inside the checkpoint folder"
             )
-    return metadata
 
 
 class SafeReader(FileSystemReader):
@@ -268,11 +225,10 @@ class SafeReader(FileSystemReader):
                     f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the "
                     f"checkpoint is damaged"
                 ) from e
-        metadata = _check_metadata(metadata, str(path))
-        storage_meta = metadata.storage_meta
-        if storage_meta is None:
-            storage_meta = metadata.storage_meta = StorageMeta()
-        storage_meta.load_id = self.load_id
+        _check_metadata(metadata, str(path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

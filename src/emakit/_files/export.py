@@ -1,10 +1,12 @@
-"""The full export of a sharded EMA, streamed: one tensor gathered and written at a time.
+"""EMA weights files, streamed: one tensor gathered and written at a time.
 
-Imported by [`emakit.checkpoint`][emakit.checkpoint] only, for
-[`save_ema_weights()`][emakit.checkpoint.save_ema_weights] of a sharded EMA (and of any EMA when
-it is a collective, `save_full_ema_weights()`). `write_sharded()` writes the file that
-the unsharded EMA's save would write, byte for byte (same header, same order, loads
-straight into the model class), without ever holding more than one full tensor:
+Imported by [`emakit.checkpoint`][emakit.checkpoint] only: every
+[`save_ema_weights()`][emakit.checkpoint.save_ema_weights] goes through `write_streamed()`.
+An EMA that is whole in this process is written tensor by tensor by the caller. A
+sharded EMA (and any EMA when the save is a collective, `save_full_ema_weights()`) is
+written by rank 0 into the file that the unsharded EMA's save would write, byte for byte
+(same header, same order, loads straight into the model class), without ever holding
+more than one full tensor:
 
 1. every rank builds the header from names, dtypes and global shapes alone
    (`safetensors_layout()`), and rank 0 writes it first;
@@ -21,14 +23,17 @@ a padded copy of its own shard), plus its CPU copy on the way to the file (none 
 already is on the CPU): at most about twice the largest tensor, whatever the model's
 size. Every other rank holds its padded shard of one tensor at a time (placements other
 than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
-on each rank of the mesh). A failure to write on rank 0 (disk full...) does not leave the other ranks waiting
-in a gather: rank 0 goes on gathering without writing, and `share_outcome()` then
-raises on every rank.
+on each rank of the mesh). DeepSpeed's partitions are gathered to rank 0 the same way
+([`ZeroPartitions.gathered()`][emakit._dist.deepspeed.ZeroPartitions.gathered]). A failure on rank 0
+(disk full, a value the export ``dtype`` cannot hold) does not leave the other ranks
+waiting in a gather: rank 0 goes on gathering without writing, and `share_outcome()`
+then raises on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -36,78 +41,61 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from .._dist.collectives import dist_ready, is_rank_zero
+from .._dist.collectives import gather_padded
 from .._dist.dtensor import is_dtensor
-from ..errors import EMAError, EMAWriteError
+from ..errors import EMAError, EMAValueError, EMAWriteError
 from .atomic import atomic_path
 from .reading import write_errors
-from .safetensors_file import safetensors_layout, write_tensor
+from .safetensors_file import out_dtype, safetensors_layout, write_tensor
 
-__all__ = ["full_tensor", "share_outcome", "tensor_for_writer", "write_sharded"]
+__all__ = ["full_tensor", "share_outcome", "tensor_for_writer", "write_streamed"]
 
 
-def full_tensor(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False) -> Tensor | None:
     """``t`` in full on every rank (a collective for a DTensor), floating values cast to
     ``dtype`` before they are gathered; a plain tensor is returned as it is.
 
-    FSDP2's layout (``Shard(0)`` on a 1-D mesh) is gathered with one
-    ``all_gather_into_tensor`` into a buffer of ``world * ceil(rows / world)`` rows, whose
-    first ``rows`` rows are the tensor (``torch.chunk``'s split: only the last ranks hold
-    fewer rows, or none), so the full tensor is a view of the one buffer it arrives in.
-    Any other placement goes through ``DTensor.full_tensor()``.
+    FSDP2's layout (``Shard(0)`` on a 1-D mesh) is gathered with one all-gather into a
+    buffer of ``world * ceil(rows / world)`` rows, whose first ``rows`` rows are the tensor
+    (``torch.chunk``'s split: only the last ranks hold fewer rows, or none), so the full
+    tensor is a view of the one buffer it arrives in. Any other placement goes through
+    ``DTensor.full_tensor()``.
+
+    With ``to_writer``, `tensor_for_writer()`: FSDP2's rows, and HSDP's (``Shard(0)``
+    along one mesh dimension, replicated along the others), are *gathered* to rank 0 (the
+    writer) alone: rank 0 receives the tensor, every other rank None, and the ranks of
+    the other HSDP replicas take no part. Any other placement (tensor parallelism...)
+    still goes through ``DTensor.full_tensor()``, and every rank of its mesh receives it.
     """
     if not is_dtensor(t):
         return t
     from torch.distributed.tensor import DTensor
 
     d = cast(Any, t)
+    mesh, shape = d.device_mesh, tuple(d.shape)
     local = _cast_local(d, dtype)
-    mesh = d.device_mesh
-    shape = tuple(d.shape)
-    if mesh.ndim == 1 and _rows_dim(mesh, d.placements, shape, writer=False) == 0:
-        return cast(Tensor, _gather_rows(local, shape, mesh))
+    along = _rows_dim(mesh, d.placements, shape, writer=to_writer)
+    if along is not None and (to_writer or mesh.ndim == 1):
+        if any(c != 0 for i, c in enumerate(mesh.get_coordinate() or []) if i != along):
+            return None  # another replica: rank 0's replica sends everything
+        return _gather_rows(local, shape, mesh, along=along, to_writer=to_writer)
     return DTensor.from_local(
         local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
     ).full_tensor()
 
 
 def tensor_for_writer(t: Tensor, dtype: torch.dtype | None) -> Tensor | None:
-    """``t`` in full on rank 0 (the writer), None on the ranks that sent it their shards:
-    a collective for a DTensor, floating values cast to ``dtype`` before they move; a
-    plain tensor is returned as it is on every rank.
-
-    FSDP2's rows (``Shard(0)`` over a 1-D mesh), and HSDP's (``Shard(0)`` along one mesh
-    dimension, replicated along the others), are *gathered* to rank 0 (``dist.gather``
-    into one buffer of ``world * ceil(rows / world)`` rows): rank 0 receives the tensor,
-    every other rank receives nothing, and the ranks of the other HSDP replicas take no
-    part. Any other placement (tensor parallelism...) goes through
-    ``DTensor.full_tensor()``, an all-gather, and every rank of its mesh receives it.
-    """
-    if not is_dtensor(t):
-        return t
-    d = cast(Any, t)
-    mesh, shape = d.device_mesh, tuple(d.shape)
-    along = _rows_dim(mesh, d.placements, shape)
-    if along is None:
-        return full_tensor(t, dtype)
-    local = _cast_local(d, dtype)
-    coordinate = mesh.get_coordinate() or []
-    if any(c != 0 for i, c in enumerate(coordinate) if i != along):
-        return None  # another replica: rank 0's replica sends everything
-    return _gather_rows(local, shape, mesh, along=along, to_writer=True)
+    """``t`` in full on rank 0 (the writer), None on the ranks that sent it their shards
+    (`full_tensor()` with ``to_writer``): what the streamed export gathers."""
+    return full_tensor(t, dtype, to_writer=True)
 
 
 def _cast_local(d: Any, dtype: torch.dtype | None) -> Tensor:
     local = d.to_local()
-    if dtype is not None and local.is_floating_point():
-        local = local.to(dtype)
-    mesh = d.device_mesh
-    if local.device.type != mesh.device_type:  # e.g. shards kept on the CPU by FSDP's offload
-        target = torch.device(mesh.device_type)
-        if mesh.device_type == "cuda":
-            target = torch.device("cuda", torch.cuda.current_device())
-        local = local.to(target)
-    return local
+    target, kind = local.device, d.device_mesh.device_type
+    if target.type != kind:  # e.g. shards kept on the CPU by FSDP's offload
+        target = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else kind
+    return local.to(target, out_dtype(local, dtype))
 
 
 def _rows_dim(
@@ -123,8 +111,7 @@ def _rows_dim(
         p.is_replicate() for i, p in enumerate(placements) if i != rows[0]
     ):
         return None
-    ranks = mesh.mesh
-    line = ranks[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
+    line = mesh.mesh[tuple(0 if i != rows[0] else slice(None) for i in range(mesh.ndim))].tolist()
     if (writer and 0 not in line) or line != sorted(line):
         return None
     return rows[0]
@@ -140,53 +127,55 @@ def _gather_rows(
 ) -> Tensor | None:
     """The rows of every rank along mesh dimension ``along`` in one buffer: on every rank
     (an all-gather), or with ``to_writer`` on rank 0 alone (a gather; None elsewhere)."""
-    dist = torch.distributed
-    world = mesh.size(along)
-    rows = -(-shape[0] // world)
-    if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
-        padded = local.new_zeros((rows, *shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-        local = padded
-    group = mesh.get_group(along)
-    if not to_writer:
-        out = local.new_empty((world * rows, *shape[1:]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, local.contiguous(), group=group)
-        return out[: shape[0]]
-    if dist.get_rank() != 0:
-        dist.gather(local.contiguous(), None, dst=0, group=group)
-        return None
-    out = local.new_empty((world * rows, *shape[1:]))
-    dist.gather(local.contiguous(), list(out.chunk(world)), dst=0, group=group)
-    return out[: shape[0]]
+    rows = -(-shape[0] // mesh.size(along))
+    out = gather_padded(local, rows, mesh.get_group(along), to_writer=to_writer)
+    return None if out is None else out[: shape[0]]
 
 
-def write_sharded(
+def _check_fits(name: str, t: Tensor, dtype: torch.dtype | None) -> None:
+    """Refuse a cast to ``dtype`` that would turn finite EMA values of ``t`` into ``inf``."""
+    limit = math.inf if dtype is None else torch.finfo(dtype).max
+    if not t.is_floating_point() or t.numel() == 0 or torch.finfo(t.dtype).max <= limit:
+        return  # nothing to narrow
+    big = float(t.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max())
+    if big > limit:
+        raise EMAValueError(
+            f"dtype={dtype} cannot hold the EMA tensor {name!r}: its largest magnitude is "
+            f"{big:.6g}, above {str(dtype).replace('torch.', '')}'s maximum {limit:g}, so "
+            f"it would be written as inf; export in a wider dtype (torch.bfloat16 keeps "
+            f"float32's range) or leave dtype=None"
+        )
+
+
+def write_streamed(
     dest: Path,
     tensors: Mapping[str, Tensor],
     header: Mapping[str, str],
     dtype: torch.dtype | None,
     gather: Callable[[str, torch.dtype | None], Tensor | None],
+    *,
+    writer: bool,
 ) -> BaseException | None:
-    """Write the full EMA to ``dest`` from rank 0, one gathered tensor at a time (call on
-    every rank).
+    """Write the EMA weights file ``dest`` one tensor at a time, from the ``writer`` (every
+    rank calls it when ``gather`` is a collective).
 
     Args:
-        dest: the file rank 0 writes.
+        dest: the file the writer writes.
         tensors: the tensors by name, for the header (only names, dtypes and full shapes
             are read).
         header: the header metadata.
         dtype: the export dtype of floating tensors (None: as they are).
-        gather: ``(name, dtype) -> full tensor`` on rank 0 (None or the tensor elsewhere),
-            called on every rank in the file's order.
+        gather: ``(name, dtype) -> full tensor`` on the writer (None or the tensor
+            elsewhere), called on every rank in the file's order.
+        writer: whether this rank writes (rank 0 of a collective; the caller otherwise).
 
     Returns:
-        On rank 0, the exception that stopped the write (an [`EMAWriteError`][emakit.errors.EMAWriteError]
-        for a full disk...) or None; None on the other ranks. Pass it to
-        `share_outcome()`.
+        On the writer, the exception that stopped the write (an
+        [`EMAWriteError`][emakit.errors.EMAWriteError] for a full disk, an
+        ``EMAValueError`` for a value ``dtype`` cannot hold...) or None; None on the other
+        ranks. Pass it to `share_outcome()`.
     """
     head, order = safetensors_layout(tensors, header, dtype)
-    writer = is_rank_zero()
     failure: BaseException | None = None
     try:
         with contextlib.ExitStack() as stack:
@@ -203,30 +192,29 @@ def write_sharded(
                 full = gather(name, dtype)  # every rank, in the same order
                 if f is not None and full is not None:
                     try:
+                        _check_fits(name, full, dtype)
                         write_tensor(f, full, dtype)
-                    except OSError as e:  # keep gathering: the other ranks are in the loop
+                    except (OSError, EMAError) as e:  # keep gathering: the others are in the loop
                         failure, f = e, None
                 del full
             if failure is not None:
                 raise failure  # unwinds the temporary file; OSError -> EMAWriteError
-    except (OSError, EMAError) as e:  # on rank 0: a write, or the final rename, failed
+    except (OSError, EMAError) as e:  # on the writer: a write, or the final rename, failed
         if not writer:
             raise
         failure = e
     return failure
 
 
-def share_outcome(failure: BaseException | None, what: str) -> None:
-    """Make rank 0's outcome every rank's: return everywhere, or raise everywhere (rank 0
-    its own exception, the others an [`EMAWriteError`][emakit.errors.EMAWriteError] quoting it). Doubles as
-    the barrier after which every rank knows the file is complete."""
-    if not dist_ready():
-        if failure is not None:
-            raise failure
-        return
-    box: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    torch.distributed.broadcast_object_list(box, src=0)
+def share_outcome(failure: BaseException | None, what: str, collective: bool) -> None:
+    """Make the writer's outcome every rank's: return everywhere, or raise everywhere
+    (rank 0 its own exception, the others an [`EMAWriteError`][emakit.errors.EMAWriteError]
+    quoting it). Doubles as the barrier after which every rank of a ``collective`` write
+    knows the file is complete."""
+    if collective:
+        box: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if failure is None and box[0] is not None:
+            raise EMAWriteError(f"rank 0 could not write {what}: {box[0]}")
     if failure is not None:
         raise failure
-    if box[0] is not None:
-        raise EMAWriteError(f"rank 0 could not write {what}: {box[0]}")

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _KINDS = (
+    (stat.S_ISREG, "a regular file"),
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISSOCK, "a socket"),
@@ -57,8 +58,6 @@ _KINDS = (
 
 def file_kind(mode: int) -> str:
     """What a ``st_mode`` is, in words (``"a regular file"``, ``"a FIFO (named pipe)"``...)."""
-    if stat.S_ISREG(mode):
-        return "a regular file"
     return next((word for test, word in _KINDS if test(mode)), "not a regular file")
 
 
@@ -119,14 +118,18 @@ def refusal_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
-def torch_load(path: str | os.PathLike[str], what: str = "file") -> Any:
+def torch_load(path: str | os.PathLike[str], what: str = "file", *, yours: bool = False) -> Any:
     """``torch.load(weights_only=True)`` of ``path`` through one open descriptor.
+
+    With ``yours`` (a file the user hands over, e.g. to ``load_foreign_state``), a refusal
+    also says how to load a trusted file and pass the result instead.
 
     Raises:
         EMAFileNotFoundError: ``path`` does not exist.
         EMAValueError: ``path`` is not a regular file.
         EMAStateError: torch refuses or cannot read it; the message names the file and
-            the reason, and says that emakit never unpickles code.
+            the reason, and says that emakit never unpickles code (or that the file may
+            be truncated or corrupt).
     """
     import torch
 
@@ -134,10 +137,21 @@ def torch_load(path: str | os.PathLike[str], what: str = "file") -> Any:
         try:
             return torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:
+            reason = refusal_reason(e)
+            fix = "it may be truncated or corrupt"
+            if reason.startswith("it holds"):
+                fix = (
+                    "emakit reads only tensors and plain containers from torch files and "
+                    "never runs pickled code"
+                )
+                if yours:
+                    fix += (
+                        "; if you trust the file, load it yourself with torch.load(path, "
+                        "weights_only=False) and pass the result"
+                    )
             raise EMAStateError(
                 f"{os.fsdecode(path)} could not be read as a torch file with weights_only="
-                f"True ({refusal_reason(e)}); emakit reads only tensors and plain containers "
-                f"from torch files and never runs pickled code"
+                f"True ({reason}); {fix}"
             ) from e
 
 

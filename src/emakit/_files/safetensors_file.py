@@ -133,8 +133,7 @@ def safetensors_layout(
 def write_tensor(f: IO[bytes], t: Tensor, dtype: torch.dtype | None = None) -> None:
     """Append ``t``'s bytes (cast to ``dtype`` when floating and given, moved to the CPU)
     to a file whose header `safetensors_layout()` wrote."""
-    t = t.detach()
-    t = t.to("cpu", out_dtype(t, dtype)).contiguous().reshape(-1)
+    t = t.detach().to("cpu", out_dtype(t, dtype)).contiguous().reshape(-1)
     if t.numel():
         f.write(t.view(torch.uint8).numpy().data)
 
