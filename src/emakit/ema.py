@@ -304,7 +304,7 @@ class EMA(nn.Module):
                 "it cannot be combined with device= or async_update=True (use one or the other)"
             )
         self._group_patterns = list(decay_groups or {})
-        self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
+        self._tree: list[Any] = []  # [the EMA pytree] for a pytree (a list: not registered)
         tree = not isinstance(model, nn.Module)
         self.kind = "pytree" if tree else "module"
         if tree:
@@ -314,7 +314,6 @@ class EMA(nn.Module):
                     f"pytree must be a tensor or a nested dict/list/tuple holding tensors, "
                     f"got {type(model).__name__}"
                 )
-            online_tree, model = model, nn.Module()  # a stand-in: nothing is registered on it
         else:
             model = unwrap_model(model)
             self._check_names(model)
@@ -339,7 +338,7 @@ class EMA(nn.Module):
         self._source: ModuleSource | TreeSource
         if tree:
             self._source = TreeSource(**common)
-            self._tree = [online_tree, self._source.build(online_tree, ema_model)]
+            self._tree.append(self._source.build(model, ema_model))
             return
         self._source = ModuleSource.for_ema(  # from the checked keywords, by name
             vars(self), self._group_patterns, self.tracker.invalidate, **common
@@ -374,27 +373,23 @@ class EMA(nn.Module):
         """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
         raise for methods and ``decay_groups`` patterns that match nothing."""
         known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        prefixes = self.ignore_startswith_names
+        unmatched = {p for p in prefixes if not any(n.startswith(p) for n in known)}
         # Names that match nothing *yet* are common in real trainers (a submodule that
         # cannot be deep-copied is removed while the EMA is built, then put back): warn.
-        for arg in ("param_or_buffer_names_no_ema", "ignore_names"):
-            unknown = sorted(getattr(self, arg) - known)
+        for arg, unknown in (
+            ("param_or_buffer_names_no_ema", self.param_or_buffer_names_no_ema - known),
+            ("ignore_names", self.ignore_names - known),
+            ("ignore_startswith_names", unmatched),
+        ):
             if unknown:
                 warnings.warn(
-                    f"{arg} names tensors the model does not have (yet): {unknown}; they "
-                    f"apply if such tensors appear later. Check the spelling against "
-                    f"model.named_parameters()/named_buffers()",
+                    f"{arg} has {sorted(unknown)}, which match no tensor name of the model "
+                    f"(yet); they apply if such tensors appear later. Check the spelling "
+                    f"against model.named_parameters()/named_buffers()",
                     UserWarning,
                     stacklevel=4,
                 )
-        prefixes = self.ignore_startswith_names
-        unmatched = sorted(p for p in prefixes if not any(n.startswith(p) for n in known))
-        if unmatched:
-            warnings.warn(
-                f"ignore_startswith_names has {unmatched}, which start no tensor name of the "
-                f"model (yet); they apply if such tensors appear later",
-                UserWarning,
-                stacklevel=4,
-            )
         names = self.forward_method_names
         if names and (self.partition or zero3_params(model)):
             raise EMAValueError(
@@ -420,9 +415,7 @@ class EMA(nn.Module):
     @property
     def model(self) -> nn.Module | Any:
         """The online (training) model (the online pytree for an EMA of a pytree)."""
-        if self._tree is not None:
-            return self._tree[0]
-        registered = self._modules.get("online_model")
+        registered = self._modules.get(_ONLINE)
         return registered if registered is not None else self._online[0]
 
     @property
@@ -435,7 +428,7 @@ class EMA(nn.Module):
         """The EMA model (None before the first update with ``lazy_init_ema=True``); waits
         for a background update in flight first."""
         self.tracker.runner.wait()
-        return self._tree[1] if self._tree is not None else self._modules["ema_model"]
+        return self._tree[0] if self._tree else self._modules["ema_model"]
 
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
@@ -455,7 +448,7 @@ class EMA(nn.Module):
 
     def _tracked(self) -> Tracked:
         """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
-        if self._tree is None and self._modules["ema_model"] is None:
+        if not self._tree and self._modules["ema_model"] is None:
             self.init_ema()
         return self._source.pairs(self.model, self.ema_model)
 
@@ -568,8 +561,7 @@ class EMA(nn.Module):
 
     def copy_params_from_ema_to_model(self) -> None:
         """Copy every tracked tensor of the EMA into the model (ignored names untouched)."""
-        self.tracker.runner.wait()
-        self.tracker.plan().copy_to_online()
+        self.update_model_with_ema(0.0)
 
     def update_model_with_ema(self, decay: float | None = None) -> None:
         """Pull the online model toward the EMA ("hare and tortoise", arXiv:2406.02596).
@@ -644,7 +636,7 @@ class EMA(nn.Module):
         ``partition=True``) runs the online model inside ``swap()``, a collective too.
         """
         ema_model = self.ema_model
-        if self._tree is not None:
+        if self._tree:
             if callable(ema_model) and not isinstance(ema_model, Tensor):
                 with torch.no_grad():
                     return ema_model(*args, **kwargs)
@@ -685,8 +677,8 @@ class EMA(nn.Module):
         skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
         counters = {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
         _CODEC.encode(counters, destination, prefix)
-        if self._tree is not None:
-            TreeSource.save(self._tree[1], destination, prefix, keep_vars)
+        if self._tree:
+            TreeSource.save(self._tree[0], destination, prefix, keep_vars)
 
     def _load_from_state_dict(
         self,
@@ -701,12 +693,7 @@ class EMA(nn.Module):
         self.tracker.runner.wait()
         if _ONLINE in self._modules and not _has_online(state_dict, prefix):
             self.__dict__["_online_left_out"] = prefix  # see _keep_online_model
-        if (
-            self._modules.get("ema_model") is None
-            and self._tree is None
-            and any(k.startswith(prefix + "ema_model.") for k in state_dict)
-        ):
-            self.init_ema()  # a parent module loading us: the state brings the weights
+        self._init_for_load(state_dict, prefix)  # a parent module loading us
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
         t = self.tracker
         t.set_counters(step=values.get("step"), initted=values.get("initted"))
@@ -716,17 +703,23 @@ class EMA(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if self._tree is not None:
-            TreeSource.load(self._tree[1], state_dict, prefix, missing_keys, error_msgs)
+        if self._tree:
+            TreeSource.load(self._tree[0], state_dict, prefix, missing_keys, error_msgs)
         unexpected_keys[before:] = [
             k for k in unexpected_keys[before:] if not self.owns_state_key(k[len(prefix) :])
         ]
+
+    def _init_for_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Create a lazy EMA model (``lazy_init_ema``) when the state brings its weights."""
+        lazy = not self._tree and self._modules["ema_model"] is None
+        if lazy and any(k.startswith(prefix + "ema_model.") for k in state_dict):
+            self.init_ema()
 
     def owns_state_key(self, key: str) -> bool:
         """Whether a state-dict key (relative to this EMA) is one it reads itself, or
         accepts and ignores, beyond its tensors (earlier layouts' keys, ema-pytorch's
         ``online_model.*``)."""
-        if key in _CODEC.keys or (self._tree is not None and key.startswith("ema.")):
+        if key in _CODEC.keys or (self.kind == "pytree" and key.startswith("ema.")):
             return True
         # without include_online_model, ema-pytorch's online_model.* are accepted and ignored
         return not self.include_online_model and key.startswith("online_model.")
@@ -770,9 +763,7 @@ class EMA(nn.Module):
         listing them.
         """
         refuse_load_arguments(state_dict, assign)
-        lazy = self._tree is None and self._modules.get("ema_model") is None
-        if lazy and any(k.startswith("ema_model.") for k in state_dict):
-            self.init_ema()  # lazy_init_ema: the state brings the weights
+        self._init_for_load(state_dict, "")
         if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
             zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
@@ -855,20 +846,17 @@ class EMA(nn.Module):
         if self.is_frozen:
             return
         decay = self.get_current_decay() if current_decay is None else float(current_decay)
-        if ma_model is self.ema_model and current_model is self.model:
-            tracker = self.tracker
-            tracker.runner.wait()
-            plan = tracker.plan()
-            if current_decay is None:  # every decay group its own current decay
-                weights = list(tracker.rule.weights(tracker.step, tracker.last))
-            else:
-                weights = [1.0 - decay] * plan.num_decay_groups
-            plan.lerp_shadow(weights)
-            return
         if ma_model is self.model and current_model is self.ema_model:
             self.update_model_with_ema(decay)
-            return
-        self._average_by_name(ma_model, current_model, decay)
+        elif ma_model is not self.ema_model or current_model is not self.model:
+            self._average_by_name(ma_model, current_model, decay)
+        else:  # reading self.ema_model above waited for a background update
+            t = self.tracker
+            plan = t.plan()
+            if current_decay is None:  # every decay group its own current decay
+                plan.lerp_shadow(list(t.rule.weights(t.step, t.last)))
+            else:
+                plan.lerp_shadow([1.0 - decay] * plan.num_decay_groups)
 
     @torch.no_grad()
     def _average_by_name(self, ma: Any, current: Any, decay: float) -> None:
