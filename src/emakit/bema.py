@@ -29,12 +29,11 @@ from ._dist.dtensor import is_dtensor, local_tensor
 from ._engine.bema import BEMAWork, state_order
 from ._engine.flat import rehome_
 from ._engine.plan import Plan
-from ._engine.runners import Runner
 from .decay import Action, BEMARule, bema_rule
 from .ema import EMA
 from .errors import EMAStateError
 
-__all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
+__all__ = ["BEMA", "BEMA_STATE_VERSION"]
 
 #: Version of what `BEMA.state_dict()` adds to EMA's: the ``bema_ema.*`` and
 #: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
@@ -152,8 +151,8 @@ class BEMA(EMA):
         #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
         self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
         self._lay_out_state()
-        self._runner = BEMARunner(self.tracker.runner, *self._state.values())
-        self.tracker.runner = self._runner
+        self._work: tuple[Plan, BEMAWork] | None = None
+        self.tracker.work = self._work_for  # the runner is handed BEMA's work for a plan
         self.copy_params_from_model_to_ema()  # theta0 = ema = output = the model now
         self.tracker.set_counters(initted=True)
 
@@ -179,7 +178,26 @@ class BEMA(EMA):
         evaluated weights all become a copy of the model (the counters are kept)."""
         tracker = self.tracker
         tracker.runner.wait()
-        self._runner.work_for(tracker.plan()).run(Action("copy", call=tracker.step))
+        self._work_for(tracker.plan()).run(Action("copy", call=tracker.step))
+
+    def _work_for(self, plan: Plan) -> BEMAWork:
+        """The BEMA work over ``plan``'s pairs (built again when the plan is new), which the
+        tracker hands its runner (inline, thread or stream) instead of the plan."""
+        if self._work is None or self._work[0] is not plan or self._work[1].thawed():
+            ema, theta0 = self._state.values()
+            gone = sorted(ema.keys() - {p.name for p in plan.pairs})
+            if gone:  # the model changed: the state cannot follow
+                raise EMAStateError(
+                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
+                    f"gone); build a new BEMA for the new model"
+                )
+            with torch.no_grad():
+                for p in state_order(plan.pairs):
+                    if p.name not in ema:  # a frozen weight trained again: from its value
+                        ema[p.name] = local_tensor(p.shadow).clone()
+                        theta0[p.name] = local_tensor(p.shadow).clone()
+            self._work = (plan, BEMAWork(plan.pairs, ema, theta0))
+        return self._work[1]
 
     def get_current_decay(self) -> float:
         """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
@@ -273,63 +291,8 @@ class BEMA(EMA):
     def extra_repr(self) -> str:
         return repr(self.rule)
 
-
-class BEMARunner:
-    """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
-    handed a ``BEMAWork`` (`emakit._engine.bema`) for each plan it is given, so the
-    tracker's update path (``Tracker.advance()`` then ``apply()``) drives BEMA too.
-
-    Args:
-        inner: the runner the EMA's keywords asked for.
-        ema, theta0: BEMA's state tensors by name (see [`BEMA`][emakit.bema.BEMA]).
-    """
-
-    def __init__(self, inner: Runner, ema: dict[str, Tensor], theta0: dict[str, Tensor]) -> None:
-        self.inner = inner
-        self.ema = ema
-        self.theta0 = theta0
-        #: Whether the inner runner stages (BEMA's work lays out its own staging).
-        self.staged = inner.staged
-        self._work: tuple[Plan, BEMAWork] | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether an update was submitted and not yet waited for."""
-        return self.inner.pending
-
-    def work_for(self, plan: Plan) -> BEMAWork:
-        """The BEMA work over ``plan``'s pairs (built again when the plan is new)."""
-        if self._work is None or self._work[0] is not plan or self._work[1].thawed():
-            averaged = {p.name: p for p in state_order(plan.pairs)}
-            gone = sorted(self.ema.keys() - {p.name for p in plan.pairs})
-            if gone:  # the model changed: the state cannot follow
-                raise EMAStateError(
-                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
-                    f"gone); build a new BEMA for the new model"
-                )
-            with torch.no_grad():
-                for name, p in averaged.items():
-                    if name not in self.ema:  # a frozen weight trained again: from its value
-                        self.ema[name] = local_tensor(p.shadow).clone()
-                        self.theta0[name] = local_tensor(p.shadow).clone()
-            self._work = (plan, BEMAWork(plan.pairs, self.ema, self.theta0))
-        return self._work[1]
-
-    def submit(self, work: Any, action: Action) -> None:
-        """Carry out ``action`` with BEMA's update on the inner runner."""
-        self.inner.submit(self.work_for(work) if isinstance(work, Plan) else work, action)
-
-    def wait(self) -> None:
-        """Wait for the pending update."""
-        self.inner.wait()
-
-    def close(self) -> None:
-        """Wait, then release the inner runner's threads or streams."""
-        self.inner.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        self.inner.wait()
-        return {**self.__dict__, "_work": None}
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_work": None}  # rebuilt on first use
 
 
 def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:

@@ -253,20 +253,16 @@ def ema_rule(
     Raises:
         EMAValueError, EMATypeError: a keyword out of range or of the wrong type.
     """
-    beta = check.real("beta", beta, low=0.0, high=1.0)
     update_after_step = check.integer("update_after_step", update_after_step, low=0)
     update_every = check.integer("update_every", update_every, low=1)
-    inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
-    power = check.real("power", power, low=0.0, low_open=True)
-    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
     if schedule is not None and not callable(schedule):
         raise EMATypeError(
             f"schedule must be a callable t -> decay (see emakit.schedules), got {schedule=!r}"
         )
-    if schedule is None and min_value > beta:
-        raise EMAValueError(
-            f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
-        )
+    # inverse_gamma() checks beta, inv_gamma, power and min_value (<= beta, unless a
+    # schedule replaces the warm-up)
+    default = inverse_gamma(beta, inv_gamma, power, min_value if schedule is None else 0.0)
+    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
 
     def warmup(ceiling: float) -> Callable[[int], float]:
         return inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
@@ -275,7 +271,7 @@ def ema_rule(
         return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
 
     decays: list[Callable[[int], float] | None] = [
-        warmup(beta) if schedule is None else checked(schedule)
+        default if schedule is None else checked(schedule)
     ]
     if decay_groups is not None and not isinstance(decay_groups, Mapping):
         raise EMATypeError(

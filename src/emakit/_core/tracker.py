@@ -9,8 +9,8 @@ which every facade (``EMA.update()``, ``MultiEMA.update()``) takes in this order
    initializes); an averaging call moves ``last`` and ``gap`` here, when it is decided;
 2. `apply()` makes sure the plan still matches the model (asking its owner for the live
    pairs when a tensor was replaced, added or deleted), optionally guards the action
-   with a device-side "weights are finite" flag, and hands it to the runner. The first
-   copy sets ``initted``.
+   with a device-side "weights are finite" flag, and hands it to the runner with the plan
+   (or with what ``work(plan)`` builds: BEMA's own work). The first copy sets ``initted``.
 
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
 device in ``update()``: the flag (for sharded models combined across ranks by one small
@@ -44,7 +44,7 @@ from .._engine.finite import FiniteGuard
 from .._engine.kernels import Impl
 from .._engine.pairs import Tracked
 from .._engine.plan import Plan, build_plan
-from .._engine.runners import Runner, SyncRunner
+from .._engine.runners import Runner, SyncRunner, Work
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
 
@@ -89,6 +89,8 @@ class Tracker:
         self.runner: Runner = runner if runner is not None else SyncRunner()
         self.skip_nonfinite = skip_nonfinite
         self.finite = FiniteGuard()
+        #: What the runner is handed for a plan, if not the plan itself (BEMA's work).
+        self.work: Callable[[Plan], Work] | None = None
         self.swapped = False
         self._plan: Plan | None = None
         #: ``update()`` calls so far.
@@ -224,7 +226,7 @@ class Tracker:
                 return action
         if action.kind != "hold":
             try:
-                self.runner.submit(plan, action)
+                self.runner.submit(plan if self.work is None else self.work(plan), action)
             except RuntimeError:
                 # e.g. a tensor's .data re-pointed to another shape, which per-tensor
                 # paths only meet in the kernel: pairing again names it (EMAStateError)
