@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import ClassVar, Protocol, cast, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -292,7 +292,7 @@ def _beta(name: str, value: object) -> float:
 
 
 def _steps(name: str, value: object, *, low: int = 1) -> int:
-    return cast(int, check.integer(name, value, low=low))
+    return check.integer(name, value, low=low)
 
 
 def constant(beta: float) -> Callable[[int], float]:

@@ -221,7 +221,7 @@ class Tracker:
             return action
         plan = self.plan()
         if self.skip_nonfinite and action.guard is None:
-            action = self.guard(plan, action)
+            action = self.finite.guard(plan, action, self.step)
             if action is SKIP:
                 return action
         if action.kind != "hold":
@@ -252,11 +252,6 @@ class Tracker:
             self.apply(Action("lerp", self.rule.weights(step, last), step))
         self.runner.wait()
         self.last, self.gap = step, step - last
-
-    def guard(self, plan: Plan, action: Action) -> Action:
-        """``action`` guarded by the non-finite flag of ``plan`` at this call (see
-        `FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>()`)."""
-        return self.finite.guard(plan, action, self.step)
 
     def __getstate__(self) -> dict:
         self.runner.wait()
