@@ -20,17 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._core import state
 from ._core.forward import ForwardMethod, eval_call, io_cast
 from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
-from ._core.state import (
-    StateCodec,
-    check_loadable,
-    flag,
-    integer,
-    load_or_restore,
-    refuse_load_arguments,
-)
 from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves
@@ -46,12 +39,12 @@ __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 #: Version of the layout that `EMA.state_dict()` writes (see its docstring); kept in
 #: torch's per-module metadata (``EMA._version``), not in the keys.
 STATE_VERSION = 2
-_CODEC = StateCodec(
+_CODEC = state.StateCodec(
     STATE_VERSION,
     [
-        flag("initted", required=True),
-        integer("step", required=True),
-        integer("num_skipped_nonfinite", meta=True),
+        state.flag("initted", required=True),
+        state.integer("step", required=True),
+        state.integer("num_skipped_nonfinite", meta=True),
     ],
     legacy_version_key="version",
 )
@@ -762,14 +755,14 @@ class EMA(nn.Module):
         (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
         """
-        refuse_load_arguments(state_dict, assign)
+        state.refuse_load_arguments(state_dict, assign)
         self._init_for_load(state_dict, "")
         if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
             zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
         mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
-        check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
-        return load_or_restore(
+        state.check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
+        return state.load_or_restore(
             lambda: super(EMA, self).load_state_dict(state_dict, strict=strict), [self.tracker]
         )
 
