@@ -150,28 +150,15 @@ class BEMA(EMA):
         self.tracker.rule = rule
         #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
         self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
-        self._lay_out_state()
         self._work: tuple[Plan, BEMAWork] | None = None
         self.tracker.work = self._work_for  # the runner is handed BEMA's work for a plan
-        self.copy_params_from_model_to_ema()  # theta0 = ema = output = the model now
+        self.copy_params_from_model_to_ema()  # lays out theta0 and the EMA: = the model now
         self.tracker.set_counters(initted=True)
 
     @property
     def rule(self) -> BEMARule:
         """The BEMA rule (its settings: ``rule.update_freq``, ``rule.lag`` ...)."""
         return self.tracker.rule  # type: ignore[return-value]
-
-    def _lay_out_state(self) -> None:
-        """Allocate the EMA and ``theta0`` tensors, laid out like the evaluated weights."""
-        pairs = self.tracker.plan().pairs
-        order = state_order(pairs)
-        shadows = [local_tensor(p.shadow) for p in order]
-        for store in self._state.values():
-            tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
-            rehome_(tensors, sources=shadows)
-            by_name = {p.name: t for p, t in zip(order, tensors, strict=True)}
-            store.clear()  # in the model's order (the same on every rank), not memory order
-            store.update((p.name, by_name[p.name]) for p in pairs if p.name in by_name)
 
     def copy_params_from_model_to_ema(self) -> None:
         """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
@@ -191,11 +178,16 @@ class BEMA(EMA):
                     f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
                     f"gone); build a new BEMA for the new model"
                 )
-            with torch.no_grad():
-                for p in state_order(plan.pairs):
-                    if p.name not in ema:  # a frozen weight trained again: from its value
-                        ema[p.name] = local_tensor(p.shadow).clone()
-                        theta0[p.name] = local_tensor(p.shadow).clone()
+            # New entries (all of them at first, then a frozen weight trained again) start
+            # from the shadow's value, laid out like the shadows (the same spans), keyed in
+            # the model's order (the same on every rank), not memory order.
+            new = [p for p in state_order(plan.pairs) if p.name not in ema]
+            shadows = [local_tensor(p.shadow) for p in new]
+            for store in (ema, theta0):
+                tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
+                rehome_(tensors, sources=shadows)
+                by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
+                store.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
             self._work = (plan, BEMAWork(plan.pairs, ema, theta0))
         return self._work[1]
 
