@@ -69,13 +69,12 @@ def integer(name: str, value: object, *, low: int, high: int = INT64_MAX) -> int
 
 def count(name: str, value: object) -> int:
     """A count >= 0 given as an int or a 1-element integer tensor (``ema.step += 1``)."""
-    numel = getattr(value, "numel", None)
-    if callable(numel):  # a tensor
-        if numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:  # type: ignore[attr-defined]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
             raise EMATypeError(
                 f"{name} must be an int or a 1-element integer tensor, got {name}={value!r}"
             )
-        value = int(value)  # type: ignore[call-overload]
+        value = int(value)
     return integer(name, value, low=0)
 
 

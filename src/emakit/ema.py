@@ -63,6 +63,7 @@ _MODULE_ONLY: dict[str, object] = {
     "lazy_init_ema": False,
     "stream": False,
     "partition": False,
+    "decay_groups": {},
 }
 
 
@@ -84,9 +85,9 @@ class EMA(nn.Module):
     numbers for the same sequence of calls. Call [`update()`][emakit.ema.EMA.update] after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
     use [`swap()`][emakit.ema.EMA.swap] to evaluate the online model on the EMA weights in place.
-    Every keyword but ``model``, ``ema_model`` and ``decay_groups`` is kept as an attribute
-    of the same name (``ema.beta``, ``ema.device`` ...), checked and normalized (names as
-    frozensets, ``device`` as a ``torch.device``).
+    Every keyword but ``model`` and ``ema_model`` is kept as an attribute of the same name
+    (``ema.beta``, ``ema.device`` ...), checked and normalized (names as frozensets,
+    ``device`` as a ``torch.device``, ``decay_groups`` as a dict).
 
     Args:
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
@@ -296,7 +297,7 @@ class EMA(nn.Module):
                 "stream=True keeps the EMA on the model's GPU and updates it on a side stream; "
                 "it cannot be combined with device= or async_update=True (use one or the other)"
             )
-        self._group_patterns = list(decay_groups or {})
+        self.decay_groups = dict(decay_groups or {})
         self._tree: list[Any] = []  # [the EMA pytree] for a pytree (a list: not registered)
         tree = not isinstance(model, nn.Module)
         self.kind = "pytree" if tree else "module"
@@ -334,7 +335,7 @@ class EMA(nn.Module):
             self._tree.append(self._source.build(model, ema_model))
             return
         self._source = ModuleSource.for_ema(  # from the checked keywords, by name
-            vars(self), self._group_patterns, self.tracker.invalidate, **common
+            vars(self), list(self.decay_groups), self.tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -357,10 +358,6 @@ class EMA(nn.Module):
                     f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
                     f"pytree; leave it at its default ({default!r}) for a pytree"
                 )
-        if self._group_patterns:
-            raise EMAValueError(
-                "decay_groups applies to an EMA of a module; give each pytree its own EMA"
-            )
 
     def _check_names(self, model: nn.Module) -> None:
         """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
@@ -396,7 +393,7 @@ class EMA(nn.Module):
                 raise EMAValueError(
                     f"forward_method_names has {method!r}, which is not a method of the model"
                 )
-        for pattern in self._group_patterns:
+        for pattern in self.decay_groups:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
                 raise EMAValueError(
                     f"decay_groups pattern {pattern!r} matches no tensor name of the model; "
@@ -517,7 +514,7 @@ class EMA(nn.Module):
     def current_decays(self) -> dict[str, float]:
         """The decay of every decay group at the current step: ``{"default": d, pattern: d}``."""
         t = self.tracker
-        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self._group_patterns, 1)}
+        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self.decay_groups, 1)}
         return {"default": self.get_current_decay(), **groups}
 
     # -- the update ------------------------------------------------------------------------
