@@ -224,9 +224,7 @@ class BEMA(EMA):
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
-        return (
-            key.startswith(tuple(self._state)) or key in _CODEC.keys or super().owns_state_key(key)
-        )
+        return key.startswith(tuple(self._state)) or super().owns_state_key(key)
 
     def _load_from_state_dict(
         self,

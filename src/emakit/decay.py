@@ -270,9 +270,7 @@ def ema_rule(
     def checked(schedule: Callable[[int], float]) -> Callable[[int], float]:
         return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
 
-    decays: list[Callable[[int], float] | None] = [
-        default if schedule is None else checked(schedule)
-    ]
+    decays: list[Any] = [default if schedule is None else checked(schedule)]  # None: frozen
     if decay_groups is not None and not isinstance(decay_groups, Mapping):
         raise EMATypeError(
             f"decay_groups must map name patterns to a beta or a schedule, e.g. "
@@ -306,8 +304,7 @@ def bema_beta(
     ``beta_min = min_ema_multiplier``. The EMA moves as ``ema += beta_t * (theta_t - ema)``:
     ``beta_t`` is the weight of the *new* value (``1 - decay`` in ema-pytorch's terms).
     """
-    beta = (lag + multiplier * t) ** (-ema_power)
-    return max(beta, min_ema_multiplier)
+    return max((lag + multiplier * t) ** (-ema_power), min_ema_multiplier)
 
 
 def bema_alpha(t: int, *, lag: float, multiplier: float, bias_power: float) -> float:
