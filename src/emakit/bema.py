@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -292,11 +292,7 @@ def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
+    d = cast(Any, shadow)
     return DTensor.from_local(
-        local,
-        shadow.device_mesh,  # type: ignore[attr-defined]
-        shadow.placements,  # type: ignore[attr-defined]
-        shape=shadow.shape,
-        stride=shadow.stride(),
-        run_check=False,
+        local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride(), run_check=False
     )
