@@ -63,7 +63,6 @@ _MODULE_ONLY: dict[str, object] = {
     "lazy_init_ema": False,
     "stream": False,
     "partition": False,
-    "decay_groups": {},
 }
 
 
@@ -358,6 +357,10 @@ class EMA(nn.Module):
                     f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
                     f"pytree; leave it at its default ({default!r}) for a pytree"
                 )
+        if self.decay_groups:
+            raise EMAValueError(
+                "decay_groups applies to an EMA of a module; give each pytree its own EMA"
+            )
 
     def _check_names(self, model: nn.Module) -> None:
         """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
