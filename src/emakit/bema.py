@@ -18,7 +18,7 @@ read the evaluated weights ``theta_hat``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, cast
 
 import torch
@@ -214,9 +214,7 @@ class BEMA(EMA):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode(
-            {f.name: getattr(self.rule, f.name) for f in fields(self.rule)}, destination, prefix
-        )
+        _CODEC.encode(asdict(self.rule), destination, prefix)  # the settings
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
         for key, store in self._state.items():
             for name, t in store.items():

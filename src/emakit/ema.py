@@ -565,11 +565,9 @@ class EMA(nn.Module):
             decay: ``b``, the fraction of the model kept, in [0, 1]. Default None uses
                 ``update_model_with_ema_beta``; 0 copies the EMA into the model.
         """
-        b = (
-            self.update_model_with_ema_beta
-            if decay is None
-            else check.real("decay", decay, low=0.0, high=1.0)
-        )
+        b = self.update_model_with_ema_beta
+        if decay is not None:
+            b = check.real("decay", decay, low=0.0, high=1.0)
         self.tracker.runner.wait()
         if b == 0.0:
             self.tracker.plan().copy_to_online()
