@@ -144,9 +144,7 @@ def _stored_number(value: object) -> object:
         return value
     if value.numel() != 1:
         raise ValueError(f"a tensor of shape {tuple(value.shape)}, not a single number")
-    if value.dtype == torch.bool or value.is_complex():
-        raise ValueError(f"a {str(value.dtype).replace('torch.', '')} tensor, not a real number")
-    return value.item()
+    return value.item()  # a bool or complex tensor gives a bool or complex: refused below
 
 
 def _count_value(value: object, text: bool) -> int:
@@ -227,8 +225,6 @@ def stored_flag(source: str, field: str, value: object) -> bool:
     1-element tensor; or an [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
 
     def parse() -> bool:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
-            return bool(value)
         number = _stored_number(value)
         if isinstance(number, (bool, int, float)) and number in (0, 1):
             return bool(number)
