@@ -26,7 +26,7 @@ from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
 from ._core.swap import Swap
 from ._core.tracker import Tracker
-from ._core.tree import all_tensors, leaves
+from ._core.tree import all_tensors, leaves, named_tensors
 from ._dist.deepspeed import ZeroPartitions, zero3_params
 from ._engine.kernels import Impl
 from ._engine.pairs import Tracked
@@ -68,13 +68,6 @@ _MODULE_ONLY: dict[str, object] = {
 
 def _floating(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-def _named_tensors(model: Any) -> dict[str, Tensor]:
-    """A module's parameters and buffers, or a pytree's leaves, by name."""
-    if isinstance(model, nn.Module):
-        return dict((*model.named_parameters(), *model.named_buffers()))
-    return leaves(model)
 
 
 class EMA(nn.Module):
@@ -365,7 +358,7 @@ class EMA(nn.Module):
     def _check_names(self, model: nn.Module) -> None:
         """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
         raise for methods and ``decay_groups`` patterns that match nothing."""
-        known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        known = set(named_tensors(model))
         prefixes = self.ignore_startswith_names
         unmatched = {p for p in prefixes if not any(n.startswith(p) for n in known)}
         # Names that match nothing *yet* are common in real trainers (a submodule that
@@ -854,8 +847,8 @@ class EMA(nn.Module):
         """``ma <- decay * ma + (1 - decay) * current`` for the floating tensors of two
         modules (parameters and buffers) or two pytrees (leaves) that share a name; other
         tensors of the same name are copied."""
-        sources = _named_tensors(current)
-        for name, tgt in _named_tensors(ma).items():
+        sources = named_tensors(current)
+        for name, tgt in named_tensors(ma).items():
             src = sources.get(name)
             if src is None:
                 continue
@@ -897,6 +890,4 @@ def _make_runner(model: Any, async_update: bool, stream: bool) -> Runner:
                 "leave stream=False on CPU"
             )
         return StreamRunner(first.device)
-    if async_update:
-        return ThreadRunner()
-    return SyncRunner()
+    return ThreadRunner() if async_update else SyncRunner()
