@@ -193,14 +193,12 @@ class BEMA(EMA):
 
     def get_current_decay(self) -> float:
         """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
-        last = self.tracker.last
-        return self.rule.decay(last) if last > 0 else 0.0
+        return self.rule.decay(self.tracker.last) if self.tracker.last > 0 else 0.0
 
     @property
     def bias_weight(self) -> float:
         """``alpha_t`` of the most recent BEMA update (0 before the first)."""
-        last = self.tracker.last
-        return self.rule.alpha(last) if last > 0 else 0.0
+        return self.rule.alpha(self.tracker.last) if self.tracker.last > 0 else 0.0
 
     # -- state -----------------------------------------------------------------------------
 

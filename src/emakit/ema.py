@@ -303,12 +303,9 @@ class EMA(nn.Module):
         else:
             model = unwrap_model(model)
             self._check_names(model)
-        self.tracker = Tracker(  # see the class docstring
-            rule,
-            self._tracked,
-            impl=_IMPLS[self.use_foreach],
-            runner=_make_runner(model, self.async_update, self.stream),
-            skip_nonfinite=self.skip_nonfinite,
+        runner = _make_runner(model, self.async_update, self.stream)
+        self.tracker = Tracker(
+            rule, self._tracked, _IMPLS[self.use_foreach], runner, self.skip_nonfinite
         )
         self._online = [model]  # a list hides it from the module tree and state_dict
         if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty

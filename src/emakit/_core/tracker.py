@@ -44,7 +44,7 @@ from .._engine.finite import FiniteGuard
 from .._engine.kernels import Impl
 from .._engine.pairs import Tracked
 from .._engine.plan import Plan, build_plan
-from .._engine.runners import Runner, SyncRunner, Work
+from .._engine.runners import Runner, Work
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
 
@@ -70,7 +70,7 @@ class Tracker:
             longer matches the model (first use, or after a tensor was replaced, added or
             deleted).
         impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
-        runner: where updates run. Default: a `SyncRunner`.
+        runner: where updates run: a `SyncRunner`, `ThreadRunner` or `StreamRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
     """
 
@@ -78,15 +78,14 @@ class Tracker:
         self,
         rule: DecayRule,
         pairs: Callable[[], Tracked],
-        *,
         impl: Impl,
-        runner: Runner | None = None,
+        runner: Runner,
         skip_nonfinite: bool = False,
     ) -> None:
         self.rule = rule
         self.pairs = pairs
-        self.impl: Impl = impl
-        self.runner: Runner = runner if runner is not None else SyncRunner()
+        self.impl = impl
+        self.runner = runner
         self.skip_nonfinite = skip_nonfinite
         self.finite = FiniteGuard()
         #: What the runner is handed for a plan, if not the plan itself (BEMA's work).
