@@ -397,14 +397,12 @@ class EMA(nn.Module):
 
     @property
     def model(self) -> nn.Module | Any:
-        """The online (training) model (the online pytree for an EMA of a pytree)."""
+        """The online (training) model (the online pytree for an EMA of a pytree); also
+        ``online_model``, ema-pytorch's name. Saved with ``include_online_model``."""
         registered = self._modules.get(_ONLINE)
         return registered if registered is not None else self._online[0]
 
-    @property
-    def online_model(self) -> nn.Module | Any:
-        """The online model (ema-pytorch's name); saved with ``include_online_model``."""
-        return self.model
+    online_model = model
 
     @property
     def ema_model(self) -> nn.Module | Any:
