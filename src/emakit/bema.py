@@ -70,6 +70,25 @@ class BEMA(EMA):
     step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
     EMA lives on another device or dtype than the model.
 
+    **State**: `state_dict()` has [`EMA.state_dict`][emakit.EMA.state_dict]'s keys
+    (``ema_model.*`` holds the evaluated weights), plus the EMA and ``theta0`` of every
+    averaged tensor, and the settings in the module's metadata (``bema_version`` 1); for
+    ``BEMA(nn.Linear(2, 2))``::
+
+        {
+            "initted": tensor(True),
+            "step": tensor(800),
+            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
+            "ema_model.bias": tensor(...),
+            "bema_ema.weight": tensor(...),      # the plain EMA
+            "bema_ema.bias": tensor(...),
+            "bema_theta0.weight": tensor(...),   # the weights at update_after
+            "bema_theta0.bias": tensor(...),
+        }
+
+    A resumed BEMA continues bit for bit. Loading refuses a state saved with other
+    settings (when the metadata is there).
+
     Args:
         model: the online (training) module.
         update_freq: calls between BEMA updates (``phi``). Default 400.
@@ -251,28 +270,6 @@ class BEMA(EMA):
                         missing_keys.append(prefix + key + name)
                     else:
                         t.copy_(local_tensor(value))
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The BEMA state: [`EMA.state_dict`][emakit.EMA.state_dict]'s keys (``ema_model.*``
-        holds the evaluated weights), plus the EMA and ``theta0`` of every averaged tensor,
-        and the settings in the module's metadata (``bema_version`` 1), for
-        ``BEMA(nn.Linear(2, 2))``::
-
-            {
-                "initted": tensor(True),
-                "step": tensor(800),
-                "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
-                "ema_model.bias": tensor(...),
-                "bema_ema.weight": tensor(...),      # the plain EMA
-                "bema_ema.bias": tensor(...),
-                "bema_theta0.weight": tensor(...),   # the weights at update_after
-                "bema_theta0.bias": tensor(...),
-            }
-
-        A resumed BEMA continues bit for bit. Loading refuses a state saved with other
-        settings (when the metadata is there).
-        """
-        return super().state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return repr(self.rule)
