@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol
 
 from . import _validate as check
 from .errors import EMATypeError, EMAValueError
-from .schedules import describe, inverse_gamma
+from .schedules import Schedule, describe, inverse_gamma
 
 __all__ = [
     "COPY",
@@ -107,9 +107,7 @@ class ScheduleDecay:
         floor: the lowest decay (``min_value``). Default 0.
     """
 
-    def __init__(
-        self, schedule: Callable[[int], float], *, update_every: int, floor: float = 0.0
-    ) -> None:
+    def __init__(self, schedule: Schedule, *, update_every: int, floor: float = 0.0) -> None:
         self.schedule = schedule
         self.power = update_every if getattr(schedule, "per_optimizer_step", False) else 1
         self.floor = floor

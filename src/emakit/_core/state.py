@@ -87,11 +87,9 @@ def real(key: str, *, required: bool = False, meta: bool = False) -> Field:
 
 def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
     """A tuple of floats (a float64 vector as a key, a list in metadata)."""
-    encode: Callable[[Any], Any] = (
-        (lambda v: [float(x) for x in v])
-        if meta
-        else (lambda v: torch.tensor(list(v), dtype=torch.float64))
-    )
+    def encode(v: Any) -> Any:
+        values = [float(x) for x in v]
+        return values if meta else torch.tensor(values, dtype=torch.float64)
 
     def decode(t: Any, where: str) -> tuple[float, ...]:
         if isinstance(t, torch.Tensor):  # a key (float64 vector)
