@@ -87,6 +87,7 @@ def real(key: str, *, required: bool = False, meta: bool = False) -> Field:
 
 def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
     """A tuple of floats (a float64 vector as a key, a list in metadata)."""
+
     def encode(v: Any) -> Any:
         values = [float(x) for x in v]
         return values if meta else torch.tensor(values, dtype=torch.float64)
