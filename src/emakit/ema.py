@@ -341,8 +341,7 @@ class EMA(nn.Module):
     def _refuse_for_pytree(self) -> None:
         """Raise for keywords that only apply to a module (see `_MODULE_ONLY`)."""
         for name, default in _MODULE_ONLY.items():
-            value = getattr(self, name)
-            if value != default:
+            if (value := getattr(self, name)) != default:
                 raise EMAValueError(
                     f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
                     f"pytree; leave it at its default ({default!r}) for a pytree"
@@ -436,12 +435,11 @@ class EMA(nn.Module):
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
         after ``move_ema_to_online_device`` moved it to the model's (ema-pytorch's method)."""
-        ema_model = self._modules.get("ema_model")
-        home = getattr(self, "_home", None)
-        if ema_model is None or home is None or not isinstance(self._source, ModuleSource):
+        home = getattr(self, "_home", None)  # set with the EMA model of a module
+        if home is None or not isinstance(self._source, ModuleSource):
             return
         self.tracker.runner.wait()
-        self._source.move_ema(self.model, ema_model, home)
+        self._source.move_ema(self.model, self._modules["ema_model"], home)
         self.tracker.invalidate()
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:

@@ -232,10 +232,8 @@ class Tracker:
                 self.pairs()
                 raise
         if action.kind == "init":
-            self.initted = True
+            self.set_counters(initted=True)
             self.last, self.gap = self.step, 0
-            if self.views_held:
-                self._refresh_views()
         return action
 
     def catch_up(self) -> None:
