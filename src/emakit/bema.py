@@ -223,10 +223,9 @@ class BEMA(EMA):
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         out = super()._apply(fn, recurse)
-        with torch.no_grad():
-            for store in getattr(self, "_state", {}).values():
-                for name, t in store.items():
-                    store[name] = fn(t)
+        for store in getattr(self, "_state", {}).values():  # plain tensors: no autograd
+            for name, t in store.items():
+                store[name] = fn(t)
         return out
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -252,11 +251,10 @@ class BEMA(EMA):
         error_msgs: list[str],
     ) -> None:
         saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        for name, value in saved.items():
-            mine = getattr(self.rule, name)
-            if value != mine:
+        for name, mine in asdict(self.rule).items():
+            if name in saved and saved[name] != mine:
                 raise EMAStateError(
-                    f"state_dict is of a BEMA with {name}={value!r}, but this BEMA has "
+                    f"state_dict is of a BEMA with {name}={saved[name]!r}, but this BEMA has "
                     f"{name}={mine!r}; build the BEMA with the settings it was saved with"
                 )
         super()._load_from_state_dict(

@@ -156,10 +156,9 @@ class Tracker:
     def reset(self, step: int) -> None:
         """Start over at ``step`` as an initialized EMA whose last averaging update was at
         ``step`` (e.g. an EMA reconstructed from snapshots)."""
-        self.runner.wait()
+        self.invalidate()
         self.set_counters(step=step, initted=True)
         self.last, self.gap = step, 0
-        self._plan = None
 
     @property
     def num_skipped_nonfinite(self) -> int:
