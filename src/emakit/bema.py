@@ -114,6 +114,10 @@ class BEMA(EMA):
         forward_method_names: keyword-only, as for [`EMA`][emakit.EMA].
         include_online_model: keyword-only, as for [`EMA`][emakit.EMA].
 
+    Attributes:
+        rule: the [`BEMARule`][emakit.decay.BEMARule] (its settings: ``rule.update_freq``,
+            ``rule.lag`` ...); the tracker's rule.
+
     Example:
         >>> net = torch.nn.Linear(4, 4)
         >>> bema = BEMA(net, update_freq=2)
@@ -166,18 +170,13 @@ class BEMA(EMA):
             device=device,
             async_update=async_update,
         )
-        self.tracker.rule = rule
+        self.rule = self.tracker.rule = rule
         #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
         self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
         self._work: tuple[Plan, BEMAWork] | None = None
         self.tracker.work = self._work_for  # the runner is handed BEMA's work for a plan
         self.copy_params_from_model_to_ema()  # lays out theta0 and the EMA: = the model now
         self.tracker.set_counters(initted=True)
-
-    @property
-    def rule(self) -> BEMARule:
-        """The BEMA rule (its settings: ``rule.update_freq``, ``rule.lag`` ...)."""
-        return self.tracker.rule  # type: ignore[return-value]
 
     def copy_params_from_model_to_ema(self) -> None:
         """Restart BEMA from the model's current weights: ``theta0``, the EMA and the

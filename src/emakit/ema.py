@@ -857,8 +857,7 @@ class EMA(nn.Module):
 
 def _has_online(state_dict: Mapping[str, Any], prefix: str = "") -> bool:
     """Whether ``state_dict`` holds any ``<prefix>online_model.*`` key."""
-    start = prefix + _ONLINE + "."
-    return any(k.startswith(start) for k in state_dict)
+    return any(k.startswith(prefix + _ONLINE + ".") for k in state_dict)
 
 
 def _keep_online_model(module: nn.Module, incompatible: Any) -> None:
