@@ -181,9 +181,8 @@ class BEMA(EMA):
     def copy_params_from_model_to_ema(self) -> None:
         """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
         evaluated weights all become a copy of the model (the counters are kept)."""
-        tracker = self.tracker
-        tracker.runner.wait()
-        self._work_for(tracker.plan()).run(Action("copy", call=tracker.step))
+        self.tracker.runner.wait()
+        self._work_for(self.tracker.plan()).run(Action("copy", call=self.tracker.step))
 
     def _work_for(self, plan: Plan) -> BEMAWork:
         """The BEMA work over ``plan``'s pairs (built again when the plan is new), which the

@@ -636,8 +636,7 @@ class EMA(nn.Module):
 
     def eval(self) -> EMA:
         """Put the EMA model in eval mode (the online model is left alone)."""
-        ema_model = self._modules.get("ema_model")
-        if ema_model is not None:
+        if (ema_model := self._modules["ema_model"]) is not None:
             ema_model.eval()
         self.training = False
         return self

@@ -105,10 +105,8 @@ class MultiEMA(nn.Module):
     def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
         seen = [id(p) for p in plans]
         if seen != self._plans_seen or (self._fused is not None and self._fused.stale()):
-            frozen = [e.is_frozen for e in self]
-            self._fused = FusedPlan.build(
-                plans, frozen=frozen, staged=self[0].tracker.runner.staged
-            )
+            staged = self[0].tracker.runner.staged
+            self._fused = FusedPlan.build(plans, frozen=[e.is_frozen for e in self], staged=staged)
             self._plans_seen = seen
         return self._fused
 
