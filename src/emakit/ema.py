@@ -828,11 +828,10 @@ class EMA(nn.Module):
             self._average_by_name(ma_model, current_model, decay)
         else:  # reading self.ema_model above waited for a background update
             t = self.tracker
-            plan = t.plan()
+            weights = [1.0 - decay] * len(t.rule.decays)  # the decay given, for every group
             if current_decay is None:  # every decay group its own current decay
-                plan.lerp_shadow(list(t.rule.weights(t.step, t.last)))
-            else:
-                plan.lerp_shadow([1.0 - decay] * plan.num_decay_groups)
+                weights = list(t.rule.weights(t.step, t.last))
+            t.plan().lerp_shadow(weights)
 
     @torch.no_grad()
     def _average_by_name(self, ma: Any, current: Any, decay: float) -> None:
