@@ -435,11 +435,12 @@ class EMA(nn.Module):
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
         after ``move_ema_to_online_device`` moved it to the model's (ema-pytorch's method)."""
-        home = getattr(self, "_home", None)  # set with the EMA model of a module
-        if home is None or not isinstance(self._source, ModuleSource):
+        ema_model = self._modules["ema_model"]
+        home = getattr(self, "_home", None)
+        if ema_model is None or home is None or not isinstance(self._source, ModuleSource):
             return
         self.tracker.runner.wait()
-        self._source.move_ema(self.model, self._modules["ema_model"], home)
+        self._source.move_ema(self.model, ema_model, home)
         self.tracker.invalidate()
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
