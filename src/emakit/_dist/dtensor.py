@@ -25,6 +25,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "reshard",
+    "same_sharding",
     "shard_identity",
     "shard_identity_getter",
     "torch_version",
@@ -82,6 +83,17 @@ def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (e.g. an FSDP2 parameter)."""
     cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(t, cls)
+
+
+def same_sharding(a: Tensor, b: Tensor) -> bool:
+    """Whether two DTensors have the same device mesh and placements (False when either is
+    a plain tensor)."""
+    return (
+        is_dtensor(a)
+        and is_dtensor(b)
+        and a.device_mesh == b.device_mesh  # type: ignore[attr-defined]
+        and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
+    )
 
 
 def local_tensor(t: Tensor) -> Tensor:
