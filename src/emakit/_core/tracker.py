@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -44,9 +45,12 @@ from .._engine.finite import FiniteGuard
 from .._engine.kernels import Impl
 from .._engine.pairs import Tracked
 from .._engine.plan import Plan, build_plan
-from .._engine.runners import Runner, Work
+from .._engine.runners import Runner
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
+
+if TYPE_CHECKING:
+    from .._engine.runners import Work
 
 __all__ = ["Tracker"]
 
