@@ -199,14 +199,7 @@ class PostHocEMA(nn.Module):
         self._ema_template = [ema_model]
         self._karras_kwargs = dict(kwargs)
         self.ema_models = nn.ModuleList(
-            KarrasEMA(
-                model,
-                sigma_rel=s,
-                gamma=None if s is not None else g,
-                ema_model=self._new_ema_model(),
-                update_every=update_every,
-                **kwargs,
-            )
+            self._new_profile(s, None if s is not None else g, update_every)
             for s, g in zip(srs, gs, strict=True)
         )
         check_snapshottable(self.profiles[0])
@@ -222,13 +215,22 @@ class PostHocEMA(nn.Module):
         if is_rank_zero():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
 
-    def _new_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
+    def _new_profile(self, sigma_rel: float | None, gamma: float | None, every: int) -> KarrasEMA:
+        """A KarrasEMA of the model with this profile, built as every profile is (from
+        ``ema_model`` and the keywords given to PostHocEMA): a tracked profile, or one to
+        load a reconstruction into (then sharded like the tracked ones)."""
         template = self._ema_template[0]
-        if isinstance(template, nn.Module):
-            # Each profile needs its own storage: sharing one module would make every
-            # profile average into the same tensors.
-            return copy.deepcopy(template)
-        return template
+        # Each profile needs its own storage: sharing one module would make every profile
+        # average into the same tensors.
+        ema_model = copy.deepcopy(template) if isinstance(template, nn.Module) else template
+        return KarrasEMA(
+            self.model,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            ema_model=ema_model,
+            update_every=every,
+            **self._karras_kwargs,
+        )
 
     @property
     def model(self) -> nn.Module:
@@ -395,18 +397,6 @@ class PostHocEMA(nn.Module):
         run = self.run_id if self.run_id in runs_in(list_snapshots(folder)) else None
         return pick_snapshots(folder, legacy, run)
 
-    def _synthesized(self, sigma_rel: float | None, gamma: float | None) -> KarrasEMA:
-        """A KarrasEMA of the model with this profile, to load a reconstruction into
-        (built as the profiles are: sharded like them)."""
-        return KarrasEMA(
-            self.model,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            ema_model=self._new_ema_model(),
-            update_every=self.update_every,
-            **self._karras_kwargs,
-        )
-
     def synthesize_ema_model(
         self,
         gamma: float | None = None,
@@ -467,7 +457,7 @@ class PostHocEMA(nn.Module):
                 snapshots=self._snapshots(),
             )
         )
-        synth = self._synthesized(sigma_rel, gamma)
+        synth = self._new_profile(sigma_rel, gamma, self.update_every)
         # each rank builds the blocks it holds, from whichever snapshot files overlap them
         model = cast(nn.Module, synth.ema_model)
         load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
@@ -518,7 +508,7 @@ class PostHocEMA(nn.Module):
         folder = self.checkpoint_folder
 
         def scorer() -> tuple[Callable[[dict[str, torch.Tensor]], Any], dict[str, Any]]:
-            synth = self._synthesized(self.sigma_rels[0], None)
+            synth = self._new_profile(self.sigma_rels[0], None, self.update_every)
             model = cast(nn.Module, synth.ema_model).eval()
 
             def score(out: dict[str, torch.Tensor]) -> Any:
