@@ -6,8 +6,9 @@ torch (``synthesize``, ``sweep`` and ``inspect``). This module imports only clic
 torch-free parts of emakit: torch, the extras (scikit-learn, matplotlib, rich) and the
 post-hoc commands are imported when a command runs, so ``emakit --help`` and
 ``--version`` answer in about the time Python and click take to start, and a missing extra
-becomes a one-line error with the install command instead of a traceback. Warnings raised while a command runs are printed
-as one plain ``Warning: ...`` line on stderr, without a file path or source line.
+becomes a one-line error with the install command instead of a traceback. Warnings raised
+while a command runs are printed as one plain ``Warning: ...`` line on stderr, without a
+file path or source line.
 
 Example:
     .. code-block:: console
