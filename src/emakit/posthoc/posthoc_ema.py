@@ -38,7 +38,7 @@ from .._validate import boolean, floating_dtype
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
-from .snapshots.folder import check_run_id, list_snapshots, new_run_id, run_to_continue, runs_in
+from .snapshots.folder import check_run_id, list_snapshots, new_run_id, runs_in
 from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
 from .snapshots.legacy import LegacyProfiles
 from .snapshots.shards import is_sharded
@@ -624,19 +624,21 @@ class PostHocEMA(nn.Module):
         return self.profiles[int(index)].owns_state_key(rest)
 
     def _folder_run(self) -> str | None:
-        """The run to continue after loading a state without a run id (on rank 0)."""
+        """The run to continue after loading a state without a run id (on rank 0): the
+        folder's only identified run, when it is not this one already."""
         if not (is_rank_zero() and self.checkpoint_folder.is_dir()):
             return None
-        run = run_to_continue(self.checkpoint_folder, self.run_id)
-        if run is not None:
-            warnings.warn(
-                f"the loaded state_dict records no run id; continuing run {run!r}, whose "
-                f"snapshots are in {str(self.checkpoint_folder)!r} (pass run_id= to "
-                f"PostHocEMA to choose the run)",
-                PostHocWarning,
-                stacklevel=3,
-            )
-        return run
+        runs = [r for r in runs_in(list_snapshots(self.checkpoint_folder)) if r]
+        if len(runs) != 1 or runs[0] == self.run_id:
+            return None
+        warnings.warn(
+            f"the loaded state_dict records no run id; continuing run {runs[0]!r}, whose "
+            f"snapshots are in {str(self.checkpoint_folder)!r} (pass run_id= to PostHocEMA "
+            f"to choose the run)",
+            PostHocWarning,
+            stacklevel=3,
+        )
+        return runs[0]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The state of every profile, versioned; the online model is left out.

@@ -86,7 +86,6 @@ __all__ = [
     "new_run_id",
     "own_path",
     "pick_run",
-    "run_to_continue",
     "runs_in",
 ]
 
@@ -404,13 +403,6 @@ def first_write_warnings(folder: Path, run: str, step: int) -> list[str]:
             f"steps{kept}; synthesis at or before step {step} ignores them"
         )
     return out
-
-
-def run_to_continue(folder: Path, own: str) -> str | None:
-    """The run a resumed [`PostHocEMA`][emakit.PostHocEMA] whose state records no run id
-    continues: the folder's only identified run, when it is not ``own`` already."""
-    runs = [r for r in runs_in(list_snapshots(folder)) if r]
-    return runs[0] if len(runs) == 1 and runs[0] != own else None
 
 
 def own_path(path: Path, run: str) -> Path:
