@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ._core.state import StateCodec, integer, real
-from ._dist.dtensor import is_dtensor, local_tensor
+from ._dist.dtensor import dtensor_like, is_dtensor, local_tensor
 from ._engine.bema import BEMAWork, state_order
 from ._engine.flat import rehome_
 from ._engine.plan import Plan
@@ -277,11 +277,4 @@ class BEMA(EMA):
 def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
     """``local`` as the shadow is: a DTensor with the shadow's mesh and placements when the
     shadow is one (FSDP2), so distributed checkpoints shard it alike; else itself."""
-    if not is_dtensor(shadow):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    d = cast(Any, shadow)
-    return DTensor.from_local(
-        local, d.device_mesh, d.placements, shape=d.shape, stride=d.stride(), run_check=False
-    )
+    return dtensor_like(local, shadow) if is_dtensor(shadow) else local
