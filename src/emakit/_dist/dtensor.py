@@ -98,7 +98,7 @@ def same_sharding(a: Tensor, b: Tensor) -> bool:
     )
 
 
-def dtensor_like(local: Tensor, like: Tensor) -> Tensor:
+def dtensor_like(local: Tensor, like: Tensor) -> Any:
     """A DTensor whose local shard is ``local``, with the mesh, placements, global shape
     and stride of the DTensor ``like`` (``DTensor.from_local`` without a check or any
     communication)."""
