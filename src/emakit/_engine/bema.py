@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
-from .flat import gather_views, memory_order, span, split_runs
+from .flat import memory_order
 from .pairs import TensorPair
+from .paths import pair_spans
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -65,33 +66,10 @@ class _Group:
         self, outs: list[Tensor], emas: list[Tensor], theta0s: list[Tensor], onlines: list[Tensor]
     ) -> None:
         ref = outs[0]
-        direct = all(o.dtype == ref.dtype and o.device == ref.device for o in onlines)
-        runs = split_runs([outs, emas, theta0s, onlines] if direct else [outs, emas, theta0s])
-        self.out = [span([outs[i] for i in r]) for r in runs]
-        self.ema = [span([emas[i] for i in r]) for r in runs]
-        self.theta0 = [span([theta0s[i] for i in r]) for r in runs]
-        self.gather_dst: list[Tensor] = []  # staging views
-        self.gather_src: list[Tensor] = []  # the online tensors (or spans of them)
-        if direct:
-            self.src = [span([onlines[i] for i in r]) for r in runs]
-            return
-        pin = ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-        # laid out as the out spans are, one after the other, alignment padding included
-        staging = torch.zeros(
-            sum(o.numel() for o in self.out),
-            dtype=ref.dtype,
-            device=ref.device,
-            pin_memory=pin and torch.cuda.is_available(),
+        staged = any(o.dtype != ref.dtype or o.device != ref.device for o in onlines)
+        (self.out, self.ema, self.theta0), self.src, self.gather_dst, self.gather_src = pair_spans(
+            [outs, emas, theta0s], onlines, staged=staged
         )
-        at, base = [], 0
-        for r, o in zip(runs, self.out, strict=True):
-            at += [base + int(outs[i].storage_offset() - outs[r[0]].storage_offset()) for i in r]
-            base += o.numel()
-        self.gather_dst, self.gather_src = gather_views(staging, at, onlines)
-        self.src = [
-            staging.narrow(0, at[r[0]], o.numel()).view(o.shape)
-            for r, o in zip(runs, self.out, strict=True)
-        ]
 
     def gather(self, non_blocking: bool) -> None:
         if self.gather_dst:

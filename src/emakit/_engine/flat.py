@@ -22,7 +22,6 @@ __all__ = [
     "ALIGN",
     "aligned_offsets",
     "flatten_parameters",
-    "gather_views",
     "memory_order",
     "rehome_",
     "span",
@@ -100,21 +99,6 @@ def split_runs(
                 continue
         runs.append([i])
     return runs
-
-
-def gather_views(
-    buffer: Tensor, at: Sequence[int], tensors: Sequence[Tensor]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """``(views, spans)`` such that copying each span of ``tensors`` into its view of the
-    1-D ``buffer`` puts ``tensors[i]`` at ``buffer[at[i]:]``: one pair per run of tensors
-    spaced as ``at`` (a lone tensor keeps its shape)."""
-    views, spans = [], []
-    for run in split_runs([tensors], at):
-        first, last = run[0], run[-1]
-        v = buffer.narrow(0, at[first], at[last] + tensors[last].numel() - at[first])
-        views.append(v.view(tensors[first].shape) if len(run) == 1 else v)
-        spans.append(span([tensors[i] for i in run]))
-    return views, spans
 
 
 def _view_like(flat: Tensor, offset: int, like: Tensor) -> Tensor:

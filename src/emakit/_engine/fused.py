@@ -8,8 +8,8 @@ group of averaged tensors takes one of three forms, picked once:
   ``lerp_`` from it;
 * they are many small tensors: they are gathered once into a staging buffer, then each EMA
   takes one ``lerp_`` from it (the update is launch-bound, not bandwidth-bound);
-* they are large: one foreach ``lerp_`` per EMA straight from them (a gather would only
-  add a pass over memory).
+* they are large: one foreach ``lerp_`` per EMA straight from them (over spans where they
+  sit side by side; a gather would only add a pass over memory).
 
 For a background runner (``staged=True``) every group gathers, so `FusedPlan.stage()`
 is the snapshot and `FusedPlan.finish()` the N lerps. Tensors that are copied rather
@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .._dist.dtensor import local_tensor
 from .finite import Guarded
-from .flat import gather_views, span, split_runs
+from .flat import split_runs
+from .paths import Pointers, pair_spans
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -44,36 +45,25 @@ class _Group:
     each EMA, the lists its ``lerp_`` moves (``targets``), and the gather they read from."""
 
     def __init__(self, onlines: list[Tensor], shadows: list[list[Tensor]], staged: bool) -> None:
-        spans = [span(s).reshape(-1) for s in shadows]
-        ref = spans[0]
-        # where each tensor sits in the shadows' (one) run, alignment padding included
-        base = int(shadows[0][0].storage_offset())
-        at = [int(t.storage_offset()) - base for t in shadows[0]]
-        runs = split_runs([onlines], at)
-        same = (onlines[0].dtype, onlines[0].device) == (ref.dtype, ref.device)
+        first, ref = onlines[0], shadows[0][0]
         self.onlines = onlines
-        self.key = (onlines[0].dtype, onlines[0].device)
-        self.watched = [onlines[i] for r in runs if len(r) > 1 for i in r]  # spans made here
-        self.ptrs = [t.data_ptr() for t in self.watched]
-        self.gather_dst: list[Tensor] = []
-        self.gather_src: list[Tensor] = []
+        self.key = (first.dtype, first.device)
+        # read in place when the online tensors form one span of the shadows' dtype, or are
+        # large (a gather would only add a pass over memory); else gathered once for all
+        one_span = len(split_runs([*shadows, onlines])) == 1
+        large = sum(o.numel() for o in onlines) >= GATHER_BELOW * len(onlines)
+        gather = staged or self.key != (ref.dtype, ref.device) or not (one_span or large)
+        self.pointers = Pointers()  # of the spans made here
+        dst, src, self.gather_dst, self.gather_src = pair_spans(
+            shadows, onlines, staged=gather, pointers=self.pointers
+        )
+        self.pointers.seal()
+        self.targets = [(d, src) for d in dst]
         self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see lerp()
-        if not staged and same and len(runs) == 1:
-            self.targets = [([s], [span(onlines).reshape(-1)]) for s in spans]
-        elif not staged and same and ref.numel() / len(onlines) >= GATHER_BELOW:
-            self.targets = [(s, onlines) for s in shadows]  # a gather would only add a pass
-        else:
-            pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-            # zeros: the padding is averaged with the shadows' (zero) padding
-            source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
-            self.gather_dst, self.gather_src = gather_views(source, at, onlines)
-            self.targets = [([s], [source]) for s in spans]
 
     def stale(self) -> bool:
         first = self.onlines[0]
-        if (first.dtype, first.device) != self.key:
-            return True
-        return list(map(Tensor.data_ptr, self.watched)) != self.ptrs
+        return (first.dtype, first.device) != self.key or self.pointers.moved()
 
     def gather(self, non_blocking: bool = False) -> None:
         if self.gather_dst:
