@@ -735,7 +735,7 @@ def test_skipped_call_does_nothing_observable(use_foreach, monkeypatch):
             (Tracker, "plan"),
             (Tracker, "apply"),
             (Plan, "run"),
-            (Plan, "stale"),
+            (Plan, "freshness"),
             (Plan, "copy_to_shadow"),
             (Plan, "lerp_online"),
             (Plan, "copy_to_online"),

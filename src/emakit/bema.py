@@ -312,7 +312,7 @@ class BEMARunner:
                     if name not in self.ema:  # a frozen weight trained again: from its value
                         self.ema[name] = local_tensor(p.shadow).clone()
                         self.theta0[name] = local_tensor(p.shadow).clone()
-            self._work = (plan, BEMAWork(plan.pairs, self.ema, self.theta0))
+            self._work = (plan, BEMAWork(plan, self.ema, self.theta0))
         return self._work[1]
 
     def submit(self, work: Any, action: Action) -> None:

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.deepspeed import unwrap_engine
-from .._dist.dtensor import is_dtensor
 from .._engine.flat import memory_order, rehome_
 from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
@@ -160,8 +159,3 @@ def layout_shadow(
         device=device,
         pin_memory=pin,
     )
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor."""
-    return any(is_dtensor(p) for p in model.parameters())

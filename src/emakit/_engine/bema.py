@@ -37,6 +37,7 @@ from .._dist.dtensor import local_tensor
 from .flat import memory_order
 from .pairs import TensorPair
 from .paths import pair_spans
+from .plan import Plan
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -91,19 +92,16 @@ class BEMAWork:
     """The BEMA update of ``pairs`` (see the module docstring), runnable by any runner.
 
     Args:
-        pairs: the EMA's pairs (its plan's); the shadow tensors are the evaluated weights.
+        plan: the EMA's plan: its pairs' shadow tensors are the evaluated weights, and it
+            copies the pairs that are never averaged.
         ema: the EMA tensor of each averaged pair, by name, laid out in
             `state_order()` (DTensors: this rank's shard).
         theta0: ``theta0`` likewise.
     """
 
-    def __init__(
-        self,
-        pairs: Sequence[TensorPair],
-        ema: Mapping[str, Tensor],
-        theta0: Mapping[str, Tensor],
-    ) -> None:
-        self.pairs = list(pairs)
+    def __init__(self, plan: Plan, ema: Mapping[str, Tensor], theta0: Mapping[str, Tensor]) -> None:
+        self.plan = plan
+        self.pairs = plan.pairs
         by_key: dict[tuple[Any, ...], list[TensorPair]] = {}
         for p in state_order(self.pairs):
             s = local_tensor(p.shadow)
@@ -117,19 +115,13 @@ class BEMAWork:
             )
             for members in by_key.values()
         ]
-        copied = [p for p in self.pairs if not p.average]
-        self.copy_dst = [local_tensor(p.shadow) for p in copied]
-        self.copy_src = [local_tensor(p.online) for p in copied]
         self.held = [p.online for p in self.pairs if held(p)]
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = plan.on_accelerator
 
     def thawed(self) -> bool:
         """Whether a held frozen weight is trainable again (the work must be rebuilt)."""
         return any(t.requires_grad for t in self.held)
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
-        return bool(self.pairs) and self.pairs[0].online.is_cuda
 
     def run(self, action: Action) -> None:
         """Carry out ``action`` now."""
@@ -140,8 +132,7 @@ class BEMAWork:
     def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
         """Copy the never-averaged tensors into the EMA model and snapshot the averaged
         ones into the staging buffers (where they are staged)."""
-        if self.copy_dst:
-            torch._foreach_copy_(self.copy_dst, self.copy_src)
+        self.plan.copy_unaveraged()
         for g in self.groups:
             g.gather(non_blocking)
 

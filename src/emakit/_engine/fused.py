@@ -93,6 +93,8 @@ class FusedPlan:
         self.plans = list(plans)
         self.groups = groups
         self.frozen = list(frozen)
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = self.plans[0].on_accelerator
 
     @classmethod
     def build(
@@ -121,11 +123,6 @@ class FusedPlan:
                 return None
             groups.append(_Group(onlines, shadows, staged))
         return cls(plans, groups, frozen or [False] * len(plans))
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device."""
-        return self.plans[0].on_accelerator
 
     def stale(self) -> bool:
         """Whether any group's online storage moved since the plan was built."""

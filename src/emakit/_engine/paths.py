@@ -80,11 +80,6 @@ class Transfer:
     stage_src: list[Tensor] = field(default_factory=list)
     convert: bool = False
 
-    @property
-    def online(self) -> list[Tensor]:
-        """The online tensors (or spans) this transfer reads, staged or not."""
-        return self.stage_src or self.src
-
 
 @dataclass
 class Pointers:
@@ -108,12 +103,6 @@ class Pointers:
             for i in run if every else (run[0], run[-1]):
                 self.tensors.append(side[i])
                 self.ptrs.append(side[i].data_ptr())
-
-    def watch(self, tensors: Sequence[Tensor]) -> None:
-        """Guard every one of ``tensors`` (plain tensors, not views made here), sealed."""
-        self.tensors.extend(tensors)
-        self.ptrs.extend(t.data_ptr() for t in tensors)
-        self.seal()
 
     def seal(self) -> None:
         """Record the use counts of the storages under the guarded spans."""

@@ -63,8 +63,9 @@ class Plan:
         # A shared weight whose online storage is replaced (``.data = ...``, ``.to()``) stops
         # sharing: the plan is then stale and the next one averages it (DTensor shards are
         # watched by identity in the guards).
-        self.shared_pointers = Pointers()
-        self.shared_pointers.watch([p.online for p in self.shared if not is_dtensor(p.online)])
+        watched = [p.online for p in self.shared if not is_dtensor(p.online)]
+        self.shared_pointers = Pointers(watched, [t.data_ptr() for t in watched])
+        self.shared_pointers.seal()
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
         self.guards = Guards(
@@ -79,21 +80,12 @@ class Plan:
         self._staging = any(t.stage_dst for g in self.groups for t in (g.lerp, g.copy))
         self._guarded: GuardedPath | None = None
         self._online_groups: list[Group] | None = None
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
-        return bool(self.pairs) and self.pairs[0].online.is_cuda
-
-    @property
-    def num_kernels(self) -> int:
-        """Kernels (spans or tensors) one averaging update touches, summed over groups."""
-        return sum(len(g.lerp.dst) + len(g.copy.dst) for g in self.groups)
-
-    @property
-    def num_decay_groups(self) -> int:
-        """One more than the highest decay group index among the pairs."""
-        return 1 + max((p.group for p in self.pairs), default=0)
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = bool(self.pairs) and self.pairs[0].online.is_cuda
+        #: Kernels (spans or tensors) one averaging update touches, summed over groups.
+        self.num_kernels = sum(len(g.lerp.dst) + len(g.copy.dst) for g in self.groups)
+        #: One more than the highest decay group index among the pairs.
+        self.num_decay_groups = 1 + max((p.group for p in self.pairs), default=0)
 
     # -- staleness --------------------------------------------------------------------------
 
@@ -110,10 +102,6 @@ class Plan:
         if shared.tensors and shared.moved():
             return "stale"
         return self.guards.check()
-
-    def stale(self) -> bool:
-        """Whether the plan is certainly stale (see [`freshness()`][emakit._engine.plan.Plan.freshness])."""
-        return self.freshness() == "stale"
 
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
         """Whether ``tracked``'s pairs are the plan's own: same names, tensors and roles. If
