@@ -23,8 +23,9 @@ from _models import conv_bn_layernorm_net as make_net
 from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit._core.tracker import Tracker
-from emakit._engine import IMPLS, Plan, ema_copy_, ema_lerp_
 from emakit._engine.flat import aligned_offsets
+from emakit._engine.kernels import IMPLS, ema_copy_, ema_lerp_
+from emakit._engine.plan import Plan
 from emakit.schedules import inverse_gamma_float32
 
 PATHS = [False, True, None]

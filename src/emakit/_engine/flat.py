@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import is_dtensor
+from ..errors import EMATypeError, EMAValueError
 
 __all__ = [
     "ALIGN",
@@ -188,8 +189,6 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
         [193]
     """
     if not isinstance(model, torch.nn.Module):
-        from ..errors import EMATypeError
-
         raise EMATypeError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; "
             f"flatten_parameters re-homes a module's parameters"
@@ -199,8 +198,6 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
         tensors += list(model.buffers())
     sharded = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_dtensor(t)]
     if sharded:
-        from ..errors import EMAValueError
-
         raise EMAValueError(
             f"flatten_parameters got a sharded model (DTensor parameters, e.g. after "
             f"fully_shard: {sharded[:3]}); a DTensor cannot be re-homed into a flat buffer. "

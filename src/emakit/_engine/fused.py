@@ -128,7 +128,6 @@ class FusedPlan:
         """Whether any group's online storage moved since the plan was built."""
         return any(g.stale() for g in self.groups)
 
-    @torch.no_grad()
     def run(self, action: Action) -> None:
         """Average every EMA now (``action.weights``: one weight per EMA; ``action.guard``:
         see [`Plan.run()`][emakit._engine.plan.Plan.run])."""

@@ -51,19 +51,15 @@ class Runner(Protocol):
     @property
     def pending(self) -> bool:
         """Whether an action was submitted and not yet waited for."""
-        ...
 
     def submit(self, work: Work, action: Action) -> None:
         """Carry out ``action`` on ``work`` (now, or later: see `wait()`)."""
-        ...
 
     def wait(self) -> None:
         """Block (or order the current CUDA stream) until the pending action is done."""
-        ...
 
     def close(self) -> None:
         """Wait, then release threads or streams."""
-        ...
 
 
 class SyncRunner:
