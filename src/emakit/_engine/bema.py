@@ -1,8 +1,8 @@
 """BEMA's update over an EMA's pairs: the EMA, ``theta0`` and the evaluated weights.
 
 A `BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
-`emakit._engine.runners`). Per (device, dtype) group of averaged tensors it keeps
-three lists laid out alike, one span per run of memory-adjacent tensors:
+`emakit._engine.runners`). Over the averaged tensors, grouped by device and dtype, it
+keeps three lists laid out alike, one span per run of memory-adjacent tensors:
 
 * ``out``: the evaluated (bias-corrected) weights, which are the EMA model's own tensors
   (so ``swap()``, ``ema(x)`` and every export read them);
@@ -60,34 +60,6 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
     return sorted(averaged, key=lambda p: memory_order(local_tensor(p.shadow)))
 
 
-class _Group:
-    """One (device, dtype) group of averaged tensors: spans of out, ema, theta0, source."""
-
-    def __init__(
-        self, outs: list[Tensor], emas: list[Tensor], theta0s: list[Tensor], onlines: list[Tensor]
-    ) -> None:
-        ref = outs[0]
-        staged = any(o.dtype != ref.dtype or o.device != ref.device for o in onlines)
-        (self.out, self.ema, self.theta0), self.src, self.gather_dst, self.gather_src = pair_spans(
-            [outs, emas, theta0s], onlines, staged=staged
-        )
-
-    def gather(self, non_blocking: bool) -> None:
-        if self.gather_dst:
-            torch._foreach_copy_(self.gather_dst, self.gather_src, non_blocking=non_blocking)
-
-    def snapshot(self) -> None:
-        for dst in (self.theta0, self.ema, self.out):
-            torch._foreach_copy_(dst, self.src)
-
-    def average(self, beta: float, alpha: float) -> None:
-        torch._foreach_lerp_(self.ema, self.src, beta)
-        torch._foreach_copy_(self.out, self.src)
-        torch._foreach_sub_(self.out, self.theta0)
-        torch._foreach_mul_(self.out, alpha)
-        torch._foreach_add_(self.out, self.ema)
-
-
 class BEMAWork:
     """The BEMA update of ``pairs`` (see the module docstring), runnable by any runner.
 
@@ -106,15 +78,26 @@ class BEMAWork:
         for p in state_order(self.pairs):
             s = local_tensor(p.shadow)
             by_key.setdefault((s.device, s.dtype), []).append(p)
-        self.groups = [
-            _Group(
-                [local_tensor(p.shadow) for p in members],
-                [ema[p.name] for p in members],
-                [theta0[p.name] for p in members],
-                [local_tensor(p.online) for p in members],
+        #: Spans of the evaluated weights, the EMA and ``theta0``, and what each reads (the
+        #: online tensors, or the staging buffer), every group's; the copies that gather.
+        self.out: list[Tensor] = []
+        self.ema: list[Tensor] = []
+        self.theta0: list[Tensor] = []
+        self.src: list[Tensor] = []
+        self.gathers: list[tuple[list[Tensor], list[Tensor]]] = []
+        for members in by_key.values():
+            outs = [local_tensor(p.shadow) for p in members]
+            onlines = [local_tensor(p.online) for p in members]
+            staged = any(o.dtype != outs[0].dtype or o.device != outs[0].device for o in onlines)
+            states = [outs, [ema[p.name] for p in members], [theta0[p.name] for p in members]]
+            (out, ema_spans, theta0_spans), src, gather_dst, gather_src = pair_spans(
+                states, onlines, staged=staged
             )
-            for members in by_key.values()
-        ]
+            self.out += out
+            self.ema += ema_spans
+            self.theta0 += theta0_spans
+            self.src += src
+            self.gathers.append((gather_dst, gather_src))
         self.held = [p.online for p in self.pairs if held(p)]
         #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
         self.on_accelerator = plan.on_accelerator
@@ -133,18 +116,23 @@ class BEMAWork:
         """Copy the never-averaged tensors into the EMA model and snapshot the averaged
         ones into the staging buffers (where they are staged)."""
         self.plan.copy_unaveraged()
-        for g in self.groups:
-            g.gather(non_blocking)
+        for dst, src in self.gathers:
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
     @torch.no_grad()
     def finish(self, action: Action) -> None:
         """The arithmetic of ``action`` from the snapshot (``"lerp"``: BEMA's update with
         ``beta_t = action.weights[0]`` and ``alpha_t = action.bias``; ``"init"`` and
         ``"copy"``: snapshot ``theta0``, the EMA and the output)."""
+        if not self.out:  # nothing averaged (foreach kernels refuse empty lists)
+            return
         if action.kind == "lerp":
-            beta, alpha = action.weights[0], action.bias
-            for g in self.groups:
-                g.average(beta, alpha)
+            torch._foreach_lerp_(self.ema, self.src, action.weights[0])
+            torch._foreach_copy_(self.out, self.src)
+            torch._foreach_sub_(self.out, self.theta0)
+            torch._foreach_mul_(self.out, action.bias)
+            torch._foreach_add_(self.out, self.ema)
         elif action.kind in ("init", "copy"):
-            for g in self.groups:
-                g.snapshot()
+            for dst in (self.theta0, self.ema, self.out):
+                torch._foreach_copy_(dst, self.src)

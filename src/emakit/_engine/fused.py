@@ -141,5 +141,5 @@ class FusedPlan:
         for i, ((dst, src), w) in enumerate(zip(self.targets, action.weights, strict=True)):
             if w and ok is not None:
                 self.guarded[i].update(ok, w)
-            elif w:
+            elif w and dst:  # (foreach kernels refuse empty lists)
                 torch._foreach_lerp_(dst, src, w)
