@@ -65,10 +65,8 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
         return kind._make(items) if hasattr(obj, "_fields") else kind(items)
     if isinstance(obj, list):
         return type(obj)(map_tensors(x, fn) for x in obj)
-    if type(obj) is dict:
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, MutableMapping):
-        out = copy.copy(obj)  # keeps the class (OrderedDict, ModelOutput, ...)
+        out = copy.copy(obj)  # keeps the class (dict, OrderedDict, ModelOutput, ...)
         for k, v in obj.items():
             out[k] = map_tensors(v, fn)
         return out

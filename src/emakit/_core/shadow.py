@@ -146,12 +146,8 @@ def layout_shadow(
 
     # averaged first, by decay group, then as the online tensors sit in memory
     ordered = sorted(plain, key=lambda p: (not p.average, p.group, *memory_order(p.online)))
-    pin = (
-        device is not None
-        and device.type == "cpu"
-        and torch.cuda.is_available()
-        and any(p.online.is_cuda for p in ordered)
-    )
+    # pinned when offloaded from an accelerator (rehome_ pins only CPU buffers)
+    pin = device is not None and any(p.online.is_cuda for p in ordered)
     rehome_(
         [p.shadow for p in ordered],
         sources=[p.online if from_online else p.shadow for p in ordered],

@@ -106,15 +106,7 @@ class Plan:
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
         """Whether ``tracked``'s pairs are the plan's own: same names, tensors and roles. If
         so, the plan is fresh again until the next registration on the watched modules."""
-        pairs = Tracked.of(tracked).pairs
-        same = len(pairs) == len(self.pairs) and all(
-            a.name == b.name
-            and a.online is b.online
-            and a.shadow is b.shadow
-            and a.average == b.average
-            and a.group == b.group
-            for a, b in zip(pairs, self.pairs, strict=True)
-        )
+        same = _identity(Tracked.of(tracked).pairs) == _identity(self.pairs)
         if same:
             self.guards.accept()
         return same
@@ -188,6 +180,11 @@ class Plan:
     def lerp_online(self, weight: float) -> None:
         """``online.lerp_(shadow, weight)`` for averaged pairs; copy the others."""
         self.path.lerp(self._to_online(), [weight] * self.num_decay_groups)
+
+
+def _identity(pairs: Sequence[TensorPair]) -> list[tuple]:
+    """What makes two lists of pairs the same: names, tensors (the objects) and roles."""
+    return [(p.name, id(p.online), id(p.shadow), p.average, p.group) for p in pairs]
 
 
 #: Alias of [`Plan`][emakit._engine.plan.Plan], kept for the callers that build plans
