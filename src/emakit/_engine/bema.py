@@ -61,7 +61,7 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
 
 
 class BEMAWork:
-    """The BEMA update of ``pairs`` (see the module docstring), runnable by any runner.
+    """The BEMA update of a plan's pairs (see the module docstring), runnable by any runner.
 
     Args:
         plan: the EMA's plan: its pairs' shadow tensors are the evaluated weights, and it
@@ -73,9 +73,8 @@ class BEMAWork:
 
     def __init__(self, plan: Plan, ema: Mapping[str, Tensor], theta0: Mapping[str, Tensor]) -> None:
         self.plan = plan
-        self.pairs = plan.pairs
         by_key: dict[tuple[Any, ...], list[TensorPair]] = {}
-        for p in state_order(self.pairs):
+        for p in state_order(plan.pairs):
             s = local_tensor(p.shadow)
             by_key.setdefault((s.device, s.dtype), []).append(p)
         #: Spans of the evaluated weights, the EMA and ``theta0``, and what each reads (the
@@ -98,7 +97,7 @@ class BEMAWork:
             self.theta0 += theta0_spans
             self.src += src
             self.gathers.append((gather_dst, gather_src))
-        self.held = [p.online for p in self.pairs if held(p)]
+        self.held = [p.online for p in plan.pairs if held(p)]
         #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
         self.on_accelerator = plan.on_accelerator
 

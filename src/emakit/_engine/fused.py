@@ -110,8 +110,7 @@ class FusedPlan:
     def stale(self) -> bool:
         """Whether a group's online tensors changed dtype or device, or the storage under a
         span moved, since the plan was built."""
-        changed = any((t.dtype, t.device) != key for t, key in self.firsts)
-        return changed or self.pointers.moved()
+        return any((t.dtype, t.device) != key for t, key in self.firsts) or self.pointers.moved()
 
     def run(self, action: Action) -> None:
         """Average every EMA now (``action.weights``: one weight per EMA; ``action.guard``:

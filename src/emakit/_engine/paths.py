@@ -243,11 +243,13 @@ class Path:
     """One implementation: its kernels, and the two updates of a plan's groups over them.
 
     Attributes:
+        name: ``"loop"`` or ``"foreach"``.
         copy_each: copies every pair of two lists (casting where they differ).
         lerp_same: ``dst.lerp_(src, weight)`` for pairs of one dtype and device.
         lerp_cast: the same, casting/moving each source to its destination first.
     """
 
+    name: str
     copy_each: Callable[[list[Tensor], list[Tensor]], Any]
     lerp_same: Callable[[list[Tensor], list[Tensor], float], Any]
     lerp_cast: Callable[[list[Tensor], list[Tensor], float], Any]
@@ -271,6 +273,6 @@ class Path:
 
 
 #: The reference path: one kernel per tensor.
-LOOP = Path(copy_each, single_tensor_lerp, single_tensor_lerp)
+LOOP = Path("loop", copy_each, single_tensor_lerp, single_tensor_lerp)
 #: One multi-tensor kernel per group (of tensors, or of spans for ``"flat"``).
-FOREACH = Path(torch._foreach_copy_, torch._foreach_lerp_, multi_tensor_lerp)
+FOREACH = Path("foreach", torch._foreach_copy_, torch._foreach_lerp_, multi_tensor_lerp)
