@@ -69,13 +69,12 @@ def integer(name: str, value: object, *, low: int, high: int = INT64_MAX) -> int
 
 def count(name: str, value: object) -> int:
     """A count >= 0 given as an int or a 1-element integer tensor (``ema.step += 1``)."""
-    numel = getattr(value, "numel", None)
-    if callable(numel):  # a tensor
-        if numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:  # type: ignore[attr-defined]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
             raise EMATypeError(
                 f"{name} must be an int or a 1-element integer tensor, got {name}={value!r}"
             )
-        value = int(value)  # type: ignore[call-overload]
+        value = int(value)
     return integer(name, value, low=0)
 
 
@@ -141,36 +140,25 @@ MAX_COUNT = 2**53
 
 def _stored_number(value: object) -> object:
     """A 1-element tensor as its Python number; anything else unchanged."""
-    numel = getattr(value, "numel", None)
-    if not callable(numel) or isinstance(value, (str, bytes)):
+    if not isinstance(value, torch.Tensor):
         return value
-    if numel() != 1:
-        shape = tuple(getattr(value, "shape", ()))
-        raise ValueError(f"a tensor of shape {shape}, not a single number")
-    if getattr(value, "dtype", None) == torch.bool:
-        raise ValueError("a bool tensor, not a number")
-    if getattr(value, "is_complex", lambda: False)():
-        raise ValueError("a complex tensor, not a real number")
-    return value.item()  # type: ignore[attr-defined]
+    if value.numel() != 1:
+        raise ValueError(f"a tensor of shape {tuple(value.shape)}, not a single number")
+    return value.item()  # a bool or complex tensor gives a bool or complex: refused below
 
 
 def _count_value(value: object, text: bool) -> int:
     value = _stored_number(value)
-    if isinstance(value, bool):
-        raise ValueError("a bool, not a count")
     if isinstance(value, str):
         digits = value.strip()
         if not (text and digits.lstrip("+-").isdigit() and len(digits) <= 40):
             raise ValueError("not a whole number" if text else "text, not a number")
         return int(digits)
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError("not a whole number")
+    if isinstance(value, float) and value.is_integer():
         return int(value)
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"a {type(value).__name__}, not a whole number") from None
+    if not isinstance(value, bool) and hasattr(value, "__index__"):  # an int, numpy's too
+        return operator.index(value)
+    raise ValueError(f"a {type(value).__name__}, not a whole number")
 
 
 def _stored(source: str, field: str, value: object, what: str, parse: Callable[[], Any]) -> Any:
@@ -237,8 +225,6 @@ def stored_flag(source: str, field: str, value: object) -> bool:
     1-element tensor; or an [`EMAStateError`][emakit.errors.EMAStateError] naming ``source`` and ``field``."""
 
     def parse() -> bool:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
-            return bool(value)
         number = _stored_number(value)
         if isinstance(number, (bool, int, float)) and number in (0, 1):
             return bool(number)

@@ -18,23 +18,22 @@ read the evaluated weights ``theta_hat``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ._core.state import StateCodec, integer, real
-from ._dist.dtensor import is_dtensor, local_tensor
+from ._dist.dtensor import dtensor_like, is_dtensor, local_tensor
 from ._engine.bema import BEMAWork, state_order
 from ._engine.flat import rehome_
 from ._engine.plan import Plan
-from ._engine.runners import Runner
 from .decay import Action, BEMARule, bema_rule
 from .ema import EMA
 from .errors import EMAStateError
 
-__all__ = ["BEMA", "BEMA_STATE_VERSION", "BEMARunner"]
+__all__ = ["BEMA", "BEMA_STATE_VERSION"]
 
 #: Version of what `BEMA.state_dict()` adds to EMA's: the ``bema_ema.*`` and
 #: ``bema_theta0.*`` tensors, and the settings in the module's metadata.
@@ -71,6 +70,25 @@ class BEMA(EMA):
     step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
     EMA lives on another device or dtype than the model.
 
+    **State**: `state_dict()` has [`EMA.state_dict`][emakit.EMA.state_dict]'s keys
+    (``ema_model.*`` holds the evaluated weights), plus the EMA and ``theta0`` of every
+    averaged tensor, and the settings in the module's metadata (``bema_version`` 1); for
+    ``BEMA(nn.Linear(2, 2))``::
+
+        {
+            "initted": tensor(True),
+            "step": tensor(800),
+            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
+            "ema_model.bias": tensor(...),
+            "bema_ema.weight": tensor(...),      # the plain EMA
+            "bema_ema.bias": tensor(...),
+            "bema_theta0.weight": tensor(...),   # the weights at update_after
+            "bema_theta0.bias": tensor(...),
+        }
+
+    A resumed BEMA continues bit for bit. Loading refuses a state saved with other
+    settings (when the metadata is there).
+
     Args:
         model: the online (training) module.
         update_freq: calls between BEMA updates (``phi``). Default 400.
@@ -95,6 +113,10 @@ class BEMA(EMA):
         allow_different_devices: keyword-only, as for [`EMA`][emakit.EMA].
         forward_method_names: keyword-only, as for [`EMA`][emakit.EMA].
         include_online_model: keyword-only, as for [`EMA`][emakit.EMA].
+
+    Attributes:
+        rule: the [`BEMARule`][emakit.decay.BEMARule] (its settings: ``rule.update_freq``,
+            ``rule.lag`` ...); the tracker's rule.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -148,65 +170,65 @@ class BEMA(EMA):
             device=device,
             async_update=async_update,
         )
-        self.tracker.rule = rule
+        self.rule = self.tracker.rule = rule
         #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
         self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
-        self._lay_out_state()
-        self._runner = BEMARunner(self.tracker.runner, *self._state.values())
-        self.tracker.runner = self._runner
-        self.copy_params_from_model_to_ema()  # theta0 = ema = output = the model now
+        self._work: tuple[Plan, BEMAWork] | None = None
+        self.tracker.work = self._work_for  # the runner is handed BEMA's work for a plan
+        self.copy_params_from_model_to_ema()  # lays out theta0 and the EMA: = the model now
         self.tracker.set_counters(initted=True)
-
-    @property
-    def rule(self) -> BEMARule:
-        """The BEMA rule (its settings: ``rule.update_freq``, ``rule.lag`` ...)."""
-        return self.tracker.rule  # type: ignore[return-value]
-
-    def _lay_out_state(self) -> None:
-        """Allocate the EMA and ``theta0`` tensors, laid out like the evaluated weights."""
-        pairs = self.tracker.plan().pairs
-        order = state_order(pairs)
-        shadows = [local_tensor(p.shadow) for p in order]
-        for store in self._state.values():
-            tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
-            rehome_(tensors, sources=shadows)
-            by_name = {p.name: t for p, t in zip(order, tensors, strict=True)}
-            store.clear()  # in the model's order (the same on every rank), not memory order
-            store.update((p.name, by_name[p.name]) for p in pairs if p.name in by_name)
 
     def copy_params_from_model_to_ema(self) -> None:
         """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
         evaluated weights all become a copy of the model (the counters are kept)."""
-        tracker = self.tracker
-        tracker.runner.wait()
-        self._runner.work_for(tracker.plan()).run(Action("copy", call=tracker.step))
+        self.tracker.runner.wait()
+        self._work_for(self.tracker.plan()).run(Action("copy", call=self.tracker.step))
+
+    def _work_for(self, plan: Plan) -> BEMAWork:
+        """The BEMA work over ``plan``'s pairs (built again when the plan is new), which the
+        tracker hands its runner (inline, thread or stream) instead of the plan."""
+        if self._work is None or self._work[0] is not plan or self._work[1].thawed():
+            ema, theta0 = self._state.values()
+            gone = sorted(ema.keys() - {p.name for p in plan.pairs})
+            if gone:  # the model changed: the state cannot follow
+                raise EMAStateError(
+                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
+                    f"gone); build a new BEMA for the new model"
+                )
+            # New entries (all of them at first, then a frozen weight trained again) start
+            # from the shadow's value, laid out like the shadows (the same spans), keyed in
+            # the model's order (the same on every rank), not memory order.
+            new = [p for p in state_order(plan.pairs) if p.name not in ema]
+            shadows = [local_tensor(p.shadow) for p in new]
+            for store in (ema, theta0):
+                tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
+                rehome_(tensors, sources=shadows)
+                by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
+                store.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
+            self._work = (plan, BEMAWork(plan, ema, theta0))
+        return self._work[1]
 
     def get_current_decay(self) -> float:
         """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
-        last = self.tracker.last
-        return self.rule.decay(last) if last > 0 else 0.0
+        return self.rule.decay(self.tracker.last) if self.tracker.last > 0 else 0.0
 
     @property
     def bias_weight(self) -> float:
         """``alpha_t`` of the most recent BEMA update (0 before the first)."""
-        last = self.tracker.last
-        return self.rule.alpha(last) if last > 0 else 0.0
+        return self.rule.alpha(self.tracker.last) if self.tracker.last > 0 else 0.0
 
     # -- state -----------------------------------------------------------------------------
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         out = super()._apply(fn, recurse)
-        with torch.no_grad():
-            for store in getattr(self, "_state", {}).values():
-                for name, t in store.items():
-                    store[name] = fn(t)
+        for store in getattr(self, "_state", {}).values():  # plain tensors: no autograd
+            for name, t in store.items():
+                store[name] = fn(t)
         return out
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _CODEC.encode(
-            {f.name: getattr(self.rule, f.name) for f in fields(self.rule)}, destination, prefix
-        )
+        _CODEC.encode(asdict(self.rule), destination, prefix)  # the settings
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
         for key, store in self._state.items():
             for name, t in store.items():
@@ -214,9 +236,7 @@ class BEMA(EMA):
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
-        return (
-            key.startswith(tuple(self._state)) or key in _CODEC.keys or super().owns_state_key(key)
-        )
+        return key.startswith(tuple(self._state)) or super().owns_state_key(key)
 
     def _load_from_state_dict(
         self,
@@ -229,11 +249,10 @@ class BEMA(EMA):
         error_msgs: list[str],
     ) -> None:
         saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        for name, value in saved.items():
-            mine = getattr(self.rule, name)
-            if value != mine:
+        for name, mine in asdict(self.rule).items():
+            if name in saved and saved[name] != mine:
                 raise EMAStateError(
-                    f"state_dict is of a BEMA with {name}={value!r}, but this BEMA has "
+                    f"state_dict is of a BEMA with {name}={saved[name]!r}, but this BEMA has "
                     f"{name}={mine!r}; build the BEMA with the settings it was saved with"
                 )
         super()._load_from_state_dict(
@@ -248,102 +267,14 @@ class BEMA(EMA):
                     else:
                         t.copy_(local_tensor(value))
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The BEMA state: [`EMA.state_dict`][emakit.EMA.state_dict]'s keys (``ema_model.*``
-        holds the evaluated weights), plus the EMA and ``theta0`` of every averaged tensor,
-        and the settings in the module's metadata (``bema_version`` 1), for
-        ``BEMA(nn.Linear(2, 2))``::
-
-            {
-                "initted": tensor(True),
-                "step": tensor(800),
-                "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
-                "ema_model.bias": tensor(...),
-                "bema_ema.weight": tensor(...),      # the plain EMA
-                "bema_ema.bias": tensor(...),
-                "bema_theta0.weight": tensor(...),   # the weights at update_after
-                "bema_theta0.bias": tensor(...),
-            }
-
-        A resumed BEMA continues bit for bit. Loading refuses a state saved with other
-        settings (when the metadata is there).
-        """
-        return super().state_dict(*args, **kwargs)
-
     def extra_repr(self) -> str:
         return repr(self.rule)
 
-
-class BEMARunner:
-    """The runner of a [`BEMA`][emakit.BEMA]: the EMA's own runner (inline, thread, stream),
-    handed a ``BEMAWork`` (`emakit._engine.bema`) for each plan it is given, so the
-    tracker's update path (``Tracker.advance()`` then ``apply()``) drives BEMA too.
-
-    Args:
-        inner: the runner the EMA's keywords asked for.
-        ema, theta0: BEMA's state tensors by name (see [`BEMA`][emakit.bema.BEMA]).
-    """
-
-    def __init__(self, inner: Runner, ema: dict[str, Tensor], theta0: dict[str, Tensor]) -> None:
-        self.inner = inner
-        self.ema = ema
-        self.theta0 = theta0
-        #: Whether the inner runner stages (BEMA's work lays out its own staging).
-        self.staged = inner.staged
-        self._work: tuple[Plan, BEMAWork] | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether an update was submitted and not yet waited for."""
-        return self.inner.pending
-
-    def work_for(self, plan: Plan) -> BEMAWork:
-        """The BEMA work over ``plan``'s pairs (built again when the plan is new)."""
-        if self._work is None or self._work[0] is not plan or self._work[1].thawed():
-            averaged = {p.name: p for p in state_order(plan.pairs)}
-            gone = sorted(self.ema.keys() - {p.name for p in plan.pairs})
-            if gone:  # the model changed: the state cannot follow
-                raise EMAStateError(
-                    f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
-                    f"gone); build a new BEMA for the new model"
-                )
-            with torch.no_grad():
-                for name, p in averaged.items():
-                    if name not in self.ema:  # a frozen weight trained again: from its value
-                        self.ema[name] = local_tensor(p.shadow).clone()
-                        self.theta0[name] = local_tensor(p.shadow).clone()
-            self._work = (plan, BEMAWork(plan, self.ema, self.theta0))
-        return self._work[1]
-
-    def submit(self, work: Any, action: Action) -> None:
-        """Carry out ``action`` with BEMA's update on the inner runner."""
-        self.inner.submit(self.work_for(work) if isinstance(work, Plan) else work, action)
-
-    def wait(self) -> None:
-        """Wait for the pending update."""
-        self.inner.wait()
-
-    def close(self) -> None:
-        """Wait, then release the inner runner's threads or streams."""
-        self.inner.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        self.inner.wait()
-        return {**self.__dict__, "_work": None}
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_work": None}  # rebuilt on first use
 
 
 def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
     """``local`` as the shadow is: a DTensor with the shadow's mesh and placements when the
     shadow is one (FSDP2), so distributed checkpoints shard it alike; else itself."""
-    if not is_dtensor(shadow):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local,
-        shadow.device_mesh,  # type: ignore[attr-defined]
-        shadow.placements,  # type: ignore[attr-defined]
-        shape=shadow.shape,
-        stride=shadow.stride(),
-        run_check=False,
-    )
+    return dtensor_like(local, shadow) if is_dtensor(shadow) else local

@@ -1,13 +1,14 @@
 """The ``emakit`` command line.
 
 ``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
-one entry of ``_LAZY_COMMANDS`` for a command defined in a module that imports torch
-(``synthesize``, ``sweep`` and ``inspect``). This module imports only click and torch-free parts of
-emakit: torch, the extras (scikit-learn, matplotlib, rich) and the post-hoc commands are
-imported when a command runs, so ``emakit --help`` and ``--version`` answer in about the
-time Python and click take to start, and a missing extra becomes a one-line error with the
-install command instead of a traceback. Warnings raised while a command runs are printed
-as one plain ``Warning: ...`` line on stderr, without a file path or source line.
+one entry of ``_LAZY_COMMANDS`` for a command of `emakit.posthoc.commands`, which imports
+torch (``synthesize``, ``sweep`` and ``inspect``). This module imports only click and
+torch-free parts of emakit: torch, the extras (scikit-learn, matplotlib, rich) and the
+post-hoc commands are imported when a command runs, so ``emakit --help`` and
+``--version`` answer in about the time Python and click take to start, and a missing extra
+becomes a one-line error with the install command instead of a traceback. Warnings raised
+while a command runs are printed as one plain ``Warning: ...`` line on stderr, without a
+file path or source line.
 
 Example:
     .. code-block:: console
@@ -30,24 +31,13 @@ from .demo.settings import DEFAULTS
 
 __all__ = ["main"]
 
-#: Commands defined elsewhere, imported only when run: name -> (module, attribute, short
-#: help shown by ``emakit --help``; a test checks it matches the command's own).
-_LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "inspect": (
-        "emakit.posthoc.commands",
-        "inspect_cmd",
-        "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
-    ),
-    "synthesize": (
-        "emakit.posthoc.commands",
-        "synthesize",
-        "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
-    ),
-    "sweep": (
-        "emakit.posthoc.commands",
-        "sweep_cmd",
-        "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
-    ),
+#: The commands of `emakit.posthoc.commands` (a module that imports torch), imported only
+#: when one runs: name -> the short help ``emakit --help`` lists (a test checks that it is
+#: the command's own).
+_LAZY_COMMANDS = {
+    "inspect": "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
+    "synthesize": "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
+    "sweep": "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
 }
 
 
@@ -59,8 +49,8 @@ class _LazyGroup(click.Group):
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
         if args and args[0] in _LAZY_COMMANDS:
-            module, attribute, _ = _LAZY_COMMANDS[args[0]]
-            self.add_command(getattr(importlib.import_module(module), attribute), args[0])
+            commands = importlib.import_module("emakit.posthoc.commands").COMMANDS
+            self.add_command(commands[args[0]])
         return super().resolve_command(ctx, args)
 
 
@@ -90,7 +80,7 @@ def main(ctx: click.Context) -> None:
     warnings.showwarning = _show_warning
 
 
-for _name, (_, _, _short_help) in _LAZY_COMMANDS.items():
+for _name, _short_help in _LAZY_COMMANDS.items():
     main.add_command(click.Command(_name, short_help=_short_help))
 
 

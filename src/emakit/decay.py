@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol
 
 from . import _validate as check
 from .errors import EMATypeError, EMAValueError
-from .schedules import describe, inverse_gamma
+from .schedules import Schedule, describe, inverse_gamma
 
 __all__ = [
     "COPY",
@@ -107,9 +107,7 @@ class ScheduleDecay:
         floor: the lowest decay (``min_value``). Default 0.
     """
 
-    def __init__(
-        self, schedule: Callable[[int], float], *, update_every: int, floor: float = 0.0
-    ) -> None:
+    def __init__(self, schedule: Schedule, *, update_every: int, floor: float = 0.0) -> None:
         self.schedule = schedule
         self.power = update_every if getattr(schedule, "per_optimizer_step", False) else 1
         self.floor = floor
@@ -253,20 +251,16 @@ def ema_rule(
     Raises:
         EMAValueError, EMATypeError: a keyword out of range or of the wrong type.
     """
-    beta = check.real("beta", beta, low=0.0, high=1.0)
     update_after_step = check.integer("update_after_step", update_after_step, low=0)
     update_every = check.integer("update_every", update_every, low=1)
-    inv_gamma = check.real("inv_gamma", inv_gamma, low=0.0, low_open=True)
-    power = check.real("power", power, low=0.0, low_open=True)
-    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
     if schedule is not None and not callable(schedule):
         raise EMATypeError(
             f"schedule must be a callable t -> decay (see emakit.schedules), got {schedule=!r}"
         )
-    if schedule is None and min_value > beta:
-        raise EMAValueError(
-            f"min_value must not exceed beta, got {min_value=} > {beta=}; lower min_value"
-        )
+    # inverse_gamma() checks beta, inv_gamma, power and min_value (<= beta, unless a
+    # schedule replaces the warm-up)
+    default = inverse_gamma(beta, inv_gamma, power, min_value if schedule is None else 0.0)
+    min_value = check.real("min_value", min_value, low=0.0, high=1.0)
 
     def warmup(ceiling: float) -> Callable[[int], float]:
         return inverse_gamma(ceiling, inv_gamma, power, min(min_value, ceiling))
@@ -274,9 +268,7 @@ def ema_rule(
     def checked(schedule: Callable[[int], float]) -> Callable[[int], float]:
         return ScheduleDecay(schedule, update_every=update_every, floor=min_value)
 
-    decays: list[Callable[[int], float] | None] = [
-        warmup(beta) if schedule is None else checked(schedule)
-    ]
+    decays: list[Any] = [default if schedule is None else checked(schedule)]  # None: frozen
     if decay_groups is not None and not isinstance(decay_groups, Mapping):
         raise EMATypeError(
             f"decay_groups must map name patterns to a beta or a schedule, e.g. "
@@ -310,8 +302,7 @@ def bema_beta(
     ``beta_min = min_ema_multiplier``. The EMA moves as ``ema += beta_t * (theta_t - ema)``:
     ``beta_t`` is the weight of the *new* value (``1 - decay`` in ema-pytorch's terms).
     """
-    beta = (lag + multiplier * t) ** (-ema_power)
-    return max(beta, min_ema_multiplier)
+    return max((lag + multiplier * t) ** (-ema_power), min_ema_multiplier)
 
 
 def bema_alpha(t: int, *, lag: float, multiplier: float, bias_power: float) -> float:

@@ -20,20 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._core import state
 from ._core.forward import ForwardMethod, eval_call, io_cast
 from ._core.shadow import unwrap_model
 from ._core.sources import ModuleSource, TreeSource, call_factory
-from ._core.state import (
-    StateCodec,
-    check_loadable,
-    flag,
-    integer,
-    load_or_restore,
-    refuse_load_arguments,
-)
 from ._core.swap import Swap
 from ._core.tracker import Tracker
-from ._core.tree import all_tensors, leaves
+from ._core.tree import all_tensors, leaves, named_tensors
 from ._dist.deepspeed import ZeroPartitions, zero3_params
 from ._engine.kernels import Impl
 from ._engine.pairs import Tracked
@@ -46,12 +39,12 @@ __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 #: Version of the layout that `EMA.state_dict()` writes (see its docstring); kept in
 #: torch's per-module metadata (``EMA._version``), not in the keys.
 STATE_VERSION = 2
-_CODEC = StateCodec(
+_CODEC = state.StateCodec(
     STATE_VERSION,
     [
-        flag("initted", required=True),
-        integer("step", required=True),
-        integer("num_skipped_nonfinite", meta=True),
+        state.flag("initted", required=True),
+        state.integer("step", required=True),
+        state.integer("num_skipped_nonfinite", meta=True),
     ],
     legacy_version_key="version",
 )
@@ -77,13 +70,6 @@ def _floating(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _named_tensors(model: Any) -> dict[str, Tensor]:
-    """A module's parameters and buffers, or a pytree's leaves, by name."""
-    if isinstance(model, nn.Module):
-        return dict((*model.named_parameters(), *model.named_buffers()))
-    return leaves(model)
-
-
 class EMA(nn.Module):
     """An exponential moving average of a module's parameters and buffers.
 
@@ -91,9 +77,9 @@ class EMA(nn.Module):
     numbers for the same sequence of calls. Call [`update()`][emakit.ema.EMA.update] after every optimizer
     step; call the wrapper (``ema(x)``) to run the EMA model in eval mode without grad;
     use [`swap()`][emakit.ema.EMA.swap] to evaluate the online model on the EMA weights in place.
-    Every keyword but ``model``, ``ema_model`` and ``decay_groups`` is kept as an attribute
-    of the same name (``ema.beta``, ``ema.device`` ...), checked and normalized (names as
-    frozensets, ``device`` as a ``torch.device``).
+    Every keyword but ``model`` and ``ema_model`` is kept as an attribute of the same name
+    (``ema.beta``, ``ema.device`` ...), checked and normalized (names as frozensets,
+    ``device`` as a ``torch.device``, ``decay_groups`` as a dict).
 
     Args:
         model: the online (training) module. DDP/DataParallel and ``torch.compile``
@@ -303,8 +289,8 @@ class EMA(nn.Module):
                 "stream=True keeps the EMA on the model's GPU and updates it on a side stream; "
                 "it cannot be combined with device= or async_update=True (use one or the other)"
             )
-        self._group_patterns = list(decay_groups or {})
-        self._tree: list[Any] | None = None  # [online pytree, EMA pytree] for a pytree
+        self.decay_groups = dict(decay_groups or {})
+        self._tree: list[Any] = []  # [the EMA pytree] for a pytree (a list: not registered)
         tree = not isinstance(model, nn.Module)
         self.kind = "pytree" if tree else "module"
         if tree:
@@ -314,16 +300,12 @@ class EMA(nn.Module):
                     f"pytree must be a tensor or a nested dict/list/tuple holding tensors, "
                     f"got {type(model).__name__}"
                 )
-            online_tree, model = model, nn.Module()  # a stand-in: nothing is registered on it
         else:
             model = unwrap_model(model)
             self._check_names(model)
-        self.tracker = Tracker(  # see the class docstring
-            rule,
-            self._tracked,
-            impl=_IMPLS[self.use_foreach],
-            runner=_make_runner(model, self.async_update, self.stream),
-            skip_nonfinite=self.skip_nonfinite,
+        runner = _make_runner(model, self.async_update, self.stream)
+        self.tracker = Tracker(
+            rule, self._tracked, _IMPLS[self.use_foreach], runner, self.skip_nonfinite
         )
         self._online = [model]  # a list hides it from the module tree and state_dict
         if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
@@ -339,10 +321,10 @@ class EMA(nn.Module):
         self._source: ModuleSource | TreeSource
         if tree:
             self._source = TreeSource(**common)
-            self._tree = [online_tree, self._source.build(online_tree, ema_model)]
+            self._tree.append(self._source.build(model, ema_model))
             return
         self._source = ModuleSource.for_ema(  # from the checked keywords, by name
-            vars(self), self._group_patterns, self.tracker.invalidate, **common
+            vars(self), list(self.decay_groups), self.tracker.invalidate, **common
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -359,13 +341,12 @@ class EMA(nn.Module):
     def _refuse_for_pytree(self) -> None:
         """Raise for keywords that only apply to a module (see `_MODULE_ONLY`)."""
         for name, default in _MODULE_ONLY.items():
-            value = getattr(self, name)
-            if value != default:
+            if (value := getattr(self, name)) != default:
                 raise EMAValueError(
                     f"{name}={value!r} applies to an EMA of a module, not of a tensor or "
                     f"pytree; leave it at its default ({default!r}) for a pytree"
                 )
-        if self._group_patterns:
+        if self.decay_groups:
             raise EMAValueError(
                 "decay_groups applies to an EMA of a module; give each pytree its own EMA"
             )
@@ -373,28 +354,24 @@ class EMA(nn.Module):
     def _check_names(self, model: nn.Module) -> None:
         """Warn for tensor names of the keywords that match nothing in ``model`` (yet);
         raise for methods and ``decay_groups`` patterns that match nothing."""
-        known = {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+        known = set(named_tensors(model))
+        prefixes = self.ignore_startswith_names
+        unmatched = {p for p in prefixes if not any(n.startswith(p) for n in known)}
         # Names that match nothing *yet* are common in real trainers (a submodule that
         # cannot be deep-copied is removed while the EMA is built, then put back): warn.
-        for arg in ("param_or_buffer_names_no_ema", "ignore_names"):
-            unknown = sorted(getattr(self, arg) - known)
+        for arg, unknown in (
+            ("param_or_buffer_names_no_ema", self.param_or_buffer_names_no_ema - known),
+            ("ignore_names", self.ignore_names - known),
+            ("ignore_startswith_names", unmatched),
+        ):
             if unknown:
                 warnings.warn(
-                    f"{arg} names tensors the model does not have (yet): {unknown}; they "
-                    f"apply if such tensors appear later. Check the spelling against "
-                    f"model.named_parameters()/named_buffers()",
+                    f"{arg} has {sorted(unknown)}, which match no tensor name of the model "
+                    f"(yet); they apply if such tensors appear later. Check the spelling "
+                    f"against model.named_parameters()/named_buffers()",
                     UserWarning,
                     stacklevel=4,
                 )
-        prefixes = self.ignore_startswith_names
-        unmatched = sorted(p for p in prefixes if not any(n.startswith(p) for n in known))
-        if unmatched:
-            warnings.warn(
-                f"ignore_startswith_names has {unmatched}, which start no tensor name of the "
-                f"model (yet); they apply if such tensors appear later",
-                UserWarning,
-                stacklevel=4,
-            )
         names = self.forward_method_names
         if names and (self.partition or zero3_params(model)):
             raise EMAValueError(
@@ -408,7 +385,7 @@ class EMA(nn.Module):
                 raise EMAValueError(
                     f"forward_method_names has {method!r}, which is not a method of the model"
                 )
-        for pattern in self._group_patterns:
+        for pattern in self.decay_groups:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
                 raise EMAValueError(
                     f"decay_groups pattern {pattern!r} matches no tensor name of the model; "
@@ -419,23 +396,19 @@ class EMA(nn.Module):
 
     @property
     def model(self) -> nn.Module | Any:
-        """The online (training) model (the online pytree for an EMA of a pytree)."""
-        if self._tree is not None:
-            return self._tree[0]
-        registered = self._modules.get("online_model")
+        """The online (training) model (the online pytree for an EMA of a pytree); also
+        ``online_model``, ema-pytorch's name. Saved with ``include_online_model``."""
+        registered = self._modules.get(_ONLINE)
         return registered if registered is not None else self._online[0]
 
-    @property
-    def online_model(self) -> nn.Module | Any:
-        """The online model (ema-pytorch's name); saved with ``include_online_model``."""
-        return self.model
+    online_model = model
 
     @property
     def ema_model(self) -> nn.Module | Any:
         """The EMA model (None before the first update with ``lazy_init_ema=True``); waits
         for a background update in flight first."""
         self.tracker.runner.wait()
-        return self._tree[1] if self._tree is not None else self._modules["ema_model"]
+        return self._tree[0] if self._tree else self._modules["ema_model"]
 
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
@@ -455,14 +428,14 @@ class EMA(nn.Module):
 
     def _tracked(self) -> Tracked:
         """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
-        if self._tree is None and self._modules["ema_model"] is None:
+        if not self._tree and self._modules["ema_model"] is None:
             self.init_ema()
         return self._source.pairs(self.model, self.ema_model)
 
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
         after ``move_ema_to_online_device`` moved it to the model's (ema-pytorch's method)."""
-        ema_model = self._modules.get("ema_model")
+        ema_model = self._modules["ema_model"]
         home = getattr(self, "_home", None)
         if ema_model is None or home is None or not isinstance(self._source, ModuleSource):
             return
@@ -531,7 +504,7 @@ class EMA(nn.Module):
     def current_decays(self) -> dict[str, float]:
         """The decay of every decay group at the current step: ``{"default": d, pattern: d}``."""
         t = self.tracker
-        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self._group_patterns, 1)}
+        groups = {p: t.rule.decay(t.step, t.last, g) for g, p in enumerate(self.decay_groups, 1)}
         return {"default": self.get_current_decay(), **groups}
 
     # -- the update ------------------------------------------------------------------------
@@ -568,8 +541,7 @@ class EMA(nn.Module):
 
     def copy_params_from_ema_to_model(self) -> None:
         """Copy every tracked tensor of the EMA into the model (ignored names untouched)."""
-        self.tracker.runner.wait()
-        self.tracker.plan().copy_to_online()
+        self.update_model_with_ema(0.0)
 
     def update_model_with_ema(self, decay: float | None = None) -> None:
         """Pull the online model toward the EMA ("hare and tortoise", arXiv:2406.02596).
@@ -580,11 +552,9 @@ class EMA(nn.Module):
             decay: ``b``, the fraction of the model kept, in [0, 1]. Default None uses
                 ``update_model_with_ema_beta``; 0 copies the EMA into the model.
         """
-        b = (
-            self.update_model_with_ema_beta
-            if decay is None
-            else check.real("decay", decay, low=0.0, high=1.0)
-        )
+        b = self.update_model_with_ema_beta
+        if decay is not None:
+            b = check.real("decay", decay, low=0.0, high=1.0)
         self.tracker.runner.wait()
         if b == 0.0:
             self.tracker.plan().copy_to_online()
@@ -644,7 +614,7 @@ class EMA(nn.Module):
         ``partition=True``) runs the online model inside ``swap()``, a collective too.
         """
         ema_model = self.ema_model
-        if self._tree is not None:
+        if self._tree:
             if callable(ema_model) and not isinstance(ema_model, Tensor):
                 with torch.no_grad():
                     return ema_model(*args, **kwargs)
@@ -667,8 +637,7 @@ class EMA(nn.Module):
 
     def eval(self) -> EMA:
         """Put the EMA model in eval mode (the online model is left alone)."""
-        ema_model = self._modules.get("ema_model")
-        if ema_model is not None:
+        if (ema_model := self._modules["ema_model"]) is not None:
             ema_model.eval()
         self.training = False
         return self
@@ -685,8 +654,8 @@ class EMA(nn.Module):
         skips = t.num_skipped_nonfinite if self.skip_nonfinite else None
         counters = {"step": t.step, "initted": t.initted, "num_skipped_nonfinite": skips}
         _CODEC.encode(counters, destination, prefix)
-        if self._tree is not None:
-            TreeSource.save(self._tree[1], destination, prefix, keep_vars)
+        if self._tree:
+            TreeSource.save(self._tree[0], destination, prefix, keep_vars)
 
     def _load_from_state_dict(
         self,
@@ -701,12 +670,7 @@ class EMA(nn.Module):
         self.tracker.runner.wait()
         if _ONLINE in self._modules and not _has_online(state_dict, prefix):
             self.__dict__["_online_left_out"] = prefix  # see _keep_online_model
-        if (
-            self._modules.get("ema_model") is None
-            and self._tree is None
-            and any(k.startswith(prefix + "ema_model.") for k in state_dict)
-        ):
-            self.init_ema()  # a parent module loading us: the state brings the weights
+        self._init_for_load(state_dict, prefix)  # a parent module loading us
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
         t = self.tracker
         t.set_counters(step=values.get("step"), initted=values.get("initted"))
@@ -716,17 +680,23 @@ class EMA(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if self._tree is not None:
-            TreeSource.load(self._tree[1], state_dict, prefix, missing_keys, error_msgs)
+        if self._tree:
+            TreeSource.load(self._tree[0], state_dict, prefix, missing_keys, error_msgs)
         unexpected_keys[before:] = [
             k for k in unexpected_keys[before:] if not self.owns_state_key(k[len(prefix) :])
         ]
+
+    def _init_for_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
+        """Create a lazy EMA model (``lazy_init_ema``) when the state brings its weights."""
+        lazy = not self._tree and self._modules["ema_model"] is None
+        if lazy and any(k.startswith(prefix + "ema_model.") for k in state_dict):
+            self.init_ema()
 
     def owns_state_key(self, key: str) -> bool:
         """Whether a state-dict key (relative to this EMA) is one it reads itself, or
         accepts and ignores, beyond its tensors (earlier layouts' keys, ema-pytorch's
         ``online_model.*``)."""
-        if key in _CODEC.keys or (self._tree is not None and key.startswith("ema.")):
+        if key in _CODEC.keys or (self.kind == "pytree" and key.startswith("ema.")):
             return True
         # without include_online_model, ema-pytorch's online_model.* are accepted and ignored
         return not self.include_online_model and key.startswith("online_model.")
@@ -769,16 +739,14 @@ class EMA(nn.Module):
         (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
         """
-        refuse_load_arguments(state_dict, assign)
-        lazy = self._tree is None and self._modules.get("ema_model") is None
-        if lazy and any(k.startswith("ema_model.") for k in state_dict):
-            self.init_ema()  # lazy_init_ema: the state brings the weights
+        state.refuse_load_arguments(state_dict, assign)
+        self._init_for_load(state_dict, "")
         if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
             zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
         # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
         mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
-        check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
-        return load_or_restore(
+        state.check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
+        return state.load_or_restore(
             lambda: super(EMA, self).load_state_dict(state_dict, strict=strict), [self.tracker]
         )
 
@@ -855,28 +823,24 @@ class EMA(nn.Module):
         if self.is_frozen:
             return
         decay = self.get_current_decay() if current_decay is None else float(current_decay)
-        if ma_model is self.ema_model and current_model is self.model:
-            tracker = self.tracker
-            tracker.runner.wait()
-            plan = tracker.plan()
-            if current_decay is None:  # every decay group its own current decay
-                weights = list(tracker.rule.weights(tracker.step, tracker.last))
-            else:
-                weights = [1.0 - decay] * plan.num_decay_groups
-            plan.lerp_shadow(weights)
-            return
         if ma_model is self.model and current_model is self.ema_model:
             self.update_model_with_ema(decay)
-            return
-        self._average_by_name(ma_model, current_model, decay)
+        elif ma_model is not self.ema_model or current_model is not self.model:
+            self._average_by_name(ma_model, current_model, decay)
+        else:  # reading self.ema_model above waited for a background update
+            t = self.tracker
+            weights = [1.0 - decay] * len(t.rule.decays)  # the decay given, for every group
+            if current_decay is None:  # every decay group its own current decay
+                weights = list(t.rule.weights(t.step, t.last))
+            t.plan().lerp_shadow(weights)
 
     @torch.no_grad()
     def _average_by_name(self, ma: Any, current: Any, decay: float) -> None:
         """``ma <- decay * ma + (1 - decay) * current`` for the floating tensors of two
         modules (parameters and buffers) or two pytrees (leaves) that share a name; other
         tensors of the same name are copied."""
-        sources = _named_tensors(current)
-        for name, tgt in _named_tensors(ma).items():
+        sources = named_tensors(current)
+        for name, tgt in named_tensors(ma).items():
             src = sources.get(name)
             if src is None:
                 continue
@@ -892,8 +856,7 @@ class EMA(nn.Module):
 
 def _has_online(state_dict: Mapping[str, Any], prefix: str = "") -> bool:
     """Whether ``state_dict`` holds any ``<prefix>online_model.*`` key."""
-    start = prefix + _ONLINE + "."
-    return any(k.startswith(start) for k in state_dict)
+    return any(k.startswith(prefix + _ONLINE + ".") for k in state_dict)
 
 
 def _keep_online_model(module: nn.Module, incompatible: Any) -> None:
@@ -918,6 +881,4 @@ def _make_runner(model: Any, async_update: bool, stream: bool) -> Runner:
                 "leave stream=False on CPU"
             )
         return StreamRunner(first.device)
-    if async_update:
-        return ThreadRunner()
-    return SyncRunner()
+    return ThreadRunner() if async_update else SyncRunner()

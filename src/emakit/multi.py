@@ -103,15 +103,11 @@ class MultiEMA(nn.Module):
         return self[0].tracker.step
 
     def _fused_for(self, plans: list[Plan]) -> FusedPlan | None:
-        if self._plans_seen != [id(p) for p in plans] or (
-            self._fused is not None and self._fused.stale()
-        ):
-            self._fused = FusedPlan.build(
-                plans,
-                frozen=[e.is_frozen for e in self],
-                staged=self[0].tracker.runner.staged,
-            )
-            self._plans_seen = [id(p) for p in plans]
+        seen = [id(p) for p in plans]
+        if seen != self._plans_seen or (self._fused is not None and self._fused.stale()):
+            staged = self[0].tracker.runner.staged
+            self._fused = FusedPlan.build(plans, frozen=[e.is_frozen for e in self], staged=staged)
+            self._plans_seen = seen
         return self._fused
 
     def update(self) -> None:
@@ -132,7 +128,7 @@ class MultiEMA(nn.Module):
             guard = None
             if trackers[0].skip_nonfinite:
                 # one flag (one all-reduce when sharded) for all, counted by each member
-                guard = trackers[0].guard(plans[0], actions[0]).guard
+                guard = trackers[0].finite.guard(plans[0], actions[0], trackers[0].step).guard
                 if guard is not None:
                     for t in trackers[1:]:
                         t.finite.skips.add_flag(guard, t.step)

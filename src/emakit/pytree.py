@@ -100,16 +100,13 @@ class EMAPytree(EMA):
         """``[pytree]``: ema-pytorch's attribute (a one-element list)."""
         return [self.pytree]
 
-    @torch.no_grad()
     def update_moving_average(  # type: ignore[override]
         self, ma_pytree: Any, current_pytree: Any, current_decay: float | None = None
     ) -> None:
         """``ma_pytree <- decay * ma_pytree + (1 - decay) * current_pytree``, leaf by leaf
-        (ema-pytorch's ``EMAPytree`` method; floating leaves averaged, others copied)."""
-        if self.is_frozen:
-            return
-        decay = self.get_current_decay() if current_decay is None else float(current_decay)
-        self._average_by_name(ma_pytree, current_pytree, decay)
+        (ema-pytorch's ``EMAPytree`` method, with its argument names; floating leaves
+        averaged, others copied; see [`EMA.update_moving_average()`][emakit.EMA.update_moving_average])."""
+        super().update_moving_average(ma_pytree, current_pytree, current_decay)
 
 
 EMATensor = EMAPytree

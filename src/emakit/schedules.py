@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import ClassVar, Protocol, cast, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -132,11 +132,12 @@ def inverse_gamma(
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Schedule:
-    _factory: ClassVar[str] = ""
+    _factory: ClassVar[str] = ""  # the factory's name, given as a class keyword
     per_optimizer_step: ClassVar[bool] = False
 
-    def __call__(self, t: int) -> float:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def __init_subclass__(cls, factory: str = "", **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._factory = factory
 
     def __repr__(self) -> str:
         args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -144,8 +145,7 @@ class _Schedule:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _InverseGamma(_Schedule):
-    _factory: ClassVar[str] = "inverse_gamma"
+class _InverseGamma(_Schedule, factory="inverse_gamma"):
     beta: float
     inv_gamma: float
     power: float
@@ -179,8 +179,7 @@ def _between(value: float, a: float, b: float) -> float:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Constant(_Schedule):
-    _factory: ClassVar[str] = "constant"
+class _Constant(_Schedule, factory="constant"):
     beta: float
 
     def __call__(self, t: int) -> float:
@@ -188,8 +187,7 @@ class _Constant(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _LinearWarmup(_Schedule):
-    _factory: ClassVar[str] = "linear_warmup"
+class _LinearWarmup(_Schedule, factory="linear_warmup"):
     beta: float
     warmup: int
 
@@ -198,8 +196,7 @@ class _LinearWarmup(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _TorchEMAWarmup(_Schedule):
-    _factory: ClassVar[str] = "torch_ema_warmup"
+class _TorchEMAWarmup(_Schedule, factory="torch_ema_warmup"):
     beta: float
 
     def __call__(self, t: int) -> float:
@@ -208,8 +205,7 @@ class _TorchEMAWarmup(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _HalfLife(_Schedule):
-    _factory: ClassVar[str] = "half_life"
+class _HalfLife(_Schedule, factory="half_life"):
     per_optimizer_step: ClassVar[bool] = True
     steps: float
 
@@ -218,8 +214,7 @@ class _HalfLife(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _LinearRamp(_Schedule):
-    _factory: ClassVar[str] = "linear_ramp"
+class _LinearRamp(_Schedule, factory="linear_ramp"):
     beta0: float
     beta1: float
     steps: int
@@ -232,8 +227,7 @@ class _LinearRamp(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _CosineMomentum(_Schedule):
-    _factory: ClassVar[str] = "cosine_momentum"
+class _CosineMomentum(_Schedule, factory="cosine_momentum"):
     beta0: float
     total_steps: int
     beta1: float = 1.0
@@ -247,8 +241,7 @@ class _CosineMomentum(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _PowerFunction(_Schedule):
-    _factory: ClassVar[str] = "power_function"
+class _PowerFunction(_Schedule, factory="power_function"):
     gamma: float
     update_every: int = 1
 
@@ -258,8 +251,7 @@ class _PowerFunction(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _CumulativeAverage(_Schedule):
-    _factory: ClassVar[str] = "cumulative_average"
+class _CumulativeAverage(_Schedule, factory="cumulative_average"):
     update_every: int = 1
 
     def __call__(self, t: int) -> float:
@@ -292,7 +284,7 @@ def _beta(name: str, value: object) -> float:
 
 
 def _steps(name: str, value: object, *, low: int = 1) -> int:
-    return cast(int, check.integer(name, value, low=low))
+    return check.integer(name, value, low=low)
 
 
 def constant(beta: float) -> Callable[[int], float]:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
+from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard, same_sharding
 from .._engine.pairs import TensorPair
 from ..errors import EMARuntimeError
 from .sharding import adopt_shard, places_of
@@ -62,12 +62,7 @@ def shares(p: TensorPair) -> bool:
     same mesh and placements."""
     s, o = p.shadow, p.online
     if is_dtensor(s) or is_dtensor(o):
-        if not (
-            is_dtensor(s)
-            and is_dtensor(o)
-            and s.placements == o.placements  # type: ignore[attr-defined]
-            and s.device_mesh == o.device_mesh  # type: ignore[attr-defined]
-        ):
+        if not same_sharding(s, o):
             return False
         s, o = local_tensor(s), local_tensor(o)
     return (
@@ -82,13 +77,7 @@ def _same_value(value: Tensor, shadow: Tensor) -> bool:
     """Whether loading ``value`` would leave ``shadow`` as it is. DTensors compare their
     local shards (no collective); a value sharded otherwise counts as a change."""
     if is_dtensor(value) or is_dtensor(shadow):
-        if not (
-            is_dtensor(value)
-            and is_dtensor(shadow)
-            and value.shape == shadow.shape
-            and value.placements == shadow.placements  # type: ignore[attr-defined]
-            and value.device_mesh == shadow.device_mesh  # type: ignore[attr-defined]
-        ):
+        if not (same_sharding(value, shadow) and value.shape == shadow.shape):
             return False
         value, shadow = local_tensor(value), local_tensor(shadow)
     return value.shape == shadow.shape and torch.equal(

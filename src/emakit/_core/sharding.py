@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from .._dist.dtensor import (
     check_fsdp2_torch,
+    dtensor_like,
     fsdp_module_type,
     fsdp_modules,
     is_dtensor,
@@ -426,22 +427,10 @@ def adopt_shard(
     ``tests/test_fsdp_copy.py::test_torch_internals_emakit_reads_are_where_it_expects``
     checks that FSDP2's forward then reads ``local``.
     """
-    from torch.distributed.tensor import DTensor
-
     if places is None:
         reshard(fsdp_modules(root))
         places = places_of(root)
-    new = nn.Parameter(
-        DTensor.from_local(
-            local,
-            old.device_mesh,  # type: ignore[attr-defined]
-            old.placements,  # type: ignore[attr-defined]
-            run_check=False,
-            shape=old.shape,
-            stride=old.stride(),
-        ),
-        requires_grad=False,
-    )
+    new = nn.Parameter(dtensor_like(local, old), requires_grad=False)
     for m, key in places.get(id(old), []):
         m.load_state_dict({key: new}, strict=False, assign=True)  # tied: every place
     return new

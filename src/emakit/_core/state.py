@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._validate import not_newer, stored_count, stored_flag, stored_real
-from ..errors import EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
 __all__ = [
     "Field",
@@ -87,11 +87,10 @@ def real(key: str, *, required: bool = False, meta: bool = False) -> Field:
 
 def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
     """A tuple of floats (a float64 vector as a key, a list in metadata)."""
-    encode: Callable[[Any], Any] = (
-        (lambda v: [float(x) for x in v])
-        if meta
-        else (lambda v: torch.tensor(list(v), dtype=torch.float64))
-    )
+
+    def encode(v: Any) -> Any:
+        values = [float(x) for x in v]
+        return values if meta else torch.tensor(values, dtype=torch.float64)
 
     def decode(t: Any, where: str) -> tuple[float, ...]:
         if isinstance(t, torch.Tensor):  # a key (float64 vector)
@@ -269,14 +268,16 @@ def load_or_restore(load: Callable[[], Any], trackers: Sequence[Any]) -> Any:
     """Run ``load`` (torch's ``load_state_dict``, after `check_loadable()` refused what does
     not fit) and rebuild every tracker's plan; if it fails anyway, put every tracker's
     counters back first and raise (torch's RuntimeError as an
-    [`EMAStateError`][emakit.errors.EMAStateError]), so a failed load changes nothing."""
+    [`EMAStateError`][emakit.errors.EMAStateError]; emakit's own errors as they are), so a
+    failed load changes nothing. Every EMA kind's ``load_state_dict()`` ends here (a
+    ``PostHocEMA`` with the trackers of all its profiles)."""
     saved = [t.snapshot() for t in trackers]
     try:
         result = load()
     except Exception as e:
         for tracker, counters in zip(trackers, saved, strict=True):
             tracker.restore(counters)
-        if isinstance(e, RuntimeError) and not isinstance(e, EMAStateError):
+        if isinstance(e, RuntimeError) and not isinstance(e, EMAError):
             raise EMAStateError(f"{e}\nloading failed; the counters were restored") from e
         raise
     for tracker in trackers:

@@ -9,8 +9,8 @@ which every facade (``EMA.update()``, ``MultiEMA.update()``) takes in this order
    initializes); an averaging call moves ``last`` and ``gap`` here, when it is decided;
 2. `apply()` makes sure the plan still matches the model (asking its owner for the live
    pairs when a tensor was replaced, added or deleted), optionally guards the action
-   with a device-side "weights are finite" flag, and hands it to the runner. The first
-   copy sets ``initted``.
+   with a device-side "weights are finite" flag, and hands it to the runner with the plan
+   (or with what ``work(plan)`` builds: BEMA's own work). The first copy sets ``initted``.
 
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
 device in ``update()``: the flag (for sharded models combined across ranks by one small
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -44,9 +45,12 @@ from .._engine.finite import FiniteGuard
 from .._engine.kernels import Impl
 from .._engine.pairs import Tracked
 from .._engine.plan import Plan, build_plan
-from .._engine.runners import Runner, SyncRunner
+from .._engine.runners import Runner
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
+
+if TYPE_CHECKING:
+    from .._engine.runners import Work
 
 __all__ = ["Tracker"]
 
@@ -70,7 +74,7 @@ class Tracker:
             longer matches the model (first use, or after a tensor was replaced, added or
             deleted).
         impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
-        runner: where updates run. Default: a `SyncRunner`.
+        runner: where updates run: a `SyncRunner`, `ThreadRunner` or `StreamRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
     """
 
@@ -78,17 +82,18 @@ class Tracker:
         self,
         rule: DecayRule,
         pairs: Callable[[], Tracked],
-        *,
         impl: Impl,
-        runner: Runner | None = None,
+        runner: Runner,
         skip_nonfinite: bool = False,
     ) -> None:
         self.rule = rule
         self.pairs = pairs
-        self.impl: Impl = impl
-        self.runner: Runner = runner if runner is not None else SyncRunner()
+        self.impl = impl
+        self.runner = runner
         self.skip_nonfinite = skip_nonfinite
         self.finite = FiniteGuard()
+        #: What the runner is handed for a plan, if not the plan itself (BEMA's work).
+        self.work: Callable[[Plan], Work] | None = None
         self.swapped = False
         self._plan: Plan | None = None
         #: ``update()`` calls so far.
@@ -155,10 +160,9 @@ class Tracker:
     def reset(self, step: int) -> None:
         """Start over at ``step`` as an initialized EMA whose last averaging update was at
         ``step`` (e.g. an EMA reconstructed from snapshots)."""
-        self.runner.wait()
+        self.invalidate()
         self.set_counters(step=step, initted=True)
         self.last, self.gap = step, 0
-        self._plan = None
 
     @property
     def num_skipped_nonfinite(self) -> int:
@@ -219,22 +223,20 @@ class Tracker:
             return action
         plan = self.plan()
         if self.skip_nonfinite and action.guard is None:
-            action = self.guard(plan, action)
+            action = self.finite.guard(plan, action, self.step)
             if action is SKIP:
                 return action
         if action.kind != "hold":
             try:
-                self.runner.submit(plan, action)
+                self.runner.submit(plan if self.work is None else self.work(plan), action)
             except RuntimeError:
                 # e.g. a tensor's .data re-pointed to another shape, which per-tensor
                 # paths only meet in the kernel: pairing again names it (EMAStateError)
                 self.pairs()
                 raise
         if action.kind == "init":
-            self.initted = True
+            self.set_counters(initted=True)
             self.last, self.gap = self.step, 0
-            if self.views_held:
-                self._refresh_views()
         return action
 
     def catch_up(self) -> None:
@@ -250,11 +252,6 @@ class Tracker:
             self.apply(Action("lerp", self.rule.weights(step, last), step))
         self.runner.wait()
         self.last, self.gap = step, step - last
-
-    def guard(self, plan: Plan, action: Action) -> Action:
-        """``action`` guarded by the non-finite flag of ``plan`` at this call (see
-        `FiniteGuard.guard <emakit._engine.finite.FiniteGuard.guard>()`)."""
-        return self.finite.guard(plan, action, self.step)
 
     def __getstate__(self) -> dict:
         self.runner.wait()

@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils import _pytree as tree_utils
 
-__all__ = ["all_tensors", "leaves", "tree_copy"]
+__all__ = ["all_tensors", "leaves", "named_tensors", "tree_copy"]
 
 
 def _key_name(path: tuple[Any, ...]) -> str:
@@ -34,8 +34,13 @@ def tree_copy(tree: Any) -> Any:
     )
 
 
+def named_tensors(model: Any) -> dict[str, Tensor]:
+    """A module's parameters and buffers, or a pytree's leaves, by name."""
+    if isinstance(model, nn.Module):
+        return dict((*model.named_parameters(), *model.named_buffers()))
+    return leaves(model)
+
+
 def all_tensors(model: Any) -> list[Tensor]:
     """A module's parameters and buffers, or a pytree's leaves."""
-    if isinstance(model, nn.Module):
-        return [*model.parameters(), *model.buffers()]
-    return list(leaves(model).values())
+    return list(named_tensors(model).values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,11 +21,13 @@ from ..errors import EMATypeError
 __all__ = [
     "FSDP2_MIN_TORCH",
     "check_fsdp2_torch",
+    "dtensor_like",
     "fsdp_module_type",
     "fsdp_modules",
     "is_dtensor",
     "local_tensor",
     "reshard",
+    "same_sharding",
     "shard_identity",
     "shard_identity_getter",
     "torch_version",
@@ -82,6 +85,29 @@ def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (e.g. an FSDP2 parameter)."""
     cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(t, cls)
+
+
+def same_sharding(a: Tensor, b: Tensor) -> bool:
+    """Whether two DTensors have the same device mesh and placements (False when either is
+    a plain tensor)."""
+    return (
+        is_dtensor(a)
+        and is_dtensor(b)
+        and a.device_mesh == b.device_mesh  # type: ignore[attr-defined]
+        and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
+    )
+
+
+def dtensor_like(local: Tensor, like: Tensor) -> Tensor:
+    """A DTensor whose local shard is ``local``, with the mesh, placements, global shape
+    and stride of the DTensor ``like`` (``DTensor.from_local`` without a check or any
+    communication)."""
+    from torch.distributed.tensor import DTensor
+
+    d: Any = like
+    return DTensor.from_local(
+        local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+    )
 
 
 def local_tensor(t: Tensor) -> Tensor:

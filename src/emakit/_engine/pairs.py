@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .._dist.dtensor import is_dtensor, local_tensor
+from .._dist.dtensor import is_dtensor, local_tensor, same_sharding
 from ..errors import EMAStateError
 from .guards import Changes
 
@@ -102,9 +102,9 @@ def check_sharded_pair(name: str, shadow: Tensor, online: Tensor) -> None:
             f"{other}; {hint}"
         )
     ls, lo = local_tensor(shadow), local_tensor(online)
-    sp, op = tuple(shadow.placements), tuple(online.placements)  # type: ignore[attr-defined]
-    same_mesh = shadow.device_mesh == online.device_mesh  # type: ignore[attr-defined]
-    if not same_mesh or sp != op or ls.shape != lo.shape:
+    if not same_sharding(shadow, online) or ls.shape != lo.shape:
+        sp, op = tuple(shadow.placements), tuple(online.placements)  # type: ignore[attr-defined]
+        same_mesh = shadow.device_mesh == online.device_mesh  # type: ignore[attr-defined]
         raise EMAStateError(
             f"tensor {name!r} is sharded as {sp} with local shape {tuple(ls.shape)} in the EMA "
             f"but as {op} with local shape {tuple(lo.shape)} in the model"

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .._dist.collectives import gather_padded
-from .._dist.dtensor import is_dtensor
+from .._dist.dtensor import dtensor_like, is_dtensor
 from ..errors import EMAError, EMAValueError, EMAWriteError
 from .atomic import atomic_path
 from .reading import write_errors
@@ -69,8 +69,6 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False
     """
     if not is_dtensor(t):
         return t
-    from torch.distributed.tensor import DTensor
-
     d = cast(Any, t)
     mesh, shape = d.device_mesh, tuple(d.shape)
     local = _cast_local(d, dtype)
@@ -79,9 +77,7 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False
         if any(c != 0 for i, c in enumerate(mesh.get_coordinate() or []) if i != along):
             return None  # another replica: rank 0's replica sends everything
         return _gather_rows(local, shape, mesh, along=along, to_writer=to_writer)
-    return DTensor.from_local(
-        local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
-    ).full_tensor()
+    return dtensor_like(local, t).full_tensor()
 
 
 def tensor_for_writer(t: Tensor, dtype: torch.dtype | None) -> Tensor | None:

@@ -74,7 +74,7 @@ from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
-__all__ = ["inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
+__all__ = ["COMMANDS", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
 
 # -- what the commands share ----------------------------------------------------------------
 
@@ -821,3 +821,7 @@ def inspect_cmd(
         raise  # `emakit inspect DIR | head`: click exits quietly, as Unix tools do
     except (EMAError, OSError) as e:
         raise fail(e) from e
+
+
+#: The commands by name, which `emakit.cli` adds to the ``emakit`` group when one runs.
+COMMANDS = {"synthesize": synthesize, "sweep": sweep_cmd, "inspect": inspect_cmd}

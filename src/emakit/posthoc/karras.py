@@ -25,9 +25,10 @@ from torch import Tensor, nn
 from .._core.frozen import shares
 from .._core.state import StateCodec, integer, real
 from .._engine.pairs import TensorPair
+from .._validate import boolean
 from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
-from ..errors import EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMAStateError, EMAValueError
 from .math import (
     check_gamma,
     check_sigma_rel,
@@ -175,8 +176,7 @@ class KarrasEMA(EMA):
         partition: bool = False,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
-        if not isinstance(frozen, bool):
-            raise EMATypeError(f"frozen must be True or False, got {frozen=!r}")
+        boolean("frozen", frozen)
         super().__init__(
             model,
             ema_model=ema_model,

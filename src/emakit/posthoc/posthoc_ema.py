@@ -38,7 +38,7 @@ from .._validate import boolean, floating_dtype
 from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
-from .snapshots.folder import check_run_id, list_snapshots, new_run_id, run_to_continue, runs_in
+from .snapshots.folder import check_run_id, list_snapshots, new_run_id, runs_in
 from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
 from .snapshots.legacy import LegacyProfiles
 from .snapshots.shards import is_sharded
@@ -199,14 +199,7 @@ class PostHocEMA(nn.Module):
         self._ema_template = [ema_model]
         self._karras_kwargs = dict(kwargs)
         self.ema_models = nn.ModuleList(
-            KarrasEMA(
-                model,
-                sigma_rel=s,
-                gamma=None if s is not None else g,
-                ema_model=self._new_ema_model(),
-                update_every=update_every,
-                **kwargs,
-            )
+            self._new_profile(s, None if s is not None else g, update_every)
             for s, g in zip(srs, gs, strict=True)
         )
         check_snapshottable(self.profiles[0])
@@ -222,13 +215,22 @@ class PostHocEMA(nn.Module):
         if is_rank_zero():
             self.checkpoint_folder.mkdir(parents=True, exist_ok=True)
 
-    def _new_ema_model(self) -> nn.Module | Callable[[], nn.Module] | None:
+    def _new_profile(self, sigma_rel: float | None, gamma: float | None, every: int) -> KarrasEMA:
+        """A KarrasEMA of the model with this profile, built as every profile is (from
+        ``ema_model`` and the keywords given to PostHocEMA): a tracked profile, or one to
+        load a reconstruction into (then sharded like the tracked ones)."""
         template = self._ema_template[0]
-        if isinstance(template, nn.Module):
-            # Each profile needs its own storage: sharing one module would make every
-            # profile average into the same tensors.
-            return copy.deepcopy(template)
-        return template
+        # Each profile needs its own storage: sharing one module would make every profile
+        # average into the same tensors.
+        ema_model = copy.deepcopy(template) if isinstance(template, nn.Module) else template
+        return KarrasEMA(
+            self.model,
+            sigma_rel=sigma_rel,
+            gamma=gamma,
+            ema_model=ema_model,
+            update_every=every,
+            **self._karras_kwargs,
+        )
 
     @property
     def model(self) -> nn.Module:
@@ -395,18 +397,6 @@ class PostHocEMA(nn.Module):
         run = self.run_id if self.run_id in runs_in(list_snapshots(folder)) else None
         return pick_snapshots(folder, legacy, run)
 
-    def _synthesized(self, sigma_rel: float | None, gamma: float | None) -> KarrasEMA:
-        """A KarrasEMA of the model with this profile, to load a reconstruction into
-        (built as the profiles are: sharded like them)."""
-        return KarrasEMA(
-            self.model,
-            sigma_rel=sigma_rel,
-            gamma=gamma,
-            ema_model=self._new_ema_model(),
-            update_every=self.update_every,
-            **self._karras_kwargs,
-        )
-
     def synthesize_ema_model(
         self,
         gamma: float | None = None,
@@ -467,7 +457,7 @@ class PostHocEMA(nn.Module):
                 snapshots=self._snapshots(),
             )
         )
-        synth = self._synthesized(sigma_rel, gamma)
+        synth = self._new_profile(sigma_rel, gamma, self.update_every)
         # each rank builds the blocks it holds, from whichever snapshot files overlap them
         model = cast(nn.Module, synth.ema_model)
         load_into(model, plan.run(dtype=torch.float32, **region_args(model)))
@@ -518,7 +508,7 @@ class PostHocEMA(nn.Module):
         folder = self.checkpoint_folder
 
         def scorer() -> tuple[Callable[[dict[str, torch.Tensor]], Any], dict[str, Any]]:
-            synth = self._synthesized(self.sigma_rels[0], None)
+            synth = self._new_profile(self.sigma_rels[0], None, self.update_every)
             model = cast(nn.Module, synth.ema_model).eval()
 
             def score(out: dict[str, torch.Tensor]) -> Any:
@@ -634,19 +624,21 @@ class PostHocEMA(nn.Module):
         return self.profiles[int(index)].owns_state_key(rest)
 
     def _folder_run(self) -> str | None:
-        """The run to continue after loading a state without a run id (on rank 0)."""
+        """The run to continue after loading a state without a run id (on rank 0): the
+        folder's only identified run, when it is not this one already."""
         if not (is_rank_zero() and self.checkpoint_folder.is_dir()):
             return None
-        run = run_to_continue(self.checkpoint_folder, self.run_id)
-        if run is not None:
-            warnings.warn(
-                f"the loaded state_dict records no run id; continuing run {run!r}, whose "
-                f"snapshots are in {str(self.checkpoint_folder)!r} (pass run_id= to "
-                f"PostHocEMA to choose the run)",
-                PostHocWarning,
-                stacklevel=3,
-            )
-        return run
+        runs = [r for r in runs_in(list_snapshots(self.checkpoint_folder)) if r]
+        if len(runs) != 1 or runs[0] == self.run_id:
+            return None
+        warnings.warn(
+            f"the loaded state_dict records no run id; continuing run {runs[0]!r}, whose "
+            f"snapshots are in {str(self.checkpoint_folder)!r} (pass run_id= to PostHocEMA "
+            f"to choose the run)",
+            PostHocWarning,
+            stacklevel=3,
+        )
+        return runs[0]
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The state of every profile, versioned; the online model is left out.

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._files.atomic import LOCKS_AVAILABLE, try_lock
+from ..._files.reading import as_path
 from ..._files.safetensors_file import SafetensorsFile
 from ...errors import (
     EMAError,
@@ -78,7 +79,6 @@ __all__ = [
     "FolderLock",
     "check_run_id",
     "describe_runs",
-    "existing_folder",
     "find_snapshot_folder",
     "first_write_warnings",
     "list_legacy_files",
@@ -86,7 +86,6 @@ __all__ = [
     "new_run_id",
     "own_path",
     "pick_run",
-    "run_to_continue",
     "runs_in",
 ]
 
@@ -94,14 +93,9 @@ __all__ = [
 LOCK_NAME = ".emakit-posthoc.lock"
 
 
-def existing_folder(folder: object) -> Path:
+def _existing_folder(folder: object) -> Path:
     """``folder`` if it is an existing folder, or an error saying what it is."""
-    if not isinstance(folder, (str, os.PathLike)):
-        raise EMATypeError(
-            f"checkpoint_folder must be a str or os.PathLike, got {folder=!r} "
-            f"({type(folder).__name__})"
-        )
-    root = Path(folder)
+    root = as_path("folder", folder)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
         error = EMAValueError if root.exists() else EMAFileNotFoundError
@@ -124,7 +118,7 @@ def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
         EMAValueError: ``folder`` is not a folder.
     """
     found = []
-    for path in existing_folder(folder).iterdir():
+    for path in _existing_folder(folder).iterdir():
         m = LEGACY_NAME.match(path.name)
         if m and path.is_file():
             found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
@@ -223,7 +217,7 @@ def list_snapshots(
             is malformed (naming the file and the field); an ema-pytorch file's profile
             index is out of range of ``legacy.gammas``.
     """
-    root = existing_folder(folder)
+    root = _existing_folder(folder)
     found: list[SnapshotInfo] = []
     shards: list[tuple[ShardEntry, SnapshotInfo]] = []
     seen: dict = {}  # side files checked
@@ -409,13 +403,6 @@ def first_write_warnings(folder: Path, run: str, step: int) -> list[str]:
             f"steps{kept}; synthesis at or before step {step} ignores them"
         )
     return out
-
-
-def run_to_continue(folder: Path, own: str) -> str | None:
-    """The run a resumed [`PostHocEMA`][emakit.PostHocEMA] whose state records no run id
-    continues: the folder's only identified run, when it is not ``own`` already."""
-    runs = [r for r in runs_in(list_snapshots(folder)) if r]
-    return runs[0] if len(runs) == 1 and runs[0] != own else None
 
 
 def own_path(path: Path, run: str) -> Path:

@@ -67,14 +67,14 @@ import torch
 from torch import Tensor
 
 from ..._files.atomic import atomic_paths
-from ..._files.reading import open_regular, writable_path, write_errors
+from ..._files.reading import writable_path, write_errors
 from ..._files.safetensors_file import SafetensorsFile, write_safetensors
 from ..._validate import not_newer, stored_count
 from ..._version import __version__
 from ...errors import EMAStateError
 from ..math import GAMMA_MIN
 from .frozen import frozen_ref, join_frozen
-from .legacy import LEGACY_SOURCE, legacy_tensors
+from .legacy import LEGACY_SOURCE, load_legacy_tensors
 from .shards import (
     FLAT_LAYOUT_VERSION,
     SHARD_FORMAT,
@@ -206,36 +206,25 @@ def snapshot_filename(
     return name + (shard_suffix(*shard) if shard else "") + SNAPSHOT_SUFFIX
 
 
-def snapshot_header(
-    *,
-    step: int,
-    t: int,
-    gamma: float,
-    sigma_rel: float,
-    profile: int,
-    update_every: int,
-    copied: frozenset[str] | set[str],
-    run: str = "",
-    frozen: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The header metadata of a snapshot (see the module docstring for the layout);
-    ``frozen``: the entries naming its side file
+def snapshot_header(info: SnapshotInfo, frozen: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The header metadata that describes ``info`` (see the module docstring for the
+    layout; `parse_header()` reads it back); ``frozen``: the entries naming its side file
     ([`FrozenPart.fields()`][emakit.posthoc.snapshots.frozen.FrozenPart.fields]), which
     make it format version 2."""
     header = {
         "format": SNAPSHOT_FORMAT,
         "format_version": "2" if frozen else "1",
         "emakit_version": __version__,
-        "step": str(int(step)),
-        "t": str(int(t)),
-        "gamma": repr(float(gamma)),
-        "sigma_rel": repr(float(sigma_rel)),
-        "profile": str(int(profile)),
-        "update_every": str(int(update_every)),
-        "copied": json.dumps(sorted(copied)),
+        "step": str(int(info.step)),
+        "t": str(int(info.t)),
+        "gamma": repr(float(info.gamma)),
+        "sigma_rel": repr(float(info.sigma_rel)),
+        "profile": str(int(info.profile)),
+        "update_every": str(int(info.update_every)),
+        "copied": json.dumps(sorted(info.copied)),
     }
-    if run:
-        header["run"] = run
+    if info.run:
+        header["run"] = info.run
     header.update(frozen or {})
     return header
 
@@ -290,13 +279,13 @@ def write_snapshot(
     Args:
         path: the destination file.
         tensors: name -> tensor, already in the dtype to store.
-        **fields: the header fields of `snapshot_header()` (``step``, ``t``, ``gamma``,
-            ``sigma_rel``, ``profile``, ``update_every``, ``copied``, ``run``).
+        **fields: what the header says, as the fields of `SnapshotInfo` (``step``, ``t``,
+            ``gamma``, ``sigma_rel``, ``profile``, ``update_every``, ``copied``, ``run``).
 
     Raises:
         EMAWriteError: the file could not be written; it was left as it was.
     """
-    header = snapshot_header(**fields)  # type: ignore[arg-type]
+    header = snapshot_header(SnapshotInfo(Path(path), **fields))  # type: ignore[arg-type]
     return write_snapshots([path], lambda i: (tensors, header))[0]
 
 
@@ -435,11 +424,7 @@ def open_snapshot(info: SnapshotInfo, rank: int = 0) -> Iterator[Any]:
     """
     path = info.files[rank]
     if info.is_legacy:
-        with open_regular(path, "ema-pytorch snapshot") as fh:
-            st = os.fstat(fh.fileno())
-            _check_unchanged(info, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), "")
-            tensors = legacy_tensors(fh, path)
-        yield _Tensors(tensors)
+        yield _Tensors(load_legacy_tensors(path))  # found by name: no header to compare
         return
     with SafetensorsFile(path, "snapshot") as f:
         if rank == 0:

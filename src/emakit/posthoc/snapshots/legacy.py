@@ -16,7 +16,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
 from torch import Tensor
@@ -31,7 +30,6 @@ __all__ = [
     "LEGACY_SOURCE",
     "LegacyFile",
     "LegacyProfiles",
-    "legacy_tensors",
     "load_legacy_tensors",
 ]
 
@@ -154,25 +152,29 @@ class LegacyProfiles:
         return 1 + k * ((step - 1) // k)
 
 
-def legacy_tensors(f: IO[bytes], path: Path) -> dict[str, Tensor]:
-    """The EMA model's tensors in the open ema-pytorch snapshot ``f`` (at ``path``), as
-    stored: names without the ``ema_model.`` prefix, ``initted`` and ``step`` left out.
+def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The EMA model's tensors in the ema-pytorch snapshot at ``path``, as stored: names
+    without the ``ema_model.`` prefix, ``initted`` and ``step`` left out.
 
-    Loaded with ``torch.load(weights_only=True)``: a file holding anything but tensors
-    (e.g. a pickled object with code) is refused, never executed.
+    Loaded with ``torch.load(weights_only=True)`` through one open descriptor: a file
+    holding anything but tensors (e.g. a pickled object with code) is refused, never
+    executed.
 
     Raises:
+        EMAFileNotFoundError: the file does not exist.
+        EMAValueError: it is not a regular file (a FIFO...).
         EMAStateError: the file cannot be loaded that way, or is not a ``KarrasEMA`` state.
     """
-    try:
-        obj = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise EMAStateError(
-            f"{path} could not be loaded as an ema-pytorch snapshot: torch.load(weights_only="
-            f"True) refused it ({refusal_reason(e)}). emakit reads .pt snapshots with "
-            f"weights_only=True and never runs pickled code; move the file out of the "
-            f"snapshot folder if it is not one of ema-pytorch's snapshots"
-        ) from e
+    with open_regular(path, "ema-pytorch snapshot") as f:
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise EMAStateError(
+                f"{os.fspath(path)} could not be loaded as an ema-pytorch snapshot: torch.load("
+                f"weights_only=True) refused it ({refusal_reason(e)}). emakit reads .pt "
+                f"snapshots with weights_only=True and never runs pickled code; move the file "
+                f"out of the snapshot folder if it is not one of ema-pytorch's snapshots"
+            ) from e
     prefix = "ema_model."
     tensors = isinstance(obj, Mapping) and all(
         isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
@@ -181,19 +183,7 @@ def legacy_tensors(f: IO[bytes], path: Path) -> dict[str, Tensor]:
     if not out or any(not k.startswith(prefix) and k not in ("initted", "step") for k in obj):
         got = sorted(map(str, obj))[:10] if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
         raise EMAStateError(
-            f"{path} is not an ema-pytorch KarrasEMA state dict: expected the tensors initted, "
-            f"step and ema_model.*, got {got}; move it out of the snapshot folder"
+            f"{os.fspath(path)} is not an ema-pytorch KarrasEMA state dict: expected the "
+            f"tensors initted, step and ema_model.*, got {got}; move it out of the snapshot folder"
         )
     return out
-
-
-def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """`legacy_tensors()` of the ema-pytorch snapshot at ``path``.
-
-    Raises:
-        EMAFileNotFoundError: the file does not exist.
-        EMAValueError: it is not a regular file (a FIFO...).
-        EMAStateError: the file cannot be loaded safely, or is not a ``KarrasEMA`` state.
-    """
-    with open_regular(path, "ema-pytorch snapshot") as f:
-        return legacy_tensors(f, Path(path))

@@ -45,7 +45,7 @@ from ...errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
 from ..karras import KarrasEMA
 from ..math import PostHocWarning
 from .folder import FolderLock, first_write_warnings, own_path
-from .format import snapshot_filename, snapshot_header, write_snapshots
+from .format import SnapshotInfo, snapshot_filename, snapshot_header, write_snapshots
 from .frozen import collect_frozen_files, frozen_part, snapshot_tensors
 from .shards import is_sharded, model_blocks, shard_header
 
@@ -201,17 +201,18 @@ class SnapshotWriter:
                 state = {n: model.full(n, None) for n in model.layout()}
             else:
                 state = model.state_dict()
-            header = snapshot_header(
+            info = SnapshotInfo(
+                path=paths[index],
                 step=step,
                 t=ema.t,
                 gamma=ema.gamma,
                 sigma_rel=ema.sigma_rel,
                 profile=index,
                 update_every=int(ema.update_every or 1),
-                copied=set(shapes if shard is not None else state) - ema.averaged_names(),
+                copied=frozenset(shapes if shard is not None else state) - ema.averaged_names(),
                 run=run,
-                frozen=None if part is None else part.fields(index),
             )
+            header = snapshot_header(info, None if part is None else part.fields(index))
             if shard is not None:
                 header.update(shard_header(shard, write_id, shapes, blocks))
             leave = frozenset() if part is None else part.names[index]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,21 +137,27 @@ def _mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> str:
     return "; ".join([f"lacks {lacks[:10]}", f"has {adds[:10]}", *shapes[:3]])
 
 
+@dataclass
 class _Pass:
     """One pass over snapshots: the tensors' names and global shapes (learned from the
     first file read, which every later one must match), the region of each to build, and
-    the pieces of the stored tensors that fall in them."""
+    the pieces of the stored tensors that fall in them.
 
-    def __init__(
-        self,
-        regions: Mapping[str, Block] | None,
-        rank: int | None,
-        shapes: Mapping[str, tuple[int, ...]] | None,
-    ) -> None:
-        self.wanted, self.rank, self.model_shapes = regions, rank, shapes or {}
-        self.base: SnapshotInfo | None = None
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.regions: dict[str, Block] = {}
+    Attributes:
+        wanted: name -> the block of each tensor to build; None: every tensor whole.
+        rank: the caller's rank, whose files of a sharded snapshot are read first.
+        model_shapes: the model's global shape of each tensor in ``wanted``.
+        base: the first snapshot read (None until then).
+        shapes: the tensors' global shapes, learned from ``base``.
+        regions: name -> the block of each tensor built.
+    """
+
+    wanted: Mapping[str, Block] | None
+    rank: int | None
+    model_shapes: Mapping[str, tuple[int, ...]]
+    base: SnapshotInfo | None = None
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    regions: dict[str, Block] = field(default_factory=dict)
 
     def _learn(self, snap: SnapshotInfo, shapes: dict[str, tuple[int, ...]]) -> None:
         """Take the names and global shapes from the first file, checked against the model's."""
@@ -254,7 +260,7 @@ def weighted_sums(
             snapshots hold, or a snapshot used holds inf or NaN in an averaged tensor (the
             message names the snapshots).
     """
-    run = _Pass(regions, rank, shapes)
+    run = _Pass(regions, rank, shapes or {})
     copied: dict[Path, dict[str, Tensor]] = {}
 
     def copies(source: SnapshotInfo) -> dict[str, Tensor]:  # read once per buffer source
