@@ -10,7 +10,9 @@ on every update, with no branch on the implementation in between:
   group of tensors;
 * ``"flat"``: the same foreach functions over groups built from *spans* (runs of
   memory-adjacent tensors viewed as one tensor, see `emakit._engine.flat`), so a model
-  laid out flat is averaged by one ``lerp_`` per group.
+  laid out flat is averaged by one ``lerp_`` per group. `pair_spans()` lays pairs out as
+  spans, read in place or through a staging buffer: the one layout of the flat groups,
+  the fused MultiEMA pass (`emakit._engine.fused`) and BEMA's work (`emakit._engine.bema`).
 
 Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
 lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``. What
