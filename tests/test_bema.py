@@ -236,3 +236,15 @@ def test_frozen_weights_are_shared_or_held_and_thaw():
         assert "bema_ema.0.weight" in state and "bema_theta0.0.weight" in state
         # theta0 of the thawed weight is its frozen value, the output moved with training
         assert not torch.equal(state["ema_model.0.weight"], state["bema_theta0.0.weight"])
+
+
+def test_a_model_with_nothing_averaged_copies_its_buffers():
+    """Frozen weights (shared) and an integer buffer: no span to average (foreach kernels
+    refuse empty lists), the buffer copied into the EMA model."""
+    net = nn.Linear(2, 2).requires_grad_(False)
+    net.register_buffer("calls", torch.zeros((), dtype=torch.long))
+    bema = BEMA(net, update_freq=1)
+    for _ in range(3):
+        net.calls += 1
+        bema.update()
+    assert int(bema.ema_model.calls) == 3

@@ -23,8 +23,9 @@ from _models import conv_bn_layernorm_net as make_net
 from _models import reference_ema_step
 from emakit import EMA, flatten_parameters
 from emakit._core.tracker import Tracker
-from emakit._engine import IMPLS, Plan, ema_copy_, ema_lerp_
 from emakit._engine.flat import aligned_offsets
+from emakit._engine.kernels import IMPLS, ema_copy_, ema_lerp_
+from emakit._engine.plan import Plan
 from emakit.schedules import inverse_gamma_float32
 
 PATHS = [False, True, None]
@@ -735,7 +736,7 @@ def test_skipped_call_does_nothing_observable(use_foreach, monkeypatch):
             (Tracker, "plan"),
             (Tracker, "apply"),
             (Plan, "run"),
-            (Plan, "stale"),
+            (Plan, "freshness"),
             (Plan, "copy_to_shadow"),
             (Plan, "lerp_online"),
             (Plan, "copy_to_online"),

@@ -94,3 +94,20 @@ def test_copy_is_independent():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(emakit.EMAError, match=match):
         MultiEMA(make_net(), **kwargs)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_a_model_with_nothing_averaged_copies_its_buffers(skip_nonfinite):
+    """Frozen weights (shared) and an integer buffer: the fused pass has no span to average
+    (foreach kernels refuse empty lists) and copies the buffer into every member."""
+    net = nn.Linear(2, 2).requires_grad_(False)
+    net.register_buffer("calls", torch.zeros((), dtype=torch.long))
+    multi = MultiEMA(
+        net, betas=(0.9, 0.99), update_after_step=0, update_every=1, skip_nonfinite=skip_nonfinite
+    )
+    for _ in range(3):
+        net.calls += 1
+        multi.update()
+    assert multi._fused is not None
+    for member in multi:
+        assert int(member.ema_model.calls) == 3

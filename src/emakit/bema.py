@@ -205,7 +205,7 @@ class BEMA(EMA):
                 rehome_(tensors, sources=shadows)
                 by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
                 store.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
-            self._work = (plan, BEMAWork(plan.pairs, ema, theta0))
+            self._work = (plan, BEMAWork(plan, ema, theta0))
         return self._work[1]
 
     def get_current_decay(self) -> float:

@@ -65,10 +65,8 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
         return kind._make(items) if hasattr(obj, "_fields") else kind(items)
     if isinstance(obj, list):
         return type(obj)(map_tensors(x, fn) for x in obj)
-    if type(obj) is dict:
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, MutableMapping):
-        out = copy.copy(obj)  # keeps the class (OrderedDict, ModelOutput, ...)
+        out = copy.copy(obj)  # keeps the class (dict, OrderedDict, ModelOutput, ...)
         for k, v in obj.items():
             out[k] = map_tensors(v, fn)
         return out
@@ -162,16 +160,23 @@ def eval_call(module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any)
         What ``fn`` returns.
     """
     modes = [(m, m.training) for m in module.modules()]
-    sharded = fsdp_modules(module)
-    reshard(sharded)
     module.eval()
     try:
         with torch.no_grad():
-            return fn(*args, **kwargs)
+            return _resharded(module, fn, args, kwargs)
     finally:
-        reshard(sharded)
         for m, mode in modes:
             m.training = mode
+
+
+def _resharded(module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` between two ``reshard()`` of ``module``'s FSDP2 modules."""
+    sharded = fsdp_modules(module)
+    reshard(sharded)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        reshard(sharded)
 
 
 class ForwardMethod:
@@ -201,15 +206,7 @@ class ForwardMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.before()
-        method = getattr(self.module, self.name)
-        sharded = fsdp_modules(self.module)
-        if not sharded:
-            return method(*args, **kwargs)
-        reshard(sharded)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            reshard(sharded)
+        return _resharded(self.module, getattr(self.module, self.name), args, kwargs)
 
     def __repr__(self) -> str:
         return f"<EMA forward method {type(self.module).__name__}.{self.name}>"

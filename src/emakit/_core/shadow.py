@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.deepspeed import unwrap_engine
-from .._dist.dtensor import is_dtensor
 from .._engine.flat import memory_order, rehome_
 from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
@@ -147,12 +146,8 @@ def layout_shadow(
 
     # averaged first, by decay group, then as the online tensors sit in memory
     ordered = sorted(plain, key=lambda p: (not p.average, p.group, *memory_order(p.online)))
-    pin = (
-        device is not None
-        and device.type == "cpu"
-        and torch.cuda.is_available()
-        and any(p.online.is_cuda for p in ordered)
-    )
+    # pinned when offloaded from an accelerator (rehome_ pins only CPU buffers)
+    pin = device is not None and any(p.online.is_cuda for p in ordered)
     rehome_(
         [p.shadow for p in ordered],
         sources=[p.online if from_online else p.shadow for p in ordered],
@@ -160,8 +155,3 @@ def layout_shadow(
         device=device,
         pin_memory=pin,
     )
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor."""
-    return any(is_dtensor(p) for p in model.parameters())

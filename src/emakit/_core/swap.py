@@ -81,7 +81,6 @@ class Swap:
         self._roots = fsdp_modules(self.model)
         reshard(self._roots)  # the sharded parameters registered, not gathered ones
         pairs = tracker.plan().pairs
-        copies = False
         self._zero = PartitionSwap(zero3_params(self.model), pairs)
         in_place = self.in_place or self._zero.active
         try:
@@ -90,7 +89,6 @@ class Swap:
                 for p in pairs:
                     online, shadow = p.online, p.shadow
                     if in_place or is_dtensor(online):
-                        copies = True
                         local, saved = local_tensor(online), local_tensor(online).clone()
                         local.copy_(local_tensor(shadow))
                         self._copied.append((local, saved, local_tensor(shadow)))
@@ -103,10 +101,7 @@ class Swap:
                         online.data = shadow.data.to(online.device, online.dtype)
                         self._pointed.append((online, data, shadow))
             self._zero.spread()
-            if copies:
-                reshard(self._roots)
-            else:
-                self._roots = []
+            reshard(self._roots)  # gathered from the shards just copied in
         except BaseException:
             self._restore()
             raise

@@ -1,8 +1,8 @@
 """BEMA's update over an EMA's pairs: the EMA, ``theta0`` and the evaluated weights.
 
 A `BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
-`emakit._engine.runners`). Per (device, dtype) group of averaged tensors it keeps
-three lists laid out alike, one span per run of memory-adjacent tensors:
+`emakit._engine.runners`). Over the averaged tensors, grouped by device and dtype, it
+keeps three lists laid out alike, one span per run of memory-adjacent tensors:
 
 * ``out``: the evaluated (bias-corrected) weights, which are the EMA model's own tensors
   (so ``swap()``, ``ema(x)`` and every export read them);
@@ -34,8 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
-from .flat import gather_views, memory_order, span, split_runs
+from .flat import memory_order
 from .pairs import TensorPair
+from .paths import pair_spans
+from .plan import Plan
 
 if TYPE_CHECKING:
     from ..decay import Action
@@ -58,100 +60,50 @@ def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
     return sorted(averaged, key=lambda p: memory_order(local_tensor(p.shadow)))
 
 
-class _Group:
-    """One (device, dtype) group of averaged tensors: spans of out, ema, theta0, source."""
-
-    def __init__(
-        self, outs: list[Tensor], emas: list[Tensor], theta0s: list[Tensor], onlines: list[Tensor]
-    ) -> None:
-        ref = outs[0]
-        direct = all(o.dtype == ref.dtype and o.device == ref.device for o in onlines)
-        runs = split_runs([outs, emas, theta0s, onlines] if direct else [outs, emas, theta0s])
-        self.out = [span([outs[i] for i in r]) for r in runs]
-        self.ema = [span([emas[i] for i in r]) for r in runs]
-        self.theta0 = [span([theta0s[i] for i in r]) for r in runs]
-        self.gather_dst: list[Tensor] = []  # staging views
-        self.gather_src: list[Tensor] = []  # the online tensors (or spans of them)
-        if direct:
-            self.src = [span([onlines[i] for i in r]) for r in runs]
-            return
-        pin = ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-        # laid out as the out spans are, one after the other, alignment padding included
-        staging = torch.zeros(
-            sum(o.numel() for o in self.out),
-            dtype=ref.dtype,
-            device=ref.device,
-            pin_memory=pin and torch.cuda.is_available(),
-        )
-        at, base = [], 0
-        for r, o in zip(runs, self.out, strict=True):
-            at += [base + int(outs[i].storage_offset() - outs[r[0]].storage_offset()) for i in r]
-            base += o.numel()
-        self.gather_dst, self.gather_src = gather_views(staging, at, onlines)
-        self.src = [
-            staging.narrow(0, at[r[0]], o.numel()).view(o.shape)
-            for r, o in zip(runs, self.out, strict=True)
-        ]
-
-    def gather(self, non_blocking: bool) -> None:
-        if self.gather_dst:
-            torch._foreach_copy_(self.gather_dst, self.gather_src, non_blocking=non_blocking)
-
-    def snapshot(self) -> None:
-        for dst in (self.theta0, self.ema, self.out):
-            torch._foreach_copy_(dst, self.src)
-
-    def average(self, beta: float, alpha: float) -> None:
-        torch._foreach_lerp_(self.ema, self.src, beta)
-        torch._foreach_copy_(self.out, self.src)
-        torch._foreach_sub_(self.out, self.theta0)
-        torch._foreach_mul_(self.out, alpha)
-        torch._foreach_add_(self.out, self.ema)
-
-
 class BEMAWork:
-    """The BEMA update of ``pairs`` (see the module docstring), runnable by any runner.
+    """The BEMA update of a plan's pairs (see the module docstring), runnable by any runner.
 
     Args:
-        pairs: the EMA's pairs (its plan's); the shadow tensors are the evaluated weights.
+        plan: the EMA's plan: its pairs' shadow tensors are the evaluated weights, and it
+            copies the pairs that are never averaged.
         ema: the EMA tensor of each averaged pair, by name, laid out in
             `state_order()` (DTensors: this rank's shard).
         theta0: ``theta0`` likewise.
     """
 
-    def __init__(
-        self,
-        pairs: Sequence[TensorPair],
-        ema: Mapping[str, Tensor],
-        theta0: Mapping[str, Tensor],
-    ) -> None:
-        self.pairs = list(pairs)
+    def __init__(self, plan: Plan, ema: Mapping[str, Tensor], theta0: Mapping[str, Tensor]) -> None:
+        self.plan = plan
         by_key: dict[tuple[Any, ...], list[TensorPair]] = {}
-        for p in state_order(self.pairs):
+        for p in state_order(plan.pairs):
             s = local_tensor(p.shadow)
             by_key.setdefault((s.device, s.dtype), []).append(p)
-        self.groups = [
-            _Group(
-                [local_tensor(p.shadow) for p in members],
-                [ema[p.name] for p in members],
-                [theta0[p.name] for p in members],
-                [local_tensor(p.online) for p in members],
+        #: Spans of the evaluated weights, the EMA and ``theta0``, and what each reads (the
+        #: online tensors, or the staging buffer), every group's; the copies that gather.
+        self.out: list[Tensor] = []
+        self.ema: list[Tensor] = []
+        self.theta0: list[Tensor] = []
+        self.src: list[Tensor] = []
+        self.gathers: list[tuple[list[Tensor], list[Tensor]]] = []
+        for members in by_key.values():
+            outs = [local_tensor(p.shadow) for p in members]
+            onlines = [local_tensor(p.online) for p in members]
+            staged = any(o.dtype != outs[0].dtype or o.device != outs[0].device for o in onlines)
+            states = [outs, [ema[p.name] for p in members], [theta0[p.name] for p in members]]
+            (out, ema_spans, theta0_spans), src, gather_dst, gather_src = pair_spans(
+                states, onlines, staged=staged
             )
-            for members in by_key.values()
-        ]
-        copied = [p for p in self.pairs if not p.average]
-        self.copy_dst = [local_tensor(p.shadow) for p in copied]
-        self.copy_src = [local_tensor(p.online) for p in copied]
-        self.held = [p.online for p in self.pairs if held(p)]
+            self.out += out
+            self.ema += ema_spans
+            self.theta0 += theta0_spans
+            self.src += src
+            self.gathers.append((gather_dst, gather_src))
+        self.held = [p.online for p in plan.pairs if held(p)]
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = plan.on_accelerator
 
     def thawed(self) -> bool:
         """Whether a held frozen weight is trainable again (the work must be rebuilt)."""
         return any(t.requires_grad for t in self.held)
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
-        return bool(self.pairs) and self.pairs[0].online.is_cuda
 
     def run(self, action: Action) -> None:
         """Carry out ``action`` now."""
@@ -162,20 +114,24 @@ class BEMAWork:
     def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
         """Copy the never-averaged tensors into the EMA model and snapshot the averaged
         ones into the staging buffers (where they are staged)."""
-        if self.copy_dst:
-            torch._foreach_copy_(self.copy_dst, self.copy_src)
-        for g in self.groups:
-            g.gather(non_blocking)
+        self.plan.copy_unaveraged()
+        for dst, src in self.gathers:
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
     @torch.no_grad()
     def finish(self, action: Action) -> None:
         """The arithmetic of ``action`` from the snapshot (``"lerp"``: BEMA's update with
         ``beta_t = action.weights[0]`` and ``alpha_t = action.bias``; ``"init"`` and
         ``"copy"``: snapshot ``theta0``, the EMA and the output)."""
+        if not self.out:  # nothing averaged (foreach kernels refuse empty lists)
+            return
         if action.kind == "lerp":
-            beta, alpha = action.weights[0], action.bias
-            for g in self.groups:
-                g.average(beta, alpha)
+            torch._foreach_lerp_(self.ema, self.src, action.weights[0])
+            torch._foreach_copy_(self.out, self.src)
+            torch._foreach_sub_(self.out, self.theta0)
+            torch._foreach_mul_(self.out, action.bias)
+            torch._foreach_add_(self.out, self.ema)
         elif action.kind in ("init", "copy"):
-            for g in self.groups:
-                g.snapshot()
+            for dst in (self.theta0, self.ema, self.out):
+                torch._foreach_copy_(dst, self.src)

@@ -388,9 +388,9 @@ class GuardedPath:
             except RuntimeError:  # e.g. a .data of another shape: the update names it
                 gathered = False
             if not gathered:
-                local = _local_flag(
-                    [t for g in self.groups for x in (g.lerp, g.copy) for t in x.online]
-                )
+                # the online tensors (or spans) the transfers read, staged or not
+                online = [x.stage_src or x.src for g in self.groups for x in (g.lerp, g.copy)]
+                local = _local_flag([t for ts in online for t in ts])
         ok = local if agreement is None else agreement.combine(local, call)
         self.ready = ok if gathered else None
         return ok

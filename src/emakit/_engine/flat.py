@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import is_dtensor
+from ..errors import EMATypeError, EMAValueError
 
 __all__ = [
     "ALIGN",
     "aligned_offsets",
     "flatten_parameters",
-    "gather_views",
     "memory_order",
     "rehome_",
     "span",
@@ -100,21 +100,6 @@ def split_runs(
                 continue
         runs.append([i])
     return runs
-
-
-def gather_views(
-    buffer: Tensor, at: Sequence[int], tensors: Sequence[Tensor]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """``(views, spans)`` such that copying each span of ``tensors`` into its view of the
-    1-D ``buffer`` puts ``tensors[i]`` at ``buffer[at[i]:]``: one pair per run of tensors
-    spaced as ``at`` (a lone tensor keeps its shape)."""
-    views, spans = [], []
-    for run in split_runs([tensors], at):
-        first, last = run[0], run[-1]
-        v = buffer.narrow(0, at[first], at[last] + tensors[last].numel() - at[first])
-        views.append(v.view(tensors[first].shape) if len(run) == 1 else v)
-        spans.append(span([tensors[i] for i in run]))
-    return views, spans
 
 
 def _view_like(flat: Tensor, offset: int, like: Tensor) -> Tensor:
@@ -204,8 +189,6 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
         [193]
     """
     if not isinstance(model, torch.nn.Module):
-        from ..errors import EMATypeError
-
         raise EMATypeError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; "
             f"flatten_parameters re-homes a module's parameters"
@@ -215,8 +198,6 @@ def flatten_parameters(model: torch.nn.Module, *, buffers: bool = True) -> list[
         tensors += list(model.buffers())
     sharded = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_dtensor(t)]
     if sharded:
-        from ..errors import EMAValueError
-
         raise EMAValueError(
             f"flatten_parameters got a sharded model (DTensor parameters, e.g. after "
             f"fully_shard: {sharded[:3]}); a DTensor cannot be re-homed into a flat buffer. "

@@ -8,8 +8,8 @@ group of averaged tensors takes one of three forms, picked once:
   ``lerp_`` from it;
 * they are many small tensors: they are gathered once into a staging buffer, then each EMA
   takes one ``lerp_`` from it (the update is launch-bound, not bandwidth-bound);
-* they are large: one foreach ``lerp_`` per EMA straight from them (a gather would only
-  add a pass over memory).
+* they are large: one foreach ``lerp_`` per EMA straight from them (over spans where they
+  sit side by side; a gather would only add a pass over memory).
 
 For a background runner (``staged=True``) every group gathers, so `FusedPlan.stage()`
 is the snapshot and `FusedPlan.finish()` the N lerps. Tensors that are copied rather
@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .._dist.dtensor import local_tensor
 from .finite import Guarded
-from .flat import gather_views, span, split_runs
+from .flat import split_runs
+from .paths import Pointers, pair_spans
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -39,70 +40,30 @@ __all__ = ["GATHER_BELOW", "FusedPlan"]
 GATHER_BELOW = 1 << 16
 
 
-class _Group:
-    """One (device, dtype) group of averaged tensors, shared by every EMA of the set: for
-    each EMA, the lists its ``lerp_`` moves (``targets``), and the gather they read from."""
-
-    def __init__(self, onlines: list[Tensor], shadows: list[list[Tensor]], staged: bool) -> None:
-        spans = [span(s).reshape(-1) for s in shadows]
-        ref = spans[0]
-        # where each tensor sits in the shadows' (one) run, alignment padding included
-        base = int(shadows[0][0].storage_offset())
-        at = [int(t.storage_offset()) - base for t in shadows[0]]
-        runs = split_runs([onlines], at)
-        same = (onlines[0].dtype, onlines[0].device) == (ref.dtype, ref.device)
-        self.onlines = onlines
-        self.key = (onlines[0].dtype, onlines[0].device)
-        self.watched = [onlines[i] for r in runs if len(r) > 1 for i in r]  # spans made here
-        self.ptrs = [t.data_ptr() for t in self.watched]
-        self.gather_dst: list[Tensor] = []
-        self.gather_src: list[Tensor] = []
-        self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see lerp()
-        if not staged and same and len(runs) == 1:
-            self.targets = [([s], [span(onlines).reshape(-1)]) for s in spans]
-        elif not staged and same and ref.numel() / len(onlines) >= GATHER_BELOW:
-            self.targets = [(s, onlines) for s in shadows]  # a gather would only add a pass
-        else:
-            pin = staged and ref.device.type == "cpu" and onlines[0].device.type != "cpu"
-            # zeros: the padding is averaged with the shadows' (zero) padding
-            source = torch.zeros(ref.numel(), dtype=ref.dtype, device=ref.device, pin_memory=pin)
-            self.gather_dst, self.gather_src = gather_views(source, at, onlines)
-            self.targets = [([s], [source]) for s in spans]
-
-    def stale(self) -> bool:
-        first = self.onlines[0]
-        if (first.dtype, first.device) != self.key:
-            return True
-        return list(map(Tensor.data_ptr, self.watched)) != self.ptrs
-
-    def gather(self, non_blocking: bool = False) -> None:
-        if self.gather_dst:
-            torch._foreach_copy_(self.gather_dst, self.gather_src, non_blocking=non_blocking)
-
-    def lerp(self, weights: Sequence[float], ok: Tensor | None = None) -> None:
-        """Each EMA's ``lerp_`` with its weight (0: left alone); only where ``ok`` holds
-        when given (skip_nonfinite, see [`Plan.run()`][emakit._engine.plan.Plan.run])."""
-        if ok is not None and not self.guarded:
-            self.guarded = [Guarded(dst, src) for dst, src in self.targets]
-        for i, ((dst, src), w) in enumerate(zip(self.targets, weights, strict=True)):
-            if w and ok is not None:
-                self.guarded[i].update(ok, w)
-            elif w:
-                torch._foreach_lerp_(dst, src, w)
-
-
 class FusedPlan:
     """One averaging pass for the plans of several EMAs of one model.
 
     Build it with `build()`, which returns None when the shadows are not laid out
     alike (the caller then updates each plan on its own). An action's ``weights`` hold one
     lerp weight per EMA (0 leaves that EMA unchanged).
+
+    Attributes:
+        targets: per EMA, the spans its ``lerp_`` moves and what each reads, every group's.
+        gathers: per group, the copies that gather its online tensors (none where they are
+            read in place).
+        firsts: per group, its first online tensor and that tensor's dtype and device.
     """
 
-    def __init__(self, plans: Sequence[Plan], groups: list[_Group], frozen: Sequence[bool]) -> None:
+    def __init__(self, plans: Sequence[Plan], frozen: Sequence[bool]) -> None:
         self.plans = list(plans)
-        self.groups = groups
         self.frozen = list(frozen)
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = self.plans[0].on_accelerator
+        self.targets: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in self.plans]
+        self.gathers: list[tuple[list[Tensor], list[Tensor]]] = []
+        self.firsts: list[tuple[Tensor, tuple]] = []
+        self.pointers = Pointers()  # of the spans made here
+        self.guarded: list[Guarded] = []  # skip_nonfinite: one per EMA, see finish()
 
     @classmethod
     def build(
@@ -113,6 +74,7 @@ class FusedPlan:
         ``frozen`` marks EMAs that never change (beta 1): their copied tensors are left
         alone too, as a frozen [`EMA`][emakit.EMA] leaves them.
         """
+        fused = cls(plans, frozen or [False] * len(plans))
         first = plans[0].pairs
         # DTensors (FSDP2): this rank's shards, as the plans themselves use them
         shadow = [[local_tensor(p.shadow) for p in plan.pairs] for plan in plans]
@@ -120,7 +82,6 @@ class FusedPlan:
         for i, p in enumerate(first):
             if p.average:
                 by_key.setdefault((shadow[0][i].device, shadow[0][i].dtype), []).append(i)
-        groups = []
         for idx in by_key.values():
             # every EMA laid its shadow out in the same (memory) order; follow it
             idx.sort(key=lambda i: shadow[0][i].storage_offset())
@@ -129,19 +90,28 @@ class FusedPlan:
             spacing = [int(t.storage_offset()) for t in shadows[0]]  # and all spaced alike
             if any(len(split_runs([s], spacing)) != 1 for s in shadows):
                 return None
-            groups.append(_Group(onlines, shadows, staged))
-        return cls(plans, groups, frozen or [False] * len(plans))
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device."""
-        return self.plans[0].on_accelerator
+            # read in place when the online tensors form one span of the shadows' dtype, or
+            # are large (a gather would only add a pass over memory); else gathered once
+            key, ref = (onlines[0].dtype, onlines[0].device), shadows[0][0]
+            one_span = len(split_runs([*shadows, onlines])) == 1
+            large = sum(o.numel() for o in onlines) >= GATHER_BELOW * len(onlines)
+            gather = staged or key != (ref.dtype, ref.device) or not (one_span or large)
+            dst, src, gather_dst, gather_src = pair_spans(
+                shadows, onlines, staged=gather, pointers=fused.pointers
+            )
+            for (dsts, srcs), spans in zip(fused.targets, dst, strict=True):
+                dsts += spans
+                srcs += src
+            fused.gathers.append((gather_dst, gather_src))
+            fused.firsts.append((onlines[0], key))
+        fused.pointers.seal()
+        return fused
 
     def stale(self) -> bool:
-        """Whether any group's online storage moved since the plan was built."""
-        return any(g.stale() for g in self.groups)
+        """Whether a group's online tensors changed dtype or device, or the storage under a
+        span moved, since the plan was built."""
+        return any((t.dtype, t.device) != key for t, key in self.firsts) or self.pointers.moved()
 
-    @torch.no_grad()
     def run(self, action: Action) -> None:
         """Average every EMA now (``action.weights``: one weight per EMA; ``action.guard``:
         see [`Plan.run()`][emakit._engine.plan.Plan.run])."""
@@ -155,11 +125,20 @@ class FusedPlan:
         for plan, frozen in zip(self.plans, self.frozen, strict=True):
             if not frozen:
                 plan.copy_unaveraged(guard)
-        for g in self.groups:
-            g.gather(non_blocking)
+        for dst, src in self.gathers:
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
     @torch.no_grad()
     def finish(self, action: Action) -> None:
-        """One ``lerp_`` per EMA and group from the gathered tensors."""
-        for g in self.groups:
-            g.lerp(action.weights, action.guard)
+        """Each EMA's ``lerp_`` from the gathered tensors, with its weight (0: left alone);
+        only where ``action.guard`` holds when given (skip_nonfinite, see
+        [`Plan.run()`][emakit._engine.plan.Plan.run])."""
+        ok = action.guard
+        if ok is not None and not self.guarded:
+            self.guarded = [Guarded(dst, src) for dst, src in self.targets]
+        for i, ((dst, src), w) in enumerate(zip(self.targets, action.weights, strict=True)):
+            if w and ok is not None:
+                self.guarded[i].update(ok, w)
+            elif w and dst:  # (foreach kernels refuse empty lists)
+                torch._foreach_lerp_(dst, src, w)

@@ -10,7 +10,9 @@ on every update, with no branch on the implementation in between:
   group of tensors;
 * ``"flat"``: the same foreach functions over groups built from *spans* (runs of
   memory-adjacent tensors viewed as one tensor, see `emakit._engine.flat`), so a model
-  laid out flat is averaged by one ``lerp_`` per group.
+  laid out flat is averaged by one ``lerp_`` per group. `pair_spans()` lays pairs out as
+  spans, read in place or through a staging buffer: the one layout of the flat groups,
+  the fused MultiEMA pass (`emakit._engine.fused`) and BEMA's work (`emakit._engine.bema`).
 
 Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
 lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``. What
@@ -30,11 +32,21 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import local_tensor
-from .flat import aligned_offsets, gather_views, span, split_runs
+from .flat import aligned, span, split_runs
 from .kernels import copy_each, multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 
-__all__ = ["FOREACH", "LOOP", "Group", "Path", "Pointers", "build_groups", "no_autograd", "stage"]
+__all__ = [
+    "FOREACH",
+    "LOOP",
+    "Group",
+    "Path",
+    "Pointers",
+    "build_groups",
+    "no_autograd",
+    "pair_spans",
+    "stage",
+]
 
 #: The updates of the shadow run in inference mode, the C-level context manager where torch
 #: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below
@@ -70,11 +82,6 @@ class Transfer:
     stage_src: list[Tensor] = field(default_factory=list)
     convert: bool = False
 
-    @property
-    def online(self) -> list[Tensor]:
-        """The online tensors (or spans) this transfer reads, staged or not."""
-        return self.stage_src or self.src
-
 
 @dataclass
 class Pointers:
@@ -98,12 +105,6 @@ class Pointers:
             for i in run if every else (run[0], run[-1]):
                 self.tensors.append(side[i])
                 self.ptrs.append(side[i].data_ptr())
-
-    def watch(self, tensors: Sequence[Tensor]) -> None:
-        """Guard every one of ``tensors`` (plain tensors, not views made here), sealed."""
-        self.tensors.extend(tensors)
-        self.ptrs.extend(t.data_ptr() for t in tensors)
-        self.seal()
 
     def seal(self) -> None:
         """Record the use counts of the storages under the guarded spans."""
@@ -146,33 +147,53 @@ class Group:
         return bool(self.pointers.tensors) and self.pointers.moved()
 
 
-def _flatten(t: Transfer, pointers: Pointers, direct: bool, pin: bool) -> Transfer:
-    """``t`` as spans: runs adjacent on both sides (``direct``), or through a staging
-    buffer laid out like the destinations, into which the online runs are copied first
-    (reused on every update: nothing is allocated on the hot path)."""
-    flat, dsts, srcs = Transfer(), t.dst, t.src
-    if not dsts:
-        return flat
-    if direct:
-        for run in split_runs([dsts, srcs]):
-            flat.dst.append(span([dsts[i] for i in run]))
-            flat.src.append(span([srcs[i] for i in run]))
-            pointers.add(run, dsts, every=False)
-            pointers.add(run, srcs)
-        return flat
-    # Laid out as emakit lays out the shadow (aligned, zero padding), so runs of both
-    # sides map onto it.
-    at = aligned_offsets([d.numel() for d in dsts])
-    staging = torch.zeros(
-        at[-1] + dsts[-1].numel(), dtype=dsts[0].dtype, device=dsts[0].device, pin_memory=pin
-    )
-    flat.stage_dst, flat.stage_src = gather_views(staging, at, srcs)
-    flat.src, flat.dst = gather_views(staging, at, dsts)
-    for run in split_runs([srcs], at):
-        pointers.add(run, srcs)
-    for run in split_runs([dsts], at):
-        pointers.add(run, dsts, every=False)
-    return flat
+def pair_spans(
+    dsts: Sequence[Sequence[Tensor]],
+    srcs: Sequence[Tensor],
+    *,
+    staged: bool,
+    pointers: Pointers | None = None,
+) -> tuple[list[list[Tensor]], list[Tensor], list[Tensor], list[Tensor]]:
+    """Pairs ``(dsts[k][i], srcs[i])`` as spans, for one kernel per run of pairs.
+
+    Returns ``(dst, src, stage_dst, stage_src)``. ``dst[k]`` holds the spans of ``dsts[k]``
+    over the maximal runs of pairs adjacent and spaced alike in every list (and in
+    ``srcs``, read in place, unless ``staged``); ``src`` what each run reads: a span of
+    ``srcs``, or (``staged``) its piece of a staging buffer laid out like the spans of
+    ``dsts[0]``, zero padding included, which ``torch._foreach_copy_(stage_dst, stage_src)``
+    fills before each update. The buffer is made once (nothing is allocated per update),
+    pinned when it takes values from an accelerator to the CPU. ``pointers`` guards the
+    spans made here: the ends of the destinations' runs, every tensor of the sources'.
+    """
+    watch = pointers if pointers is not None else Pointers()
+    runs = split_runs(dsts if staged else [*dsts, srcs])
+    dst = [[span([d[i] for i in run]) for run in runs] for d in dsts]
+    for run in runs:
+        watch.add(run, dsts[0], every=False)
+    if not staged:
+        for run in runs:
+            watch.add(run, srcs)
+        return dst, [span([srcs[i] for i in run]) for run in runs], [], []
+    at: list[int] = []  # where each pair sits in the buffer: its runs side by side, aligned
+    starts, end = [], 0
+    for run in runs:
+        starts.append(aligned(end))
+        base = int(dsts[0][run[0]].storage_offset())
+        at += [starts[-1] + int(dsts[0][i].storage_offset()) - base for i in run]
+        end = at[-1] + dsts[0][run[-1]].numel()
+    ref, online = dsts[0][0], srcs[0].device
+    pin = ref.device.type == "cpu" and online.type != "cpu" and torch.cuda.is_available()
+    buffer = torch.zeros(end, dtype=ref.dtype, device=ref.device, pin_memory=pin)
+    src = [
+        buffer.narrow(0, a, s.numel()).view(s.shape) for a, s in zip(starts, dst[0], strict=True)
+    ]
+    stage_dst, stage_src = [], []
+    for run in split_runs([srcs], at):  # runs of sources that land side by side
+        view = buffer.narrow(0, at[run[0]], at[run[-1]] + srcs[run[-1]].numel() - at[run[0]])
+        stage_dst.append(view.view(srcs[run[0]].shape) if len(run) == 1 else view)
+        stage_src.append(span([srcs[i] for i in run]))
+        watch.add(run, srcs)
+    return dst, src, stage_dst, stage_src
 
 
 def build_groups(
@@ -196,11 +217,13 @@ def build_groups(
     if flat or staged:
         for g in groups.values():
             dst, src = g.first
-            direct = not staged and (dst.dtype, dst.device) == (src.dtype, src.device)
-            # Pinned when the values arrive from an accelerator: non-blocking copies.
-            pin = staged and dst.device.type == "cpu" and src.device.type != "cpu"
-            g.lerp = _flatten(g.lerp, g.pointers, direct, pin)
-            g.copy = _flatten(g.copy, g.pointers, direct, pin)
+            stages = staged or (dst.dtype, dst.device) != (src.dtype, src.device)
+            for t in (g.lerp, g.copy):
+                if t.dst:
+                    (t.dst,), t.src, t.stage_dst, t.stage_src = pair_spans(
+                        [t.dst], t.src, staged=stages, pointers=g.pointers
+                    )
+                    t.convert = False  # the spans read sources of their own dtype and device
             g.pointers.seal()
     return list(groups.values())
 

@@ -63,8 +63,9 @@ class Plan:
         # A shared weight whose online storage is replaced (``.data = ...``, ``.to()``) stops
         # sharing: the plan is then stale and the next one averages it (DTensor shards are
         # watched by identity in the guards).
-        self.shared_pointers = Pointers()
-        self.shared_pointers.watch([p.online for p in self.shared if not is_dtensor(p.online)])
+        watched = [p.online for p in self.shared if not is_dtensor(p.online)]
+        self.shared_pointers = Pointers(watched, [t.data_ptr() for t in watched])
+        self.shared_pointers.seal()
         self.impl: Impl = "flat" if staged else impl
         self.staged = staged
         self.guards = Guards(
@@ -79,21 +80,12 @@ class Plan:
         self._staging = any(t.stage_dst for g in self.groups for t in (g.lerp, g.copy))
         self._guarded: GuardedPath | None = None
         self._online_groups: list[Group] | None = None
-
-    @property
-    def on_accelerator(self) -> bool:
-        """Whether the online tensors live on a CUDA device (snapshots are non-blocking)."""
-        return bool(self.pairs) and self.pairs[0].online.is_cuda
-
-    @property
-    def num_kernels(self) -> int:
-        """Kernels (spans or tensors) one averaging update touches, summed over groups."""
-        return sum(len(g.lerp.dst) + len(g.copy.dst) for g in self.groups)
-
-    @property
-    def num_decay_groups(self) -> int:
-        """One more than the highest decay group index among the pairs."""
-        return 1 + max((p.group for p in self.pairs), default=0)
+        #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
+        self.on_accelerator = bool(self.pairs) and self.pairs[0].online.is_cuda
+        #: Kernels (spans or tensors) one averaging update touches, summed over groups.
+        self.num_kernels = sum(len(g.lerp.dst) + len(g.copy.dst) for g in self.groups)
+        #: One more than the highest decay group index among the pairs.
+        self.num_decay_groups = 1 + max((p.group for p in self.pairs), default=0)
 
     # -- staleness --------------------------------------------------------------------------
 
@@ -111,22 +103,10 @@ class Plan:
             return "stale"
         return self.guards.check()
 
-    def stale(self) -> bool:
-        """Whether the plan is certainly stale (see [`freshness()`][emakit._engine.plan.Plan.freshness])."""
-        return self.freshness() == "stale"
-
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
         """Whether ``tracked``'s pairs are the plan's own: same names, tensors and roles. If
         so, the plan is fresh again until the next registration on the watched modules."""
-        pairs = Tracked.of(tracked).pairs
-        same = len(pairs) == len(self.pairs) and all(
-            a.name == b.name
-            and a.online is b.online
-            and a.shadow is b.shadow
-            and a.average == b.average
-            and a.group == b.group
-            for a, b in zip(pairs, self.pairs, strict=True)
-        )
+        same = _identity(Tracked.of(tracked).pairs) == _identity(self.pairs)
         if same:
             self.guards.accept()
         return same
@@ -200,6 +180,11 @@ class Plan:
     def lerp_online(self, weight: float) -> None:
         """``online.lerp_(shadow, weight)`` for averaged pairs; copy the others."""
         self.path.lerp(self._to_online(), [weight] * self.num_decay_groups)
+
+
+def _identity(pairs: Sequence[TensorPair]) -> list[tuple]:
+    """What makes two lists of pairs the same: names, tensors (the objects) and roles."""
+    return [(p.name, id(p.online), id(p.shadow), p.average, p.group) for p in pairs]
 
 
 #: Alias of [`Plan`][emakit._engine.plan.Plan], kept for the callers that build plans

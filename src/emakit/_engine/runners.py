@@ -51,19 +51,15 @@ class Runner(Protocol):
     @property
     def pending(self) -> bool:
         """Whether an action was submitted and not yet waited for."""
-        ...
 
     def submit(self, work: Work, action: Action) -> None:
         """Carry out ``action`` on ``work`` (now, or later: see `wait()`)."""
-        ...
 
     def wait(self) -> None:
         """Block (or order the current CUDA stream) until the pending action is done."""
-        ...
 
     def close(self) -> None:
         """Wait, then release threads or streams."""
-        ...
 
 
 class SyncRunner:
@@ -181,18 +177,14 @@ class StreamRunner:
         self.device = device
         self._stream: Any = None
         self._done: Any = None
-        self._pending = False
-
-    @property
-    def pending(self) -> bool:
-        """Whether an action was submitted and not yet waited for."""
-        return self._pending
+        #: Whether an action was submitted and not yet waited for.
+        self.pending = False
 
     def wait(self) -> None:
         """Order the current stream after the pending side-stream action (GPU-side)."""
-        if self._pending and self._done is not None:
+        if self.pending:
             torch.cuda.current_stream(self.device).wait_event(self._done)
-        self._pending = False
+        self.pending = False
 
     def submit(self, work: Work, action: Action) -> None:
         """Snapshot on the current stream, carry out ``action`` on the side stream."""
@@ -200,23 +192,23 @@ class StreamRunner:
             self._stream = torch.cuda.Stream(device=self.device)
             self._done = torch.cuda.Event()
         current = torch.cuda.current_stream(self.device)
-        if self._pending:
+        if self.pending:
             current.wait_event(self._done)  # the staging buffer is free again
         work.stage(non_blocking=True, guard=action.guard)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             work.finish(action)
             self._done.record(self._stream)
-        self._pending = True
+        self.pending = True
 
     def close(self) -> None:
         """Order the current stream after the pending action."""
         self.wait()
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._pending and self._done is not None:
+        if self.pending:
             self._done.synchronize()
-        return {"device": self.device, "_stream": None, "_done": None, "_pending": False}
+        return {"device": self.device, "_stream": None, "_done": None, "pending": False}
 
 
 class _LiveHooks:
