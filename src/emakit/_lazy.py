@@ -18,8 +18,6 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_attributes"]
-
 
 def lazy_attributes(
     package: str, exports: Mapping[str, str], namespace: dict[str, Any]

@@ -43,8 +43,6 @@ from torch import Tensor, nn
 
 from .._dist.dtensor import fsdp_modules, reshard
 
-__all__ = ["ForwardMethod", "IOCast", "eval_call", "io_cast", "map_tensors"]
-
 
 def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """Apply ``fn`` to every tensor in ``obj`` (nested tuples, lists, dicts), keeping the

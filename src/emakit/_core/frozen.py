@@ -53,8 +53,6 @@ from .._engine.pairs import TensorPair
 from ..errors import EMARuntimeError
 from .sharding import adopt_shard, places_of
 
-__all__ = ["FrozenShare", "UnfreezeHook", "drop_unfreeze_hooks", "shared_parameters", "shares"]
-
 
 def shares(p: TensorPair) -> bool:
     """Whether the pair's shadow is the online tensor's own storage (a shared frozen weight);

@@ -25,8 +25,6 @@ from .._engine.pairs import Slot, TensorPair
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 
-__all__ = ["copy_model", "layout_shadow", "module_tensors", "unwrap_model"]
-
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that holds the weights: strips DDP/DataParallel ``.module``, a DeepSpeed

@@ -44,18 +44,6 @@ from .._dist.dtensor import (
 from .._engine.pairs import TensorPair
 from ..errors import EMATypeError
 
-__all__ = [
-    "FSDPLayout",
-    "ShardGroup",
-    "adopt_shard",
-    "copy_module",
-    "evenly_sharded",
-    "fsdp_layout",
-    "places_of",
-    "share_shards",
-    "unsharded_pairs",
-]
-
 
 def unsharded_pairs(pairs: list[TensorPair], *, device: object = None) -> list[TensorPair]:
     """The pairs whose shadow is not a DTensor: the ones the EMA lays out in its own buffers.

@@ -23,8 +23,6 @@ from .frozen import FrozenShare, drop_unfreeze_hooks, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
-__all__ = ["ModuleSource", "TreeSource", "call_factory"]
-
 
 def call_factory(factory: Any) -> nn.Module:
     """The module a zero-argument ``ema_model`` factory returns (checked)."""

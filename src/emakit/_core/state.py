@@ -26,20 +26,6 @@ import torch
 from .._validate import not_newer, stored_count, stored_flag, stored_real
 from ..errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
-__all__ = [
-    "Field",
-    "StateCodec",
-    "check_loadable",
-    "flag",
-    "integer",
-    "kind_problem",
-    "load_or_restore",
-    "real",
-    "reals",
-    "refuse_load_arguments",
-    "text",
-]
-
 
 @dataclass(frozen=True)
 class Field:

@@ -43,8 +43,6 @@ from .._dist.dtensor import fsdp_modules, is_dtensor, local_tensor, reshard
 from ..errors import EMARuntimeError
 from .tracker import Tracker
 
-__all__ = ["Swap"]
-
 #: Swaps entered and not yet exited, in the order entered. Two EMAs of one model may swap
 #: nested (``s1.enter(); s2.enter()``), but must exit in reverse: the second one saved the
 #: first one's tensors as "the model's own".

@@ -52,8 +52,6 @@ from ..errors import EMARuntimeError
 if TYPE_CHECKING:
     from .._engine.runners import Work
 
-__all__ = ["Tracker"]
-
 
 def _references(views: tuple[Tensor, Tensor]) -> int:
     """How many references the views have (measured the same way every time, so that a

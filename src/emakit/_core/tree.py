@@ -12,8 +12,6 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils import _pytree as tree_utils
 
-__all__ = ["all_tensors", "leaves", "named_tensors", "tree_copy"]
-
 
 def _key_name(path: tuple[Any, ...]) -> str:
     # torch's path entries: MappingKey.key, SequenceKey.idx, GetAttrKey.name

@@ -39,8 +39,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEY_ROOT", "default_store", "missing_ranks"]
-
 #: Where the checks' keys live in the store.
 KEY_ROOT = "emakit/agree"
 

@@ -41,17 +41,6 @@ from torch import Tensor
 from ..errors import EMARuntimeError, EMAStateError
 from .arrival import default_store, missing_ranks
 
-__all__ = [
-    "AGREE_TIMEOUT_S",
-    "OPERATIONS",
-    "agree",
-    "agree_on",
-    "collective_device",
-    "dist_ready",
-    "gather_padded",
-    "is_rank_zero",
-]
-
 #: Default seconds a rank waits for the others at an agreement step. The ranks meet there
 #: right after a training step, whose own collectives (gradient reduce-scatter, all-reduce)
 #: already lined them up, so they normally arrive within a fraction of a second; a call

@@ -37,20 +37,6 @@ from torch import Tensor, nn
 from ..errors import EMAStateError
 from .collectives import agree_on, gather_padded
 
-__all__ = [
-    "WORLD_KEY",
-    "PartitionSlot",
-    "PartitionSwap",
-    "ZeroPartitions",
-    "is_partition",
-    "own_span",
-    "partition",
-    "partition_tensors",
-    "slot_of",
-    "unwrap_engine",
-    "zero3_params",
-]
-
 #: The key `ZeroPartitions` adds to its state: ``[world size, rank]`` its
 #: partitions were cut for.
 WORLD_KEY = "partition_layout"

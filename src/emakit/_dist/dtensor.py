@@ -18,21 +18,6 @@ from torch import Tensor, nn
 
 from ..errors import EMATypeError
 
-__all__ = [
-    "FSDP2_MIN_TORCH",
-    "check_fsdp2_torch",
-    "dtensor_like",
-    "fsdp_module_type",
-    "fsdp_modules",
-    "is_dtensor",
-    "local_tensor",
-    "reshard",
-    "same_sharding",
-    "shard_identity",
-    "shard_identity_getter",
-    "torch_version",
-]
-
 #: The oldest torch whose FSDP2 emakit supports: ``torch.distributed.fsdp.fully_shard``,
 #: ``FSDPModule`` and ``register_fsdp_forward_method`` became public, and ``fully_shard``
 #: took ``shard_placement_fn``, in 2.6 (before, FSDP2 lived in the private

@@ -42,8 +42,6 @@ from .plan import Plan
 if TYPE_CHECKING:
     from ..decay import Action
 
-__all__ = ["BEMAWork", "held", "state_order"]
-
 
 def held(p: TensorPair) -> bool:
     """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a

@@ -56,8 +56,6 @@ from .flat import ALIGN, aligned_offsets, memory_order, span, split_runs
 from .pairs import TensorPair
 from .paths import Group, no_autograd, stage
 
-__all__ = ["GUARD_CHUNK", "Agreement", "FiniteGuard", "Guarded", "GuardedPath", "SkipCount"]
-
 #: Elements per batch of a guarded update: the scratch a `Guarded` holds is two rows (three
 #: for destinations scattered in memory) of at most this many elements per device and
 #: dtype (16 MiB in float32). A transfer larger than one batch that must be gathered is

@@ -19,16 +19,6 @@ from torch import Tensor
 from .._dist.dtensor import is_dtensor
 from ..errors import EMATypeError, EMAValueError
 
-__all__ = [
-    "ALIGN",
-    "aligned_offsets",
-    "flatten_parameters",
-    "memory_order",
-    "rehome_",
-    "span",
-    "split_runs",
-]
-
 #: Every tensor of a flat layout emakit makes (the EMA's storage, ``flatten_parameters``,
 #: staging buffers) starts at a multiple of this many elements: at least 64 bytes for every
 #: dtype (256 for float32), the boundary CPU kernels vectorize on, and the same element

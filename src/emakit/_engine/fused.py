@@ -33,7 +33,6 @@ from .plan import Plan
 if TYPE_CHECKING:
     from ..decay import Action
 
-__all__ = ["GATHER_BELOW", "FusedPlan"]
 
 #: Mean elements per tensor below which gathering the online tensors once into a staging
 #: buffer beats one lerp per tensor per EMA. Measured on CPU with benchmarks/bench_multi.py.

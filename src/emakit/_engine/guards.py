@@ -38,8 +38,6 @@ from torch import Tensor, nn
 
 from .._dist.dtensor import is_dtensor, shard_identity_getter
 
-__all__ = ["Changes", "Guards", "WatchedDict", "watch_modules"]
-
 
 class Changes:
     """How many registrations the watched modules of one EMA have seen (see the module

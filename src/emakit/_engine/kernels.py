@@ -16,16 +16,6 @@ from torch import Tensor
 
 from ..errors import EMAValueError
 
-__all__ = [
-    "IMPLS",
-    "Impl",
-    "copy_each",
-    "ema_copy_",
-    "ema_lerp_",
-    "multi_tensor_lerp",
-    "single_tensor_lerp",
-]
-
 Impl = Literal["loop", "foreach", "flat"]
 IMPLS: tuple[str, ...] = ("loop", "foreach", "flat")
 

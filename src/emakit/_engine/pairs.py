@@ -18,8 +18,6 @@ from .._dist.dtensor import is_dtensor, local_tensor, same_sharding
 from ..errors import EMAStateError
 from .guards import Changes
 
-__all__ = ["Slot", "TensorPair", "Tracked", "check_sharded_pair", "pair_tensors"]
-
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
 #: ``(module._parameters, "weight", id(module))``. Where the container is not a watched
 #: registry (a DTensor's, a DeepSpeed partition's), the plan checks

@@ -36,18 +36,6 @@ from .flat import aligned, span, split_runs
 from .kernels import copy_each, multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 
-__all__ = [
-    "FOREACH",
-    "LOOP",
-    "Group",
-    "Path",
-    "Pointers",
-    "build_groups",
-    "no_autograd",
-    "pair_spans",
-    "stage",
-]
-
 #: The updates of the shadow run in inference mode, the C-level context manager where torch
 #: has one (what ``torch.inference_mode`` enters, without its Python wrapper). Below
 #: autograd: no grad, and none of autograd's per-tensor bookkeeping, which for an online

@@ -36,8 +36,6 @@ from .kernels import Impl
 from .pairs import TensorPair, Tracked
 from .paths import FOREACH, LOOP, Group, Pointers, build_groups, no_autograd, stage
 
-__all__ = ["Plan", "TensorPair", "build_plan"]
-
 _MOVES = frozenset(("lerp", "init", "copy"))
 
 

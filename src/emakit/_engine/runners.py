@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     #: (``finish(action)``); ``on_accelerator`` says whether the snapshot may be non-blocking.
     Work: TypeAlias = Plan | FusedPlan | BEMAWork
 
-__all__ = ["Runner", "StreamRunner", "SyncRunner", "ThreadRunner", "hook_optimizer"]
-
 
 class Runner(Protocol):
     """The interface every runner has."""

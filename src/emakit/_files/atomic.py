@@ -39,18 +39,6 @@ except ImportError:  # pragma: no cover - Windows
 #: Whether this platform has advisory file locks (``fcntl.flock``).
 LOCKS_AVAILABLE = fcntl is not None
 
-__all__ = [
-    "LOCKS_AVAILABLE",
-    "STALE_TEMP_AGE_S",
-    "TEMP_PREFIX",
-    "atomic_path",
-    "atomic_paths",
-    "atomic_write",
-    "atomic_write_bytes",
-    "fsync_dir",
-    "remove_stale_temps",
-    "try_lock",
-]
 
 #: Marker in the names of emakit's temporary files (``.<name>.emakit-tmp-XXXXXXXX``).
 TEMP_PREFIX = ".emakit-tmp-"

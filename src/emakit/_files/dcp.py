@@ -57,16 +57,6 @@ from ..errors import EMAFileNotFoundError, EMAStateError
 from .atomic import atomic_write_bytes, fsync_dir
 from .reading import open_regular
 
-__all__ = [
-    "POINTER",
-    "SHARDED_FORMAT",
-    "SafeReader",
-    "commit",
-    "new_version",
-    "read_pointer",
-    "remove_stale",
-]
-
 #: The pointer file naming a checkpoint folder's current version.
 POINTER = "emakit-sharded.json"
 #: ``format`` in the pointer file.

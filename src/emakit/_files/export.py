@@ -48,8 +48,6 @@ from .atomic import atomic_path
 from .reading import write_errors
 from .safetensors_file import out_dtype, safetensors_layout, write_tensor
 
-__all__ = ["full_tensor", "share_outcome", "tensor_for_writer", "write_streamed"]
-
 
 def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False) -> Tensor | None:
     """``t`` in full on every rank (a collective for a DTensor), floating values cast to

@@ -35,17 +35,6 @@ from ..errors import (
     EMAWriteError,
 )
 
-__all__ = [
-    "as_path",
-    "file_kind",
-    "open_regular",
-    "refusal_reason",
-    "torch_load",
-    "writable_folder",
-    "writable_path",
-    "write_errors",
-]
-
 _KINDS = (
     (stat.S_ISREG, "a regular file"),
     (stat.S_ISDIR, "a folder"),

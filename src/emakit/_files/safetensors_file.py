@@ -53,16 +53,6 @@ from torch import Tensor
 from ..errors import EMARuntimeError, EMAStateError, EMATypeError
 from .reading import open_regular
 
-__all__ = [
-    "ST_DTYPES",
-    "SafetensorsFile",
-    "out_dtype",
-    "read_safetensors",
-    "safetensors_layout",
-    "write_safetensors",
-    "write_tensor",
-]
-
 #: safetensors dtype codes of the torch dtypes emakit writes and reads.
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",

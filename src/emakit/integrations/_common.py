@@ -14,15 +14,6 @@ from ..bema import BEMA
 from ..ema import EMA
 from ..errors import EMATypeError
 
-__all__ = [
-    "LIGHTNING_CHECKPOINT_KEY",
-    "TRAINER_WEIGHTS_NAME",
-    "EMAKeywords",
-    "ema_keywords",
-    "ema_metrics",
-    "refuse_zero3",
-]
-
 #: Where ``EMACallback`` puts the EMA in a Lightning checkpoint (``emakit inspect`` reads it).
 LIGHTNING_CHECKPOINT_KEY = "emakit_ema"
 #: The EMA file ``EMATrainerCallback`` writes into every ``checkpoint-N`` folder.
