@@ -475,10 +475,18 @@ def bench_host(args: argparse.Namespace, before: ModuleType | None) -> list[dict
     the update for a many-tensor model. CPU time per call, emakit and (``--before``) the
     older emakit interleaved; the model does not change between calls.
     """
-    saved = torch._foreach_lerp_, torch._foreach_copy_
+    from emakit._engine.paths import FOREACH  # it holds the kernels it was built with
+
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    kernels = ("copy_each", "lerp_same")
+    saved = torch._foreach_lerp_, torch._foreach_copy_, [getattr(FOREACH, k) for k in kernels]
     rows = []
     try:
-        torch._foreach_lerp_ = torch._foreach_copy_ = lambda *a, **k: None
+        torch._foreach_lerp_ = torch._foreach_copy_ = noop
+        for k in kernels:
+            object.__setattr__(FOREACH, k, noop)  # a frozen dataclass, patched for the run
         for n in HOST_MODULES:
             torch.manual_seed(0)
             model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
@@ -491,7 +499,9 @@ def bench_host(args: argparse.Namespace, before: ModuleType | None) -> list[dict
             for name, t in timings.items():
                 rows.append({"modules": n, "contender": name, **t.summary()})
     finally:
-        torch._foreach_lerp_, torch._foreach_copy_ = saved
+        torch._foreach_lerp_, torch._foreach_copy_ = saved[:2]
+        for k, fn in zip(kernels, saved[2], strict=True):
+            object.__setattr__(FOREACH, k, fn)
     return rows
 
 
