@@ -323,8 +323,16 @@ class EMA(nn.Module):
             self._source = TreeSource(**common)
             self._tree.append(self._source.build(model, ema_model))
             return
-        self._source = ModuleSource.for_ema(  # from the checked keywords, by name
-            vars(self), list(self.decay_groups), self.tracker.invalidate, **common
+        self._source = ModuleSource(
+            ignore_names=self.ignore_names,
+            ignore_prefixes=tuple(self.ignore_startswith_names),
+            no_ema=self.param_or_buffer_names_no_ema,
+            group_patterns=list(self.decay_groups),
+            move_to_online=self.move_ema_to_online_device,
+            share_frozen=self.share_frozen,
+            on_unshare=self.tracker.invalidate,
+            partition=self.partition,
+            **common,
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)

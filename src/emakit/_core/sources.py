@@ -105,27 +105,6 @@ class ModuleSource(_Source):
         #: Registrations on the online and EMA models' modules (see `emakit._engine.guards`).
         self.changes = Changes()
 
-    @classmethod
-    def for_ema(
-        cls,
-        values: Mapping[str, Any],
-        group_patterns: Sequence[str],
-        on_unshare: Callable[[], None],
-        **kwargs: Any,
-    ) -> ModuleSource:
-        """The source of an [`EMA`][emakit.EMA] from its checked keywords (``values``)."""
-        return cls(
-            ignore_names=values["ignore_names"],
-            ignore_prefixes=tuple(values["ignore_startswith_names"]),
-            no_ema=values["param_or_buffer_names_no_ema"],
-            group_patterns=group_patterns,
-            move_to_online=values["move_ema_to_online_device"],
-            share_frozen=values["share_frozen"],
-            on_unshare=on_unshare,
-            partition=values.get("partition", False),
-            **kwargs,
-        )
-
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Copy-on-write: give every shared frozen weight whose value the load would change
         its own storage first (see `emakit._core.frozen`)."""

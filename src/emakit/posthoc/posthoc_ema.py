@@ -28,9 +28,9 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from .._core import state
 from .._core.forward import eval_call
 from .._core.shadow import unwrap_model
-from .._core.state import StateCodec, check_loadable, reals, text
 from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
 from .._dist.deepspeed import ZeroPartitions
 from .._files.reading import writable_folder
@@ -52,9 +52,9 @@ T = TypeVar("T")
 
 #: Version of the layout `PostHocEMA.state_dict()` writes.
 POSTHOC_STATE_VERSION = 2
-_CODEC = StateCodec(
+_CODEC = state.StateCodec(
     POSTHOC_STATE_VERSION,
-    [reals("gammas", meta=True), text("run")],
+    [state.reals("gammas", meta=True), state.text("run")],
     legacy_keys=("gammas",),
     legacy_version_key="version",
 )
@@ -305,15 +305,17 @@ class PostHocEMA(nn.Module):
         tensors it takes rather than averages (buffers, integer tensors) and the exact
         dtypes of integer ones come from the EMA model, as for emakit's snapshots."""
         ema = self.profiles[0]
-        state = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
+        tensors = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
         exact = tuple(
-            (n, v.dtype) for n, v in state.items() if not (v.is_floating_point() or v.is_complex())
+            (n, v.dtype)
+            for n, v in tensors.items()
+            if not (v.is_floating_point() or v.is_complex())
         )
         return LegacyProfiles(
             self.gammas,
             sigma_rels=self.sigma_rels,
             update_every=self.update_every,
-            copied=frozenset(state) - ema.averaged_names(),
+            copied=frozenset(tensors) - ema.averaged_names(),
             exact_dtypes=exact,
         )
 
@@ -583,27 +585,16 @@ class PostHocEMA(nn.Module):
         rebuilt dict, ema-pytorch's) continues the folder's run when the folder holds the
         snapshots of exactly one identified run, with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
         """
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError("assign=True is not supported: each profile keeps its own storage")
-        check_loadable(  # refuse first: a failed load leaves every profile as it was
+        state.refuse_load_arguments(state_dict, assign)
+        state.check_loadable(  # refuse first: a failed load leaves every profile as it was
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self._owns
         )
-        saved = [ema.tracker.snapshot() for ema in self.profiles]
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as e:
-            for ema, counters in zip(self.profiles, saved, strict=True):
-                ema.tracker.restore(counters)
-            if isinstance(e, RuntimeError) and not isinstance(e, EMAError):
-                raise EMAStateError(str(e)) from e
-            raise
+        result = state.load_or_restore(
+            lambda: super(PostHocEMA, self).load_state_dict(state_dict, strict=strict),
+            [ema.tracker for ema in self.profiles],
+        )
         every = self.checkpoint_every_num_steps
         for ema in self.profiles:
-            ema.tracker.invalidate()
             if ema.t_from_step and every != "manual":  # no metadata: snapshots averaged too
                 t = ema.tracker
                 t.last, t.gap = profile_time(t.step, int(ema.update_every), every)
