@@ -17,6 +17,7 @@ the fields then keep the loading EMA's values (or are derived, as documented per
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,29 @@ class StateCodec:
         """Drop this codec's keys (and earlier layouts') from ``unexpected_keys[start:]``."""
         ours = {prefix + k for k in self.keys}
         unexpected_keys[start:] = [k for k in unexpected_keys[start:] if k not in ours]
+
+
+def refuse_other_settings(kind: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Refuse a state that a ``kind`` (``"BEMA"``, ``"KarrasEMA"``...) saved with other
+    settings than ``mine``; only the settings ``saved`` records are compared, numbers to a
+    relative 1e-9 and sequences (a PostHocEMA's gammas) element by element.
+
+    Raises:
+        EMAStateError: naming the setting, both values and the fix.
+    """
+    for name, value in mine.items():
+        theirs = saved.get(name)
+        if theirs is not None and not _same(theirs, value):
+            raise EMAStateError(
+                f"state_dict is of a {kind} with {name}={theirs!r}, but this {kind} has "
+                f"{name}={value!r}; build the {kind} with the settings it was saved with"
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Sequence) and isinstance(b, Sequence):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return math.isclose(a, b, rel_tol=1e-9)
 
 
 def check_loadable(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -553,22 +552,11 @@ class PostHocEMA(nn.Module):
         error_msgs: list[str],
     ) -> None:
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        saved = values.get("gammas")
         run = values.get("run")
         if run is not None and not RUN_PATTERN.match(run):
             raise EMAStateError(f"state_dict metadata: run={run!r} is not a run id")
         self._loaded_run = run
-        same = saved is None or (
-            len(saved) == len(self.gammas)
-            and all(
-                math.isclose(a, b, rel_tol=1e-9) for a, b in zip(saved, self.gammas, strict=True)
-            )
-        )
-        if not same:
-            raise EMAStateError(
-                f"state_dict tracks gammas={list(saved or ())}, but this PostHocEMA tracks "
-                f"gammas={list(self.gammas)}; build it with the same sigma_rels/gammas"
-            )
+        state.refuse_other_settings("PostHocEMA", values, {"gammas": self.gammas})
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
