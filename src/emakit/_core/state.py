@@ -18,6 +18,7 @@ the fields then keep the loading EMA's values (or are derived, as documented per
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,19 +94,19 @@ def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
     return Field(key, encode, decode, required, meta)
 
 
-def text(key: str, *, meta: bool = True) -> Field:
-    """A short ``str`` field (metadata only: state-dict keys hold tensors), read back as a
-    string of at most 256 characters."""
+def text(key: str, pattern: re.Pattern[str]) -> Field:
+    """A ``str`` field (metadata only: state-dict keys hold tensors), read back as a
+    string that ``pattern`` matches (a PostHocEMA's run id)."""
 
     def decode(value: Any, where: str) -> str:
-        if not isinstance(value, str) or len(value) > 256:
+        if not isinstance(value, str) or not pattern.match(value):
             raise EMAStateError(
-                f"{where}: {key} must be a string of at most 256 characters, got "
+                f"{where}: {key} must be a string matching {pattern.pattern}, got "
                 f"{key}={value!r:.80} ({type(value).__name__}); the state is corrupt"
             )
         return value
 
-    return Field(key, str, decode, False, meta)
+    return Field(key, str, decode, False, True)
 
 
 class StateCodec:

@@ -215,13 +215,9 @@ class SafetensorsFile:
         """A tensor's shape."""
         return tuple(self._st.get_slice(name).get_shape())
 
-    def code(self, name: str) -> str:
-        """A tensor's safetensors dtype code (``"F32"``, ``"I64"``...)."""
-        return str(self._st.get_slice(name).get_dtype())
-
     def dtype(self, name: str) -> torch.dtype:
         """A tensor's stored dtype."""
-        return _TORCH_DTYPES[self.code(name)]
+        return _TORCH_DTYPES[str(self._st.get_slice(name).get_dtype())]
 
     def get(self, name: str) -> Tensor:
         """Read one tensor (a CPU tensor in its stored dtype).

@@ -34,7 +34,7 @@ from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
 from .._dist.deepspeed import ZeroPartitions
 from .._files.reading import writable_folder
 from .._validate import boolean, floating_dtype
-from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMAError, EMARuntimeError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
 from .snapshots.folder import check_run_id, list_snapshots, new_run_id, runs_in
@@ -53,7 +53,7 @@ T = TypeVar("T")
 POSTHOC_STATE_VERSION = 2
 _CODEC = state.StateCodec(
     POSTHOC_STATE_VERSION,
-    [state.reals("gammas", meta=True), state.text("run")],
+    [state.reals("gammas", meta=True), state.text("run", RUN_PATTERN)],
     legacy_keys=("gammas",),
     legacy_version_key="version",
 )
@@ -552,10 +552,7 @@ class PostHocEMA(nn.Module):
         error_msgs: list[str],
     ) -> None:
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        run = values.get("run")
-        if run is not None and not RUN_PATTERN.match(run):
-            raise EMAStateError(f"state_dict metadata: run={run!r} is not a run id")
-        self._loaded_run = run
+        self._loaded_run = values.get("run")
         state.refuse_other_settings("PostHocEMA", values, {"gammas": self.gammas})
         before = len(unexpected_keys)
         super()._load_from_state_dict(
