@@ -45,7 +45,7 @@ from ._dist.dtensor import fsdp_module_type, is_dtensor
 from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
-from ._files.safetensors_file import out_dtype, read_safetensors
+from ._files.safetensors_file import near_format, out_dtype, read_safetensors
 from .ema import EMA
 from .errors import (
     EMAError,
@@ -319,11 +319,6 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     return dest
 
 
-def _near(a: str, b: str) -> bool:
-    """Whether ``a`` is ``b`` with one or two characters changed (a flipped bit)."""
-    return len(a) == len(b) and sum(x != y for x, y in zip(a, b, strict=True)) <= 2
-
-
 def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None, bool] | None:
     """``(step, initted)`` from the header of a file [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] wrote, None
     for another safetensors file, or an error for a damaged emakit header.
@@ -340,7 +335,7 @@ def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None,
     fmt = metadata.get("format")
     if fmt != WEIGHTS_FORMAT:
         ours = [k for k in _EMAKIT_ENTRIES if k in metadata]
-        looks = isinstance(fmt, str) and _near(fmt, WEIGHTS_FORMAT)
+        looks = isinstance(fmt, str) and near_format(fmt, WEIGHTS_FORMAT)
         if (ours or looks) and fmt not in OTHER_EMAKIT_FORMATS:
             raise EMAStateError(
                 f"{source}: the header has "

@@ -80,6 +80,13 @@ def out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
 
+def near_format(found: str, expected: str) -> bool:
+    """Whether a header's ``format`` entry ``found`` is ``expected`` with one or two
+    characters changed (a flipped bit): a damaged header of that format, not another."""
+    same_length = len(found) == len(expected)
+    return same_length and sum(a != b for a, b in zip(found, expected, strict=True)) <= 2
+
+
 def safetensors_layout(
     tensors: Mapping[str, Tensor],
     metadata: Mapping[str, str],
