@@ -46,6 +46,7 @@ from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
 from ._files.safetensors_file import near_format, out_dtype, read_safetensors
+from ._validate import few
 from .ema import EMA
 from .errors import (
     EMAError,
@@ -508,11 +509,6 @@ def tied_names(ema: EMA) -> list[list[str]]:
     for name, t in named:
         groups.setdefault(id(t), []).append(name)
     return list(groups.values())
-
-
-def few(items: list[str], n: int = 10) -> str:
-    """The first ``n`` of ``items`` and how many there are, for messages (``none`` when empty)."""
-    return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
 
 
 def _align_keys(weights: Mapping[str, Tensor], expected: set[str]) -> dict[str, Tensor]:

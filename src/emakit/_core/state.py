@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._validate import not_newer, stored_count, stored_flag, stored_real
+from .._validate import few, not_newer, stored_count, stored_flag, stored_real
 from ..errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
 
@@ -245,7 +245,7 @@ def check_loadable(
         unexpected = [k for k in state_dict if k not in expected and not owned(k)]
         for what, keys in (("missing", missing), ("unexpected", unexpected)):
             if keys:
-                problems.append(f"{what} keys {keys[:10]}{' ...' if len(keys) > 10 else ''}")
+                problems.append(f"{what} keys {few(keys)}")
     for key, value in state_dict.items():
         mine = expected.get(key)
         if mine is None:
