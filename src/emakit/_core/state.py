@@ -190,11 +190,6 @@ class StateCodec:
                 missing_keys.append(key)
         return out
 
-    def strip(self, unexpected_keys: list[str], start: int, prefix: str) -> None:
-        """Drop this codec's keys (and earlier layouts') from ``unexpected_keys[start:]``."""
-        ours = {prefix + k for k in self.keys}
-        unexpected_keys[start:] = [k for k in unexpected_keys[start:] if k not in ours]
-
 
 def refuse_other_settings(kind: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     """Refuse a state that a ``kind`` (``"BEMA"``, ``"KarrasEMA"``...) saved with other

@@ -558,7 +558,8 @@ class PostHocEMA(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        _CODEC.strip(unexpected_keys, before, prefix)
+        ours = {prefix + k for k in _CODEC.keys}  # this layout's and earlier ones'
+        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k not in ours]
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
