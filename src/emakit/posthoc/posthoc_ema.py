@@ -594,11 +594,10 @@ class PostHocEMA(nn.Module):
         return result
 
     def _owns(self, key: str) -> bool:
-        head, _, rest = key.partition("ema_models.")
-        index, _, rest = rest.partition(".")
-        if head or not index.isdigit() or int(index) >= len(self.profiles):
-            return key in _CODEC.keys
-        return self.profiles[int(index)].owns_state_key(rest)
+        for i, ema in enumerate(self.profiles):  # as MultiEMA.owns_state_key
+            if key.startswith(head := f"ema_models.{i}."):
+                return ema.owns_state_key(key[len(head) :])
+        return key in _CODEC.keys
 
     def _folder_run(self) -> str | None:
         """The run to continue after loading a state without a run id (on rank 0): the
