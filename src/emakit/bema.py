@@ -232,7 +232,9 @@ class BEMA(EMA):
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
         for key, store in self._state.items():
             for name, t in store.items():
-                value = _like_shadow(t, shadows[name])
+                # a DTensor like its shadow (FSDP2), so distributed checkpoints shard it alike
+                shadow = shadows[name]
+                value = dtensor_like(t, shadow) if is_dtensor(shadow) else t
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
@@ -257,9 +259,3 @@ class BEMA(EMA):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_work": None}  # rebuilt on first use
-
-
-def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
-    """``local`` as the shadow is: a DTensor with the shadow's mesh and placements when the
-    shadow is one (FSDP2), so distributed checkpoints shard it alike; else itself."""
-    return dtensor_like(local, shadow) if is_dtensor(shadow) else local
