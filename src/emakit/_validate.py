@@ -13,6 +13,11 @@ import torch
 from .errors import EMAStateError, EMATypeError, EMAValueError
 
 
+def few(items: list[str], n: int = 10) -> str:
+    """The first ``n`` of ``items`` and how many there are, for messages (``none`` when empty)."""
+    return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
+
+
 def real(
     name: str,
     value: object,

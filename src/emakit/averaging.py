@@ -99,8 +99,7 @@ def _check_keys(states: Sequence[Mapping[str, Any]]) -> None:
         if missing or extra:
             raise EMAStateError(
                 f"models_or_state_dicts[{i}] does not match models_or_state_dicts[0] by name: "
-                f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
-                f"extra {extra[:10]}{' ...' if len(extra) > 10 else ''}; "
+                f"missing {check.few(missing)}, extra {check.few(extra)}; "
                 f"average copies of one architecture"
             )
 

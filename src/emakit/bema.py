@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._core.state import StateCodec, integer, real
+from ._core.state import StateCodec, integer, real, refuse_other_settings
 from ._dist.dtensor import dtensor_like, is_dtensor, local_tensor
 from ._engine.bema import BEMAWork, state_order
 from ._engine.flat import rehome_
@@ -232,32 +232,19 @@ class BEMA(EMA):
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
         for key, store in self._state.items():
             for name, t in store.items():
-                value = _like_shadow(t, shadows[name])
+                # a DTensor like its shadow (FSDP2), so distributed checkpoints shard it alike
+                shadow = shadows[name]
+                value = dtensor_like(t, shadow) if is_dtensor(shadow) else t
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
         return key.startswith(tuple(self._state)) or super().owns_state_key(key)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
+    def _load_own_state(
+        self, state_dict: Mapping[str, Any], prefix: str, metadata: dict, missing_keys: list[str]
     ) -> None:
-        saved = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        for name, mine in asdict(self.rule).items():
-            if name in saved and saved[name] != mine:
-                raise EMAStateError(
-                    f"state_dict is of a BEMA with {name}={saved[name]!r}, but this BEMA has "
-                    f"{name}={mine!r}; build the BEMA with the settings it was saved with"
-                )
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        saved = _CODEC.decode(state_dict, prefix, metadata, missing_keys)
+        refuse_other_settings("BEMA", saved, asdict(self.rule))
         with torch.no_grad():
             for key, store in self._state.items():
                 for name, t in store.items():
@@ -272,9 +259,3 @@ class BEMA(EMA):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_work": None}  # rebuilt on first use
-
-
-def _like_shadow(local: Tensor, shadow: Tensor) -> Tensor:
-    """``local`` as the shadow is: a DTensor with the shadow's mesh and placements when the
-    shadow is one (FSDP2), so distributed checkpoints shard it alike; else itself."""
-    return dtensor_like(local, shadow) if is_dtensor(shadow) else local

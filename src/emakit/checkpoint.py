@@ -45,7 +45,8 @@ from ._dist.dtensor import fsdp_module_type, is_dtensor
 from ._files import export
 from ._files.atomic import atomic_path, atomic_write
 from ._files.reading import as_path, writable_path, write_errors
-from ._files.safetensors_file import out_dtype, read_safetensors
+from ._files.safetensors_file import near_format, out_dtype, read_safetensors
+from ._validate import few
 from .ema import EMA
 from .errors import (
     EMAError,
@@ -319,11 +320,6 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     return dest
 
 
-def _near(a: str, b: str) -> bool:
-    """Whether ``a`` is ``b`` with one or two characters changed (a flipped bit)."""
-    return len(a) == len(b) and sum(x != y for x, y in zip(a, b, strict=True)) <= 2
-
-
 def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None, bool] | None:
     """``(step, initted)`` from the header of a file [`save_ema_weights()`][emakit.checkpoint.save_ema_weights] wrote, None
     for another safetensors file, or an error for a damaged emakit header.
@@ -340,7 +336,7 @@ def emakit_header(metadata: Mapping[str, str], source: str) -> tuple[int | None,
     fmt = metadata.get("format")
     if fmt != WEIGHTS_FORMAT:
         ours = [k for k in _EMAKIT_ENTRIES if k in metadata]
-        looks = isinstance(fmt, str) and _near(fmt, WEIGHTS_FORMAT)
+        looks = isinstance(fmt, str) and near_format(fmt, WEIGHTS_FORMAT)
         if (ours or looks) and fmt not in OTHER_EMAKIT_FORMATS:
             raise EMAStateError(
                 f"{source}: the header has "
@@ -513,11 +509,6 @@ def tied_names(ema: EMA) -> list[list[str]]:
     for name, t in named:
         groups.setdefault(id(t), []).append(name)
     return list(groups.values())
-
-
-def few(items: list[str], n: int = 10) -> str:
-    """The first ``n`` of ``items`` and how many there are, for messages (``none`` when empty)."""
-    return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
 
 
 def _align_keys(weights: Mapping[str, Tensor], expected: set[str]) -> dict[str, Tensor]:

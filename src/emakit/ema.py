@@ -323,8 +323,16 @@ class EMA(nn.Module):
             self._source = TreeSource(**common)
             self._tree.append(self._source.build(model, ema_model))
             return
-        self._source = ModuleSource.for_ema(  # from the checked keywords, by name
-            vars(self), list(self.decay_groups), self.tracker.invalidate, **common
+        self._source = ModuleSource(
+            ignore_names=self.ignore_names,
+            ignore_prefixes=tuple(self.ignore_startswith_names),
+            no_ema=self.param_or_buffer_names_no_ema,
+            group_patterns=list(self.decay_groups),
+            move_to_online=self.move_ema_to_online_device,
+            share_frozen=self.share_frozen,
+            on_unshare=self.tracker.invalidate,
+            partition=self.partition,
+            **common,
         )
         if ema_model is not None and not isinstance(ema_model, nn.Module):
             ema_model = call_factory(ema_model)
@@ -675,6 +683,7 @@ class EMA(nn.Module):
         t = self.tracker
         t.set_counters(step=values.get("step"), initted=values.get("initted"))
         t.num_skipped_nonfinite = values.get("num_skipped_nonfinite", t.num_skipped_nonfinite)
+        self._load_own_state(state_dict, prefix, local_metadata, missing_keys)
         self._source.before_load(state_dict, prefix + "ema_model.")  # copy-on-write
         before = len(unexpected_keys)
         super()._load_from_state_dict(
@@ -685,6 +694,14 @@ class EMA(nn.Module):
         unexpected_keys[before:] = [
             k for k in unexpected_keys[before:] if not self.owns_state_key(k[len(prefix) :])
         ]
+
+    def _load_own_state(
+        self, state_dict: Mapping[str, Any], prefix: str, metadata: dict, missing_keys: list[str]
+    ) -> None:
+        """Read what a subclass adds to EMA's state (its settings, tensors of its own), once
+        the counters are read and before the EMA's tensors are: the step of
+        `_load_from_state_dict` that the EMA kinds (``BEMA``, ``KarrasEMA``) fill in.
+        ``metadata`` is torch's ``local_metadata`` of this module. A plain EMA adds nothing."""
 
     def _init_for_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Create a lazy EMA model (``lazy_init_ema``) when the state brings its weights."""

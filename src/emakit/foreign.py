@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from . import _validate as check
 from ._files.reading import open_regular, torch_load
 from ._files.safetensors_file import read_safetensors
-from .checkpoint import check_ema, emakit_header, few, load_weights, tied_names
+from .checkpoint import check_ema, emakit_header, load_weights, tied_names
 from .ema import EMA
 from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
@@ -77,7 +77,7 @@ def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
-        return f"a mapping with keys {few([str(k) for k in obj], 12)}"
+        return f"a mapping with keys {check.few([str(k) for k in obj], 12)}"
     return f"a {type(obj).__name__}"
 
 
@@ -97,7 +97,7 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
     holds."""
     config_path = folder / "config.json"
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    found = f"found {few(names, 12) if names else 'nothing'}"
+    found = f"found {check.few(names, 12) if names else 'nothing'}"
     expected = (
         "expected what diffusers' EMAModel.save_pretrained(path) writes: config.json with "
         "the EMA's optimization_step, and diffusion_pytorch_model.safetensors (or .bin, or "

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 
+from ._core.forward import eval_call
 from .ema import EMA
 from .errors import EMATypeError, EMAValueError
 
@@ -256,16 +256,8 @@ class EMAModuleWrapper(nn.Module):
                 ema_kwargs, ema_args = {**ema_args, **(ema_kwargs or {})}, ()
             elif not isinstance(ema_args, tuple):
                 ema_args = (ema_args,)
-        training = ema_model.training
-        ema_model.eval()
-        try:
-            with torch.no_grad():
-                ema_model(
-                    *(args if ema_args is None else ema_args),
-                    **(kwargs if ema_kwargs is None else ema_kwargs),
-                )
-        finally:
-            ema_model.train(training)
+        ema_args = args if ema_args is None else ema_args
+        eval_call(ema_model, ema_model, ema_args, kwargs if ema_kwargs is None else ema_kwargs)
         try:
             return self.model(*args, **kwargs)
         finally:

@@ -118,9 +118,7 @@ def copy_model(
         for name, t in (*copy.named_parameters(), *copy.named_buffers()):
             if not tracked(name) and t.numel() != online[name].numel():
                 t.data = online[name].detach().clone()
-    for p in copy.parameters():
-        p.requires_grad_(False)
-    return copy
+    return copy  # ModuleSource.build() turns requires_grad off on every EMA parameter
 
 
 def layout_shadow(

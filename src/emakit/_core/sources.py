@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,19 +39,16 @@ def call_factory(factory: Any) -> nn.Module:
     return ema_model
 
 
+@dataclass(eq=False, kw_only=True)
 class _Source:
-    def __init__(
-        self,
-        *,
-        ema_dtype: torch.dtype | None,
-        cast: bool,
-        other_devices: bool,
-        device: torch.device | None = None,
-    ) -> None:
-        self.ema_dtype = ema_dtype
-        self.cast = cast
-        self.other_devices = other_devices
-        self.device = device
+    """What every source keeps: the shadow's dtype rule and where it may live (see
+    [`EMA`][emakit.EMA]'s ``ema_dtype``, ``coerce_dtype``, ``allow_different_devices``,
+    ``device``)."""
+
+    ema_dtype: torch.dtype | None
+    cast: bool
+    other_devices: bool
+    device: torch.device | None = None
 
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Called before ``state_dict`` is copied into the EMA (a module's shares frozen
@@ -64,67 +62,38 @@ class _Source:
         return torch.promote_types(t.dtype, self.ema_dtype)
 
 
+@dataclass(eq=False, kw_only=True)
 class ModuleSource(_Source):
-    """The tracked tensors of a module and their EMA copy.
+    """The tracked tensors of a module and their EMA copy (built from keywords only).
 
-    Args:
+    Attributes:
         ignore_names: names never touched.
         ignore_prefixes: name prefixes never touched.
         no_ema: names copied instead of averaged.
         group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
         move_to_online: move the EMA to the model's device when they differ.
+        share_frozen: share frozen parameters with the model (``EMA(share_frozen=True)``).
+        on_unshare: called when a shared weight gets its own storage (the plan is stale).
         partition: keep only this rank's slice of each parameter (``EMA(partition=True)``).
         ema_dtype, cast, other_devices, device: see [`EMA`][emakit.EMA].
+        frozen: the shared frozen weights and their watch (see `emakit._core.frozen`).
+        changes: registrations on the online and EMA models' modules (see
+            `emakit._engine.guards`).
     """
 
     kind = "module"
+    ignore_names: frozenset[str] = frozenset()
+    ignore_prefixes: tuple[str, ...] = ()
+    no_ema: frozenset[str] = frozenset()
+    group_patterns: Sequence[str] = ()
+    move_to_online: bool = False
+    share_frozen: bool = False
+    on_unshare: Callable[[], None] = lambda: None
+    partition: bool = False
 
-    def __init__(
-        self,
-        *,
-        ignore_names: frozenset[str] = frozenset(),
-        ignore_prefixes: tuple[str, ...] = (),
-        no_ema: frozenset[str] = frozenset(),
-        group_patterns: Sequence[str] = (),
-        move_to_online: bool = False,
-        share_frozen: bool = False,
-        on_unshare: Callable[[], None] = lambda: None,
-        partition: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.partition = partition
-        self.ignore_names = ignore_names
-        self.ignore_prefixes = ignore_prefixes
-        self.no_ema = no_ema
-        self.group_patterns = list(group_patterns)
-        self.move_to_online = move_to_online
-        self.share_frozen = share_frozen
-        #: The shared frozen weights and their watch (see `emakit._core.frozen`).
-        self.frozen = FrozenShare(on_unshare)
-        #: Registrations on the online and EMA models' modules (see `emakit._engine.guards`).
+    def __post_init__(self) -> None:
+        self.frozen = FrozenShare(self.on_unshare)
         self.changes = Changes()
-
-    @classmethod
-    def for_ema(
-        cls,
-        values: Mapping[str, Any],
-        group_patterns: Sequence[str],
-        on_unshare: Callable[[], None],
-        **kwargs: Any,
-    ) -> ModuleSource:
-        """The source of an [`EMA`][emakit.EMA] from its checked keywords (``values``)."""
-        return cls(
-            ignore_names=values["ignore_names"],
-            ignore_prefixes=tuple(values["ignore_startswith_names"]),
-            no_ema=values["param_or_buffer_names_no_ema"],
-            group_patterns=group_patterns,
-            move_to_online=values["move_ema_to_online_device"],
-            share_frozen=values["share_frozen"],
-            on_unshare=on_unshare,
-            partition=values.get("partition", False),
-            **kwargs,
-        )
 
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Copy-on-write: give every shared frozen weight whose value the load would change

@@ -17,13 +17,15 @@ the fields then keep the loading EMA's values (or are derived, as documented per
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._validate import not_newer, stored_count, stored_flag, stored_real
+from .._validate import few, not_newer, stored_count, stored_flag, stored_real
 from ..errors import EMAError, EMAStateError, EMATypeError, EMAValueError
 
 
@@ -92,19 +94,19 @@ def reals(key: str, *, required: bool = False, meta: bool = False) -> Field:
     return Field(key, encode, decode, required, meta)
 
 
-def text(key: str, *, meta: bool = True) -> Field:
-    """A short ``str`` field (metadata only: state-dict keys hold tensors), read back as a
-    string of at most 256 characters."""
+def text(key: str, pattern: re.Pattern[str]) -> Field:
+    """A ``str`` field (metadata only: state-dict keys hold tensors), read back as a
+    string that ``pattern`` matches (a PostHocEMA's run id)."""
 
     def decode(value: Any, where: str) -> str:
-        if not isinstance(value, str) or len(value) > 256:
+        if not isinstance(value, str) or not pattern.match(value):
             raise EMAStateError(
-                f"{where}: {key} must be a string of at most 256 characters, got "
+                f"{where}: {key} must be a string matching {pattern.pattern}, got "
                 f"{key}={value!r:.80} ({type(value).__name__}); the state is corrupt"
             )
         return value
 
-    return Field(key, str, decode, False, meta)
+    return Field(key, str, decode, False, True)
 
 
 class StateCodec:
@@ -188,10 +190,28 @@ class StateCodec:
                 missing_keys.append(key)
         return out
 
-    def strip(self, unexpected_keys: list[str], start: int, prefix: str) -> None:
-        """Drop this codec's keys (and earlier layouts') from ``unexpected_keys[start:]``."""
-        ours = {prefix + k for k in self.keys}
-        unexpected_keys[start:] = [k for k in unexpected_keys[start:] if k not in ours]
+
+def refuse_other_settings(kind: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Refuse a state that a ``kind`` (``"BEMA"``, ``"KarrasEMA"``...) saved with other
+    settings than ``mine``; only the settings ``saved`` records are compared, numbers to a
+    relative 1e-9 and sequences (a PostHocEMA's gammas) element by element.
+
+    Raises:
+        EMAStateError: naming the setting, both values and the fix.
+    """
+    for name, value in mine.items():
+        theirs = saved.get(name)
+        if theirs is not None and not _same(theirs, value):
+            raise EMAStateError(
+                f"state_dict is of a {kind} with {name}={theirs!r}, but this {kind} has "
+                f"{name}={value!r}; build the {kind} with the settings it was saved with"
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Sequence) and isinstance(b, Sequence):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return math.isclose(a, b, rel_tol=1e-9)
 
 
 def check_loadable(
@@ -220,7 +240,7 @@ def check_loadable(
         unexpected = [k for k in state_dict if k not in expected and not owned(k)]
         for what, keys in (("missing", missing), ("unexpected", unexpected)):
             if keys:
-                problems.append(f"{what} keys {keys[:10]}{' ...' if len(keys) > 10 else ''}")
+                problems.append(f"{what} keys {few(keys)}")
     for key, value in state_dict.items():
         mine = expected.get(key)
         if mine is None:

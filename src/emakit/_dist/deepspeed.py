@@ -228,9 +228,8 @@ class ZeroPartitions(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        for keys in (missing_keys, unexpected_keys):  # checked by refuse_other_world()
-            if prefix + WORLD_KEY in keys:
-                keys.remove(prefix + WORLD_KEY)
+        if prefix + WORLD_KEY in unexpected_keys:  # checked by refuse_other_world()
+            unexpected_keys.remove(prefix + WORLD_KEY)
 
     def agree(self, tracker: Any) -> None:
         """Every rank's EMA at the same step and skip count before a state is taken (one

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from .._dist.dtensor import is_dtensor, local_tensor, same_sharding
+from .._validate import few
 from ..errors import EMAStateError
 from .guards import Changes
 
@@ -74,10 +75,6 @@ class Tracked:
     def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:
         """``pairs`` as a `Tracked` value (no watched modules), or ``pairs`` itself."""
         return pairs if isinstance(pairs, Tracked) else cls(tuple(pairs))
-
-
-def _few(names: list[str]) -> str:
-    return f"{names[:10]}{' ...' if len(names) > 10 else ''}"
 
 
 def check_sharded_pair(name: str, shadow: Tensor, online: Tensor) -> None:
@@ -153,7 +150,7 @@ def pair_tensors(
     if missing or extra:
         raise EMAStateError(
             f"{shadow_arg} does not match the model by name: missing from {shadow_arg} "
-            f"{_few(missing)}, not in the model {_few(extra)}; give {shadow_arg} the same "
+            f"{few(missing)}, not in the model {few(extra)}; give {shadow_arg} the same "
             f"structure as the model (or, after changing the model, make the same change "
             f"to {shadow_arg}, or build a new EMA)"
         )

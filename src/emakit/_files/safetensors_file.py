@@ -80,6 +80,13 @@ def out_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
 
+def near_format(found: str, expected: str) -> bool:
+    """Whether a header's ``format`` entry ``found`` is ``expected`` with one or two
+    characters changed (a flipped bit): a damaged header of that format, not another."""
+    same_length = len(found) == len(expected)
+    return same_length and sum(a != b for a, b in zip(found, expected, strict=True)) <= 2
+
+
 def safetensors_layout(
     tensors: Mapping[str, Tensor],
     metadata: Mapping[str, str],
@@ -215,13 +222,9 @@ class SafetensorsFile:
         """A tensor's shape."""
         return tuple(self._st.get_slice(name).get_shape())
 
-    def code(self, name: str) -> str:
-        """A tensor's safetensors dtype code (``"F32"``, ``"I64"``...)."""
-        return str(self._st.get_slice(name).get_dtype())
-
     def dtype(self, name: str) -> torch.dtype:
         """A tensor's stored dtype."""
-        return _TORCH_DTYPES[self.code(name)]
+        return _TORCH_DTYPES[str(self._st.get_slice(name).get_dtype())]
 
     def get(self, name: str) -> Tensor:
         """Read one tensor (a CPU tensor in its stored dtype).

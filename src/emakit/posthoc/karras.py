@@ -15,7 +15,6 @@ averaging profile is the paper's for any ``update_every``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,12 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from .._core.frozen import shares
-from .._core.state import StateCodec, integer, real
+from .._core.state import StateCodec, integer, real, refuse_other_settings
 from .._engine.pairs import TensorPair
 from .._validate import boolean
 from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
-from ..errors import EMAStateError, EMAValueError
+from ..errors import EMAValueError
 from .math import (
     check_gamma,
     check_sigma_rel,
@@ -197,7 +196,7 @@ class KarrasEMA(EMA):
             partition=partition,
         )
         self.frozen = frozen
-        self.t_from_step = False  # see _load_from_state_dict
+        self.t_from_step = False  # see _load_own_state
         self.tracker.rule = DecayRule(
             [PowerDecay(self.gamma, power_function_beta)],
             update_every=self.update_every,
@@ -290,26 +289,11 @@ class KarrasEMA(EMA):
     def owns_state_key(self, key: str) -> bool:
         return key in _CODEC.keys or super().owns_state_key(key)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
+    def _load_own_state(
+        self, state_dict: Mapping[str, Any], prefix: str, metadata: dict, missing_keys: list[str]
     ) -> None:
-        values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        saved_gamma = values.get("gamma")
-        if saved_gamma is not None and not math.isclose(saved_gamma, self.gamma, rel_tol=1e-9):
-            raise EMAStateError(
-                f"state_dict is of a power-function EMA with gamma={saved_gamma!r}, but "
-                f"this KarrasEMA has gamma={self.gamma!r}; load it into a KarrasEMA with that gamma"
-            )
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        values = _CODEC.decode(state_dict, prefix, metadata, missing_keys)
+        refuse_other_settings("KarrasEMA", values, {"gamma": self.gamma})
         t = self.tracker
         #: Whether t/dt were derived from the step (no metadata: see profile_time).
         self.t_from_step = "t" not in values

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,14 +27,14 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from .._core import state
 from .._core.forward import eval_call
 from .._core.shadow import unwrap_model
-from .._core.state import StateCodec, check_loadable, reals, text
 from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
 from .._dist.deepspeed import ZeroPartitions
 from .._files.reading import writable_folder
 from .._validate import boolean, floating_dtype
-from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMAError, EMARuntimeError, EMATypeError, EMAValueError
 from .karras import KarrasEMA, profile_time, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
 from .snapshots.folder import check_run_id, list_snapshots, new_run_id, runs_in
@@ -52,9 +51,9 @@ T = TypeVar("T")
 
 #: Version of the layout `PostHocEMA.state_dict()` writes.
 POSTHOC_STATE_VERSION = 2
-_CODEC = StateCodec(
+_CODEC = state.StateCodec(
     POSTHOC_STATE_VERSION,
-    [reals("gammas", meta=True), text("run")],
+    [state.reals("gammas", meta=True), state.text("run", RUN_PATTERN)],
     legacy_keys=("gammas",),
     legacy_version_key="version",
 )
@@ -305,15 +304,17 @@ class PostHocEMA(nn.Module):
         tensors it takes rather than averages (buffers, integer tensors) and the exact
         dtypes of integer ones come from the EMA model, as for emakit's snapshots."""
         ema = self.profiles[0]
-        state = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
+        tensors = cast(nn.Module, ema.ema_model).state_dict()  # KarrasEMA builds it eagerly
         exact = tuple(
-            (n, v.dtype) for n, v in state.items() if not (v.is_floating_point() or v.is_complex())
+            (n, v.dtype)
+            for n, v in tensors.items()
+            if not (v.is_floating_point() or v.is_complex())
         )
         return LegacyProfiles(
             self.gammas,
             sigma_rels=self.sigma_rels,
             update_every=self.update_every,
-            copied=frozenset(state) - ema.averaged_names(),
+            copied=frozenset(tensors) - ema.averaged_names(),
             exact_dtypes=exact,
         )
 
@@ -551,27 +552,14 @@ class PostHocEMA(nn.Module):
         error_msgs: list[str],
     ) -> None:
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
-        saved = values.get("gammas")
-        run = values.get("run")
-        if run is not None and not RUN_PATTERN.match(run):
-            raise EMAStateError(f"state_dict metadata: run={run!r} is not a run id")
-        self._loaded_run = run
-        same = saved is None or (
-            len(saved) == len(self.gammas)
-            and all(
-                math.isclose(a, b, rel_tol=1e-9) for a, b in zip(saved, self.gammas, strict=True)
-            )
-        )
-        if not same:
-            raise EMAStateError(
-                f"state_dict tracks gammas={list(saved or ())}, but this PostHocEMA tracks "
-                f"gammas={list(self.gammas)}; build it with the same sigma_rels/gammas"
-            )
+        self._loaded_run = values.get("run")
+        state.refuse_other_settings("PostHocEMA", values, {"gammas": self.gammas})
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        _CODEC.strip(unexpected_keys, before, prefix)
+        ours = {prefix + k for k in _CODEC.keys}  # this layout's and earlier ones'
+        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k not in ours]
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -583,27 +571,16 @@ class PostHocEMA(nn.Module):
         rebuilt dict, ema-pytorch's) continues the folder's run when the folder holds the
         snapshots of exactly one identified run, with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
         """
-        if not isinstance(state_dict, Mapping):
-            raise EMATypeError(
-                f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
-            )
-        if assign:
-            raise EMAValueError("assign=True is not supported: each profile keeps its own storage")
-        check_loadable(  # refuse first: a failed load leaves every profile as it was
+        state.refuse_load_arguments(state_dict, assign)
+        state.check_loadable(  # refuse first: a failed load leaves every profile as it was
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self._owns
         )
-        saved = [ema.tracker.snapshot() for ema in self.profiles]
-        try:
-            result = super().load_state_dict(state_dict, strict=strict)
-        except Exception as e:
-            for ema, counters in zip(self.profiles, saved, strict=True):
-                ema.tracker.restore(counters)
-            if isinstance(e, RuntimeError) and not isinstance(e, EMAError):
-                raise EMAStateError(str(e)) from e
-            raise
+        result = state.load_or_restore(
+            lambda: super(PostHocEMA, self).load_state_dict(state_dict, strict=strict),
+            [ema.tracker for ema in self.profiles],
+        )
         every = self.checkpoint_every_num_steps
         for ema in self.profiles:
-            ema.tracker.invalidate()
             if ema.t_from_step and every != "manual":  # no metadata: snapshots averaged too
                 t = ema.tracker
                 t.last, t.gap = profile_time(t.step, int(ema.update_every), every)
@@ -617,11 +594,10 @@ class PostHocEMA(nn.Module):
         return result
 
     def _owns(self, key: str) -> bool:
-        head, _, rest = key.partition("ema_models.")
-        index, _, rest = rest.partition(".")
-        if head or not index.isdigit() or int(index) >= len(self.profiles):
-            return key in _CODEC.keys
-        return self.profiles[int(index)].owns_state_key(rest)
+        for i, ema in enumerate(self.profiles):  # as MultiEMA.owns_state_key
+            if key.startswith(head := f"ema_models.{i}."):
+                return ema.owns_state_key(key[len(head) :])
+        return key in _CODEC.keys
 
     def _folder_run(self) -> str | None:
         """The run to continue after loading a state without a run id (on rank 0): the

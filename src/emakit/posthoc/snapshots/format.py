@@ -68,7 +68,7 @@ from torch import Tensor
 
 from ..._files.atomic import atomic_paths
 from ..._files.reading import writable_path, write_errors
-from ..._files.safetensors_file import SafetensorsFile, write_safetensors
+from ..._files.safetensors_file import SafetensorsFile, near_format, write_safetensors
 from ..._validate import not_newer, stored_count
 from ..._version import __version__
 from ...errors import EMAStateError
@@ -351,10 +351,7 @@ def looks_damaged(meta: Mapping[str, str]) -> bool:
     missing while the profile fields are there (a flipped bit in the key)."""
     fmt = meta.get("format")
     if isinstance(fmt, str):
-        near = len(fmt) == len(SNAPSHOT_FORMAT) and (
-            sum(a != b for a, b in zip(fmt, SNAPSHOT_FORMAT, strict=True)) <= 2
-        )
-        return near and fmt != SNAPSHOT_FORMAT
+        return near_format(fmt, SNAPSHOT_FORMAT) and fmt != SNAPSHOT_FORMAT
     return "gamma" in meta and "sigma_rel" in meta
 
 
