@@ -170,6 +170,16 @@ def test_the_guard_selects_a_whole_shadow_with_one_kernel():
     sorts the pairs by address, so the averaged tensors are selected by one kernel (an
     ``index_select`` of the new or the old row into the shadow's span)."""
     net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    # The shadow follows the online tensors' addresses: put them in one buffer, last
+    # parameter first, so that the shadow is certainly not in the model's order (separate
+    # allocations are in whatever order the allocator returns)
+    params = list(net.parameters())
+    pool = torch.empty(sum(p.numel() for p in params) + 64 * len(params))
+    offset = 0
+    with torch.no_grad():
+        for p in reversed(params):
+            p.data = pool[offset : offset + p.numel()].view_as(p).copy_(p)
+            offset += p.numel() + 64  # gaps: no two parameters adjacent (no span across them)
     ema = EMA(net, skip_nonfinite=True, update_after_step=0, update_every=1)
     ema.update()
     ema.update()
