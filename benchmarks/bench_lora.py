@@ -13,8 +13,10 @@ process, interleaved round-robin; the median per call is reported.
 * **update** is one averaging ``update()`` (``update_every=1``, after the warm-up), and for
   TRL's ``BEMACallback`` one ``_update_bema_weights`` (what its ``on_step_end`` does on an
   update step); the floor is a bare ``torch._foreach_lerp_`` over the trainable tensors.
-* **optimizer-step hook**: what emakit's frozen-weight watch adds to each
-  ``optimizer.step()`` (it looks for shared weights the step would write).
+* **unfreeze hooks**: what emakit's frozen-weight watch adds to each forward (one
+  forward pre-hook on each module that registers a shared frozen weight, which looks
+  whether one now requires grad): the hooks' calls alone, and a forward with and without
+  them, interleaved.
 * **post-hoc snapshots** (``--snapshots N``, also alone with ``--snapshots-only``): a
   ``PostHocEMA`` of two profiles writes ``N`` snapshot steps (float16) with the frozen base
   stored once (the default), stored in every snapshot (``store_frozen_once=False``) and
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from emakit import BEMA, EMA
-from emakit._core.frozen import _before_step
+from emakit._core.frozen import UnfreezeHook
 
 
 def gpt2(layers: int) -> Any:
@@ -175,7 +177,7 @@ def main() -> None:
         ts = "-" if t is None else f"{t:.0f}"
         ratio = "-" if t is None else f"{t / floor:.2f}x"
         print(f"| {name} | {mem} | {ts} | {ratio} | {note} |")
-    hook_costs(model, trainable, params, args.repeats)
+    hook_costs(model, args.repeats)
     snapshot_costs(model, args.snapshots)
 
 
@@ -248,24 +250,41 @@ def trl_on(model: Any, trl: Any) -> str:
     return "runs"
 
 
-def hook_costs(
-    model: Any, trainable: list[torch.Tensor], params: list[torch.Tensor], repeats: int
-) -> None:
-    lora_opt = torch.optim.SGD(trainable, lr=0.1)
-    all_opt = torch.optim.SGD(params, lr=0.1)
-    for opt in (lora_opt, all_opt):
-        _before_step(opt, (), {})
-    a = statistics.median(
-        median_us(lambda: _before_step(lora_opt, (), {}), 50) for _ in range(repeats)
+def hook_costs(model: Any, repeats: int) -> None:
+    hooks = [
+        (m, key, h)
+        for m in model.modules()
+        for key, h in m._forward_pre_hooks.items()
+        if isinstance(h, UnfreezeHook)
+    ]
+    owners = len({id(m) for m, _, _ in hooks})
+    alone = statistics.median(
+        median_us(lambda: [h(m, ()) for m, _, h in hooks], 50) for _ in range(repeats)
     )
-    b = statistics.median(
-        median_us(lambda: _before_step(all_opt, (), {}), 50) for _ in range(repeats)
-    )
-    frozen = len(params) - len(trainable)
+    ids = torch.randint(0, 2048, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    def without() -> None:
+        for m, key, _ in hooks:
+            del m._forward_pre_hooks[key]
+        try:
+            forward()
+        finally:
+            for m, key, h in hooks:
+                m._forward_pre_hooks[key] = h
+
+    with_hooks, no_hooks = [], []
+    for _ in range(repeats):
+        with_hooks.append(median_us(forward, 5))
+        no_hooks.append(median_us(without, 5))
+    a, b = statistics.median(with_hooks), statistics.median(no_hooks)
     print(
-        f"\noptimizer-step hook (all live EMAs above): {a:.1f} µs per step with the adapters "
-        f"in the optimizer, {b:.1f} µs with all {len(params)} parameters in it "
-        f"({frozen} frozen, checked for a gradient); update() reads only the shared storages' use counts (in its row above)"
+        f"\nunfreeze hooks (all live EMAs above): {len(hooks)} hooks on {owners} modules, "
+        f"{alone:.1f} µs per forward for their calls alone; a forward {a:.0f} µs with them, "
+        f"{b:.0f} µs without ({a / b:.3f}x); update() checks nothing for unfreezing"
     )
 
 
