@@ -186,8 +186,10 @@ def read_job(rank: int, world: int, args: argparse.Namespace, folder: Path) -> d
     then the snapshots streamed into its shards; each step's peak measured apart."""
     import warnings
 
+    import torch
+
     from emakit.posthoc import KarrasEMA
-    from emakit.posthoc.synthesis.plan import plan_synthesis, synthesize_into
+    from emakit.posthoc.synthesis.plan import load_into, plan_synthesis, region_args
 
     warnings.simplefilter("ignore")
     model = shard(build(args.params), world)
@@ -198,7 +200,7 @@ def read_job(rank: int, world: int, args: argparse.Namespace, folder: Path) -> d
     plan = plan_synthesis(folder, sigma_rel=0.1, run="bench")
     before = reset_peak()
     start = time.perf_counter()
-    synthesize_into(target, plan)
+    load_into(target, plan.run(dtype=torch.float32, **region_args(target)))
     return {
         "synth_s": time.perf_counter() - start,
         "synth_mib": peak() - before,
