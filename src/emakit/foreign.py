@@ -1,9 +1,10 @@
 """Checkpoints of other EMA libraries (and emakit's own) loaded into an emakit EMA.
 
 * [`load_foreign_state()`][emakit.foreign.load_foreign_state] loads the state of ema-pytorch, timm, torch_ema,
-  ``torch.optim.swa_utils.AveragedModel`` and diffusers ``EMAModel`` into an emakit EMA,
-  from the object their ``state_dict()`` returns, from a torch or safetensors file, or
-  from the folder diffusers' ``EMAModel.save_pretrained`` writes.
+  ``torch.optim.swa_utils.AveragedModel``, diffusers ``EMAModel`` and Lightning's
+  ``EMAWeightAveraging`` into an emakit EMA, from the object their ``state_dict()``
+  returns (a Lightning checkpoint), from a torch or safetensors file, or from the folder
+  diffusers' ``EMAModel.save_pretrained`` writes.
 * [`detect_format()`][emakit.foreign.detect_format] guesses which of `FOREIGN_FORMATS` a checkpoint is in.
 
 Every failure (missing, truncated or corrupt file, unknown format, a checkpoint of another
@@ -39,6 +40,7 @@ FOREIGN_FORMATS = (
     "torch_ema",
     "averaged_model",
     "diffusers",
+    "lightning",
     "state_dict",
 )
 
@@ -51,6 +53,9 @@ _LAYOUTS = {
     "diffusers": ("shadow_params", "optimization_step"),
     "averaged_model": ("n_averaged", "n_averaged"),
 }
+#: The entries of a Lightning checkpoint that ``EMAWeightAveraging`` (``WeightAveraging``)
+#: wrote: the average with the module's names, and ``{"n_averaged": tensor}``.
+_LIGHTNING_KEYS = ("state_dict", "averaging_state")
 #: The entries of a timm training checkpoint that hold the EMA's state dict.
 _TIMM_KEYS = ("state_dict_ema", "model_ema")
 
@@ -189,6 +194,8 @@ def detect_format(obj: Any) -> str | None:
     if not isinstance(obj, Mapping):
         return None
     keys = [k for k in obj if isinstance(k, str)]
+    if all(isinstance(obj.get(k), Mapping) for k in _LIGHTNING_KEYS):
+        return "lightning"
     if any(isinstance(obj.get(k), Mapping) for k in _TIMM_KEYS):
         return "timm"
     if isinstance(obj.get("shadow_params"), (list, tuple)):
@@ -242,6 +249,41 @@ def _positional(ema: EMA, shadow: Any, source: str) -> dict[str, Tensor]:
     return weights
 
 
+def _refuse_lightning_without_average(obj: Any, source: str) -> None:
+    """A Lightning checkpoint with no average in it: say what it holds and the calls."""
+    if not isinstance(obj, Mapping) or "pytorch-lightning_version" not in obj:
+        return
+    if "emakit_ema" in obj:
+        how = (
+            "it was written by emakit's EMACallback: resume with that callback, or load "
+            "checkpoint['emakit_ema']['ema'] with ema.load_state_dict()"
+        )
+    else:
+        how = (
+            "its state_dict holds the training weights; to start an EMA from them, pass "
+            "checkpoint['state_dict'] with step=checkpoint['global_step']"
+        )
+    raise EMAStateError(
+        f"{source} is a Lightning checkpoint without weight averaging (no "
+        f"'averaging_state' entry, as EMAWeightAveraging writes): {how}"
+    )
+
+
+def _refuse_uncounted(ema: EMA, source: str) -> None:
+    """A plain state dict carries no update count: refuse to load it into an EMA whose
+    next update would copy the model over it (a fresh EMA at step 0, or in its warm-up)."""
+    if int(ema.step) > int(ema.update_after_step or 0):
+        return
+    raise EMAStateError(
+        f"{source} holds weights but no update count, and this EMA is at step "
+        f"{int(ema.step)} <= update_after_step={ema.update_after_step}: its next update() "
+        f"would copy the model over the loaded weights. Pass step= (the training step the "
+        f"weights were saved at, e.g. step=checkpoint['global_step'] for a Lightning "
+        f"checkpoint), or for a checkpoint written with Lightning's EMAWeightAveraging "
+        f"pass the whole checkpoint (or its path), whose averaging_state has the count"
+    )
+
+
 def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, int | None, str]:
     """``(weights by name, the update count found or None, the source named)`` of a foreign
     checkpoint ``obj`` of format ``fmt`` (not emakit's nor ema-pytorch's), or of the
@@ -254,6 +296,15 @@ def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, in
         key = next((k for k in _TIMM_KEYS if k in obj), _TIMM_KEYS[0])
         _require_keys(obj, fmt, source, (key,))
         return obj[key], None, f"{source}[{key!r}] ({fmt})"
+    if fmt == "lightning":
+        _require_keys(obj, fmt, source, _LIGHTNING_KEYS)
+        source = f"{source}['state_dict'] (Lightning weight averaging)"
+        averaging = obj["averaging_state"]
+        if not isinstance(averaging, Mapping):
+            raise EMAStateError(f"{source}: averaging_state is {_describe(averaging)}")
+        count = averaging.get("n_averaged")
+        found = None if count is None else check.stored_count(source, "n_averaged", count)
+        return obj["state_dict"], found, source
     if fmt not in _LAYOUTS:  # a state dict of the model (timm's module.* included)
         return obj, None, f"{source} ({fmt})"
     key, counter = _LAYOUTS[fmt]
@@ -291,6 +342,9 @@ def load_foreign_state(
                               (``module.*`` and ``n_averaged``)
     ``"diffusers"``           ``diffusers.training_utils.EMAModel.state_dict()``, or the
                               folder its ``save_pretrained(path)`` writes
+    ``"lightning"``           a Lightning checkpoint written with ``EMAWeightAveraging``
+                              (or ``WeightAveraging``): the average in ``state_dict``,
+                              the update count in ``averaging_state``
     ``"state_dict"``          a plain ``state_dict()`` of the model (e.g. exported weights)
     ========================  ==============================================================
 
@@ -311,11 +365,15 @@ def load_foreign_state(
 
     The EMA's ``step`` becomes the source's update count where it has one (ema-pytorch
     ``step``, torch_ema ``num_updates``, diffusers ``optimization_step``,
-    ``AveragedModel`` ``n_averaged``); timm and plain state dicts have none, so the EMA
-    keeps its step unless ``step=`` is given. The EMA counts as initialized afterwards.
-    A warning is given when the resulting step is still inside the warm-up
+    ``AveragedModel`` and Lightning ``n_averaged``: the updates the average has had; with
+    Lightning's ``update_every_n_steps=k``, pass ``step=checkpoint["global_step"]`` to an EMA
+    that counts training steps); timm and plain state dicts have none, so the EMA keeps
+    its step unless ``step=`` is given. The EMA counts as initialized afterwards. A
+    warning is given when the resulting step is still inside the warm-up
     (``step <= update_after_step``), where the next ``update()`` would copy the model over
-    the loaded weights.
+    the loaded weights; a plain state dict (``format="state_dict"``, e.g. a Lightning
+    checkpoint's ``checkpoint["state_dict"]``) that would land there without ``step=`` is
+    refused instead.
 
     Args:
         ema: the [`EMA`][emakit.EMA] to load into (an [`EMAPytree`][emakit.EMAPytree] accepts
@@ -376,6 +434,7 @@ def load_foreign_state(
             obj = obj.state_dict()
         fmt = detect_format(obj) if format == "auto" else format
     if fmt is None:
+        _refuse_lightning_without_average(obj, source)
         raise EMAStateError(
             f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
             f"accepted formats: {', '.join(FOREIGN_FORMATS)} (pass format= to choose one)"
@@ -402,6 +461,8 @@ def load_foreign_state(
     found = found if counted is None else counted
     if not isinstance(weights, Mapping):
         raise EMAStateError(f"{source} holds {_describe(weights)}, not a state dict")
+    if fmt == "state_dict" and step is None and found is None:
+        _refuse_uncounted(ema, source)
     found = step if step is not None else found
     load_weights(ema, weights, step=found, initted=True, strict=strict, source=source)
     if int(ema.step) <= int(ema.update_after_step or 0):
