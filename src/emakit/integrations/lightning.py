@@ -127,6 +127,17 @@ class EMACallback(pl.Callback):
     EMA is gathered into the single file (layout version 1). ``FSDPStrategy`` (FSDP1) and
     ``DeepSpeedStrategy`` are refused at ``setup``. Use one ``EMACallback`` per ``Trainer``.
 
+    * **Coming from Lightning's ``EMAWeightAveraging``:** the defaults differ. This
+      callback has [`EMA`][emakit.EMA]'s: the inverse-gamma warm-up to ``beta=0.9999``,
+      ``update_every=10``, ``update_after_step=100`` (copies until then), the module left
+      with its *training* weights after fit, and the EMA under
+      ``checkpoint["emakit_ema"]``. ``EMAWeightAveraging`` averages at every step from the
+      first with a constant ``decay=0.999``, leaves the *average* in the module after fit,
+      and writes ``averaging_state``/``current_model_state``. For the same behaviour pass
+      ``beta=0.999, update_every=1, update_after_step=0,
+      schedule=emakit.schedules.constant(0.999)``, or use the drop-in
+      [`emakit.compat.lightning.EMAWeightAveraging`][emakit.compat.lightning.EMAWeightAveraging]
+      (Lightning's signature, checkpoints both ways).
     * **Logging** (``log_stats``), through the module's own ``self.log``, so every Lightning
       logger (CSV, TensorBoard, W&B) gets them: ``ema/decay`` and ``ema/step`` after
       every optimizer step (plain Python numbers, no device read), ``ema/bias_weight`` for
