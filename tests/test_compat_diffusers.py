@@ -23,8 +23,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from emakit import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from emakit import EMA, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from emakit.compat.diffusers import EMAModel
+from emakit.foreign import load_foreign_state
 
 training_utils = pytest.importorskip("diffusers.training_utils")
 diffusers = pytest.importorskip("diffusers")
@@ -166,6 +167,10 @@ def test_folders_both_ways_through_from_pretrained(tmp_path):
     assert read_by_diffusers.update_after_step == 2 and read_by_diffusers.use_ema_warmup
     assert read_by_diffusers.get_decay(50) == ours.get_decay(50)
     assert same(read_by_diffusers.shadow_params, ours.shadow_params)
+    plain = EMA(tiny_unet(seed=3), update_after_step=0, update_every=1)  # and emakit's reader
+    assert load_foreign_state(plain, tmp_path / "ours") == "diffusers"
+    assert int(plain.step) == 7
+    assert same(list(plain.ema_model.parameters()), ours.shadow_params)
 
     theirs.save_pretrained(tmp_path / "theirs")
     read_by_us = EMAModel.from_pretrained(tmp_path / "theirs", type(unet))

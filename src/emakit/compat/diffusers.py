@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -188,15 +188,22 @@ class EMAModel:
         min_decay = kwargs["min_value"] if kwargs.get("min_value") is not None else min_decay
         use_ema_warmup = use_ema_warmup or isinstance(parameters, nn.Module)  # as diffusers
         params = _parameter_list(parameters, "()")
-        settings = {
-            "decay": decay,
-            "min_decay": min_decay,
-            "update_after_step": update_after_step,
-            "use_ema_warmup": use_ema_warmup,
-            "inv_gamma": inv_gamma,
-            "power": power,
-        }
-        self.__dict__.update(_checked(settings))
+        checked = _checked(
+            {
+                "decay": decay,
+                "min_decay": min_decay,
+                "update_after_step": update_after_step,
+                "use_ema_warmup": use_ema_warmup,
+                "inv_gamma": inv_gamma,
+                "power": power,
+            }
+        )
+        self.decay: float = checked["decay"]
+        self.min_decay: float = checked["min_decay"]
+        self.update_after_step: int = checked["update_after_step"]
+        self.use_ema_warmup: bool = checked["use_ema_warmup"]
+        self.inv_gamma: float = checked["inv_gamma"]
+        self.power: float = checked["power"]
         self.foreach = check.boolean("foreach", foreach)
         self.model_cls = model_cls
         self.model_config = model_config
@@ -251,7 +258,7 @@ class EMAModel:
     @property
     def shadow_params(self) -> list[Tensor]:
         """The EMA tensors, in the order of the parameters (references, as in diffusers)."""
-        return list(self._ema.ema_model)
+        return list(cast(list[Tensor], self._ema.ema_model))  # the EMA of a list: a list
 
     def get_decay(self, optimization_step: int) -> float:
         """The decay of step ``optimization_step`` (the class docstring's formula), in
@@ -288,10 +295,10 @@ class EMAModel:
 
     def _targets(self, parameters: Iterable[Tensor] | nn.Module, method: str) -> list[Tensor]:
         params = _parameter_list(parameters, f".{method}()")
-        if len(params) != len(self._ema.model):
+        if len(params) != len(self._ids):
             raise EMAValueError(
                 f"{method}() got {len(params)} parameters but the EMA holds "
-                f"{len(self._ema.model)}; pass model.parameters() of the same model"
+                f"{len(self._ids)}; pass model.parameters() of the same model"
             )
         return params
 
@@ -303,7 +310,8 @@ class EMAModel:
 
     def store(self, parameters: Iterable[Tensor] | nn.Module) -> None:
         """Keep a CPU copy of ``parameters`` for `restore()`."""
-        self.temp_stored_params = [p.detach().cpu().clone() for p in parameters]
+        params = _parameter_list(parameters, ".store()")
+        self.temp_stored_params = [p.detach().cpu().clone() for p in params]
 
     @torch.no_grad()
     def restore(self, parameters: Iterable[Tensor] | nn.Module) -> None:
@@ -393,7 +401,8 @@ class EMAModel:
             for t, s in zip(shadow, ours, strict=True):
                 s.copy_(t)
         step = settings.pop("optimization_step", None)
-        self.__dict__.update(settings)
+        for name, value in settings.items():
+            setattr(self, name, value)
         if step is not None:
             self.optimization_step = step
 
@@ -405,13 +414,14 @@ class EMAModel:
         Raises:
             EMAValueError: ``model_cls`` or ``model_config`` was not given.
         """
-        for name in ("model_cls", "model_config"):
-            if getattr(self, name) is None:
-                raise EMAValueError(
-                    f"save_pretrained needs {name}= at construction (e.g. model_cls="
-                    f"UNet2DModel, model_config=unet.config), got {name}=None"
-                )
-        model = self.model_cls.from_config(self.model_config)
+        model_cls, config = self.model_cls, self.model_config
+        if model_cls is None or config is None:
+            missing = "model_cls" if model_cls is None else "model_config"
+            raise EMAValueError(
+                f"save_pretrained needs {missing}= at construction (e.g. model_cls="
+                f"UNet2DModel, model_config=unet.config), got {missing}=None"
+            )
+        model = model_cls.from_config(config)
         model.register_to_config(**{name: getattr(self, name) for name in _SETTINGS})
         self.copy_to(model.parameters())
         model.save_pretrained(path)

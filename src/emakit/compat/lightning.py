@@ -212,9 +212,7 @@ class EMAWeightAveraging(pl.Callback):
 
     # -- validation on the average -------------------------------------------------------
 
-    def on_validation_epoch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Swap the average into the module."""
         if self._swap is None and self.ema is not None and self.ema.model is pl_module:
             self._swap = self.ema.swap().enter()
