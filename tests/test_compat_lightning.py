@@ -255,8 +255,9 @@ def test_load_foreign_state_reads_lightning_checkpoints(tmp_path):
     assert int(ema.step) == 8  # from averaging_state, not 0
     for name, t in ema.ema_model.state_dict().items():
         assert torch.equal(t, ckpt["state_dict"][name]), name
-    # the file itself (Lightning pickles more than tensors: only weights_only=False opens it)
-    # and a plain state dict: refused without step=, since the next update would copy over
+    from_path = EMA(Regressor(), update_after_step=0, update_every=1)  # the file itself
+    assert load_foreign_state(from_path, path) == "lightning" and int(from_path.step) == 8
+    # a plain state dict: refused without step=, since the next update would copy over
     fresh = EMA(Regressor(), update_after_step=0, update_every=1)
     with pytest.raises(EMAStateError, match=r"step=.*global_step.*whole checkpoint"):
         load_foreign_state(fresh, ckpt["state_dict"])
