@@ -45,10 +45,16 @@ CASES = {
     "exclude_buffers": ({"decay": 0.9, "exclude_buffers": True}, None),
     "device_str": ({"decay": 0.9, "device": "cpu"}, None),  # timm: foreach off for a str
     "bf16_stochastic": ({"decay": 0.9}, torch.bfloat16),
-    "bf16_stochastic_loop": ({"decay": 0.9, "foreach": False, "stochastic_rounding_seed": 3}, torch.bfloat16),
+    "bf16_stochastic_loop": (
+        {"decay": 0.9, "foreach": False, "stochastic_rounding_seed": 3},
+        torch.bfloat16,
+    ),
     "bf16_nearest": ({"decay": 0.9, "stochastic_rounding": False}, torch.bfloat16),
     "bf16_fp32_shadow": ({"decay": 0.9, "dtype": torch.float32}, torch.bfloat16),
-    "bf16_fp32_shadow_loop": ({"decay": 0.9, "dtype": torch.float32, "foreach": False}, torch.bfloat16),
+    "bf16_fp32_shadow_loop": (
+        {"decay": 0.9, "dtype": torch.float32, "foreach": False},
+        torch.bfloat16,
+    ),
     "bf16_no_buffers": ({"decay": 0.9, "exclude_buffers": True}, torch.bfloat16),
 }
 
@@ -214,7 +220,7 @@ def test_train_py_ema_lines_with_the_one_documented_line(tmp_path, monkeypatch):
             x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
             task(x, y)["loss"].backward()
             opt.step()
-            num_updates += 1
+            num_updates += 1  # noqa: SIM113 - train.py's own lines
             opt.zero_grad()
             task.update_ema(step=num_updates)
         saver.save_checkpoint(epoch=0, metric=1.0)

@@ -44,8 +44,11 @@ def decay_probe(ema_cls, use_num_updates=True, n=70, reload_at=None):
         ema.update()
         seen.append(1.0 - ema.shadow_params[0].item())
         if i == reload_at:  # through the other library's state and back
-            other = (ExponentialMovingAverage if ema_cls is not ExponentialMovingAverage else
-                     torch_ema.ExponentialMovingAverage)([p], decay=0.5)
+            other = (
+                ExponentialMovingAverage
+                if ema_cls is not ExponentialMovingAverage
+                else torch_ema.ExponentialMovingAverage
+            )([p], decay=0.5)
             other.load_state_dict(ema.state_dict())
             ema = ema_cls([p], decay=0.5)
             ema.load_state_dict(other.state_dict())
@@ -183,7 +186,9 @@ def test_load_foreign_state_continues_torch_emas_decays():
         train_step(nets, opts, step)
         theirs.update()
         ours.update()
-        assert ours.get_current_decay() == min(0.999, (1 + theirs.num_updates) / (10 + theirs.num_updates))
+        assert ours.get_current_decay() == min(
+            0.999, (1 + theirs.num_updates) / (10 + theirs.num_updates)
+        )
     for p, s in zip(ours.ema_model.parameters(), theirs.shadow_params, strict=True):
         assert (p - s).abs().max().item() <= 4 * torch.finfo(s.dtype).eps * s.abs().max().item()
 

@@ -50,7 +50,9 @@ def torchvision_for(torch_version: str) -> tuple[str, str | None]:
     """
     match = re.fullmatch(r"2\.(\d+)\.(\d+)(?:\+(\w+))?", torch_version)
     if match is None:
-        raise SystemExit(f"install_peers: cannot map torch {torch_version} to a torchvision release")
+        raise SystemExit(
+            f"install_peers: cannot map torch {torch_version} to a torchvision release"
+        )
     minor, patch, build = match.groups()
     return f"0.{int(minor) + 15}.{patch}", build
 
@@ -122,8 +124,10 @@ def main() -> int:
     error = imports_timm()
     if error is not None:
         return give_up(f"import timm fails: {error}", ["timm", "torchvision"])
-    print(f"install_peers: timm {metadata.version('timm')} with torchvision "
-          f"{metadata.version('torchvision')} beside torch {torch_version}")
+    print(
+        f"install_peers: timm {metadata.version('timm')} with torchvision "
+        f"{metadata.version('torchvision')} beside torch {torch_version}"
+    )
     return 0
 
 
