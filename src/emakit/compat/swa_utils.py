@@ -134,6 +134,7 @@ class AveragedModel(nn.Module):
     """
 
     n_averaged: Tensor
+    _count: int  # n_averaged on the host
     _engine: EMA | None  # the engine EMA over .module (kept out of the module tree)
 
     def __init__(

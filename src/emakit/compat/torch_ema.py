@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -105,6 +105,11 @@ class ExponentialMovingAverage:
         self._ema.tracker.reset(step)
 
     @property
+    def _tracked(self) -> list[Tensor]:
+        """The parameters the engine EMA averages."""
+        return cast(list, self._ema.model)
+
+    @property
     def num_updates(self) -> int | None:
         """``update()`` calls so far (None with ``use_num_updates=False``)."""
         return self._ema.tracker.step - 1 if self._use_num_updates else None
@@ -112,17 +117,17 @@ class ExponentialMovingAverage:
     @property
     def shadow_params(self) -> list[Tensor]:
         """The averaged tensors (references), in the order of the parameters."""
-        return list(self._ema.ema_model)
+        return list(cast(list, self._ema.ema_model))
 
     def _parameters(self, parameters: Iterable[Tensor] | None) -> list[Tensor]:
         """The parameters given, or the ones the EMA tracks."""
         if parameters is None:
-            return list(self._ema.model)
+            return list(self._tracked)
         params = _tensor_list("parameters", parameters)
-        if len(params) != len(self._ema.model):
+        if len(params) != len(self._tracked):
             raise EMAValueError(
                 f"parameters has {len(params)} tensors but this EMA averages "
-                f"{len(self._ema.model)}; pass the same parameters it was built with"
+                f"{len(self._tracked)}; pass the same parameters it was built with"
             )
         return params
 
@@ -130,7 +135,7 @@ class ExponentialMovingAverage:
         """Average the parameters in (call after every ``optimizer.step()``)."""
         if parameters is not None:
             params = self._parameters(parameters)
-            if any(p is not q for p, q in zip(params, self._ema.model, strict=True)):
+            if any(p is not q for p, q in zip(params, self._tracked, strict=True)):
                 self._build(params, self.shadow_params, self._ema.tracker.step)
         self._ema.update()
 
@@ -173,7 +178,7 @@ class ExponentialMovingAverage:
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
         self._build(
-            list(self._ema.model), [moved(s) for s in self.shadow_params], self._ema.tracker.step
+            list(self._tracked), [moved(s) for s in self.shadow_params], self._ema.tracker.step
         )
         if self.collected_params is not None:
             self.collected_params = [moved(c) for c in self.collected_params]
@@ -232,10 +237,10 @@ class ExponentialMovingAverage:
         for s, v in zip(mine, shadow, strict=True):
             s.copy_(v)
         self.decay, self._use_num_updates = decay, count is not None
-        self._build(list(self._ema.model), mine, 1 if count is None else count + 1)
+        self._build(list(self._tracked), mine, 1 if count is None else count + 1)
         self.collected_params = None
         if collected is not None:
-            params = list(self._ema.model)
+            params = list(self._tracked)
             self.collected_params = [
                 c.to(device=p.device, dtype=p.dtype, copy=True)
                 for c, p in zip(collected, params, strict=True)
