@@ -199,3 +199,35 @@ def test_plain_ema_loading_torch_ema_state_says_it_averages_buffers():
     theirs.update()
     with pytest.warns(UserWarning, match=r"parameters only.*'1.running_mean'.*compat.torch_ema"):
         load_foreign_state(EMA(copy.deepcopy(net), update_after_step=0), theirs.state_dict())
+
+
+def test_a_plain_ema_written_in_torch_emas_form_continues_in_torch_ema():
+    """The migration page's recipe: an `EMA` with torch_ema's schedule, written as torch_ema's
+    state (``num_updates = step - 1``), loads into torch_ema, which continues with the decays
+    the EMA would have used."""
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    ours = EMA(
+        nets[0], schedule=schedules.torch_ema_warmup(0.99), update_after_step=0, update_every=1
+    )
+    ours.update()  # copies the starting weights, as torch_ema's constructor does
+    for step in range(20):
+        train_step(nets, opts, step)
+        ours.update()
+    state = {
+        "decay": 0.99,
+        "num_updates": int(ours.step) - 1,
+        "shadow_params": list(ours.ema_model.parameters()),
+        "collected_params": None,
+    }
+    theirs = torch_ema.ExponentialMovingAverage(nets[1].parameters(), decay=0.5)
+    theirs.load_state_dict(state)
+    assert theirs.num_updates == 20
+    for step in range(20, 25):
+        train_step(nets, opts, step)
+        ours.update()
+        theirs.update()
+        n = theirs.num_updates
+        assert ours.get_current_decay() == min(0.99, (1 + n) / (10 + n))
+    for p, s in zip(ours.ema_model.parameters(), theirs.shadow_params, strict=True):
+        assert (p - s).abs().max().item() <= 4 * torch.finfo(s.dtype).eps * s.abs().max().item()
