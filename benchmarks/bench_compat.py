@@ -1,20 +1,14 @@
-"""Per-update cost of the drop-ins in ``emakit.compat`` against their peers, side by side.
+"""Update cost of each `emakit.compat` drop-in against its peer, on one small model.
 
-Usage::
+    python benchmarks/bench_compat.py [--layers 24] [--width 256] [--iters 300]
 
-    python benchmarks/bench_compat.py [--width 128] [--depth 40] [--calls 50] [--rounds 7]
-
-On one model (``depth`` Linear layers of ``width``, fp32, CPU, one thread), the same
-update is timed for each pair, round-robin, ``rounds`` x ``calls`` calls each:
-
-* diffusers ``EMAModel.step(params)`` (``foreach=False``, its default, and ``True``)
-  against ``emakit.compat.diffusers.EMAModel.step(params)``;
-* Lightning ``EMAWeightAveraging``'s update, ``AveragedModel.update_parameters(model)``
-  with ``get_ema_avg_fn(0.999)`` and ``use_buffers=True``, against the drop-in's
-  ``ema.update()`` (what ``emakit.compat.lightning.EMAWeightAveraging`` calls).
-
-Prints the minimum and median microseconds per call and the ratio to emakit's. A script,
-not a test: it asserts nothing about timings.
+For each pair (timm ``ModelEmaV3``, torch_ema ``ExponentialMovingAverage``, torch's
+``AveragedModel`` with ``get_ema_multi_avg_fn``, diffusers ``EMAModel`` with its default
+``foreach=False`` and with ``foreach=True``, Lightning ``EMAWeightAveraging``'s update,
+which is ``AveragedModel.update_parameters`` with ``get_ema_avg_fn`` and
+``use_buffers=True``): the median of 7 runs of ``--iters``
+updates (interleaved), in microseconds per update, and the peer's time over the drop-in's. A peer that
+is not installed is left out (timm: ``python tools/install_peers.py``).
 """
 
 from __future__ import annotations
@@ -28,62 +22,101 @@ import torch
 from torch import nn
 
 
-def per_call(fn: Callable[[], None], calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+def model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.LayerNorm(width)]
+    return nn.Sequential(*blocks)
+
+
+def per_update_us(updates: tuple[Callable[[], None], ...], iters: int) -> list[float]:
+    """Microseconds per call of each of ``updates``: the median of 7 runs, the runs of
+    the functions interleaved so that a busy machine slows them alike."""
+    for update in updates:
+        for _ in range(10):
+            update()
+    runs: list[list[float]] = [[] for _ in updates]
+    for _ in range(7):
+        for update, times in zip(updates, runs, strict=True):
+            start = time.perf_counter()
+            for _ in range(iters):
+                update()
+            times.append((time.perf_counter() - start) / iters * 1e6)
+    return [statistics.median(times) for times in runs]
+
+
+def pairs(net: nn.Module) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
+    import torch.optim.swa_utils as swa
+
+    from emakit import EMA, schedules
+    from emakit.compat import swa_utils, torch_ema
+
+    found = {}
+    try:
+        from timm.utils.model_ema import ModelEmaV3
+
+        from emakit.compat.timm import ModelEmaV3 as Ours
+
+        theirs, ours = ModelEmaV3(net, decay=0.999), Ours(net, decay=0.999)
+        found["timm ModelEmaV3"] = (
+            lambda: theirs.update(net, step=1000),
+            lambda: ours.update(net, step=1000),
+        )
+    except Exception as e:  # timm absent, or torchvision that does not import
+        print(f"(timm left out: {type(e).__name__}: {e})")
+    try:
+        import torch_ema as peer
+
+        te = peer.ExponentialMovingAverage(net.parameters(), decay=0.999)
+        oe = torch_ema.ExponentialMovingAverage(net.parameters(), decay=0.999)
+        found["torch_ema ExponentialMovingAverage"] = (te.update, oe.update)
+    except ImportError:
+        print("(torch_ema left out: not installed)")
+    ta = swa.AveragedModel(net, multi_avg_fn=swa.get_ema_multi_avg_fn(0.999))
+    oa = swa_utils.AveragedModel(net, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.999))
+    found["AveragedModel (EMA)"] = (
+        lambda: ta.update_parameters(net),
+        lambda: oa.update_parameters(net),
+    )
+    try:
+        from diffusers.training_utils import EMAModel
+
+        from emakit.compat.diffusers import EMAModel as CompatEMAModel
+
+        oc = CompatEMAModel(net.parameters())
+        for foreach in (False, True):
+            dm = EMAModel(net.parameters(), foreach=foreach)
+            found[f"diffusers EMAModel (foreach={foreach})"] = (
+                lambda dm=dm: dm.step(net.parameters()),
+                lambda: oc.step(net.parameters()),
+            )
+    except ImportError:
+        print("(diffusers left out: not installed)")
+    la = swa.AveragedModel(net, avg_fn=swa.get_ema_avg_fn(0.999), use_buffers=True)
+    lo = EMA(net, update_after_step=0, update_every=1, schedule=schedules.constant(0.999),
+             include_online_model=False)  # fmt: skip
+    found["Lightning EMAWeightAveraging (its update)"] = (
+        lambda: la.update_parameters(net),
+        lo.update,  # what emakit.compat.lightning.EMAWeightAveraging calls
+    )
+    return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=40)
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from diffusers.training_utils import EMAModel
-    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
-
-    from emakit import EMA, schedules
-    from emakit.compat.diffusers import EMAModel as CompatEMAModel
-
-    model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(args.depth)))
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{args.depth} x Linear({args.width}): {n:,} parameters, fp32, CPU, 1 thread")
-    diffusers_plain = EMAModel(model.parameters())
-    diffusers_foreach = EMAModel(model.parameters(), foreach=True)
-    compat = CompatEMAModel(model.parameters())
-    averaged = AveragedModel(model, avg_fn=get_ema_avg_fn(0.999), use_buffers=True)
-    lightning_ema = EMA(
-        model, update_after_step=0, update_every=1, schedule=schedules.constant(0.999),
-        include_online_model=False,
-    )  # fmt: skip
-    groups = {
-        "diffusers": {
-            "diffusers EMAModel (foreach=False)": lambda: diffusers_plain.step(model.parameters()),
-            "diffusers EMAModel (foreach=True)": lambda: diffusers_foreach.step(model.parameters()),
-            "emakit.compat.diffusers.EMAModel": lambda: compat.step(model.parameters()),
-        },
-        "lightning": {
-            "Lightning AveragedModel update": lambda: averaged.update_parameters(model),
-            "emakit.compat.lightning (ema.update)": lightning_ema.update,
-        },
-    }
-    for group, contenders in groups.items():
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for fn in contenders.values():
-            per_call(fn, 5)  # warm-up: plans, first allocations
-        for r in range(args.rounds):
-            names = list(contenders)
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(per_call(contenders[name], args.calls))
-        ours = min(times[list(contenders)[-1]])
-        print(f"\n{group}: us per update (min / median of {args.rounds}), min / emakit's min")
-        for name, values in times.items():
-            best = min(values)
-            print(f"  {name:40s} {best:9.1f} {statistics.median(values):9.1f}  {best / ours:5.2f}x")
+    net = model(args.layers, args.width)
+    n = sum(1 for _ in net.parameters())
+    print(f"model: {args.layers} x (Linear {args.width} + LayerNorm), {n} tensors, CPU, 1 thread")
+    print(f"{'pair':38s} {'peer us':>9s} {'emakit us':>10s} {'peer/emakit':>12s}")
+    for name, (theirs, ours) in pairs(net).items():
+        t, o = per_update_us((theirs, ours), args.iters)
+        print(f"{name:38s} {t:9.1f} {o:10.1f} {t / o:11.2f}x")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,12 @@ _LAYOUTS = {
 #: The entries of a Lightning checkpoint that ``EMAWeightAveraging`` (``WeightAveraging``)
 #: wrote: the average with the module's names, and ``{"n_averaged": tensor}``.
 _LIGHTNING_KEYS = ("state_dict", "averaging_state")
+
+#: What to add to a format's update count to get emakit's ``step``, which counts the
+#: initializing copy as a call: torch_ema's update ``n`` (from 1) already averages with the
+#: weights it was built with, which is emakit's call ``n + 1`` (the decay of
+#: ``schedules.torch_ema_warmup`` then matches torch_ema's update for update).
+_STEP_OFFSET = {"torch_ema": 1}
 #: The entries of a timm training checkpoint that hold the EMA's state dict.
 _TIMM_KEYS = ("state_dict_ema", "model_ema")
 
@@ -283,6 +289,26 @@ def _refuse_uncounted(ema: EMA, source: str) -> None:
         f"pass the whole checkpoint (or its path), whose averaging_state has the count"
     )
 
+def _warn_unaveraged_buffers(ema: EMA, source: str) -> None:
+    """Say so when ``ema`` averages floating buffers, which torch_ema leaves alone."""
+    prefixes = tuple(ema.ignore_startswith_names)
+    skipped = ema.param_or_buffer_names_no_ema | ema.ignore_names
+    names = sorted(
+        n
+        for n in ema.buffer_names
+        if n not in skipped and not (prefixes and n.startswith(prefixes))
+    )
+    if names:
+        warnings.warn(
+            f"{source}: torch_ema averages parameters only, but this EMA also averages the "
+            f"floating buffers {check.few(names, 4)} (e.g. BatchNorm statistics): they keep "
+            f"their values now and are averaged from the next update on, so the EMA model's "
+            f"outputs differ from torch_ema's. For torch_ema's behaviour use "
+            f"emakit.compat.torch_ema.ExponentialMovingAverage, or build the EMA with "
+            f"param_or_buffer_names_no_ema= those names (copied from the model at every update)",
+            stacklevel=3,
+        )
+
 
 def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, int | None, str]:
     """``(weights by name, the update count found or None, the source named)`` of a foreign
@@ -311,6 +337,8 @@ def _foreign_weights(ema: EMA, obj: Any, fmt: str, source: str) -> tuple[Any, in
     _require_keys(obj, fmt, source, (key,))
     source = f"{source} ({fmt})"
     found = None if obj.get(counter) is None else check.stored_count(source, counter, obj[counter])
+    if found is not None:
+        found += _STEP_OFFSET.get(fmt, 0)
     if key == "shadow_params":
         return _positional(ema, obj[key], source), found, source
     return {k: v for k, v in obj.items() if k != key}, found, source
@@ -364,12 +392,20 @@ def load_foreign_state(
     averages parameters only).
 
     The EMA's ``step`` becomes the source's update count where it has one (ema-pytorch
-    ``step``, torch_ema ``num_updates``, diffusers ``optimization_step``,
+    ``step``, torch_ema ``num_updates + 1``, diffusers ``optimization_step``,
     ``AveragedModel`` and Lightning ``n_averaged``: the updates the average has had; with
     Lightning's ``update_every_n_steps=k``, pass ``step=checkpoint["global_step"]`` to an EMA
-    that counts training steps); timm and plain state dicts have none, so the EMA keeps
-    its step unless ``step=`` is given. The EMA counts as initialized afterwards. A
-    warning is given when the resulting step is still inside the warm-up
+    that counts training steps); timm and plain state dicts have none, so the EMA
+    keeps its step unless ``step=`` is given (timm's ``train.py`` passes its
+    ``num_updates`` as the step: give the same number). The EMA counts as initialized
+    afterwards. torch_ema's update ``n`` already averages with the weights it was built
+    with, which is emakit's call ``n + 1`` (its first call copies): with the ``+ 1``, an
+    ``EMA(schedule=schedules.torch_ema_warmup(d), update_after_step=0, update_every=1)``
+    continues with torch_ema's decays, update for update. torch_ema averages parameters
+    only: when the EMA also averages floating buffers (BatchNorm statistics), a warning
+    says so (`emakit.compat.torch_ema.ExponentialMovingAverage` keeps torch_ema's
+    behaviour).
+    A warning is given when the resulting step is still inside the warm-up
     (``step <= update_after_step``), where the next ``update()`` would copy the model over
     the loaded weights; a plain state dict (``format="state_dict"``, e.g. a Lightning
     checkpoint's ``checkpoint["state_dict"]``) that would land there without ``step=`` is
@@ -465,6 +501,8 @@ def load_foreign_state(
         _refuse_uncounted(ema, source)
     found = step if step is not None else found
     load_weights(ema, weights, step=found, initted=True, strict=strict, source=source)
+    if fmt == "torch_ema":
+        _warn_unaveraged_buffers(ema, source)
     if int(ema.step) <= int(ema.update_after_step or 0):
         warnings.warn(
             f"after loading {source}, ema.step={int(ema.step)} <= update_after_step="
