@@ -23,7 +23,6 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -531,7 +530,9 @@ def solve_weights_stepwise(
     steps = torch.arange(1, t_r + 1, dtype=torch.float64)
     bases: dict[tuple[float, int | None], Tensor] = {}  # log of F's shape, step by step
     decays: dict[tuple[float, int], Tensor] = {}  # L_j of ema-pytorch's profiles
-    profiles = []  # (base, log alpha, cut): F(s) = alpha exp(base(s)) for s < cut, else 1
+    profiles: list[
+        tuple[tuple[float, int | None], float, int]
+    ] = []  # (base, log alpha, cut): F(s) = alpha exp(base(s)) for s < cut, else 1
     for t, g, k in [*zip(cuts, exps, update_every, strict=True), (t_r, gamma_r, None)]:
         if k is None:
             if (g, None) not in bases:
@@ -546,26 +547,34 @@ def solve_weights_stepwise(
             bases[g, k] = -decays[g, k][torch.div(steps - 1, k, rounding_mode="floor").long()]
         profiles.append(((g, k), float(decays[g, k][(t - 1) // k]), t))
 
-    single = {key: _log_prefix(v) for key, v in bases.items()}
-    pairs: dict[tuple[Any, Any], Tensor] = {}
-
-    def inner(p: tuple[Any, float, int], q: tuple[Any, float, int]) -> float:
-        # <F_p, F_q> / t_r, with p the profile whose averaging ends first
-        (bp, ap, cp), (bq, aq, cq) = sorted((p, q), key=lambda x: x[2])
-        key = (bp, bq) if (bp, bq) in pairs or (bq, bp) not in pairs else (bq, bp)
-        if key not in pairs:
-            pairs[key] = _log_prefix(bases[bp] + bases[bq])
-        both = math.exp(ap + aq + float(pairs[key][cp - 1]))
-        later = math.exp(aq + float(single[bq][cq - 1])) - math.exp(aq + float(single[bq][cp - 1]))
-        return (both + later + (t_r - cq + 1)) / t_r
-
-    target = profiles[-1]
-    b = torch.tensor([inner(p, target) for p in profiles[:-1]], dtype=torch.float64)
-    a = torch.empty(n, n, dtype=torch.float64)
-    for i in range(n):
-        for j in range(i, n):
-            a[i, j] = a[j, i] = inner(profiles[i], profiles[j])
-    rho = inner(target, target)
+    # <F_p, F_q> for every pair at once, by pairs of bases. With c = min(cut_p, cut_q):
+    # alpha_p alpha_q sum_{s<c} e^(base_p + base_q), plus the later one's own mass up to its
+    # cut, plus the steps where both are 1; each sum a log-prefix looked up at the cut.
+    cut = torch.tensor([c for _, _, c in profiles])
+    log_alpha = torch.tensor([al for _, al, _ in profiles], dtype=torch.float64)
+    keys = list(bases)
+    group = torch.tensor([keys.index(bk) for bk, _, _ in profiles])
+    single = torch.stack([_log_prefix(bases[key]) for key in keys])  # (bases, t_r + 1)
+    own = torch.exp(log_alpha + single[group, cut - 1])  # alpha sum_{s<cut} e^base
+    inner = torch.empty(n + 1, n + 1, dtype=torch.float64)
+    for u, ku in enumerate(keys):
+        for v, kv in enumerate(keys[u:], start=u):
+            ps, qs = torch.nonzero(group == u)[:, 0], torch.nonzero(group == v)[:, 0]
+            if not len(ps) or not len(qs):
+                continue
+            both = _log_prefix(bases[ku] + bases[kv])
+            lo = torch.minimum(cut[ps, None], cut[None, qs])
+            q_later = cut[None, qs] >= cut[ps, None]
+            later = torch.where(
+                q_later,
+                own[None, qs] - torch.exp(log_alpha[None, qs] + single[v][lo - 1]),
+                own[ps, None] - torch.exp(log_alpha[ps, None] + single[u][lo - 1]),
+            )
+            block = torch.exp(log_alpha[ps, None] + log_alpha[None, qs] + both[lo - 1])
+            block = (block + later + (t_r + 1 - torch.maximum(cut[ps, None], cut[None, qs]))) / t_r
+            inner[ps[:, None], qs[None, :]] = block
+            inner[qs[:, None], ps[None, :]] = block.T
+    a, b, rho = inner[:n, :n], inner[:n, n], float(inner[n, n])
     gram = a - b[:, None] - b[None, :] + rho  # <F_i - F_r, F_j - F_r>
     lam = max(float(roundoff), 2.0**-24)
     m = gram + lam**2 * torch.eye(n, dtype=torch.float64)
