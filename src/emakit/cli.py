@@ -50,8 +50,9 @@ class _LazyGroup(click.Group):
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
         if args and args[0] in _LAZY_COMMANDS:
+            # returned, not added: the group keeps listing the placeholder's short help
             commands = importlib.import_module("emakit.posthoc.commands").COMMANDS
-            self.add_command(commands[args[0]])
+            return args[0], commands[args[0]], args[1:]
         return super().resolve_command(ctx, args)
 
 
