@@ -293,7 +293,9 @@ class WeightSolution:
         weights: one weight per snapshot, summing to 1.
         raw_sum: the sum of the weights before normalization (1 for an exact fit).
         residual: ``||sum_i w_i p_i - p_r|| / ||p_r||``, the relative L2 error of the
-            reconstructed profile (0 when the target is one of the snapshots).
+            reconstructed profile (0 when the target is one of the snapshots); from
+            `solve_weights_stepwise()`, the error of the cumulative profile relative to the
+            raw weights' (1: no closer than the raw weights).
         method: ``"solve"`` (exact linear solve) or ``"lstsq"`` (least-squares fallback).
         cond: the 2-norm condition number of the Gram matrix.
         start_weights: from [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]:

@@ -70,8 +70,9 @@ class LegacyProfiles:
         gammas: gamma of each profile index, in ema-pytorch's order (its
             ``PostHocEMA.gammas``).
         sigma_rels: the matching relative widths. Default None: derived from ``gammas``.
-        update_every: the ``update_every`` the ema-pytorch run used, to find each file's
-            last averaging update. Default 1.
+        update_every: the ``update_every`` the ema-pytorch run used (its default is
+            100): each file's last averaging update and the weights it holds depend on it.
+            Default 1.
         copied: EMA-model state names taken rather than averaged at synthesis (buffers,
             integer tensors). Default None: those of the folder's latest emakit snapshot,
             or none (everything averaged) without one.

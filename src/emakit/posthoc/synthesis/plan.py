@@ -190,7 +190,9 @@ def plan_synthesis(
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
-            ``step`` before the first snapshot; a ``run`` with no snapshots.
+            ``step`` before the first snapshot; a ``run`` with no snapshots; a target after
+            step 1 from ema-pytorch files that have averaged nothing yet (its
+            ``update_every`` is larger than their steps).
         EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
             profile index ``legacy`` does not cover; snapshots of several runs and no
             ``run``.
@@ -198,7 +200,10 @@ def plan_synthesis(
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
             step far after the last snapshot), the weights amplify the snapshots'
-            rounding noticeably, or the solve fell back to least squares.
+            rounding noticeably, or the solve fell back to least squares. With
+            ema-pytorch's files (solved from the weights they really hold,
+            [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]): a
+            poor fit, with how much of the files sits on the weights of step 1.
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = optional_integer("step", step, low=1)
