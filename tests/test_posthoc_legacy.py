@@ -163,55 +163,47 @@ def test_their_files_are_snapshots_of_our_profiles(their_run: tuple):
     assert list_snapshots(folder) == []  # without the profiles they are not emakit's
 
 
-def test_a_tracked_profile_comes_back_exactly(their_run: tuple):
-    """Can fail on the index -> gamma mapping or on t: synthesizing profile 0 at the last
-    step must put all the weight on ``0.200.pt`` and return ema-pytorch's own EMA."""
+def test_a_tracked_profile_comes_back(their_run: tuple, theta: torch.Tensor):
+    """Can fail on the index -> gamma mapping or on t: synthesizing profile i's own length at
+    the last step puts the largest weight on ``i.200.pt`` and returns about ema-pytorch's own
+    EMA. Not exactly: with update_every=1 ema-pytorch's files hold the power profile one step
+    late, which the synthesis corrects, so it is closer to the exact per-step EMA."""
     theirs, net, folder = their_run
     ours = ours_posthoc(net, folder)
     for index, sigma_rel in enumerate(SIGMA_RELS):
         plan = plan_synthesis(folder, sigma_rel=sigma_rel, legacy=ours.legacy_profiles())
-        heavy = [
-            s.path.name for s, w in zip(plan.snapshots, plan.weights, strict=True) if abs(w) > 1e-9
-        ]
-        assert heavy == [f"{index}.{T}.pt"]
-        synth = ours.synthesize_ema_model(sigma_rel=sigma_rel)
-        expected = theirs.ema_models[index].ema_model.lin.weight
-        assert torch.allclose(synth.ema_model.lin.weight, expected, rtol=0, atol=1e-6)
+        heaviest = max(zip(plan.weights, plan.snapshots, strict=True), key=lambda p: abs(p[0]))
+        assert heaviest[1].path.name == f"{index}.{T}.pt"
+        synth = ours.synthesize_ema_model(sigma_rel=sigma_rel).ema_model.lin.weight
+        tracked = theirs.ema_models[index].ema_model.lin.weight
+        truth = power_ema(theta, gamma_of(sigma_rel), T)
+        assert rel_err(synth, tracked.double().flatten()) < 5e-3
+        assert rel_err(synth, truth) < rel_err(tracked, truth) / 10
 
 
 @pytest.mark.parametrize("sigma_rel", [0.1, 0.15, 0.2])
 def test_synthesis_from_their_files_is_accurate(
     their_run: tuple, our_run: PostHocEMA, theta: torch.Tensor, sigma_rel: float
 ):
-    """Synthesis from ema-pytorch's files right after switching to emakit.
-
-    * Against ema-pytorch's own ``synthesize_ema_model`` (sharp): at the last step with
-      update_every=1 it solves the same system from the same (t, gamma) pairs but does not
-      normalize, so emakit's result times the raw weight sum must equal it. A wrong gamma
-      or t for any file breaks this.
-    * Against the float64 per-step power EMA of the trajectory (the closed-form target)
-      and emakit's synthesis from an emakit run of the same training (float32): ema-pytorch's
-      profiles are one step shifted from emakit's (its decay at call k is the per-step
-      decay of step k + 1), so its tracked EMAs themselves miss the target definition by
-      ``floor``; the reconstruction must stay within that (and far below the raw weights).
-    """
+    """Synthesis from ema-pytorch's files right after switching to emakit, against the
+    float64 per-step power EMA of the trajectory (the closed-form target): at least 10x
+    closer than ema-pytorch's own ``synthesize_ema_model`` from the same files, closer than
+    ema-pytorch's tracked EMAs are to their own targets (``floor``: they are one step late),
+    and about as close as emakit's synthesis from an emakit run of the same training."""
     theirs, net, folder = their_run
     ours = ours_posthoc(net, folder)
-    plan = plan_synthesis(folder, sigma_rel=sigma_rel, legacy=ours.legacy_profiles())
     synth = ours.synthesize_ema_model(sigma_rel=sigma_rel).ema_model.lin.weight
     their_synth = theirs.synthesize_ema_model(sigma_rel=sigma_rel).ema_model.lin.weight
-    assert torch.allclose(synth * plan.solution.raw_sum, their_synth, rtol=1e-4, atol=1e-5)
-
     truth = power_ema(theta, gamma_of(sigma_rel), T)
-    floor = max(
+    floor = min(
         rel_err(m.ema_model.lin.weight, power_ema(theta, gamma_of(s), T))
         for m, s in zip(theirs.ema_models, SIGMA_RELS, strict=True)
     )
     emakit = our_run.synthesize_ema_model(sigma_rel=sigma_rel).ema_model.lin.weight
     err = rel_err(synth, truth)
-    assert err < 1.5 * floor and rel_err(synth, emakit.double().flatten()) < 1.5 * floor
-    assert rel_err(theta[T - 1], truth) > 50 * err
-    assert rel_err(emakit, truth) < err  # emakit's own run: no shift
+    assert err < rel_err(their_synth, truth) / 10 and err < floor
+    assert rel_err(theta[T - 1], truth) > 1000 * err
+    assert err < 2 * rel_err(emakit, truth) + 1e-6
 
 
 def test_integer_buffers_come_back_as_integers(theta: torch.Tensor, tmp_path: Path):
@@ -244,16 +236,16 @@ def test_an_integer_lost_to_float16_keeps_the_models_value(theta: torch.Tensor, 
         plan_synthesis(tmp_path, sigma_rel=0.05, legacy=legacy).run()
 
 
-@pytest.mark.filterwarnings("ignore:post-hoc EMA.*only roughly:emakit.posthoc.PostHocWarning")
 def test_update_every_sets_where_their_profiles_end(theta: torch.Tensor, tmp_path: Path):
     """ema-pytorch averages on calls 1, 6, 11, ... with update_every=5, so ``0.10.pt`` ends
-    at step 6; and its decay ignores update_every, which deserves a warning."""
+    at step 6; three snapshot steps of such files fit the target poorly, and the warning
+    says how much of them sits on the weights of step 1 under that update_every."""
     net = Net()
     drive(theirs_posthoc(net, tmp_path, update_every=5), theta, net, range(30))
     legacy = LegacyProfiles.from_sigma_rels(SIGMA_RELS, update_every=5)
     snaps = list_snapshots(tmp_path, legacy=legacy)
     assert {(s.step, s.t) for s in snaps} == {(10, 6), (20, 16), (30, 26)}
-    with pytest.warns(PostHocWarning, match="update_every=5"):
+    with pytest.warns(PostHocWarning, match=r"update_every=5\) leaves \d+% to \d+%"):
         plan_synthesis(tmp_path, sigma_rel=0.1, legacy=legacy)
 
 

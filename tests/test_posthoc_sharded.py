@@ -26,7 +26,7 @@ from torch import nn
 from _launch import DIST_MARKS, run_ranks
 from _models import gathered, seeded
 from emakit import PostHocEMA
-from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
+from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict, to_ema_pytorch
 
 pytestmark = DIST_MARKS
 
@@ -243,6 +243,22 @@ def test_synthesis_in_one_process_reassembles_the_shards(four) -> None:
         warnings.simplefilter("ignore", PostHocWarning)
         got = synthesize_state_dict(out / "fsdp", sigma_rel=TARGET)
     close(got, results[0]["reference"])
+
+
+def test_a_sharded_folder_converts_to_ema_pytorch_whole(four, tmp_path: Path) -> None:
+    """`to_ema_pytorch` reassembles every rank's blocks into one whole file per snapshot:
+    the files of the 4-rank FSDP2 folder equal those of the one-process reference run."""
+    out, _ = four
+    sharded = to_ema_pytorch(out / "fsdp", tmp_path / "fsdp")
+    whole = to_ema_pytorch(out / "ref", tmp_path / "ref")
+    assert [p.name for p in sharded] == [p.name for p in whole] and len(sharded) == 6
+    for a, b in zip(sharded, whole, strict=True):
+        got, want = (torch.load(p, weights_only=True) for p in (a, b))
+        assert int(got["step"]) == int(want["step"]) and bool(got["initted"])
+        close(
+            {k: got[k] for k in sorted(got) if k.startswith("ema_model.")},
+            {k: want[k] for k in sorted(want) if k.startswith("ema_model.")},
+        )
 
 
 def test_hsdp_and_tensor_parallel_snapshots(four) -> None:

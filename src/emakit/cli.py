@@ -2,7 +2,7 @@
 
 ``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
 one entry of ``_LAZY_COMMANDS`` for a command of `emakit.posthoc.commands`, which imports
-torch (``synthesize``, ``sweep`` and ``inspect``). This module imports only click and
+torch (``synthesize``, ``sweep``, ``inspect`` and ``convert``). This module imports only click and
 torch-free parts of emakit: torch, the extras (scikit-learn, matplotlib, rich) and the
 post-hoc commands are imported when a command runs, so ``emakit --help`` and
 ``--version`` answer in about the time Python and click take to start, and a missing extra
@@ -38,6 +38,7 @@ _LAZY_COMMANDS = {
     "inspect": "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
     "synthesize": "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
     "sweep": "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
+    "convert": "Write a post-hoc snapshot FOLDER as another tool's snapshot folder OUT.",
 }
 
 
@@ -49,8 +50,9 @@ class _LazyGroup(click.Group):
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
         if args and args[0] in _LAZY_COMMANDS:
+            # returned, not added: the group keeps listing the placeholder's short help
             commands = importlib.import_module("emakit.posthoc.commands").COMMANDS
-            self.add_command(commands[args[0]])
+            return args[0], commands[args[0]], args[1:]
         return super().resolve_command(ctx, args)
 
 

@@ -24,20 +24,25 @@ The folder:
   headers only); [`find_snapshot_folder()`][emakit.posthoc.find_snapshot_folder]: a folder or its one snapshot subfolder.
 * [`LegacyProfiles`][emakit.posthoc.LegacyProfiles]: read ema-pytorch's ``<profile index>.<step>.pt`` snapshots
   (their profiles by index), alone or mixed with emakit's.
+* [`to_ema_pytorch()`][emakit.posthoc.to_ema_pytorch]: write a folder's snapshots as
+  ema-pytorch's ``<profile index>.<step>.pt`` files, for its ``synthesize_ema_model``.
 * [`collect_frozen_files()`][emakit.posthoc.collect_frozen_files]: remove the side files of frozen
   weights (stored once for many snapshots, see `emakit.posthoc.snapshots.frozen`) that no
   snapshot uses any more.
 
 And [`emakit.posthoc.math`][emakit.posthoc.math]: the float64 math (profiles, ``sigma_rel`` <-> ``gamma``,
-the least-squares weights of Algorithm 3).
+the least-squares weights of Algorithm 3, and from the weights ema-pytorch's snapshots
+really hold: `solve_weights_stepwise()`).
 
 The layout: `math`; the trackers `karras` and `posthoc_ema`; `snapshots/` (the files on
-disk and their folder); `synthesis/` (plan, weighted sum, sweep); `commands` (``emakit
+disk and their folder); `synthesis/` (plan, weighted sum, sweep); `convert` (folders
+for ema-pytorch); `commands` (``emakit
 synthesize``, ``emakit sweep``, ``emakit inspect``, imported only by the CLI).
 """
 
 from __future__ import annotations
 
+from .convert import to_ema_pytorch
 from .karras import KARRAS_STATE_VERSION, KarrasEMA
 from .math import (
     GAMMA_MIN,
@@ -51,6 +56,7 @@ from .math import (
     profile_inner_product,
     sigma_rel_to_gamma,
     solve_weights,
+    solve_weights_stepwise,
 )
 from .posthoc_ema import POSTHOC_STATE_VERSION, PostHocEMA
 from .snapshots.folder import find_snapshot_folder, list_legacy_files, list_snapshots
@@ -94,8 +100,10 @@ __all__ = [
     "read_snapshot_info",
     "sigma_rel_to_gamma",
     "solve_weights",
+    "solve_weights_stepwise",
     "sweep",
     "sweep_lengths",
     "synthesize",
     "synthesize_state_dict",
+    "to_ema_pytorch",
 ]

@@ -1,13 +1,15 @@
-"""The post-hoc command line: ``emakit synthesize``, ``emakit sweep``, ``emakit inspect``.
+"""The post-hoc command line: ``emakit synthesize``, ``emakit sweep``, ``emakit inspect``,
+``emakit convert``.
 
-Three click commands, `synthesize`, `sweep_cmd` (named ``sweep``) and `inspect_cmd`
-(named ``inspect``), added to the ``emakit`` group by `emakit.cli`, which imports this
+Four click commands, `synthesize`, `sweep_cmd` (named ``sweep``), `inspect_cmd`
+(named ``inspect``) and `convert_cmd` (named ``convert``), added to the ``emakit`` group by `emakit.cli`, which imports this
 module only when one of them runs::
 
     emakit synthesize ./post-hoc-ema-checkpoints --sigma-rel 0.05,0.1 --out ema.safetensors
     emakit sweep ./post-hoc-ema-checkpoints --sigma-rel 0.03:0.25:12 \\
         --eval my_project.evaluation:validation_loss --plot sweep.png
     emakit inspect ./post-hoc-ema-checkpoints
+    emakit convert --to ema-pytorch ./post-hoc-ema-checkpoints ./ema-pytorch-checkpoints
 
 * ``synthesize`` writes one file per requested length, in the format its suffix names
   (``.safetensors``, or ``.pt``/``.pth``/``.bin`` for ``torch.save``); it never overwrites
@@ -52,6 +54,7 @@ from .._version import __version__
 from ..checkpoint import emakit_header
 from ..errors import EMAError
 from ..integrations._common import LIGHTNING_CHECKPOINT_KEY, TRAINER_WEIGHTS_NAME
+from .convert import to_ema_pytorch
 from .math import SIGMA_REL_MAX
 from .snapshots.folder import (
     LOCK_NAME,
@@ -74,7 +77,7 @@ from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
-__all__ = ["COMMANDS", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
+__all__ = ["COMMANDS", "convert_cmd", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
 
 # -- what the commands share ----------------------------------------------------------------
 
@@ -824,4 +827,48 @@ def inspect_cmd(
 
 
 #: The commands by name, which `emakit.cli` adds to the ``emakit`` group when one runs.
-COMMANDS = {"synthesize": synthesize, "sweep": sweep_cmd, "inspect": inspect_cmd}
+# -- emakit convert --------------------------------------------------------------------------
+
+
+@click.command("convert")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(["ema-pytorch"]),
+    help="The format to write: ema-pytorch's <profile index>.<step>.pt files.",
+)
+@click.option("--run", metavar="ID", help="The run to convert, when FOLDER holds several.")
+@click.option("--force", is_flag=True, help="Write into a non-empty OUT.")
+def convert_cmd(folder: Path, out: Path, to: str, run: str | None, force: bool) -> None:
+    """Write a post-hoc snapshot FOLDER as another tool's snapshot folder OUT.
+
+    --to ema-pytorch writes each snapshot as <profile index>.<step>.pt, which
+    ema-pytorch's PostHocEMA(..., sigma_rels=<the same, in order>,
+    checkpoint_folder=OUT).synthesize_ema_model(...) reads. FOLDER is only read; OUT must
+    be empty (or new) unless --force; the files appear all at once or not at all.
+
+    \b
+    Example:
+        emakit convert --to ema-pytorch ./post-hoc-ema ./ema-pytorch-checkpoints
+    """
+    try:
+        paths = to_ema_pytorch(folder, out, run=run, force=force)
+    except (EMAError, OSError) as e:
+        raise fail(e) from e
+    steps = sorted({int(p.stem.split(".")[1]) for p in paths})
+    click.echo(
+        f"wrote {len(paths)} ema-pytorch snapshot file(s) to {out} (steps "
+        f"{steps[0]}..{steps[-1]}); read them with ema_pytorch.PostHocEMA(model, "
+        f"sigma_rels=<the run's, in order>, checkpoint_folder={str(out)!r})"
+    )
+
+
+COMMANDS = {
+    "synthesize": synthesize,
+    "sweep": sweep_cmd,
+    "inspect": inspect_cmd,
+    "convert": convert_cmd,
+}

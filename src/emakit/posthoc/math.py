@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from .. import _validate as check
 from ..errors import EMAValueError
@@ -45,6 +46,7 @@ __all__ = [
     "profile_inner_product",
     "sigma_rel_to_gamma",
     "solve_weights",
+    "solve_weights_stepwise",
 ]
 
 #: Where ``sigma_rel(gamma)`` peaks: ``(sqrt(5) - 3) / 2 ~ -0.382`` (its derivative's root
@@ -291,9 +293,14 @@ class WeightSolution:
         weights: one weight per snapshot, summing to 1.
         raw_sum: the sum of the weights before normalization (1 for an exact fit).
         residual: ``||sum_i w_i p_i - p_r|| / ||p_r||``, the relative L2 error of the
-            reconstructed profile (0 when the target is one of the snapshots).
+            reconstructed profile (0 when the target is one of the snapshots); from
+            `solve_weights_stepwise()`, the error of the cumulative profile relative to the
+            raw weights' (1: no closer than the raw weights).
         method: ``"solve"`` (exact linear solve) or ``"lstsq"`` (least-squares fallback).
         cond: the 2-norm condition number of the Gram matrix.
+        start_weights: from [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]:
+            the weight each snapshot holds on the weights of step 1 (ema-pytorch's first
+            update copies them), and last, the combination's; empty from `solve_weights()`.
     """
 
     weights: tuple[float, ...]
@@ -301,6 +308,7 @@ class WeightSolution:
     residual: float
     method: str
     cond: float
+    start_weights: tuple[float, ...] = ()
 
     @property
     def amplification(self) -> float:
@@ -425,4 +433,167 @@ def solve_weights(
         residual=residual,
         method=method,
         cond=cond,
+    )
+
+
+# -- profiles as the per-step weights a snapshot really holds --------------------------------
+
+
+def _log_prefix(terms: Tensor) -> Tensor:
+    """``out[m] = log sum_{s < m} exp(terms[s])`` for ``m = 0..len(terms)`` (``-inf`` at 0)."""
+    return torch.cat([terms.new_full((1,), -math.inf), torch.logcumsumexp(terms, 0)])
+
+
+def solve_weights_stepwise(
+    ts: Sequence[int],
+    gammas: Sequence[float],
+    t_r: int,
+    gamma_r: float,
+    *,
+    update_every: Sequence[int | None],
+    roundoff: float = 0.0,
+) -> WeightSolution:
+    """Synthesis weights from the weights each snapshot really holds, step by step.
+
+    [`solve_weights()`][emakit.posthoc.math.solve_weights] takes every snapshot to hold the
+    power-function profile ``p_{t,gamma}``. ema-pytorch 0.8.3's ``KarrasEMA`` does not: it
+    averages on the calls ``c_j = 1 + j k`` (``k = update_every``), the first copying the
+    weights, each later one with decay ``beta_j = (c_j / (c_j + 1))^(gamma + 1)``, whatever
+    ``k`` is. After its ``n``-th later update it holds ``sum_j w_j theta(c_j)`` with
+
+    .. math:: w_0 = \\prod_{l=1}^{n} \\beta_l, \\qquad
+       w_j = (1 - \\beta_j) \\prod_{l=j+1}^{n} \\beta_l ,
+
+    whose cumulative weight up to step ``s`` is ``F(s) = exp(L_n - L_j(s))``, with
+    ``L_j = sum_{l <= j} log beta_l`` and ``j(s)`` the last update at or before ``s``.
+    For ``k = 1`` that is the power profile one step late; for ``k > 1`` a much longer
+    one (exponent about ``(gamma + 1) / k - 1``) plus the atom ``w_0`` on the weights of
+    step 1. emakit's own snapshots hold ``F(s) = min(s / t, 1)^(gamma + 1)`` and so does
+    the target, the per-step power EMA at ``t_r`` (see `power_function_sample_weights()`).
+
+    The criterion compares cumulative profiles. A combination with weights ``d_s`` on the
+    trajectory (the difference from the target's, summing to 0) is off by
+    ``sum_s d_s theta(s) = -sum_{s < t_r} D(s) (theta(s+1) - theta(s))`` with
+    ``D(s) = sum_{s' <= s} d_s'``, so for weights that move by independent increments
+    (a random walk) its expected squared error is proportional to ``sum_s D(s)^2``: an
+    atom on step 1 costs in proportion to how far training has moved since. The weights
+    minimize that, plus the snapshots' rounding:
+
+    .. math:: \\min_{\\sum_i x_i = 1}\\;\\frac{1}{t_r}\\sum_{s=1}^{t_r}
+       \\Big(\\sum_i x_i F_i(s) - F_r(s)\\Big)^2 + \\lambda^2 \\lVert x\\rVert^2,
+       \\qquad \\lambda = \\max(\\texttt{roundoff}, 2^{-24}),
+
+    i.e. ``x = M^{-1} 1 / (1^T M^{-1} 1)`` with ``M_ij = <F_i - F_r, F_j - F_r> +
+    lambda^2 delta_ij``. The ``lambda`` term is the rounding of snapshots stored with unit
+    roundoff ``roundoff`` (summed in float32: ``2^-24`` at least) for weights that move
+    by about their own norm over training; without it the atom is cancelled by weights
+    of 1e4 to 1e5 that a float16 snapshot turns into noise. The sums run over every step
+    in float64 (``torch.logcumsumexp``), exact for any ``t_r``: time and memory are
+    ``O(t_r)`` per pair of profiles (8 bytes per step) plus ``O(len(ts)^2)``.
+
+    Args:
+        ts: the step each snapshot's averaging ends at: for ema-pytorch's, its last
+            update call ``c_n`` (``1 + k * ((step - 1) // k)``); each in ``[1, t_r]``.
+        gammas: each snapshot's exponent.
+        t_r: the target step, ``>= 1``.
+        gamma_r: the target exponent.
+        update_every: keyword-only; per snapshot, ema-pytorch's ``update_every`` for a
+            file ema-pytorch wrote, or None for a power-function profile (emakit's).
+        roundoff: keyword-only; unit roundoff of the stored snapshots (float16: 2^-11).
+            Default 0.
+
+    Returns:
+        A [`WeightSolution`][emakit.posthoc.math.WeightSolution] (``method`` ``"stepwise"``,
+        ``raw_sum`` 1) whose ``residual`` is the distance of the combination's cumulative
+        profile from the target's relative to that of the raw weights at ``t_r`` (1: no
+        better than the raw weights, under the random-walk model), and whose
+        ``start_weights`` give each snapshot's weight on step 1, then the combination's.
+
+    Raises:
+        EMAValueError: mismatched or empty inputs, a ``t`` outside ``[1, t_r]``, a bad
+            exponent or ``update_every``.
+
+    Example:
+        >>> sol = solve_weights_stepwise([901, 901, 1901, 1901], [16.97, 0.17] * 2, 2000, 6.94,
+        ...                              update_every=[100] * 4)
+        >>> round(sum(sol.weights), 12), [round(w, 2) for w in sol.start_weights]
+        (1.0, [0.6, 0.97, 0.53, 0.96, -0.03])
+    """
+    n = len(ts)
+    if not n or len(gammas) != n or len(update_every) != n:
+        raise EMAValueError(
+            f"ts, gammas and update_every must pair one to one and not be empty, got "
+            f"{len(ts)=}, {len(gammas)=}, {len(update_every)=}"
+        )
+    t_r = check.integer("t_r", t_r, low=1)
+    gamma_r = check_gamma(gamma_r, "gamma_r")
+    exps = [check_gamma(g, "gammas") for g in gammas]
+    cuts = [check.integer("ts", t, low=1, high=t_r) for t in ts]
+    steps = torch.arange(1, t_r + 1, dtype=torch.float64)
+    bases: dict[tuple[float, int | None], Tensor] = {}  # log of F's shape, step by step
+    decays: dict[tuple[float, int], Tensor] = {}  # L_j of ema-pytorch's profiles
+    profiles: list[
+        tuple[tuple[float, int | None], float, int]
+    ] = []  # (base, log alpha, cut): F(s) = alpha exp(base(s)) for s < cut, else 1
+    for t, g, k in [*zip(cuts, exps, update_every, strict=True), (t_r, gamma_r, None)]:
+        if k is None:
+            if (g, None) not in bases:
+                bases[g, None] = (g + 1.0) * torch.log(steps)
+            profiles.append(((g, None), -(g + 1.0) * math.log(t), t))
+            continue
+        k = check.integer("update_every", k, low=1)
+        if (g, k) not in decays:
+            calls = 1.0 + k * torch.arange(1, (t_r - 1) // k + 1, dtype=torch.float64)
+            log_beta = (g + 1.0) * torch.log1p(-1.0 / (calls + 1.0))
+            decays[g, k] = torch.cat([log_beta.new_zeros(1), torch.cumsum(log_beta, 0)])
+            bases[g, k] = -decays[g, k][torch.div(steps - 1, k, rounding_mode="floor").long()]
+        profiles.append(((g, k), float(decays[g, k][(t - 1) // k]), t))
+
+    # <F_p, F_q> for every pair at once, by pairs of bases. With c = min(cut_p, cut_q):
+    # alpha_p alpha_q sum_{s<c} e^(base_p + base_q), plus the later one's own mass up to its
+    # cut, plus the steps where both are 1; each sum a log-prefix looked up at the cut.
+    cut = torch.tensor([c for _, _, c in profiles])
+    log_alpha = torch.tensor([al for _, al, _ in profiles], dtype=torch.float64)
+    keys = list(bases)
+    group = torch.tensor([keys.index(bk) for bk, _, _ in profiles])
+    single = torch.stack([_log_prefix(bases[key]) for key in keys])  # (bases, t_r + 1)
+    own = torch.exp(log_alpha + single[group, cut - 1])  # alpha sum_{s<cut} e^base
+    inner = torch.empty(n + 1, n + 1, dtype=torch.float64)
+    for u, ku in enumerate(keys):
+        for v, kv in enumerate(keys[u:], start=u):
+            ps, qs = torch.nonzero(group == u)[:, 0], torch.nonzero(group == v)[:, 0]
+            if not len(ps) or not len(qs):
+                continue
+            both = _log_prefix(bases[ku] + bases[kv])
+            lo = torch.minimum(cut[ps, None], cut[None, qs])
+            q_later = cut[None, qs] >= cut[ps, None]
+            later = torch.where(
+                q_later,
+                own[None, qs] - torch.exp(log_alpha[None, qs] + single[v][lo - 1]),
+                own[ps, None] - torch.exp(log_alpha[ps, None] + single[u][lo - 1]),
+            )
+            block = torch.exp(log_alpha[ps, None] + log_alpha[None, qs] + both[lo - 1])
+            block = (block + later + (t_r + 1 - torch.maximum(cut[ps, None], cut[None, qs]))) / t_r
+            inner[ps[:, None], qs[None, :]] = block
+            inner[qs[:, None], ps[None, :]] = block.T
+    a, b, rho = inner[:n, :n], inner[:n, n], float(inner[n, n])
+    gram = a - b[:, None] - b[None, :] + rho  # <F_i - F_r, F_j - F_r>
+    lam = max(float(roundoff), 2.0**-24)
+    m = gram + lam**2 * torch.eye(n, dtype=torch.float64)
+    ones = torch.ones(n, 1, dtype=torch.float64)
+    y = torch.linalg.lstsq(m, ones, driver="gelsd").solution
+    x = (y / y.sum())[:, 0]
+    err2 = max(float(x @ gram @ x), 0.0)
+    raw2 = rho - 1.0 / t_r  # the raw weights at t_r: F = 0 before t_r
+    starts = [1.0 if c <= 1 else math.exp(al + float(bases[bk][0])) for bk, al, c in profiles]
+    return WeightSolution(
+        weights=tuple(float(w) for w in x),
+        raw_sum=1.0,
+        residual=math.sqrt(err2 / raw2) if raw2 > 0 else 0.0,
+        method="stepwise",
+        cond=float(torch.linalg.cond(m)) if n > 1 else 1.0,
+        start_weights=(
+            *starts[:-1],
+            math.fsum(float(w) * s for w, s in zip(x, starts[:-1], strict=True)),
+        ),
     )

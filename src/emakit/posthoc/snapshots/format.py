@@ -129,7 +129,9 @@ class SnapshotInfo:
         gamma: the profile's exponent.
         sigma_rel: the profile's relative width.
         profile: index of the profile in the [`PostHocEMA`][emakit.PostHocEMA] that wrote it.
-        update_every: the profile's ``update_every`` (informational).
+        update_every: the profile's ``update_every`` (informational for emakit's; for
+            ema-pytorch's files it decides what they hold, see
+            [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]).
         copied: names of tensors taken as they are at synthesis (buffers, integer
             tensors, no-EMA and ignored names) instead of averaged.
         format_version: the header's ``format_version`` (0 for ema-pytorch files).

@@ -6,7 +6,9 @@ ema-pytorch's ``PostHocEMA`` writes ``<profile index>.<step>.pt`` files (``torch
 index is. [`list_legacy_files()`][emakit.posthoc.snapshots.folder.list_legacy_files] finds
 them by name, [`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots] reads
 them as snapshots, `load_legacy_tensors()` loads one with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. The other way, `legacy_filename()` and `legacy_state()`
+give the name and content of such a file
+([`to_ema_pytorch()`][emakit.posthoc.convert.to_ema_pytorch] writes them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ __all__ = [
     "LEGACY_SOURCE",
     "LegacyFile",
     "LegacyProfiles",
+    "legacy_filename",
+    "legacy_state",
     "load_legacy_tensors",
 ]
 
@@ -66,8 +70,9 @@ class LegacyProfiles:
         gammas: gamma of each profile index, in ema-pytorch's order (its
             ``PostHocEMA.gammas``).
         sigma_rels: the matching relative widths. Default None: derived from ``gammas``.
-        update_every: the ``update_every`` the ema-pytorch run used, to find each file's
-            last averaging update. Default 1.
+        update_every: the ``update_every`` the ema-pytorch run used (its default is
+            100): each file's last averaging update and the weights it holds depend on it.
+            Default 1.
         copied: EMA-model state names taken rather than averaged at synthesis (buffers,
             integer tensors). Default None: those of the folder's latest emakit snapshot,
             or none (everything averaged) without one.
@@ -187,3 +192,20 @@ def load_legacy_tensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
             f"tensors initted, step and ema_model.*, got {got}; move it out of the snapshot folder"
         )
     return out
+
+
+def legacy_filename(profile: int, step: int) -> str:
+    """The name ema-pytorch's ``PostHocEMA.checkpoint()`` gives the snapshot of profile
+    index ``profile`` after ``step`` calls: ``<profile>.<step>.pt`` (its
+    ``synthesize_ema_model`` parses both numbers back from the name)."""
+    return f"{int(profile)}.{int(step)}.pt"
+
+
+def legacy_state(tensors: Mapping[str, Tensor], step: int) -> dict[str, Tensor]:
+    """What ema-pytorch's snapshot file holds for an EMA model whose state is ``tensors``:
+    its ``KarrasEMA.state_dict()``, ``initted``, ``step`` and ``ema_model.<name>``, which
+    ``KarrasEMA.load_state_dict`` reads strictly. Values keep their dtype (ema-pytorch casts
+    everything, integers included, to its ``checkpoint_dtype``; its loader casts back)."""
+    state = {"initted": torch.tensor(True), "step": torch.tensor(int(step))}
+    state.update({f"ema_model.{name}": value for name, value in tensors.items()})
+    return state

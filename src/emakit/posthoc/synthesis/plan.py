@@ -37,7 +37,13 @@ from ..._dist.dtensor import local_tensor
 from ..._validate import optional_integer
 from ...errors import EMAStateError, EMAValueError
 from ..karras import resolve_profile
-from ..math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
+from ..math import (
+    PostHocWarning,
+    WeightSolution,
+    gamma_to_sigma_rel,
+    solve_weights,
+    solve_weights_stepwise,
+)
 from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run
 from ..snapshots.format import SnapshotInfo, open_snapshot
 from ..snapshots.legacy import LegacyProfiles
@@ -184,7 +190,9 @@ def plan_synthesis(
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
-            ``step`` before the first snapshot; a ``run`` with no snapshots.
+            ``step`` before the first snapshot; a ``run`` with no snapshots; a target after
+            step 1 from ema-pytorch files that have averaged nothing yet (its
+            ``update_every`` is larger than their steps).
         EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
             profile index ``legacy`` does not cover; snapshots of several runs and no
             ``run``.
@@ -192,7 +200,10 @@ def plan_synthesis(
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
             step far after the last snapshot), the weights amplify the snapshots'
-            rounding noticeably, or the solve fell back to least squares.
+            rounding noticeably, or the solve fell back to least squares. With
+            ema-pytorch's files (solved from the weights they really hold,
+            [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]): a
+            poor fit, with how much of the files sits on the weights of step 1.
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
     step = optional_integer("step", step, low=1)
@@ -210,22 +221,19 @@ def plan_synthesis(
             f"step={step} is before the first snapshot (step {snaps[0].step}) in "
             f"{str(folder)!r}; pass a step in [{snaps[0].step}, {snaps[-1].step}]"
         )
-    coarse = [s for s in usable if s.is_legacy and s.update_every > 1]
-    if coarse:
-        warnings.warn(
-            f"post-hoc EMA: {len(coarse)} ema-pytorch snapshot(s) come from a run with "
-            f"update_every={coarse[0].update_every}; ema-pytorch's decay ignores update_every, "
-            f"so their profiles are much longer than their gammas say and the reconstruction "
-            f"is only approximate",
-            PostHocWarning,
-            stacklevel=2,
-        )
-    solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
+    theirs = any(s.is_legacy for s in usable)
+    if theirs:
+        _refuse_unaveraged(usable, step, folder)
+        usable = _distinct(usable)
     last = max(s.step for s in usable)
     buffers_from = min(
         (s for s in usable if s.step == last),
         key=lambda s: (_profile_distance(s.gamma, gamma), s.path.name),
     )
+    if theirs:
+        solution = _solve_theirs(usable, step, sigma_rel, gamma, buffers_from)
+        return SynthesisPlan(sigma_rel, gamma, step, usable, solution, buffers_from)
+    solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
     if solution.residual > RESIDUAL_WARN:
         warnings.warn(
             f"post-hoc EMA: the snapshots at or before step {step} reconstruct the "
@@ -244,6 +252,86 @@ def plan_synthesis(
             stacklevel=2,
         )
     return SynthesisPlan(sigma_rel, gamma, step, usable, solution, buffers_from)
+
+
+def _distinct(usable: tuple[SnapshotInfo, ...]) -> tuple[SnapshotInfo, ...]:
+    """``usable`` without ema-pytorch files that repeat an earlier one: with
+    ``update_every > checkpoint_every_num_steps`` several files of a profile are written
+    between two averaging updates and hold the same weights (same profile index and
+    ``t``); the latest of them is kept."""
+    latest = {(s.profile, s.t): s for s in usable if s.is_legacy}
+    return tuple(s for s in usable if not s.is_legacy or latest[s.profile, s.t] is s)
+
+
+def _refuse_unaveraged(usable: tuple[SnapshotInfo, ...], step: int, folder: object) -> None:
+    """Refuse a target after step 1 when every snapshot is an ema-pytorch file that has
+    averaged nothing yet (its first update copied the weights of step 1, the next comes
+    ``update_every`` calls later)."""
+    if step == 1 or any(s.t > 1 or not s.is_legacy for s in usable):
+        return
+    k = usable[0].update_every
+    names = ", ".join(s.path.name for s in usable[:4]) + (", ..." if len(usable) > 4 else "")
+    raise EMAValueError(
+        f"the ema-pytorch snapshots at or before step {step} in {str(folder)!r} ({names}, "
+        f"written at steps {usable[0].step}..{usable[-1].step}) have averaged nothing: "
+        f"ema-pytorch's KarrasEMA copies the weights at its first update() and, with its "
+        f"update_every={k}, averages next at update() call {k + 1}, so every file up to step "
+        f"{k} holds the weights of step 1, not an EMA, and no combination of them is the EMA "
+        f"at step {step} (ema-pytorch's synthesize_ema_model returns those step-1 weights, "
+        f"rescaled). Synthesize at a step of {k + 1} or later that has files, or train with "
+        f"update_every=1 (emakit's PostHocEMA keeps the exact profile for any update_every)"
+    )
+
+
+def _solve_theirs(
+    usable: tuple[SnapshotInfo, ...],
+    step: int,
+    sigma_rel: float,
+    gamma: float,
+    buffers_from: SnapshotInfo,
+) -> WeightSolution:
+    """The weights for snapshots that include ema-pytorch files, from the weights those
+    really hold ([`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]),
+    with the rounding of their stored dtype; a poor fit warns with its numbers."""
+    theirs = [s for s in usable if s.is_legacy]
+    roundoff = max(_stored_roundoff(s) for s in {buffers_from, theirs[-1]})
+    solution = solve_weights_stepwise(
+        [s.t for s in usable],
+        [s.gamma for s in usable],
+        step,
+        gamma,
+        update_every=[s.update_every if s.is_legacy else None for s in usable],
+        roundoff=roundoff,
+    )
+    if solution.residual <= RESIDUAL_WARN:
+        return solution
+    k = theirs[0].update_every
+    starts = [w for s, w in zip(usable, solution.start_weights, strict=False) if s.is_legacy]
+    steps = sorted({s.step for s in usable})
+    why = []
+    if max(starts) > 0.01:
+        why.append(
+            f"ema-pytorch's KarrasEMA (update_every={k}) leaves {min(starts):.0%} to "
+            f"{max(starts):.0%} of each of these snapshots on the weights of step 1 (its first "
+            f"update copies them, and each later update, every {k} calls, decays them only by "
+            f"(c/(c+1))^(gamma+1)); the best combination keeps {solution.start_weights[-1]:.2g} "
+            f"on them"
+        )
+    why.append(
+        f"{len(usable)} snapshot(s) at {len(steps)} step(s) ({steps[0]}..{steps[-1]}) are too "
+        f"few for it; snapshots stored with unit roundoff {roundoff:.2g} limit how far they "
+        f"can be combined. Save snapshots more often, in float32, with update_every=1 (or "
+        f"train on with emakit's PostHocEMA, exact for any update_every)"
+    )
+    warnings.warn(
+        f"post-hoc EMA: the snapshots at or before step {step} reconstruct the "
+        f"sigma_rel={sigma_rel:.4g} EMA only roughly: its cumulative profile is "
+        f"{solution.residual:.2g} times as far from the target's as the raw weights' at step "
+        f"{step} (1: no closer than the raw weights): " + "; ".join(why),
+        PostHocWarning,
+        stacklevel=3,
+    )
+    return solution
 
 
 def _poor_fit_reason(
