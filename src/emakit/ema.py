@@ -601,6 +601,15 @@ class EMA(nn.Module):
         The original weights come back on exit, also when the block raises. The returned
         `Swap` also has explicit ``enter()``/``exit()``.
 
+        Inside the block the model's tensors *are* the EMA's: writes into the model there
+        (an ``optimizer.step()``, a train-mode forward updating BatchNorm's running
+        statistics, ``load_state_dict``) land in the EMA weights and stay there after the
+        block, in every mode (by reference directly; by cast or copy through a write-back
+        on exit of the tensors that changed). To evaluate without changing the EMA, call
+        ``model.eval()`` under ``torch.no_grad()`` inside the block, or use ``ema(x)``.
+        No warning is given: writing the EMA this way is also how its BatchNorm
+        statistics are recalibrated on purpose.
+
         Example:
             >>> net = torch.nn.Linear(2, 2)
             >>> ema = EMA(net, beta=0.9)

@@ -102,6 +102,8 @@ class Tracker:
         self.last = 0
         #: Calls between the last two averaging updates.
         self.gap = 0
+        #: ``(step, last, gap)`` before the last `advance()`, for `rewind()`.
+        self._before = (0, 0, 0)
         self._views = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
         #: Whether the tensor views were handed out and may be held (read back each call).
         self.views_held = False
@@ -197,41 +199,54 @@ class Tracker:
 
     def advance(self) -> Action:
         """Count one call and return what it does (then `apply()` it unless it is
-        `SKIP`), touching no tensor. An averaging call moves ``last`` and ``gap`` now, so
-        it counts as one even when its update is then skipped (non-finite weights) or
-        refused (a model change that no longer pairs)."""
+        `SKIP`), touching no tensor. The rule is asked first: a rule that raises (a
+        schedule returning NaN, a decay group's callable failing) leaves every counter
+        as it was. An averaging call moves ``last`` and ``gap`` here, so it counts as one
+        even when its update is then skipped (non-finite weights); an `apply()` that
+        raises puts them back (`rewind()`)."""
         if self.swapped:
             raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
         if self.views_held:
             self.sync_views()  # a client may have written ema.step / ema.initted in place
-        step = self.step
+        step, last = self.step, self.last
+        action = self.rule.action(step, last) if self.initted else INIT  # may raise
+        self._before = (step, last, self.gap)
         self.step = call = step + 1
         if self.views_held:
             self._refresh_views()
-        if not self.initted:
-            return INIT
-        action = self.rule.action(step, self.last)
         if action.kind == "lerp" or action.kind == "hold":  # action.averages, inline
-            self.last, self.gap = call, call - self.last
+            self.last, self.gap = call, call - last
         return action
+
+    def rewind(self) -> None:
+        """Undo the counting of the last `advance()` (its update raised before it was
+        handed to the runner), so that a retry is the same call of the schedule."""
+        self.step, self.last, self.gap = self._before
+        if self.views_held:
+            self._refresh_views()
 
     def apply(self, action: Action) -> Action:
         """Carry out ``action`` (from `advance()`) on the current plan."""
         if action is SKIP:
             return action
-        plan = self.plan()
-        if self.skip_nonfinite and action.guard is None:
-            action = self.finite.guard(plan, action, self.step)
-            if action is SKIP:
-                return action
-        if action.kind != "hold":
-            try:
-                self.runner.submit(plan if self.work is None else self.work(plan), action)
-            except RuntimeError:
-                # e.g. a tensor's .data re-pointed to another shape, which per-tensor
-                # paths only meet in the kernel: pairing again names it (EMAStateError)
-                self.pairs()
-                raise
+        try:
+            plan = self.plan()  # raises when the model no longer pairs
+            if self.skip_nonfinite and action.guard is None:
+                action = self.finite.guard(plan, action, self.step)
+                if action is SKIP:
+                    return action
+            if action.kind != "hold":
+                work = plan if self.work is None else self.work(plan)
+                try:
+                    self.runner.submit(work, action)
+                except RuntimeError:
+                    # e.g. a tensor's .data re-pointed to another shape, which per-tensor
+                    # paths only meet in the kernel: pairing again names it (EMAStateError)
+                    self.pairs()
+                    raise
+        except BaseException:
+            self.rewind()  # the call did not happen: a retry is the same call
+            raise
         if action.kind == "init":
             self.set_counters(initted=True)
             self.last, self.gap = self.step, 0
@@ -244,6 +259,7 @@ class Tracker:
         step, last = self.step, self.last
         if not self.initted or step <= last:
             return
+        self._before = (step, last, self.gap)  # what a failed apply() below puts back
         if self.rule.frozen:
             self.apply(Action("hold", call=step))
         else:
