@@ -304,20 +304,25 @@ def test_buffers_replaced_by_module_apply_are_tracked():
 
 
 def test_a_strict_load_refuses_an_extra_online_model_key():
-    """Planted bug: every ``online_model.*`` key counted as one the EMA owns, so a strict
-    load with an extra ``online_model.<name>`` (a state of another model) loaded without a
-    word. With ``include_online_model=True`` the online model's keys are its own, paired
-    strictly: an extra one is refused by name; ``strict=False`` loads the rest. (With
-    ``include_online_model=False``, ema-pytorch's ``online_model.*`` are accepted and
-    ignored, as documented.)"""
+    """Planted bug: every ``online_model.*`` key counted as one the EMA owns, so the check
+    that runs before anything is loaded let an extra ``online_model.<name>`` (a state of
+    another model) through: torch's own strict check then raised only after it had copied
+    every tensor, and the EMA and the model were left holding the refused state. With
+    ``include_online_model=True`` the online model's keys are the EMA's own, paired
+    strictly: an extra one is refused by name and nothing is loaded; ``strict=False``
+    loads the rest. (With ``include_online_model=False``, ema-pytorch's
+    ``online_model.*`` are accepted and ignored, as documented.)"""
     net = net3()
     ema = EMA(net, update_after_step=0, update_every=1)
     ema.update()
-    state = dict(ema.state_dict())
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in ema.state_dict().items()}
     state["online_model.2.weight"] = torch.zeros(2, 2)
-    with pytest.raises(EMAStateError, match=r"online_model\.2\.weight"):
+    before, online = weights(ema), {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(EMAStateError, match=r"nothing was loaded.*online_model\.2\.weight"):
         ema.load_state_dict(state)
+    assert same(weights(ema), before) and same(dict(net.state_dict()), online)
     ema.load_state_dict(state, strict=False)
+    assert torch.equal(ema.ema_model[0].weight, before["0.weight"] + 1)
     lean = EMA(net3(), include_online_model=False)
     lean.load_state_dict(state)  # ignored, as for ema-pytorch's states
 
