@@ -166,7 +166,11 @@ class EMA(nn.Module):
             Decided on the device, with no host read in ``update()``: one reduction to
             the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
             all-reduce of three numbers per update so every rank skips alike (update()
-            becomes a collective: call it on every rank). Default False.
+            becomes a collective: call it on every rank). Set it alike on every rank:
+            emakit's collective saves and loads compare it across ranks, but under
+            FSDP2/ZeRO-3 a rank that has it waits in its first update()'s all-reduce
+            for ranks that never join (until the process group's timeout), before any
+            save could compare. Default False.
         partition: keyword-only; for a model replicated over the ranks of a
             ``torch.distributed`` job (DDP, DeepSpeed ZeRO-1 and 2): each rank keeps the
             EMA of one slice of every parameter (ZeRO-3's split: the flattened parameter cut
