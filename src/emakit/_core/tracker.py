@@ -102,6 +102,9 @@ class Tracker:
         self.last = 0
         #: Calls between the last two averaging updates.
         self.gap = 0
+        #: Settings of the owner that the ranks of a job must agree on, beyond the rule's
+        #: and ``skip_nonfinite`` (``ema_dtype``...), as text by name.
+        self.settings: dict[str, str] = {}
         #: ``(step, last, gap)`` before the last `advance()`, for `rewind()`.
         self._before = (0, 0, 0)
         self._views = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
@@ -174,6 +177,17 @@ class Tracker:
     @num_skipped_nonfinite.setter
     def num_skipped_nonfinite(self, value: int) -> None:
         self.finite.skips.set(value)
+
+    def agreed_settings(self) -> dict[str, str]:
+        """What every rank's EMA must share, by name, as text: the rule's settings
+        ([`DecayRule.settings()`][emakit.decay.DecayRule.settings]), ``skip_nonfinite``
+        and the owner's `settings`. emakit's collective saves and loads compare them
+        across the ranks (`emakit._dist.collectives.agree_on`)."""
+        return {
+            **self.rule.settings(),
+            "skip_nonfinite": str(self.skip_nonfinite),
+            **self.settings,
+        }
 
     # -- the plan -------------------------------------------------------------------------
 
