@@ -116,10 +116,10 @@ def gather_padded(
     rows (`emakit._files.export`) and DeepSpeed's flat partitions (`emakit._dist.deepspeed`).
     """
     dist = torch.distributed
+    if to_writer and local.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+        return _receive_on_writer(local, rows, group)
     if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
-        padded = local.new_zeros((rows, *local.shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-        local = padded
+        local = _padded(local, rows)
     world = dist.get_world_size(group)
     out = None
     if not to_writer or dist.get_rank() == 0:
@@ -130,6 +130,42 @@ def gather_padded(
     else:  # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, local.contiguous(), group=group)
+    return out
+
+
+def _padded(local: Tensor, rows: int) -> Tensor:
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    return padded
+
+
+def _receive_on_writer(local: Tensor, rows: int, group: Any) -> Tensor | None:
+    """`gather_padded()` to rank 0 over gloo on the CPU, by point-to-point: rank 0 receives
+    each rank's padded rows straight into its chunk of the output, and copies its own in
+    unpadded. gloo's ``gather`` receives into a flat buffer of its own and then copies it
+    into the chunks, so rank 0 held the tensor twice; this way it holds it once (measured
+    in BENCHMARKS.md). The ranks send in the order they gather, so messages pair up."""
+    dist = torch.distributed
+    if dist.get_rank() != 0:
+        if rows:
+            dist.send(
+                _padded(local, rows) if local.shape[0] != rows else local.contiguous(), 0, group
+            )
+        return None
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    out = local.new_empty((world * rows, *local.shape[1:]))
+    if not rows:
+        return out
+    chunks = out.split(rows)
+    chunks[me][: local.shape[0]].copy_(local)
+    chunks[me][local.shape[0] :].zero_()
+    pending = [
+        dist.irecv(chunks[i], src=_global_rank(group, i), group=group)
+        for i in range(world)
+        if i != me
+    ]
+    for work in pending:
+        work.wait()
     return out
 
 
