@@ -12,6 +12,12 @@ which every facade (``EMA.update()``, ``MultiEMA.update()``) takes in this order
    with a device-side "weights are finite" flag, and hands it to the runner with the plan
    (or with what ``work(plan)`` builds: BEMA's own work). The first copy sets ``initted``.
 
+**A call that raises counts nothing.** `advance()` asks the rule before it counts (a
+schedule that raises or returns NaN leaves every counter as it was), and an `apply()`
+that raises before its work is handed on (a model that no longer pairs) puts ``step``,
+``last`` and ``gap`` back (`rewind()`): the weights are unchanged, and a retry is the
+same call of the schedule.
+
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
 device in ``update()``: the flag (for sharded models combined across ranks by one small
 all-reduce) travels with the action, the kernels select on it, and a skip adds one to a

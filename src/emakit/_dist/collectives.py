@@ -114,6 +114,8 @@ def gather_padded(
     it), or with ``to_writer`` a gather to rank 0, the writer (the other ranks receive
     nothing and get None). The one way emakit assembles a full tensor from shards: FSDP2's
     rows (`emakit._files.export`) and DeepSpeed's flat partitions (`emakit._dist.deepspeed`).
+    A gather to the writer over gloo on the CPU goes point to point (`_receive_on_writer()`),
+    so that rank 0 holds the tensor once.
     """
     dist = torch.distributed
     if to_writer and local.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
