@@ -167,7 +167,8 @@ def _receive_on_writer(local: Tensor, rows: int, group: Any) -> Tensor | None:
         if i != me
     ]
     for work in pending:
-        work.wait()
+        if work is not None:  # None only for a rank outside the group, which rank 0 is not
+            work.wait()
     return out
 
 
