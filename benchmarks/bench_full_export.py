@@ -2,9 +2,10 @@
 
 Usage::
 
-    python benchmarks/bench_full_export.py [--world 2] [--blocks 6] [--dim 1024] [--json OUT]
+    python benchmarks/bench_full_export.py [--world 2] [--blocks 6] [--dim 1024] [--rows R] [--json OUT]
 
-The model: an embedding of ``8 * dim`` rows (the largest tensor), ``blocks`` MLP blocks
+The model: an embedding of ``8 * dim`` rows (the largest tensor; ``--rows 4*dim`` makes
+it the size of every MLP weight, a model of many equal tensors), ``blocks`` MLP blocks
 (``Linear(dim, 4 dim)``, ``Linear(4 dim, dim)``) and a LayerNorm: ``4 * blocks + 3``
 tensors (27 by default, 56.7M float32 parameters, 216 MiB). It is sharded with
 ``fully_shard`` over ``world`` gloo ranks on the CPU, an ``EMA`` is built and updated once,
@@ -57,9 +58,9 @@ MIB = 1024 * 1024
 
 
 class Model(nn.Module):
-    def __init__(self, blocks: int, dim: int) -> None:
+    def __init__(self, blocks: int, dim: int, rows: int | None = None) -> None:
         super().__init__()
-        self.embed = nn.Embedding(8 * dim, dim)
+        self.embed = nn.Embedding(rows or 8 * dim, dim)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)) for _ in range(blocks)
         )
@@ -117,7 +118,7 @@ def _rank(rank: int, port: int, args: dict, out: Path) -> None:
 
         mesh = init_device_mesh("cpu", (args["world"],))
         torch.manual_seed(0)
-        model = Model(args["blocks"], args["dim"])
+        model = Model(args["blocks"], args["dim"], args["rows"])
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -190,12 +191,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument(
+        "--rows", type=int, help="embedding rows (default 8 * dim; 4 * dim: every weight alike)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    base = {"world": ns.world, "blocks": ns.blocks, "dim": ns.dim}
+    base = {"world": ns.world, "blocks": ns.blocks, "dim": ns.dim, "rows": ns.rows}
     if ns.case:
         result = run_case({**base, "case": ns.case, "dtype": ns.dtype}, ns.out)
         print(json.dumps(result))
@@ -211,6 +215,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--case", case, "--dtype", dtype]
                 cmd += ["--out", folder, "--world", str(ns.world)]
                 cmd += ["--blocks", str(ns.blocks), "--dim", str(ns.dim)]
+                cmd += ["--rows", str(ns.rows)] if ns.rows else []
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if proc.returncode:
                     raise SystemExit(proc.stdout + proc.stderr)

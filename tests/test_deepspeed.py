@@ -209,7 +209,8 @@ def zero2_checks(rank: int, out: Path, deepspeed: Any) -> dict[str, Any]:
     ema2, parted2 = EMA(engine2, **KW), EMA(engine2, **KW, partition=True, skip_nonfinite=True)
     _, client = engine2.load_checkpoint(str(out / "ckpt2"))
     ema2.load_state_dict(client["ema"])
-    # ZeRO-2 checkpoints keep rank 0's client_state only: another rank's part is refused;
+    # ZeRO-2 checkpoints keep rank 0's client_state only: another rank's part is refused,
+    # and rank 0 (whose state it is) raises too, so no rank trains on alone (issue 30);
     # the partitioned EMA resumes from the full file (any world size).
     rank_refusal = ""
     try:
@@ -332,7 +333,8 @@ def test_zero2_partitioned_ema_keeps_a_slice_and_gathers_on_demand(results: list
         for out in z["parted_outs"]:
             assert torch.equal(out, z["ref_out"])
         assert z["restored"]
-    assert results[0]["zero2"]["rank_refusal"] == ""  # rank 0's own state
+    # every rank raises: rank 1 its own reason, rank 0 (its own state) naming rank 1
+    assert "'refused (EMAStateError)' on rank 1" in results[0]["zero2"]["rank_refusal"]
     assert "rank 0's EMA partitions, and this is rank 1" in results[1]["zero2"]["rank_refusal"]
     net = make_net()
     net.load_state_dict(first["parted_file"])

@@ -27,6 +27,7 @@ tensor data is not. A file is read from the one file emakit opened
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import warnings
@@ -273,13 +274,25 @@ def write_weights(
     collective = dist_ready() and (gather is not None or every_rank)
     if collective:
         operation = "save_full_ema_weights" if every_rank else "save_ema_weights"
-        agree_on(operation, ema, timeout_s=timeout_s)
+        agree_on(operation, ema, timeout_s=timeout_s, settings=_export_settings(tensors, dtype))
     writer = not collective or torch.distributed.get_rank() == 0
     failure = export.write_streamed(
         dest, tensors, header, dtype, gather or (lambda name, _: tensors[name]), writer=writer
     )
     export.share_outcome(failure, str(dest), collective)
     return dest
+
+
+def _export_settings(tensors: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, str]:
+    """What every rank of a collective export must share beyond the EMA's settings: the
+    export dtype and the tensors' names, full shapes and dtypes (ranks that would gather
+    tensors of other sizes abort inside the gather), the layout as a digest."""
+    layout = [(k, list(t.shape), str(out_dtype(t, dtype))) for k, t in tensors.items()]
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:12]
+    return {
+        "dtype (of the export)": str(dtype),
+        "tensors written (names, shapes, dtypes)": f"{len(layout)} tensors, digest {digest}",
+    }
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:

@@ -202,6 +202,27 @@ class DecayRule:
         d = self.decays[group]
         return 1.0 if d is None else d(call, last)
 
+    def settings(self) -> dict[str, str]:
+        """The rule's settings as text, by name: what the ranks of a distributed job must
+        agree on (see `emakit._dist.collectives.agree`). The ``decay`` entry lists every
+        decay group's decay (``frozen`` for beta 1) with its parameters (beta, inv_gamma,
+        power, min_value; a schedule by its description and floor)."""
+        return {
+            "update_every": str(self.update_every),
+            "update_after_step": str(self.update_after_step),
+            "decay (beta, inv_gamma, power, min_value, schedule, decay_groups)": "; ".join(
+                map(_describe, self.decays)
+            ),
+        }
+
+
+def _describe(decay: Any) -> str:
+    if decay is None:
+        return "frozen"
+    if isinstance(decay, ScheduleDecay):
+        return f"{decay!r} floored at {decay.floor!r}"
+    return repr(decay)
+
 
 class ScheduleRule(DecayRule):
     """The rule of an [`EMA`][emakit.EMA]: every decay group follows a ``t -> decay``
@@ -378,6 +399,10 @@ class BEMARule(DecayRule):
     def decay(self, call: int, last: int = 0, group: int = 0) -> float:
         """``1 - beta_t`` at ``call`` (the fraction of the old EMA kept)."""
         return 1.0 - self.beta(call)
+
+    def settings(self) -> dict[str, str]:
+        """BEMA's settings (its fields) as text, by name."""
+        return {f.name: repr(getattr(self, f.name)) for f in fields(self)}
 
 
 def bema_rule(

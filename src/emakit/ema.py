@@ -32,7 +32,7 @@ from ._engine.kernels import Impl
 from ._engine.pairs import Tracked
 from ._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner, hook_optimizer
 from .decay import INIT, SKIP, ema_rule
-from .errors import EMARuntimeError, EMATypeError, EMAValueError
+from .errors import EMAError, EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["EMA", "STATE_VERSION", "unwrap_model"]
 
@@ -166,7 +166,11 @@ class EMA(nn.Module):
             Decided on the device, with no host read in ``update()``: one reduction to
             the weights' extremes, then a select in the update kernels; for FSDP2/DTensor models, one
             all-reduce of three numbers per update so every rank skips alike (update()
-            becomes a collective: call it on every rank). Default False.
+            becomes a collective: call it on every rank). Set it alike on every rank:
+            emakit's collective saves and loads compare it across ranks, but under
+            FSDP2/ZeRO-3 a rank that has it waits in its first update()'s all-reduce
+            for ranks that never join (until the process group's timeout), before any
+            save could compare. Default False.
         partition: keyword-only; for a model replicated over the ranks of a
             ``torch.distributed`` job (DDP, DeepSpeed ZeRO-1 and 2): each rank keeps the
             EMA of one slice of every parameter (ZeRO-3's split: the flattened parameter cut
@@ -307,6 +311,11 @@ class EMA(nn.Module):
         self.tracker = Tracker(
             rule, self._tracked, _IMPLS[self.use_foreach], runner, self.skip_nonfinite
         )
+        self.tracker.settings = {  # what every rank of a job must share (see agree_on)
+            "ema_dtype (the shadow dtype)": str(self.ema_dtype),
+            "decay_groups patterns": repr(list(self.decay_groups)),
+            "partition": str(self.partition),
+        }
         self._online = [model]  # a list hides it from the module tree and state_dict
         if self.include_online_model and not tree and not zero3_params(model):  # ZeRO-3: empty
             self._modules[_ONLINE] = model  # a child (past the property): saved as online_model.*
@@ -601,6 +610,15 @@ class EMA(nn.Module):
         The original weights come back on exit, also when the block raises. The returned
         `Swap` also has explicit ``enter()``/``exit()``.
 
+        Inside the block the model's tensors *are* the EMA's: writes into the model there
+        (an ``optimizer.step()``, a train-mode forward updating BatchNorm's running
+        statistics, ``load_state_dict``) land in the EMA weights and stay there after the
+        block, in every mode (by reference directly; by cast or copy through a write-back
+        on exit of the tensors that changed). To evaluate without changing the EMA, call
+        ``model.eval()`` under ``torch.no_grad()`` inside the block, or use ``ema(x)``.
+        No warning is given: writing the EMA this way is also how its BatchNorm
+        statistics are recalibrated on purpose.
+
         Example:
             >>> net = torch.nn.Linear(2, 2)
             >>> ema = EMA(net, beta=0.9)
@@ -755,14 +773,31 @@ class EMA(nn.Module):
         (an fp32 shadow stays fp32 when loading an fp16 checkpoint). With ``strict=True``
         (default) any missing or unexpected key raises [`EMAStateError`][emakit.errors.EMAStateError]
         listing them.
+
+        A partitioned EMA (DeepSpeed ZeRO-3, ``partition=True``) under
+        ``torch.distributed`` loads in a collective: call it on every rank. The ranks check
+        their own states first, then agree (one bounded all-gather): every rank loads, or
+        every rank raises (a rank whose state is refused with its own reason, the others
+        naming the ranks that refused). Under ZeRO-1/2 DeepSpeed's ``save_checkpoint``
+        keeps rank 0's ``client_state`` alone, so resuming a ``partition=True`` EMA from it
+        raises on every rank instead of leaving rank 0 training on while the others stop.
         """
         state.refuse_load_arguments(state_dict, assign)
         self._init_for_load(state_dict, "")
-        if isinstance(zero := self._modules.get("ema_model"), ZeroPartitions):
-            zero.refuse_other_world(state_dict, "ema_model.")  # partitions of another world
-        # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
-        mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
-        state.check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
+        zero = self._modules.get("ema_model")
+        failure = None
+        try:
+            if isinstance(zero, ZeroPartitions):
+                zero.refuse_other_world(state_dict, "ema_model.")  # another rank or world
+            # Refuse first, load after (a failed load changes nothing); no online_model.*: kept.
+            mine = self.state_dict(keep_vars=True, include_online_model=_has_online(state_dict))
+            state.check_loadable(mine, state_dict, strict=strict, owned=self.owns_state_key)
+        except EMAError as e:
+            failure = e
+        if isinstance(zero, ZeroPartitions):
+            zero.agree_to_load(self.tracker, failure)  # every rank loads, or every rank raises
+        elif failure is not None:
+            raise failure
         return state.load_or_restore(
             lambda: super(EMA, self).load_state_dict(state_dict, strict=strict), [self.tracker]
         )

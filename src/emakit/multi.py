@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ._core.state import check_loadable, load_or_restore, refuse_load_arguments
+from ._core.tracker import Tracker
 from ._engine.fused import FusedPlan
 from ._engine.plan import Plan
 from .decay import SKIP, Action
@@ -120,7 +121,19 @@ class MultiEMA(nn.Module):
         trackers = [e.tracker for e in self]
         if any(t.swapped for t in trackers):
             raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
-        actions = [t.advance() for t in trackers]
+        advanced: list[Tracker] = []
+        try:
+            self._update(trackers, advanced)
+        except BaseException:
+            for t in advanced:  # a failed call counts for none of them (see Tracker.rewind)
+                t.rewind()
+            raise
+
+    def _update(self, trackers: list[Tracker], advanced: list[Tracker]) -> None:
+        actions = []
+        for t in trackers:
+            actions.append(t.advance())
+            advanced.append(t)
         if actions[0] is SKIP:
             return
         if all(a.averages for a in actions):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .._dist.deepspeed import unwrap_engine
 from .._engine.flat import memory_order, rehome_
-from .._engine.pairs import Slot, TensorPair
+from .._engine.pairs import Slot, TensorPair, refuse_layout
 from ..errors import EMATypeError
 from .sharding import copy_module, unsharded_pairs
 
@@ -96,7 +96,15 @@ def copy_model(
     """
     memo: dict[int, Any] = {}
     share = set(shared)
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.layout is not torch.strided:  # sparse...: refused if tracked, else cloned
+            if tracked(name):
+                refuse_layout(name, t)
+            clone = t.detach().clone()
+            memo[id(t)] = nn.Parameter(clone, False) if isinstance(t, nn.Parameter) else clone
     for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo:
+            continue
         empty = torch.empty(0, dtype=t.dtype, device=t.device)
         if type(t) is nn.Parameter and id(t) in share:
             memo[id(t)] = nn.Parameter(t.detach(), requires_grad=False)

@@ -12,6 +12,12 @@ which every facade (``EMA.update()``, ``MultiEMA.update()``) takes in this order
    with a device-side "weights are finite" flag, and hands it to the runner with the plan
    (or with what ``work(plan)`` builds: BEMA's own work). The first copy sets ``initted``.
 
+**A call that raises counts nothing.** `advance()` asks the rule before it counts (a
+schedule that raises or returns NaN leaves every counter as it was), and an `apply()`
+that raises before its work is handed on (a model that no longer pairs) puts ``step``,
+``last`` and ``gap`` back (`rewind()`): the weights are unchanged, and a retry is the
+same call of the schedule.
+
 **Skipping non-finite updates** (``skip_nonfinite=True``) never reads a value back from the
 device in ``update()``: the flag (for sharded models combined across ranks by one small
 all-reduce) travels with the action, the kernels select on it, and a skip adds one to a
@@ -102,6 +108,11 @@ class Tracker:
         self.last = 0
         #: Calls between the last two averaging updates.
         self.gap = 0
+        #: Settings of the owner that the ranks of a job must agree on, beyond the rule's
+        #: and ``skip_nonfinite`` (``ema_dtype``...), as text by name.
+        self.settings: dict[str, str] = {}
+        #: ``(step, last, gap)`` before the last `advance()`, for `rewind()`.
+        self._before = (0, 0, 0)
         self._views = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
         #: Whether the tensor views were handed out and may be held (read back each call).
         self.views_held = False
@@ -173,6 +184,17 @@ class Tracker:
     def num_skipped_nonfinite(self, value: int) -> None:
         self.finite.skips.set(value)
 
+    def agreed_settings(self) -> dict[str, str]:
+        """What every rank's EMA must share, by name, as text: the rule's settings
+        ([`DecayRule.settings()`][emakit.decay.DecayRule.settings]), ``skip_nonfinite``
+        and the owner's `settings`. emakit's collective saves and loads compare them
+        across the ranks (`emakit._dist.collectives.agree_on`)."""
+        return {
+            **self.rule.settings(),
+            "skip_nonfinite": str(self.skip_nonfinite),
+            **self.settings,
+        }
+
     # -- the plan -------------------------------------------------------------------------
 
     def plan(self) -> Plan:
@@ -197,41 +219,54 @@ class Tracker:
 
     def advance(self) -> Action:
         """Count one call and return what it does (then `apply()` it unless it is
-        `SKIP`), touching no tensor. An averaging call moves ``last`` and ``gap`` now, so
-        it counts as one even when its update is then skipped (non-finite weights) or
-        refused (a model change that no longer pairs)."""
+        `SKIP`), touching no tensor. The rule is asked first: a rule that raises (a
+        schedule returning NaN, a decay group's callable failing) leaves every counter
+        as it was. An averaging call moves ``last`` and ``gap`` here, so it counts as one
+        even when its update is then skipped (non-finite weights); an `apply()` that
+        raises puts them back (`rewind()`)."""
         if self.swapped:
             raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
         if self.views_held:
             self.sync_views()  # a client may have written ema.step / ema.initted in place
-        step = self.step
+        step, last = self.step, self.last
+        action = self.rule.action(step, last) if self.initted else INIT  # may raise
+        self._before = (step, last, self.gap)
         self.step = call = step + 1
         if self.views_held:
             self._refresh_views()
-        if not self.initted:
-            return INIT
-        action = self.rule.action(step, self.last)
         if action.kind == "lerp" or action.kind == "hold":  # action.averages, inline
-            self.last, self.gap = call, call - self.last
+            self.last, self.gap = call, call - last
         return action
+
+    def rewind(self) -> None:
+        """Undo the counting of the last `advance()` (its update raised before it was
+        handed to the runner), so that a retry is the same call of the schedule."""
+        self.step, self.last, self.gap = self._before
+        if self.views_held:
+            self._refresh_views()
 
     def apply(self, action: Action) -> Action:
         """Carry out ``action`` (from `advance()`) on the current plan."""
         if action is SKIP:
             return action
-        plan = self.plan()
-        if self.skip_nonfinite and action.guard is None:
-            action = self.finite.guard(plan, action, self.step)
-            if action is SKIP:
-                return action
-        if action.kind != "hold":
-            try:
-                self.runner.submit(plan if self.work is None else self.work(plan), action)
-            except RuntimeError:
-                # e.g. a tensor's .data re-pointed to another shape, which per-tensor
-                # paths only meet in the kernel: pairing again names it (EMAStateError)
-                self.pairs()
-                raise
+        try:
+            plan = self.plan()  # raises when the model no longer pairs
+            if self.skip_nonfinite and action.guard is None:
+                action = self.finite.guard(plan, action, self.step)
+                if action is SKIP:
+                    return action
+            if action.kind != "hold":
+                work = plan if self.work is None else self.work(plan)
+                try:
+                    self.runner.submit(work, action)
+                except RuntimeError:
+                    # e.g. a tensor's .data re-pointed to another shape, which per-tensor
+                    # paths only meet in the kernel: pairing again names it (EMAStateError)
+                    self.pairs()
+                    raise
+        except BaseException:
+            self.rewind()  # the call did not happen: a retry is the same call
+            raise
         if action.kind == "init":
             self.set_counters(initted=True)
             self.last, self.gap = self.step, 0
@@ -244,6 +279,7 @@ class Tracker:
         step, last = self.step, self.last
         if not self.initted or step <= last:
             return
+        self._before = (step, last, self.gap)  # what a failed apply() below puts back
         if self.rule.frozen:
             self.apply(Action("hold", call=step))
         else:

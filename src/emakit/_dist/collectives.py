@@ -6,7 +6,7 @@ that never initialized ``torch.distributed`` (one process, rank 0). `agree()` is
 arrival check and one all-gather of a few int64 numbers per call, on
 every rank of the process group:
 
-``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo]``
+``[MAGIC, operation, step, num_skipped_nonfinite, extra_hi, extra_lo, settings]``
 
 * **Every rank called the same operation.** The ranks first meet in a bounded arrival
   check (``timeout_s``, 30 s by default) on the process group's c10d store, the same on
@@ -25,6 +25,16 @@ every rank of the process group:
   raises the same [`EMAStateError`][emakit.errors.EMAStateError], naming the ranks and their steps: one
   rank called ``update()`` more often than the others, so a checkpoint would record one
   rank's step for shards that were averaged a different number of times.
+* **Every rank's EMA was built with the same settings.** ``settings`` is a digest (63
+  bits of SHA-256) of the settings that must agree (the shadow dtype, the decay rule and
+  its parameters, the update cadence, the post-hoc profiles, the export dtype: whatever
+  the caller passes, by name). A config read differently on one node would otherwise
+  be written as one EMA of mixed parts, or abort inside a gather of tensors of other
+  sizes. When the digests differ (every rank sees the same table), the ranks exchange
+  the settings themselves (one ``all_gather_object``, on this failure path only) and
+  every rank raises the same [`EMAStateError`][emakit.errors.EMAStateError] naming
+  each setting that differs, its values and the ranks that hold them, before anything
+  is written or loaded.
 * ``extra`` carries 64 bits from the first rank to all, returned by `agree()` (the
   version folder of a sharded save or load), so the check costs no collective of its own.
 """
@@ -32,7 +42,10 @@ every rank of the process group:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -58,6 +71,7 @@ OPERATIONS = {
     3: "save_full_ema_weights",
     4: "load_sharded_ema (after loading)",
     5: "state_dict of a ZeRO-3 EMA",
+    6: "load_state_dict of a partitioned EMA",
     7: "PostHocEMA.checkpoint",
     8: "save_ema_weights",
     9: "load_ema_weights",
@@ -100,12 +114,14 @@ def gather_padded(
     it), or with ``to_writer`` a gather to rank 0, the writer (the other ranks receive
     nothing and get None). The one way emakit assembles a full tensor from shards: FSDP2's
     rows (`emakit._files.export`) and DeepSpeed's flat partitions (`emakit._dist.deepspeed`).
+    A gather to the writer over gloo on the CPU goes point to point (`_receive_on_writer()`),
+    so that rank 0 holds the tensor once.
     """
     dist = torch.distributed
+    if to_writer and local.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+        return _receive_on_writer(local, rows, group)
     if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
-        padded = local.new_zeros((rows, *local.shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-        local = padded
+        local = _padded(local, rows)
     world = dist.get_world_size(group)
     out = None
     if not to_writer or dist.get_rank() == 0:
@@ -116,6 +132,43 @@ def gather_padded(
     else:  # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, local.contiguous(), group=group)
+    return out
+
+
+def _padded(local: Tensor, rows: int) -> Tensor:
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    return padded
+
+
+def _receive_on_writer(local: Tensor, rows: int, group: Any) -> Tensor | None:
+    """`gather_padded()` to rank 0 over gloo on the CPU, by point-to-point: rank 0 receives
+    each rank's padded rows straight into its chunk of the output, and copies its own in
+    unpadded. gloo's ``gather`` receives into a flat buffer of its own and then copies it
+    into the chunks, so rank 0 held the tensor twice; this way it holds it once (measured
+    in BENCHMARKS.md). The ranks send in the order they gather, so messages pair up."""
+    dist = torch.distributed
+    if dist.get_rank() != 0:
+        if rows:
+            dist.send(
+                _padded(local, rows) if local.shape[0] != rows else local.contiguous(), 0, group
+            )
+        return None
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    out = local.new_empty((world * rows, *local.shape[1:]))
+    if not rows:
+        return out
+    chunks = out.split(rows)
+    chunks[me][: local.shape[0]].copy_(local)
+    chunks[me][local.shape[0] :].zero_()
+    pending = [
+        dist.irecv(chunks[i], src=_global_rank(group, i), group=group)
+        for i in range(world)
+        if i != me
+    ]
+    for work in pending:
+        if work is not None:  # None only for a rank outside the group, which rank 0 is not
+            work.wait()
     return out
 
 
@@ -185,9 +238,10 @@ def agree(
     timeout_s: float = AGREE_TIMEOUT_S,
     check_counts: bool = True,
     extra: int = 0,
+    settings: Mapping[str, str] | None = None,
 ) -> int:
     """One bounded all-gather: every rank of ``group`` is in ``operation`` with the same
-    ``step`` and ``skips`` (see the module docstring).
+    ``step``, ``skips`` and ``settings`` (see the module docstring).
 
     Args:
         operation: one of `OPERATIONS`' names.
@@ -197,6 +251,7 @@ def agree(
         timeout_s: seconds to wait for the other ranks.
         check_counts: compare ``step`` and ``skips`` (False: only that every rank came).
         extra: 64 bits that every rank receives from the first rank.
+        settings: the settings that must agree, by name, as text (None: not checked).
 
     Returns:
         The first rank's ``extra``.
@@ -204,12 +259,14 @@ def agree(
     Raises:
         EMARuntimeError: the other ranks did not arrive within ``timeout_s`` (or the
             process group failed), or some ranks are in another emakit operation.
-        EMAStateError: the ranks' steps or skip counts differ (raised on every rank).
+        EMAStateError: the ranks' settings, steps or skip counts differ (raised on every
+            rank).
     """
     dist = torch.distributed
     world = dist.get_world_size(group)
     extra &= (1 << 64) - 1  # in two int64 columns, 32 bits each
     row = [_MAGIC, _CODES[operation], int(step), int(skips), extra >> 32, extra & 0xFFFFFFFF]
+    row.append(_digest(settings))
     mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
     rows = [torch.empty_like(mine) for _ in range(world)]
     me = dist.get_rank()
@@ -252,6 +309,8 @@ def agree(
             f"save_ema_weights of a sharded EMA, save_full_ema_weights) in the same order; "
             f"none may sit inside `if is_rank_zero():`"
         )
+    if len({r[6] for r in table}) > 1:
+        _refuse_settings(operation, settings or {}, ranks, group)
     if check_counts:
         for what, column, why in (
             (
@@ -280,7 +339,59 @@ def agree(
     return (table[0][4] << 32) | table[0][5]
 
 
-def agree_on(operation: str, counts: Any, **kwargs: Any) -> int:
-    """`agree()` on the ``step`` and ``num_skipped_nonfinite`` of ``counts`` (an EMA, or
-    its tracker); ``kwargs`` are `agree()`'s (``group``, ``timeout_s``, ...)."""
-    return agree(operation, step=int(counts.step), skips=counts.num_skipped_nonfinite, **kwargs)
+def _digest(settings: Mapping[str, str] | None) -> int:
+    """63 bits of the SHA-256 of ``settings`` (0: none), the same on every host."""
+    if settings is None:
+        return 0
+    text = json.dumps(dict(settings), sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _refuse_settings(
+    operation: str, settings: Mapping[str, str], ranks: list[int], group: Any
+) -> None:
+    """Raise on every rank, naming each setting that differs across the ranks (their
+    digests already did: every rank is here, so the exchange cannot hang)."""
+    everyone: list[Any] = [None] * len(ranks)
+    torch.distributed.all_gather_object(everyone, dict(settings), group=group)
+    parts = []
+    for name in sorted({k for s in everyone for k in s}):
+        values = _by_value(ranks, [s.get(name, "(not set)") for s in everyone])
+        if len(values) > 1:
+            held = "; ".join(f"{_short(v)} on {_ranks(rs)}" for v, rs in values.items())
+            parts.append(f"{name}: {held}")
+    if operation.startswith(("save", "PostHoc")):
+        done = "nothing was written"
+    elif operation.startswith("load") and "after" not in operation:
+        done = "nothing was loaded"
+    else:
+        done = "the state was not taken" if operation.startswith("state") else "it loaded"
+    raise EMAStateError(
+        f"{operation}: the ranks differ in what must be the same on every rank ({done}): "
+        + " | ".join(parts)
+        + ". Every rank must build its EMA with the same settings (was a config read "
+        "differently on one node?) and load its own state; fix it on the ranks named and "
+        "restart from the last checkpoint"
+    )
+
+
+def _short(value: str, limit: int = 160) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
+
+
+def agree_on(
+    operation: str, counts: Any, *, settings: Mapping[str, str] | None = None, **kwargs: Any
+) -> int:
+    """`agree()` on the ``step``, ``num_skipped_nonfinite`` and settings of ``counts`` (an
+    EMA, or its tracker: `emakit._core.tracker.Tracker.agreed_settings()`), with
+    ``settings`` added (an export's dtype...); ``kwargs`` are `agree()`'s (``group``,
+    ``timeout_s``, ...)."""
+    tracker = getattr(counts, "tracker", counts)
+    agreed = {**tracker.agreed_settings(), **(settings or {})}
+    return agree(
+        operation,
+        step=int(counts.step),
+        skips=counts.num_skipped_nonfinite,
+        settings=agreed,
+        **kwargs,
+    )

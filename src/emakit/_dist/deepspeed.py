@@ -244,6 +244,29 @@ class ZeroPartitions(nn.Module):
             tracker.sync_views()
             agree_on("state_dict of a ZeRO-3 EMA", tracker)
 
+    def agree_to_load(self, tracker: Any, failure: Exception | None) -> None:
+        """Every rank loads its state, or every rank raises: one bounded all-gather of each
+        rank's verdict on its own state (`agree_on()`), under ``torch.distributed``.
+
+        Raises:
+            Exception: ``failure`` (this rank's own refusal), on a rank that refused.
+            EMAStateError: on the other ranks when some refused, naming them.
+        """
+        if torch.distributed.is_initialized():
+            verdict = "loads" if failure is None else f"refused ({type(failure).__name__})"
+            try:
+                agree_on(
+                    "load_state_dict of a partitioned EMA",
+                    tracker,
+                    check_counts=False,
+                    settings={"the state check (each rank loads its own state)": verdict},
+                )
+            except EMAStateError:
+                if failure is None:
+                    raise
+        if failure is not None:
+            raise failure
+
     def refuse_other_world(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Raise unless ``state_dict`` holds this rank's partitions for this world size.
 

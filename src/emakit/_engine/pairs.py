@@ -12,11 +12,11 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, strided
 
 from .._dist.dtensor import is_dtensor, local_tensor, same_sharding
 from .._validate import few
-from ..errors import EMAStateError
+from ..errors import EMAStateError, EMATypeError
 from .guards import Changes
 
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
@@ -144,6 +144,7 @@ def pair_tensors(
     Raises:
         EMAStateError: names, shapes, dtypes, devices or sharding do not match; the
             message names the tensors and says the fix.
+        EMATypeError: a tensor is not strided (dense): a sparse or other layout.
     """
     missing = sorted(online.keys() - shadow.keys())
     extra = sorted(shadow.keys() - online.keys())
@@ -158,6 +159,8 @@ def pair_tensors(
     pairs = []
     for name, o in online.items():
         s = shadow[name]
+        if o.layout is not strided or s.layout is not strided:
+            refuse_layout(name, o if o.layout is not strided else s, item)
         if s.shape != o.shape and not (placeholders and s.numel() == 0):
             raise EMAStateError(
                 f"{item} {name!r} has shape {tuple(s.shape)} in the EMA but {tuple(o.shape)} "
@@ -188,3 +191,18 @@ def pair_tensors(
             )
         )
     return pairs
+
+
+def refuse_layout(name: str, t: Tensor, item: str = "tensor") -> None:
+    """Raise for a sparse (or other non-strided) tensor ``name``: it has no storage to lay
+    out or average in place. ``item``: what a tensor is called (``"leaf"`` of a pytree)."""
+    fix = (
+        "leave it out of the pytree, or make it dense (.to_dense())"
+        if item == "leaf"
+        else f"exclude it with ignore_names={{{name!r}}} (the EMA copy then keeps the value "
+        f"it had when the EMA was built), or register it dense (.to_dense())"
+    )
+    raise EMATypeError(
+        f"{item} {name!r} has layout {t.layout}; an EMA averages strided (dense) tensors "
+        f"only: {fix}"
+    )

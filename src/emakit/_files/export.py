@@ -18,10 +18,12 @@ more than one full tensor:
    appends the bytes, and the full tensor is dropped before the next one;
 3. rank 0 writes into a temporary file that replaces ``path`` atomically when complete.
 
-Rank 0's extra memory is therefore the largest tensor in the export dtype, gathered (plus
-a padded copy of its own shard), plus its CPU copy on the way to the file (none when it
-already is on the CPU): at most about twice the largest tensor, whatever the model's
-size. Every other rank holds its padded shard of one tensor at a time (placements other
+Rank 0's extra memory is therefore the largest tensor in the export dtype, gathered, plus
+its CPU copy on the way to the file (none when it already is on the CPU): at most about
+twice the largest tensor, whatever the model's size. Over gloo on the CPU, rank 0
+receives each rank's rows straight into the output (`gather_padded()`: point-to-point,
+since gloo's ``gather`` holds a second, flat copy), so there it is about once the largest
+tensor plus a few MiB (1.5x measured on a model of 4 MiB float32 tensors, BENCHMARKS.md). Every other rank holds its padded shard of one tensor at a time (placements other
 than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
 on each rank of the mesh). DeepSpeed's partitions are gathered to rank 0 the same way
 ([`ZeroPartitions.gathered()`][emakit._dist.deepspeed.ZeroPartitions.gathered]). A failure on rank 0

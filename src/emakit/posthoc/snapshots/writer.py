@@ -135,12 +135,18 @@ class SnapshotWriter:
             for ema in profiles:
                 ema.catch_up()
             return (self._files(profiles, folder, step, dtype, run) if is_rank_zero() else []), run
+        profile_names = ", ".join(f"(sigma_rel={e.sigma_rel}, gamma={e.gamma})" for e in profiles)
         agreed = agree(
             "PostHocEMA.checkpoint",
             step=step,
             skips=profiles[0].num_skipped_nonfinite,
             timeout_s=timeout_s,
             extra=secrets.randbits(64),  # rank 0's draw names this write on every rank
+            settings={  # every rank's profiles alike, or no rank writes
+                **profiles[0].tracker.agreed_settings(),
+                "profiles (sigma_rels or gammas)": profile_names,
+                "checkpoint dtype": str(dtype),
+            },
         )
         box = [run]
         torch.distributed.broadcast_object_list(box, src=0)
