@@ -188,7 +188,8 @@ def main() -> None:
         print(f"| {name} | {mem} | {ts} | {ratio} | {note} |")
     hook_costs(model, args.repeats)
     fixed_cost(model, args.rounds)
-    snapshot_costs(model, args.snapshots)
+    if args.snapshots > 0:
+        snapshot_costs(model, args.snapshots)
 
 
 def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
