@@ -62,10 +62,11 @@ no_autograd = (
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 #: Bytes of the buffer an averaged pair of another dtype on the same device is cast through
-#: (`cast_rounds()`), by device type (others: ``"default"``). On the CPU about one core's L2
-#: cache, measured with ``benchmarks/bench_mixed_precision.py --speed``: smaller windows pay
-#: more per-call overhead, larger ones spill the buffer out of the cache. On an accelerator
-#: large enough that the launches of two kernels per window stay below their run time.
+#: (`cast_rounds()`), by device type (others: ``"default"``). Measured on GPT-2 124M's shapes
+#: on a 2-core CPU (``benchmarks/bench_mixed_precision.py --speed``, BENCHMARKS.md): 256 KiB
+#: windows pay per-call overhead (2.7x the floor), 1-8 MiB cost about the same, 16 MiB
+#: spill out of the cache. On an accelerator, large enough that the launches of two
+#: kernels per window stay below their run time (``benchmarks/gpu_check.py`` measures it).
 CAST_CHUNK_BYTES = {"cpu": 4 << 20, "default": 16 << 20}
 
 #: One window of a cast: ``_foreach_copy_(buffer views, sources)``, then
