@@ -1,7 +1,7 @@
 """EMA of a PEFT LoRA model: memory and update time, emakit beside ema-pytorch and TRL.
 
 Usage: python benchmarks/bench_lora.py [--repeats R] [--layers L] [--snapshots N]
-                                      [--snapshots-only]
+                                      [--snapshots-only] [--fixed-cost-only] [--rounds N]
 
 A config-built GPT-2 (``n_layer=6, n_embd=768``, vocabulary 2048; nothing downloaded) with
 LoRA adapters (``r=8`` on ``c_attn``), on the CPU, one thread. Contenders run in one
@@ -17,6 +17,10 @@ process, interleaved round-robin; the median per call is reported.
   forward pre-hook on each module that registers a shared frozen weight, which looks
   whether one now requires grad): the hooks' calls alone, and a forward with and without
   them, interleaved.
+* **fixed cost** (also alone with ``--fixed-cost-only``): one averaging ``update()``
+  against a bare ``torch._foreach_lerp_`` over the EMA's *own* adapter tensors (the same
+  memory), thread CPU time, ``--rounds`` alternated rounds of 50 calls each; and the
+  update with its kernel stubbed out (the host time around it). Median and minimum ratio.
 * **post-hoc snapshots** (``--snapshots N``, also alone with ``--snapshots-only``): a
   ``PostHocEMA`` of two profiles writes ``N`` snapshot steps (float16) with the frozen base
   stored once (the default), stored in every snapshot (``store_frozen_once=False``) and
@@ -91,10 +95,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--snapshots", type=int, default=4, help="post-hoc snapshot steps")
     parser.add_argument("--snapshots-only", action="store_true")
+    parser.add_argument("--fixed-cost-only", action="store_true")
+    parser.add_argument("--rounds", type=int, default=200, help="fixed cost: rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.snapshots_only:
         snapshot_costs(lora_model(args.layers), args.snapshots)
+        return
+    if args.fixed_cost_only:
+        fixed_cost(lora_model(args.layers), args.rounds)
         return
     import ema_pytorch
     import trl
@@ -178,7 +187,55 @@ def main() -> None:
         ratio = "-" if t is None else f"{t / floor:.2f}x"
         print(f"| {name} | {mem} | {ts} | {ratio} | {note} |")
     hook_costs(model, args.repeats)
-    snapshot_costs(model, args.snapshots)
+    fixed_cost(model, args.rounds)
+    if args.snapshots > 0:
+        snapshot_costs(model, args.snapshots)
+
+
+def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
+    """``update()`` against the bare kernel over the EMA's own tensors, and stubbed."""
+    from emakit._engine.paths import FOREACH  # it holds the kernel it was built with
+
+    ema = EMA(model, beta=0.999, update_after_step=0, update_every=1)
+    for _ in range(5):
+        ema.update()
+    plan = ema.tracker.plan()
+    shadows = [p.shadow for p in plan.pairs if p.average]
+    onlines = [p.online.detach() for p in plan.pairs if p.average]
+
+    def bare() -> None:
+        torch._foreach_lerp_(shadows, onlines, 0.001)
+
+    def batch(fn: Callable[[], Any]) -> float:
+        t0 = time.thread_time_ns()
+        for _ in range(calls):
+            fn()
+        return (time.thread_time_ns() - t0) / calls / 1e3
+
+    def noop(*args: Any) -> None:
+        return None
+
+    kernel = FOREACH.lerp_same
+    samples: dict[str, list[float]] = {"update": [], "bare": [], "stubbed": []}
+    for r in range(rounds):
+        pair = [("update", ema.update), ("bare", bare)]
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            samples[name].append(batch(fn))
+        object.__setattr__(FOREACH, "lerp_same", noop)  # a frozen dataclass, patched briefly
+        try:
+            samples["stubbed"].append(batch(ema.update))
+        finally:
+            object.__setattr__(FOREACH, "lerp_same", kernel)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    ratios = [u / b for u, b in zip(samples["update"], samples["bare"], strict=True)]
+    print(
+        f"\nfixed cost, {len(shadows)} adapter tensors ({sum(t.numel() for t in shadows):,} "
+        f"values), thread CPU time, {rounds} alternated rounds of {calls} calls: update() "
+        f"{med['update']:.1f} µs, bare _foreach_lerp_ over its own tensors {med['bare']:.1f} "
+        f"µs: {med['update'] / med['bare']:.3f}x (medians; per-round ratio median "
+        f"{statistics.median(ratios):.3f}x, min {min(ratios):.3f}x); update() with its "
+        f"kernel stubbed {med['stubbed']:.1f} µs"
+    )
 
 
 def folder_bytes(folder: Path) -> int:

@@ -1,8 +1,23 @@
-"""Precision of an EMA of a bf16 model: emakit's fp32 shadow against bf16 shadows.
+"""Precision and speed of an EMA of a bf16 model: emakit's fp32 shadow against its peers.
 
 Usage::
 
     python benchmarks/bench_mixed_precision.py [--quick] [--json OUT] [--steps N]
+    python benchmarks/bench_mixed_precision.py --speed [--rounds R] [--before DIR] [--json OUT]
+
+``--speed``: the cost of one averaging update of GPT-2 124M's parameter shapes in bf16
+with an fp32 shadow (``ema_dtype=torch.float32``; ema-pytorch: an fp32 ``ema_model`` with
+``coerce_dtype=True``), beside the floor, measured in one process, contenders interleaved
+over ``--rounds`` rounds (the order reversed every other round), torch on one thread. The
+floor is one ``lerp_`` over a flat float32 tensor of as many elements (12 bytes moved per
+element: read both, write one) scaled to the 10 bytes per element a fused mixed-precision
+update must move (read 2 bytes of bf16 weight and 4 of fp32 shadow, write 4). Each row:
+the median and minimum per call, the ratio to the 10 B floor, and the bytes moved per
+element at the floor's measured bandwidth (``12 x time / floor time``). Then, each in a
+fresh subprocess (RSS, ``/proc/self/status``): the memory an EMA retains beyond its shadow
+after a few updates, and the peak above that during one update (allocation per update).
+``--before DIR`` adds an older emakit (e.g. ``/tmp/before/src/emakit``) as a second
+package, side by side.
 
 A small bf16 model (Linear layers) is trained by a stand-in for noisy SGD: fp32 master
 weights take a random step of about 1e-3 of each tensor's RMS per iteration and the bf16
@@ -26,7 +41,12 @@ This file is a script, not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,13 +178,254 @@ def run(
     }
 
 
+# -- speed and memory: GPT-2 124M's shapes in bf16 ------------------------------------------
+
+GPT2 = {"vocab": 50257, "positions": 1024, "width": 768, "layers": 12}
+
+
+def gpt2_shapes(layers: int = GPT2["layers"], vocab: int = GPT2["vocab"]) -> nn.Module:
+    """GPT-2 124M's parameter tensors (``GPT2LMHeadModel``, tied head) in bf16: embeddings,
+    per block two LayerNorms, ``c_attn``, ``c_proj``, ``c_fc``, ``c_proj`` as Linear
+    layers, and the final LayerNorm; 124,439,808 values at the defaults. Nothing
+    downloaded, no transformers needed."""
+    d = GPT2["width"]
+    kw = {"dtype": torch.bfloat16}
+    torch.manual_seed(0)
+    blocks = [
+        nn.ModuleList(
+            [
+                nn.LayerNorm(d, **kw),
+                nn.Linear(d, 3 * d, **kw),
+                nn.Linear(d, d, **kw),
+                nn.LayerNorm(d, **kw),
+                nn.Linear(d, 4 * d, **kw),
+                nn.Linear(4 * d, d, **kw),
+            ]
+        )
+        for _ in range(layers)
+    ]
+    embed = [nn.Embedding(vocab, d, **kw), nn.Embedding(GPT2["positions"], d, **kw)]
+    return nn.ModuleList([*embed, *blocks, nn.LayerNorm(d, **kw)])
+
+
+def speed_contenders(model: nn.Module, before: Any | None) -> dict[str, Callable[[], None]]:
+    """name -> one averaging update (``update_after_step=0, update_every=1``)."""
+    import copy
+
+    import ema_pytorch
+
+    kw = {"beta": 0.999, "update_after_step": 0, "update_every": 1}
+    out: dict[str, Callable[[], None]] = {}
+    for label, use_foreach in (("default", None), ("use_foreach=True", True)):
+        out[f"emakit {label}"] = EMA(
+            model, ema_dtype=torch.float32, use_foreach=use_foreach, **kw
+        ).update
+        if before is not None:
+            out[f"emakit before {label}"] = before.EMA(
+                model, ema_dtype=torch.float32, use_foreach=use_foreach, **kw
+            ).update
+    out["emakit use_foreach=False"] = EMA(
+        model, ema_dtype=torch.float32, use_foreach=False, **kw
+    ).update
+    fp32 = copy.deepcopy(model).float()
+    out["ema-pytorch 0.8.3 coerce_dtype=True"] = ema_pytorch.EMA(
+        model, ema_model=fp32, coerce_dtype=True, include_online_model=False, **kw
+    ).update
+    n = sum(p.numel() for p in model.parameters())
+    shadow, online = torch.randn(n), torch.randn(n)
+    out[FLOOR] = lambda: shadow.lerp_(online, 0.001)
+    return out
+
+
+FLOOR = "floor: one fp32 lerp_ over as many elements"
+
+
+def bench_speed(rounds: int, layers: int, vocab: int, before: Any | None) -> dict[str, Any]:
+    model = gpt2_shapes(layers, vocab)
+    n = sum(p.numel() for p in model.parameters())
+    fns = speed_contenders(model, before)
+    for fn in fns.values():
+        fn()
+        fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            w, c = time.perf_counter(), time.thread_time()
+            fn()
+            cpu[name].append(time.thread_time() - c)
+            wall[name].append(time.perf_counter() - w)
+    floor12 = {"wall": statistics.median(wall[FLOOR]), "cpu": statistics.median(cpu[FLOOR])}
+    floor_min = min(wall[FLOOR])
+    rows = []
+    for name in fns:
+        med, low, c = statistics.median(wall[name]), min(wall[name]), statistics.median(cpu[name])
+        rows.append(
+            {
+                "contender": name,
+                "wall_median_ms": med * 1e3,
+                "wall_min_ms": low * 1e3,
+                "cpu_median_ms": c * 1e3,
+                "x_10B_floor": med / (floor12["wall"] * 10 / 12),
+                "x_10B_floor_min": low / (floor_min * 10 / 12),
+                "x_10B_floor_cpu": c / (floor12["cpu"] * 10 / 12),
+                "bytes_per_element": 12 * med / floor12["wall"],
+            }
+        )
+    return {
+        "elements": n,
+        "shadow_mib": n * 4 / 2**20,
+        "rounds": rounds,
+        "floor_10B_ms": floor12["wall"] * 10 / 12 * 1e3,
+        "bandwidth_GBps": 12 * n / floor12["wall"] / 1e9,
+        "rows": rows,
+    }
+
+
+def _rss_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0])
+    return out
+
+
+def memory_worker(case: str, layers: int, vocab: int, before_dir: str | None) -> dict[str, float]:
+    """In a fresh process: RSS retained by an EMA beyond its shadow after 3 updates, and
+    the peak above that during one more update."""
+    import ema_pytorch
+
+    torch.set_num_threads(1)
+    model = gpt2_shapes(layers, vocab)
+    shadow_mib = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    kw = {"beta": 0.999, "update_after_step": 0, "update_every": 1}
+    gc.collect()
+    base = _rss_kib()["VmRSS"]
+    if case == "ema-pytorch":
+        import copy
+
+        ema: Any = ema_pytorch.EMA(
+            model,
+            ema_model=copy.deepcopy(model).float(),
+            coerce_dtype=True,
+            include_online_model=False,
+            **kw,
+        )
+    else:
+        pkg: Any = emakit_module(before_dir) if case.startswith("before") else EMA
+        use_foreach = {"default": None, "foreach": True, "loop": False}[case.split()[-1]]
+        ema = pkg(model, ema_dtype=torch.float32, use_foreach=use_foreach, **kw)
+    for _ in range(3):
+        ema.update()
+    gc.collect()
+    settled = _rss_kib()["VmRSS"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    ema.update()
+    peak = _rss_kib()["VmHWM"]
+    return {
+        "shadow_mib": shadow_mib,
+        "retained_beyond_shadow_mib": (settled - base) / 1024 - shadow_mib,
+        "peak_during_update_mib": (peak - settled) / 1024,
+    }
+
+
+def emakit_module(before_dir: str | None) -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_update import load_before
+
+    return load_before(before_dir).EMA  # type: ignore[arg-type]
+
+
+MEMORY_CASES = ("default", "foreach", "loop")
+
+
+def bench_memory(layers: int, vocab: int, before_dir: str | None) -> list[dict[str, Any]]:
+    cases = [f"emakit {c}" for c in MEMORY_CASES]
+    if before_dir:
+        cases += [f"before {c}" for c in MEMORY_CASES[:2]]
+    rows = []
+    for case in [*cases, "ema-pytorch"]:
+        cmd = [sys.executable, __file__, "--memory-worker", case]
+        cmd += ["--layers", str(layers), "--vocab", str(vocab)]
+        cmd += ["--before", before_dir] if before_dir else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            rows.append({"case": case, "error": proc.stderr.strip().splitlines()[-1:]})
+        else:
+            rows.append({"case": case, **json.loads(proc.stdout.strip().splitlines()[-1])})
+    return rows
+
+
+def print_speed(res: dict[str, Any], memory: list[dict[str, Any]]) -> None:
+    print(
+        f"\nGPT-2 124M shapes in bf16, fp32 shadow: {res['elements']:,} elements "
+        f"({res['shadow_mib']:.0f} MiB shadow); floor at 10 B/element {res['floor_10B_ms']:.1f} "
+        f"ms ({res['bandwidth_GBps']:.1f} GB/s measured); {res['rounds']} interleaved rounds; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "\n| contender | wall median (ms) | wall min (ms) | CPU median (ms) | x 10 B floor "
+        "(median / min / CPU) | bytes per element |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in res["rows"]:
+        print(
+            f"| {r['contender']} | {r['wall_median_ms']:.1f} | {r['wall_min_ms']:.1f} | "
+            f"{r['cpu_median_ms']:.1f} | {r['x_10B_floor']:.2f} / {r['x_10B_floor_min']:.2f} / "
+            f"{r['x_10B_floor_cpu']:.2f} | {r['bytes_per_element']:.1f} |"
+        )
+    if memory:
+        print(
+            "\n| EMA (fresh process) | retained beyond the shadow (MiB) | peak during one update (MiB) |"
+        )
+        print("|---|---:|---:|")
+        for m in memory:
+            if "error" in m:
+                print(f"| {m['case']} | error: {m['error']} | |")
+            else:
+                print(
+                    f"| {m['case']} | {m['retained_beyond_shadow_mib']:.1f} | "
+                    f"{m['peak_during_update_mib']:.1f} |"
+                )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 steps instead of 3000")
     parser.add_argument("--steps", type=int, default=None, help="override the number of updates")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON here")
+    parser.add_argument("--speed", action="store_true", help="time and memory on GPT-2's shapes")
+    parser.add_argument("--rounds", type=int, default=15, help="--speed: interleaved rounds")
+    parser.add_argument("--layers", type=int, default=GPT2["layers"], help="--speed: blocks")
+    parser.add_argument("--vocab", type=int, default=GPT2["vocab"], help="--speed: vocabulary")
+    parser.add_argument("--no-memory", action="store_true", help="--speed: skip the RSS runs")
+    parser.add_argument("--before", metavar="DIR", help="--speed: an older emakit package too")
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.memory_worker:
+        print(json.dumps(memory_worker(args.memory_worker, args.layers, args.vocab, args.before)))
+        return
+    if args.speed:
+        before = None
+        if args.before:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from bench_update import load_before
+
+            before = load_before(args.before)
+        load = os.getloadavg()
+        res = bench_speed(args.rounds, args.layers, args.vocab, before)
+        memory = [] if args.no_memory else bench_memory(args.layers, args.vocab, args.before)
+        res.update({"memory": memory, "loadavg_start": load, "loadavg_end": os.getloadavg()})
+        print_speed(res, memory)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return
     steps = args.steps or (300 if args.quick else 3000)
     configs = [(0.999, CONSTANT), (0.999, WARMUP), (0.9999, CONSTANT)]
     results = [run(steps, beta, sched, rel_step=1e-3) for beta, sched in configs]

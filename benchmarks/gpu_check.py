@@ -38,13 +38,28 @@ runs on its own; one that fails is reported as failed and the others still run.
    offload within 5% of no EMA.
 9. **forward_cast**: ``ema(x)`` on a bf16 model with an fp32 shadow, on the GPU and
    offloaded: bf16 in, bf16 out on the model's device, equal to the shadow's computation.
+10. **mixed_precision** (issue 32): GPT-2 124M's parameter shapes in bf16 with an fp32
+    shadow (``ema_dtype=torch.float32``), every path: the time of one update against one
+    flat fp32 ``lerp_`` of as many elements on the same device (12 bytes per element), so
+    the bytes of HBM moved per element (``12 x time / floor time``; a fused update needs
+    10) and the share of the peak bandwidth; the memory the EMA holds beyond its shadow
+    and the peak allocated during one update (``torch.cuda.max_memory_allocated``).
+    Targets: at most 1.25x the 10-byte floor; no shadow-sized staging (at most 64 MiB or
+    1% of the shadow, whichever is larger, held or allocated).
+11. **bema**: one ``BEMA.update()`` (``update_freq=1``) of GPT-2's shapes in fp32 against
+    one flat ``lerp_`` over the same elements, and its peak memory during an update.
+12. **lora**: an EMA of 12 LoRA adapters with GPT-2's shapes (``r=8`` on ``c_attn`` of 6
+    blocks, 147,456 values, frozen base weights shared) against a bare
+    ``torch._foreach_lerp_`` over the adapters: device time per call, and the host time
+    per call (what a GPU user pays per update on a small model). Target: at most 1.2x.
 
 ``--cpu-dry-run`` runs every check's logic on the CPU with tiny sizes, so a GPU session
 meets no surprise: the models are meta tensors, whose values cannot be read on the host at
 all, in place of the sync debug mode (1), the
 profiler is real but CPU-only and its counting is also fed a stub trace with known syncs
 (2), operator calls stand in for kernels (3), a stub graph replays the captured callable
-(4), and times come from ``perf_counter`` (5-8). Its numbers mean nothing.
+(4), times come from ``perf_counter`` (5-8, 10-12), and memory from the profiler's CPU
+allocation events (10-11). Its numbers mean nothing.
 ``tests/test_bench.py`` runs the dry run.
 """
 
@@ -604,6 +619,209 @@ def check_forward_cast() -> list[dict[str, Any]]:
     return rows
 
 
+# -- 10, 11 and 12: mixed precision, BEMA, LoRA (issue 32) ------------------------------------
+
+
+def gpt2_shapes(dtype: torch.dtype) -> nn.Module:
+    """GPT-2 124M's parameter tensors as plain layers (see
+    ``benchmarks/bench_mixed_precision.py``); 2 blocks and a 4096-word vocabulary in the
+    dry run."""
+    d, layers, vocab = 768, (2 if DRY else 12), (4096 if DRY else 50257)
+    if DRY:
+        d = 64
+    torch.manual_seed(0)
+    kw = {"dtype": dtype, "device": DEVICE}
+    blocks = [
+        nn.ModuleList(
+            [
+                nn.LayerNorm(d, **kw),
+                nn.Linear(d, 3 * d, **kw),
+                nn.Linear(d, d, **kw),
+                nn.LayerNorm(d, **kw),
+                nn.Linear(d, 4 * d, **kw),
+                nn.Linear(4 * d, d, **kw),
+            ]
+        )
+        for _ in range(layers)
+    ]
+    embed = [nn.Embedding(vocab, d, **kw), nn.Embedding(1024, d, **kw)]
+    return nn.ModuleList([*embed, *blocks, nn.LayerNorm(d, **kw)])
+
+
+def floor_lerp(n: int, repeats: int) -> float:
+    """Seconds of one ``lerp_`` over a flat float32 tensor of ``n`` elements (12 bytes per
+    element moved: two read, one written)."""
+    a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    return time_per_call(lambda: a.lerp_(b, 1e-3), repeats)
+
+
+def allocated() -> int:
+    """Bytes the caching allocator holds for tensors now (0 on the CPU)."""
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def peak_during(fn: Callable[[], object]) -> int:
+    """Bytes allocated by ``fn`` above what was allocated before it: the CUDA allocator's
+    peak, or on the CPU the sum of the profiler's allocation events (an upper bound)."""
+    if DEVICE == "cuda":
+        sync()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        sync()
+        return torch.cuda.max_memory_allocated() - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+
+
+def held_bytes(build: Callable[[], object], shadow_bytes: int) -> tuple[object, float]:
+    """``build()`` and the bytes it keeps allocated beyond ``shadow_bytes`` (CUDA; on the
+    CPU, where torch keeps no count, the storages of the EMA's state it can see)."""
+    sync()
+    before = allocated()
+    obj = build()
+    sync()
+    return obj, float(allocated() - before - shadow_bytes)
+
+
+def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
+    model = gpt2_shapes(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    shadow = n * 4
+    limit = max(64 * 2**20, shadow // 100)
+    floor12 = floor_lerp(n, repeats)
+    peak, source = peak_bandwidth_gbps()
+    rows: list[dict[str, Any]] = [
+        {
+            "contender": "floor: one fp32 lerp_ (12 B/element)",
+            "elements": n,
+            "us": floor12 * 1e6,
+            "GB_per_s": 12 * n / floor12 / 1e9,
+            "peak_GB_per_s": peak,
+            "peak_source": source,
+        }
+    ]
+    paths = {"default": None, "use_foreach=True": True, "use_foreach=False": False}
+    for name, use_foreach in paths.items():
+        ema, extra = held_bytes(
+            lambda uf=use_foreach: emakit.EMA(model, ema_dtype=torch.float32, use_foreach=uf, **KW),
+            shadow,
+        )
+        ema.update()  # type: ignore[attr-defined]
+        ema.update()  # type: ignore[attr-defined]
+        t = time_per_call(ema.update, repeats)  # type: ignore[attr-defined]
+        during = peak_during(ema.update)  # type: ignore[attr-defined]
+        if DEVICE != "cuda":
+            extra = float(staging_bytes(ema))
+        row = {
+            "contender": f"emakit {name}, ema_dtype=float32",
+            "us": t * 1e6,
+            "x_10B_floor": t / (floor12 * 10 / 12),
+            "bytes_per_element": 12 * t / floor12,
+            "held_beyond_shadow_MiB": extra / 2**20,
+            "peak_during_update_MiB": during / 2**20,
+            "limit_MiB": limit / 2**20,
+        }
+        memory_ok = extra <= limit and during <= limit
+        row["ok"] = memory_ok if DRY else memory_ok and row["x_10B_floor"] <= 1.25
+        rows.append(row)
+        del ema
+    return rows
+
+
+def staging_bytes(ema: Any) -> int:
+    """The bytes of the buffers an EMA's plan stages the weights through (on the CPU, where
+    torch keeps no allocation count, what stands in for the held memory)."""
+    plan = ema.tracker.plan()
+    views = [v for g in plan.groups for r in g.lerp.rounds for v in r[0]]
+    views += [v for g in plan.groups for t in (g.lerp, g.copy) for v in t.stage_dst]
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in views}
+    return sum(storages.values())
+
+
+def check_bema(repeats: int) -> list[dict[str, Any]]:
+    model = gpt2_shapes(torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    floor = floor_lerp(n, repeats)
+    bema, extra = held_bytes(lambda: emakit.BEMA(model, update_freq=1), 0)
+    for _ in range(3):
+        bema.update()  # type: ignore[attr-defined]
+    t = time_per_call(bema.update, repeats)  # type: ignore[attr-defined]
+    during = peak_during(bema.update)  # type: ignore[attr-defined]
+    return [
+        {
+            "contender": "floor: one fp32 lerp_ over the same elements",
+            "elements": n,
+            "us": floor * 1e6,
+        },
+        {
+            "contender": "emakit BEMA(update_freq=1).update()",
+            "us": t * 1e6,
+            "x_floor": t / floor,
+            "copies_of_weights_held": extra / (n * 4) if DEVICE == "cuda" else None,
+            "peak_during_update_MiB": during / 2**20,
+            "target_x_floor": 1.3,
+        },
+    ]
+
+
+class LoRA(nn.Module):
+    """12 adapters with GPT-2's LoRA shapes (``r=8`` on ``c_attn``, 6 blocks) beside
+    frozen base weights, without peft."""
+
+    def __init__(self, blocks: int = 6, d: int = 768, r: int = 8) -> None:
+        super().__init__()
+        self.base = nn.ModuleList([nn.Linear(d, 3 * d) for _ in range(blocks)])
+        self.base.requires_grad_(False)
+        self.lora_A = nn.ParameterList([nn.Parameter(torch.randn(r, d)) for _ in range(blocks)])
+        self.lora_B = nn.ParameterList([nn.Parameter(torch.randn(3 * d, r)) for _ in range(blocks)])
+
+
+def check_lora(repeats: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = LoRA().to(DEVICE)
+    ema = emakit.EMA(model, **KW)
+    for _ in range(3):
+        ema.update()
+    adapters = [p.detach() for p in model.parameters() if p.requires_grad]
+    shadows = [t.clone() for t in adapters]
+
+    def bare() -> None:
+        torch._foreach_lerp_(shadows, adapters, 1e-3)
+
+    rows = []
+    times = {}
+    for name, fn in (
+        ("bare torch._foreach_lerp_ over the adapters", bare),
+        ("emakit EMA", ema.update),
+    ):
+        device_t = time_per_call(fn, repeats, calls=50)
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - t0) / 200
+        sync()
+        times[name] = (device_t, host)
+        rows.append({"contender": name, "tensors": len(adapters), "us": device_t * 1e6})
+        rows[-1]["host_us"] = host * 1e6
+    (bare_t, bare_host), (ema_t, ema_host) = times.values()
+    target = {
+        "contender": "emakit / bare",
+        "ratio": ema_t / bare_t,
+        "host_ratio": ema_host / bare_host,
+    }
+    target["fixed_host_us"] = (ema_host - bare_host) * 1e6
+    if not DRY:
+        target["ok"] = ema_t / bare_t <= 1.2
+    rows.append(target)
+    return rows
+
+
 # -- the run --------------------------------------------------------------------------------
 
 
@@ -619,6 +837,9 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         "bandwidth": lambda: check_bandwidth(30 if not DRY else 2),
         "step_overhead": lambda: check_step_overhead(args.steps, args.batch, 5 if not DRY else 1),
         "forward_cast": check_forward_cast,
+        "mixed_precision": lambda: check_mixed_precision(20 if not DRY else 2),
+        "bema": lambda: check_bema(20 if not DRY else 2),
+        "lora": lambda: check_lora(30 if not DRY else 2),
     }
     report: dict[str, Any] = {"device": device_name(), "torch": torch.__version__, "dry_run": DRY}
     report["emakit"] = emakit.__version__

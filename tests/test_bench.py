@@ -120,7 +120,7 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     checks = report["checks"]
     assert list(checks) == [
         "sync_debug", "profiler_syncs", "kernel_counts", "cuda_graph", "offload", "peers",
-        "bandwidth", "step_overhead", "forward_cast",
+        "bandwidth", "step_overhead", "forward_cast", "mixed_precision", "bema", "lora",
     ]  # fmt: skip
     for name, entry in checks.items():
         assert entry["error"] is None and entry["rows"], (name, entry)
@@ -134,5 +134,16 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     peers = {r["contender"] for r in checks["peers"]["rows"]}
     assert {"emakit default", "AveragedModel + get_ema_multi_avg_fn"} <= peers
     assert any("diffusers" in p for p in peers) and any("timm" in p for p in peers)
+    # issue 32: the mixed-precision update holds no shadow-sized staging buffer and
+    # allocates nothing per update; BEMA and the LoRA EMA are timed against their kernels
+    mixed = checks["mixed_precision"]["rows"]
+    paths = {r["contender"] for r in mixed}
+    assert {f"emakit {p}, ema_dtype=float32" for p in ("default", "use_foreach=True")} <= paths
+    for r in mixed[1:]:
+        assert 0 < r["held_beyond_shadow_MiB"] <= r["limit_MiB"] and r["bytes_per_element"] > 0
+        assert r["peak_during_update_MiB"] == 0.0
+    assert checks["bema"]["rows"][1]["x_floor"] > 0
+    lora = checks["lora"]["rows"]
+    assert lora[0]["tensors"] == 12 and lora[-1]["ratio"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| check | result |" in md and "## Rows for BENCHMARKS.md (GPU section)" in md

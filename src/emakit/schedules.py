@@ -140,7 +140,8 @@ class _Schedule:
         cls._factory = factory
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        fields = [f for f in dataclasses.fields(self) if f.repr]
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields)
         return f"{self._factory}({args})"
 
 
@@ -150,6 +151,16 @@ class _InverseGamma(_Schedule, factory="inverse_gamma"):
     inv_gamma: float
     power: float
     min_value: float
+    # (inv_gamma, 1, min_value, beta) as numpy scalars of each dtype torch may default to,
+    # made once: converting them on every call was half the cost of a call
+    _consts: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        consts = {
+            real: (real(self.inv_gamma), real(1), real(self.min_value), real(self.beta))
+            for real in (np.float32, np.float64)
+        }
+        object.__setattr__(self, "_consts", consts)
 
     def __call__(self, t: int) -> float:
         # ema-pytorch: clamp(1 - (1 + epoch / inv_gamma) ** -power, min_value, beta).item()
@@ -159,18 +170,19 @@ class _InverseGamma(_Schedule, factory="inverse_gamma"):
         if t <= 0:
             return 0.0
         real = np.float64 if torch.get_default_dtype() == torch.float64 else np.float32
-        base = real(t) / real(self.inv_gamma) + real(1)
+        inv_gamma, one, min_value, beta = self._consts[real]
+        base = real(t) / inv_gamma + one
         # torch's CPU pow by a scalar: 1 / sqrt, 1 / x and 1 / (x * x) for the exponents
         # -0.5, -1 and -2, any other std::pow(base, double(exponent)) rounded to the dtype
         if self.power == 0.5:
-            value = real(1) / np.sqrt(base)
+            value = one / np.sqrt(base)
         elif self.power == 1.0:
-            value = real(1) / base
+            value = one / base
         elif self.power == 2.0:
-            value = real(1) / (base * base)
+            value = one / (base * base)
         else:
             value = real(math.pow(base, -self.power))
-        return float(min(max(real(1) - value, real(self.min_value)), real(self.beta)))
+        return float(min(max(one - value, min_value), beta))
 
 
 def _between(value: float, a: float, b: float) -> float:

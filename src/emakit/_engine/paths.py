@@ -14,6 +14,14 @@ on every update, with no branch on the implementation in between:
   spans, read in place or through a staging buffer: the one layout of the flat groups,
   the fused MultiEMA pass (`emakit._engine.fused`) and BEMA's work (`emakit._engine.bema`).
 
+**Another dtype on the same device** (an fp32 shadow of a bf16 model, ``ema_dtype``): on
+every path the averaged pairs are cast through one small buffer that stays in the cache
+(`cast_rounds()`): for each window of `CAST_CHUNK_BYTES` the sources are copied (cast)
+into it, then the shadow takes ``lerp_`` from it. One pass over memory (read the weights,
+read and write the shadow), no buffer the size of the shadow, nothing allocated per update,
+and the bits of ``shadow.lerp_(online.to(shadow.dtype), w)``: a cast is exact and
+``lerp_`` is elementwise.
+
 Every path takes ``groups`` (`Group`, one per decay group, device and dtype) and the
 lerp weight of each decay group: ``lerp(groups, weights)``, ``copy(groups)``. What
 happens around a path is not in it: `stage()` copies the online tensors into staging
@@ -32,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import local_tensor
-from .flat import aligned, span, split_runs
+from .flat import ALIGN, aligned, span, split_runs
 from .kernels import copy_each, multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
 
@@ -53,6 +61,18 @@ no_autograd = (
 #: supports); without it every freshness check compares every pointer.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
+#: Bytes of the buffer an averaged pair of another dtype on the same device is cast through
+#: (`cast_rounds()`), by device type (others: ``"default"``). Measured on GPT-2 124M's shapes
+#: on a 2-core CPU (``benchmarks/bench_mixed_precision.py --speed``, BENCHMARKS.md): 256 KiB
+#: windows pay per-call overhead (2.7x the floor), 1-8 MiB cost about the same, 16 MiB
+#: spill out of the cache. On an accelerator, large enough that the launches of two
+#: kernels per window stay below their run time (``benchmarks/gpu_check.py`` measures it).
+CAST_CHUNK_BYTES = {"cpu": 4 << 20, "default": 16 << 20}
+
+#: One window of a cast: ``_foreach_copy_(buffer views, sources)``, then
+#: ``_foreach_lerp_(shadow pieces, buffer views, w)``.
+Round = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
+
 
 @dataclass
 class Transfer:
@@ -61,7 +81,10 @@ class Transfer:
     ``stage_dst``/``stage_src``: the staging copies that must happen first (flat groups
     whose online tensors have another dtype or device, and every group of a staged plan);
     ``src`` then holds views of the staging buffer. ``convert``: some source differs from
-    its destination in dtype or device (the per-tensor paths cast on the fly).
+    its destination in dtype or device (the per-tensor paths cast on the fly). ``rounds``:
+    the averaged pairs of another dtype on the same device, cast window by window through
+    one small buffer (see `cast_rounds()`); ``dst``/``src`` then hold the pairs themselves
+    (copies cast on the fly).
     """
 
     dst: list[Tensor] = field(default_factory=list)
@@ -69,6 +92,7 @@ class Transfer:
     stage_dst: list[Tensor] = field(default_factory=list)
     stage_src: list[Tensor] = field(default_factory=list)
     convert: bool = False
+    rounds: list[Round] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +117,11 @@ class Pointers:
             for i in run if every else (run[0], run[-1]):
                 self.tensors.append(side[i])
                 self.ptrs.append(side[i].data_ptr())
+
+    def watch(self, tensors: Sequence[Tensor]) -> None:
+        """Guard each of ``tensors``, lone ones too (views of them were made now)."""
+        self.tensors += tensors
+        self.ptrs += map(Tensor.data_ptr, tensors)
 
     def seal(self) -> None:
         """Record the use counts of the storages under the guarded spans."""
@@ -184,11 +213,94 @@ def pair_spans(
     return dst, src, stage_dst, stage_src
 
 
+def _memory(t: Tensor) -> Tensor:
+    """A dense tensor's elements as one 1-D view, in the order they sit in memory."""
+    t = t.detach()
+    if t.is_contiguous():
+        return t.view(-1)
+    return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+
+
+def _same_layout(d: Tensor, s: Tensor) -> bool:
+    """Whether ``d`` and ``s`` hold their elements in the same order in memory, densely."""
+    if d.is_contiguous() and s.is_contiguous():
+        return True
+    formats = (torch.channels_last, torch.channels_last_3d)
+    return d.stride() == s.stride() and any(d.is_contiguous(memory_format=f) for f in formats)
+
+
+def cast_rounds(
+    dsts: Sequence[Tensor], srcs: Sequence[Tensor], *, flat: bool, pointers: Pointers
+) -> list[Round]:
+    """Pairs ``(dsts[i], srcs[i])`` of one device, the sources of another dtype, cut into
+    windows cast through one reused buffer of `CAST_CHUNK_BYTES` (see the module docstring).
+
+    The pairs are laid out one after another in a virtual buffer, as the destinations sit
+    in memory (``flat``: runs of adjacent destinations as one span, their alignment padding
+    included and staged as zeros, so the padding stays zero; runs smaller than a window
+    packed tightly, larger ones aligned), and the virtual buffer is cut
+    into windows of the real one's size: a tensor larger than a window is split across
+    windows, small ones share a window. A pair whose two sides are laid out differently in
+    memory (other strides) takes a window of its own, in its shape; the buffer grows to the
+    largest such tensor. ``pointers`` guards every tensor viewed here.
+    """
+    ref = dsts[0]
+    per = CAST_CHUNK_BYTES.get(ref.device.type, CAST_CHUNK_BYTES["default"])
+    size = aligned(max(1, per // ref.element_size()))
+    pairs = [(i, d, s) for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)) if d.numel()]
+    same = [i for i, d, s in pairs if _same_layout(d, s)]
+    whole = [i for i, d, s in pairs if not _same_layout(d, s)]
+    runs = split_runs([[dsts[i] for i in same]]) if flat else [[k] for k in range(len(same))]
+    zeros = torch.zeros(ALIGN, dtype=ref.dtype, device=ref.device)
+    lerps: list[tuple[int, Tensor]] = []  # (where in the virtual buffer, shadow 1-D view)
+    copies: list[tuple[int, Tensor]] = []  # (where, 1-D source view, or zeros for padding)
+    end = 0
+    for run in runs:
+        idx = [same[k] for k in run]
+        one = len(idx) == 1
+        shadow = _memory(dsts[idx[0]]) if one else span([dsts[i] for i in idx])
+        # small runs packed tightly (many small tensors share a window), large ones aligned
+        start = aligned(end) if shadow.numel() >= size else end
+        base = int(dsts[idx[0]].storage_offset())
+        lerps.append((start, shadow))
+        for j, i in enumerate(idx):
+            at = start + int(dsts[i].storage_offset()) - base
+            if j and at > end:  # alignment padding inside the span: staged as zeros
+                copies.append((end, zeros[: at - end]))
+            copies.append((at, _memory(srcs[i])))
+            end = at + dsts[i].numel()
+    largest = max((dsts[i].numel() for i in whole), default=0)
+    buffer = torch.zeros(max(min(size, end), largest), dtype=ref.dtype, device=ref.device)
+    rounds: list[Round] = [([], [], [], []) for _ in range(-(-end // size))]
+    for items, lerp in ((copies, False), (lerps, True)):
+        for start, t in items:
+            pos, stop = start, start + t.numel()
+            while pos < stop:  # cut at the windows' edges
+                k = pos // size
+                cut = min(stop, (k + 1) * size)
+                piece, view = t[pos - start : cut - start], buffer[pos - k * size : cut - k * size]
+                cd, cs, ld, ls = rounds[k]
+                if lerp:
+                    ld.append(piece)
+                    ls.append(view)
+                else:
+                    cd.append(view)
+                    cs.append(piece)
+                pos = cut
+    for i in whole:
+        view = buffer[: dsts[i].numel()].view(dsts[i].shape)
+        rounds.append(([view], [srcs[i]], [dsts[i]], [view]))
+    pointers.watch([*dsts, *srcs])
+    return [r for r in rounds if r[2]]
+
+
 def build_groups(
     pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool, staged: bool = False
 ) -> list[Group]:
     """The groups of ``pairs`` for one direction (online -> shadow, or back): per tensor,
-    or as spans when ``flat`` (always through staging buffers when ``staged``)."""
+    or as spans when ``flat`` (always through staging buffers when ``staged``). Averaged
+    pairs of another dtype on the same device are cast window by window (`cast_rounds()`)
+    on every path, unless ``staged``."""
     groups: dict[tuple, Group] = {}
     for p in pairs:
         dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
@@ -202,17 +314,20 @@ def build_groups(
         transfer.dst.append(dst)
         transfer.src.append(src)
         transfer.convert = key[:2] != key[2:]
-    if flat or staged:
-        for g in groups.values():
-            dst, src = g.first
+    for g in groups.values():
+        dst, src = g.first
+        cast = to_shadow and not staged and dst.device == src.device and dst.dtype != src.dtype
+        if cast and g.lerp.dst:
+            g.lerp.rounds = cast_rounds(g.lerp.dst, g.lerp.src, flat=flat, pointers=g.pointers)
+        if flat or staged:
             stages = staged or (dst.dtype, dst.device) != (src.dtype, src.device)
             for t in (g.lerp, g.copy):
-                if t.dst:
+                if t.dst and not cast:
                     (t.dst,), t.src, t.stage_dst, t.stage_src = pair_spans(
                         [t.dst], t.src, staged=stages, pointers=g.pointers
                     )
                     t.convert = False  # the spans read sources of their own dtype and device
-            g.pointers.seal()
+        g.pointers.seal()
     return list(groups.values())
 
 
@@ -250,7 +365,11 @@ class Path:
             if g.copy.dst:
                 self.copy_each(g.copy.dst, g.copy.src)
             t = g.lerp
-            if t.dst:
+            if t.rounds:
+                for cast_dst, cast_src, dst, src in t.rounds:
+                    self.copy_each(cast_dst, cast_src)
+                    self.lerp_same(dst, src, weights[g.decay_group])
+            elif t.dst:
                 lerp = self.lerp_cast if t.convert else self.lerp_same
                 lerp(t.dst, t.src, weights[g.decay_group])
 

@@ -81,7 +81,10 @@ class Plan:
         #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
         self.on_accelerator = bool(self.pairs) and self.pairs[0].online.is_cuda
         #: Kernels (spans or tensors) one averaging update touches, summed over groups.
-        self.num_kernels = sum(len(g.lerp.dst) + len(g.copy.dst) for g in self.groups)
+        self.num_kernels = sum(
+            sum(len(r[2]) for r in g.lerp.rounds) or len(g.lerp.dst) + len(g.copy.dst)
+            for g in self.groups
+        )
         #: One more than the highest decay group index among the pairs.
         self.num_decay_groups = 1 + max((p.group for p in self.pairs), default=0)
 
