@@ -19,6 +19,11 @@ _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
+import _peers  # noqa: E402
+
+# timm's comparison tests beside a CPU torch with PyPI's (CUDA) torchvision: see _peers.
+_peers.allow_torchvision_without_its_extension()
+
 
 def pytest_collection_finish(session) -> None:
     # mypy is the suite's slowest check on a cold cache: run it alongside the other tests.

@@ -11,11 +11,13 @@ CUDA build and its nvidia-* packages, even over a CPU wheel). This script instal
    (``0.28.0+cpu``) from the PyTorch index of that build
    (``https://download.pytorch.org/whl/cpu``; ``--index-url`` to change it): PyPI's
    torchvision wheel for Linux is a CUDA build, whose C++ extension does not load beside
-   a CPU torch, and then ``import torchvision`` fails;
+   a CPU torch. Where that index cannot be reached, it takes PyPI's wheel of the same
+   release: the test process then defines the two operator schemas torchvision expects
+   from its extension (``tests/_peers.py``), so that its Python code, and timm, import;
 2. timm, with a constraints file that pins torch and torchvision to the installed
    versions, so pip can change neither.
 
-Then it checks ``import timm.utils`` in a fresh interpreter. When no matching torchvision
+Then it checks ``import timm.utils`` in a fresh interpreter, as the tests import it. When no matching torchvision
 can be installed, or timm does not import, it uninstalls what it installed and exits 0
 (``--strict``: 1) saying why: the timm tests then skip.
 
@@ -70,10 +72,18 @@ def pip(*args: str, report: bool = False) -> list[str]:
     return [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items]
 
 
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+CHECK = (
+    f"import sys; sys.path.insert(0, {str(TESTS)!r}); import _peers; "
+    "_peers.allow_torchvision_without_its_extension(); import timm.utils, timm.models"
+)
+
+
 def imports_timm() -> str | None:
-    """None when ``import timm.utils`` works in a fresh interpreter, else its error."""
+    """None when ``import timm.utils`` works in a fresh interpreter set up as the tests
+    set themselves up (``tests/_peers.py``), else its error."""
     check = subprocess.run(
-        [sys.executable, "-c", "import timm.utils, timm.models"],
+        [sys.executable, "-c", CHECK],
         capture_output=True,
         text=True,
     )
@@ -103,7 +113,15 @@ def main() -> int:
     try:
         planned = pip("--no-deps", tv_spec, *tv_index, report=args.dry_run)
     except subprocess.CalledProcessError:
-        return give_up(f"no {tv_spec} for torch {torch_version}", [])
+        if not build:
+            return give_up(f"no {tv_spec} for torch {torch_version}", [])
+        print(
+            f"install_peers: {tv_spec} not reachable; taking torchvision=={tv_version} from the default index"
+        )
+        try:
+            planned = pip("--no-deps", f"torchvision=={tv_version}", report=args.dry_run)
+        except subprocess.CalledProcessError:
+            return give_up(f"no torchvision {tv_version} for torch {torch_version}", [])
     with tempfile.TemporaryDirectory() as tmp:
         constraints = Path(tmp, "constraints.txt")
         pins = [f"torch=={torch_version}"]
