@@ -44,9 +44,9 @@ from ..._dist.deepspeed import ZeroPartitions
 from ...errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
 from ..karras import KarrasEMA
 from ..math import PostHocWarning
-from .folder import FolderLock, first_write_warnings, own_path
+from .folder import FolderLock, collect_frozen_files, first_write_warnings, own_path
 from .format import SnapshotInfo, snapshot_filename, snapshot_header, write_snapshots
-from .frozen import collect_frozen_files, frozen_part, snapshot_tensors
+from .frozen import frozen_part, snapshot_tensors
 from .shards import is_sharded, model_blocks, shard_header
 
 __all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable"]

@@ -38,7 +38,7 @@ from ..._validate import optional_integer
 from ...errors import EMAStateError, EMAValueError
 from ..karras import resolve_profile
 from ..math import PostHocWarning, WeightSolution, gamma_to_sigma_rel, solve_weights
-from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run
+from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run, skipped_files
 from ..snapshots.format import SnapshotInfo, open_snapshot
 from ..snapshots.legacy import LegacyProfiles
 from ..snapshots.shards import is_sharded, model_blocks
@@ -131,9 +131,16 @@ def pick_snapshots(
     ([`pick_run()`][emakit.posthoc.snapshots.folder.pick_run]), ema-pytorch's read with ``legacy``.
 
     Raises:
-        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
+        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``;
+            files that look like snapshots but were all skipped (unreadable, or their side
+            files missing or damaged: the message names them).
     """
     snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
+    if not snaps and (skipped := skipped_files(folder)):  # files there, none readable: why
+        raise EMAStateError(
+            f"no usable post-hoc EMA snapshots in {str(folder)!r}: {len(skipped)} file(s) "
+            f"were skipped: {'; '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}"
+        )
     if legacy is None and (stray := list_legacy_files(folder)):
         raise EMAStateError(
             f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
@@ -167,8 +174,9 @@ def plan_synthesis(
             above ``1/sqrt(12)`` gamma < 0: more weight on early iterates). Give this or
             ``gamma``.
         gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382).
-        step: the target step; only snapshots taken at or before it are used. Default
-            None: the latest snapshot's step.
+        step: the target step, from the first snapshot's step to the last's (after the
+            last snapshot the EMA was never recorded: refused); only snapshots taken at or
+            before it are used. Default None: the latest snapshot's step.
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
             which are then used with emakit's snapshots. Default None: the folder must
             hold none.
@@ -184,14 +192,15 @@ def plan_synthesis(
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
-            ``step`` before the first snapshot; a ``run`` with no snapshots.
+            ``step`` before the first snapshot or after the last; a ``run`` with no
+            snapshots.
         EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
             profile index ``legacy`` does not cover; snapshots of several runs and no
-            ``run``.
+            ``run``; snapshot files that were all skipped (see `pick_snapshots()`).
 
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
-            step far after the last snapshot), the weights amplify the snapshots'
+            step far between two snapshots), the weights amplify the snapshots'
             rounding noticeably, or the solve fell back to least squares.
     """
     sigma_rel, gamma = resolve_profile(sigma_rel, gamma)
@@ -202,14 +211,19 @@ def plan_synthesis(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
             f"written by PostHocEMA); train with PostHocEMA and call checkpoint() first"
         )
+    first, last = min(s.step for s in snaps), max(s.step for s in snaps)
     if step is None:
-        step = snaps[-1].step
-    usable = tuple(s for s in snaps if s.step <= step)
-    if not usable:
+        step = last
+    if not first <= step <= last:
+        # After the last snapshot the EMA was never recorded: refused, however close.
+        where = f"before the first snapshot (step {first})"
+        if step > last:
+            where = f"after the last snapshot (step {last}), after which the EMA was not recorded"
         raise EMAValueError(
-            f"step={step} is before the first snapshot (step {snaps[0].step}) in "
-            f"{str(folder)!r}; pass a step in [{snaps[0].step}, {snaps[-1].step}]"
+            f"step={step} is {where} in {str(folder)!r}; pass a step in [{first}, {last}], "
+            f"or none for the last snapshot's step"
         )
+    usable = tuple(s for s in snaps if s.step <= step)
     coarse = [s for s in usable if s.is_legacy and s.update_every > 1]
     if coarse:
         warnings.warn(
@@ -220,8 +234,16 @@ def plan_synthesis(
             PostHocWarning,
             stacklevel=2,
         )
-    solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
     last = max(s.step for s in usable)
+    try:
+        solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
+    except EMAValueError as e:
+        if step == last:
+            raise
+        raise EMAValueError(
+            f"step={step}: {e}; the last snapshot at or before it is at step {last}: pick a "
+            f"step that has a snapshot"
+        ) from e
     buffers_from = min(
         (s for s in usable if s.step == last),
         key=lambda s: (_profile_distance(s.gamma, gamma), s.path.name),
@@ -250,8 +272,9 @@ def _poor_fit_reason(
     usable: tuple[SnapshotInfo, ...], step: int, sigma_rel: float, gamma: float
 ) -> str:
     """Why the fit is poor, and what to change: the target step lies after the last
-    snapshot, the target length lies outside the tracked ones, or the snapshots are too
-    few (too far apart) for the profile; each checked, not assumed."""
+    snapshot at or before it (between two snapshots), the target length lies outside the
+    tracked ones, or the snapshots are too few (too far apart) for the profile; each
+    checked, not assumed."""
     steps = sorted({s.step for s in usable})
     last = steps[-1]
     reasons = []
