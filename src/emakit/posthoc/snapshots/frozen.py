@@ -241,7 +241,8 @@ class _Hashed(Mapping[str, Tensor]):
     file once."""
 
     def __init__(self, side: SafetensorsFile, keep: Iterable[str] = ()) -> None:
-        self.side, self.keep, self.kept = side, set(keep), {}
+        self.side, self.keep = side, set(keep)
+        self.kept: dict[str, Tensor] = {}
 
     def __getitem__(self, name: str) -> Tensor:
         t = self.side.get(name)
