@@ -161,6 +161,23 @@ def test_an_intact_side_file_reads_as_before(folder: Path, pristine: Path):
     assert out.exit_code == 0 and "SHA-256 checked" in out.output, out.output
 
 
+def test_a_damaged_side_file_is_written_again_by_the_next_snapshot(tmp_path: Path):
+    """The writer never points new snapshots at a side file whose bytes do not hash to
+    their digest: it writes the file again (from the model's intact weights), which heals
+    the earlier snapshots too (same digest, same bytes)."""
+    folder = tmp_path / "snaps"
+    torch.manual_seed(0)
+    net = Lora()
+    ema = PostHocEMA(net, checkpoint_folder=folder, **KW)
+    train(net, ema, range(8))
+    side = side_file(folder)
+    good = side.read_bytes()
+    flip(side, data_start(side) + 5)
+    train(net, ema, range(8, 12))
+    assert side_file(folder) == side and side.read_bytes() == good
+    assert set(quiet_synthesize(folder, sigma_rel=0.1)) == set(Lora().state_dict())
+
+
 # -- item 4: an output never replaces a file the snapshots are made of --------------------------
 
 
@@ -263,6 +280,17 @@ def test_a_deeply_nested_pointer_or_config_file_is_an_ema_error(tmp_path: Path):
     (diffusers / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     with pytest.raises(EMAError, match=r"config\.json"):
         load_foreign_state(EMA(nn.Linear(2, 2)), diffusers)
+
+
+def test_a_deeply_nested_safetensors_header_is_an_ema_error(tmp_path: Path):
+    path = tmp_path / "deep.safetensors"
+    blob = ('{"a":' + DEEP + "}").encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(EMAStateError, match=r"deep\.safetensors is not a readable"):
+        load_ema_weights(EMA(nn.Linear(2, 2)), path)
+    out = CliRunner().invoke(inspect_cmd, [str(path)])
+    assert out.exit_code == 1 and "not a readable safetensors file" in out.output
 
 
 def test_a_deeply_nested_shard_layout_is_a_malformed_header(tmp_path: Path):
