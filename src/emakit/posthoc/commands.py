@@ -797,7 +797,8 @@ def inspect_cmd(
 
     For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and
     size, and ema-pytorch's <index>.<step>.pt files (listed, or with --legacy-sigma-rels
-    read as those profiles); a folder holding several runs needs --run. For a file: its
+    read as those profiles); a folder holding several runs needs --run. Side files of
+    frozen weights are read whole, their SHA-256 checked. For a file: its
     header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
     EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
     save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,
