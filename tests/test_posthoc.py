@@ -868,6 +868,8 @@ def test_poor_reconstruction_warns(runs: dict):
     _, folder = runs[10]
     assert synthesis_module.RESIDUAL_WARN == 0.1
     with pytest.warns(PostHocWarning, match="only roughly"):
+        plan_synthesis(folder, sigma_rel=0.01)  # far shorter than the tracked 0.05
+    with pytest.raises(EMAValueError, match="after the last snapshot"):  # issue 30, item 20
         plan_synthesis(folder, sigma_rel=0.2, step=5000)  # 1000 steps after the last snapshot
 
 

@@ -34,7 +34,8 @@ from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
 from emakit.posthoc.commands import inspect_cmd, synthesize
 from emakit.posthoc.snapshots import format as snapshots_module
 from emakit.posthoc.snapshots import frozen as frozen_module
-from emakit.posthoc.snapshots.frozen import collect_frozen_files, is_side_file
+from emakit.posthoc.snapshots.folder import collect_frozen_files
+from emakit.posthoc.snapshots.frozen import is_side_file
 
 SIGMAS = (0.05, 0.28)
 KW: dict[str, Any] = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4)

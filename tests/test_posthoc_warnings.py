@@ -1,13 +1,15 @@
-"""A poor post-hoc fit warns with its real cause: a target step after the last snapshot,
-a length outside the tracked ones, or too few snapshots."""
+"""A poor post-hoc fit warns with its real cause: a target step after the last snapshot
+at or before it, a length outside the tracked ones, or too few snapshots; a target step
+after the folder's last snapshot is refused."""
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
-from emakit import PostHocEMA, PostHocWarning
+from emakit import EMAValueError, PostHocEMA, PostHocWarning
 from emakit.posthoc import plan_synthesis
 
 
@@ -38,13 +40,18 @@ def message(folder, **target) -> str:
     return poor[0]
 
 
-def test_target_step_after_the_last_snapshot(tmp_path):
+def test_target_step_after_the_last_snapshot_is_refused(tmp_path):
+    """After the last snapshot the EMA was never recorded: one rule, an error naming the
+    last snapshot's step, however close the step (issue 30, item 20; a step between two
+    snapshots warns as below, see test_posthoc.py::test_buffers_come_from_the_latest_snapshot)."""
     run(tmp_path, 1000, 50)
-    text = message(tmp_path, sigma_rel=0.1, step=1300)
-    assert "the last usable snapshot is at step 1000, 300 step(s) before the target" in text
-    assert "pick a step that has a snapshot" in text
-    assert "too few" not in text
-    assert "outside" not in text
+    for step in (1001, 1300, 10**6):
+        with pytest.raises(EMAValueError, match=rf"step={step} is after the last snapshot"):
+            plan_synthesis(tmp_path, sigma_rel=0.1, step=step)
+    with pytest.raises(
+        EMAValueError, match=r"after the last snapshot \(step 1000\).* \[50, 1000\]"
+    ):
+        plan_synthesis(tmp_path, sigma_rel=0.1, step=1300)
 
 
 def test_target_outside_the_tracked_lengths(tmp_path):

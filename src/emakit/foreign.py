@@ -13,7 +13,6 @@ model) raises an [`EMAError`][emakit.errors.EMAError] that names the source and 
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -24,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._files.reading import open_regular, torch_load
+from ._files.reading import open_regular, parse_json, torch_load
 from ._files.safetensors_file import read_safetensors
 from .checkpoint import check_ema, emakit_header, load_weights, tied_names
 from .ema import EMA
@@ -94,8 +93,8 @@ def _describe(obj: Any) -> str:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and malformed JSON included
         raise EMAStateError(
             f"{path} is not a readable JSON file ({type(e).__name__}: {e}); the folder may "
             f"be incomplete or corrupt"
@@ -288,6 +287,7 @@ def _refuse_uncounted(ema: EMA, source: str) -> None:
         f"checkpoint), or for a checkpoint written with Lightning's EMAWeightAveraging "
         f"pass the whole checkpoint (or its path), whose averaging_state has the count"
     )
+
 
 def _warn_unaveraged_buffers(ema: EMA, source: str) -> None:
     """Say so when ``ema`` averages floating buffers, which torch_ema leaves alone."""

@@ -55,7 +55,7 @@ from torch.futures import Future
 
 from ..errors import EMAFileNotFoundError, EMAStateError
 from .atomic import atomic_write_bytes, fsync_dir
-from .reading import open_regular
+from .reading import open_regular, parse_json
 
 #: The pointer file naming a checkpoint folder's current version.
 POINTER = "emakit-sharded.json"
@@ -84,7 +84,7 @@ def read_pointer(folder: Path) -> str | None:
     except EMAFileNotFoundError:
         return None
     try:
-        pointer = json.loads(raw.decode("utf-8"))
+        pointer = parse_json(raw.decode("utf-8"))
         current = pointer["current"]
         ok = pointer.get("format") == SHARDED_FORMAT and isinstance(current, str)
     except (ValueError, TypeError, KeyError, AttributeError):

@@ -9,6 +9,7 @@
 * `write_errors()` turns an ``OSError`` while writing (disk full, read-only file
   system) into an [`EMAWriteError`][emakit.errors.EMAWriteError] that names the file and keeps the
   ``errno``.
+* `parse_json()` reads JSON from a file with too-deep nesting reported as malformed JSON.
 * `as_path()` checks a path argument; [`writable_path`][emakit._files.reading.writable_path] refuses, at write time, a file or folder name that is not valid
   UTF-8 (on POSIX a name is bytes, and Python keeps undecodable bytes as surrogates):
   safetensors' own reader, JSON headers and most tools cannot name such a file, so it
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import stat
@@ -142,6 +144,17 @@ def torch_load(path: str | os.PathLike[str], what: str = "file", *, yours: bool 
                 f"{os.fsdecode(path)} could not be read as a torch file with weights_only="
                 f"True ({reason}); {fix}"
             ) from e
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads(text)`` of JSON read from a file, with nesting too deep for Python's
+    parser (a crafted file: a list 100,000 brackets deep) raised as the ``ValueError``
+    that any malformed JSON raises, so a reader's one ``except ValueError`` names the file
+    instead of letting a ``RecursionError`` escape."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply to be read") from None
 
 
 def as_path(name: str, value: object) -> Path:

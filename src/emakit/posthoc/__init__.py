@@ -59,14 +59,18 @@ from .math import (
     solve_weights_stepwise,
 )
 from .posthoc_ema import POSTHOC_STATE_VERSION, PostHocEMA
-from .snapshots.folder import find_snapshot_folder, list_legacy_files, list_snapshots
+from .snapshots.folder import (
+    collect_frozen_files,
+    find_snapshot_folder,
+    list_legacy_files,
+    list_snapshots,
+)
 from .snapshots.format import (
     SNAPSHOT_FORMAT,
     SNAPSHOT_FORMAT_VERSION,
     SnapshotInfo,
     read_snapshot_info,
 )
-from .snapshots.frozen import collect_frozen_files
 from .snapshots.legacy import LegacyFile, LegacyProfiles
 from .synthesis.plan import SynthesisPlan, plan_synthesis, synthesize, synthesize_state_dict
 from .synthesis.sweep import SweepResult, sweep, sweep_lengths

@@ -58,12 +58,14 @@ from .convert import to_ema_pytorch
 from .math import SIGMA_REL_MAX
 from .snapshots.folder import (
     LOCK_NAME,
+    check_output,
     describe_runs,
     find_snapshot_folder,
     list_legacy_files,
     list_snapshots,
     pick_run,
     runs_in,
+    skipped_files,
 )
 from .snapshots.format import (
     SNAPSHOT_FORMAT,
@@ -72,7 +74,7 @@ from .snapshots.format import (
     read_snapshot_info,
     snapshot_sources,
 )
-from .snapshots.frozen import FROZEN_FORMAT, join_frozen
+from .snapshots.frozen import FROZEN_FORMAT, check_side_file, join_frozen
 from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
@@ -89,15 +91,17 @@ def fail(error: BaseException) -> click.ClickException:
 
 
 def numbers(ctx: click.Context, param: click.Parameter, text: str | None) -> list[float] | None:
-    """An option's comma-separated numbers (``0.05,0.1``), as floats."""
+    """An option's comma-separated numbers (``0.05,0.1``), as floats; an empty item
+    (``0.1,,0.2``, a trailing comma) is refused, not dropped."""
+    if text is None:
+        return None
     try:
-        values = [float(part) for part in (text or "").split(",") if part.strip()]
+        return [float(part) for part in text.split(",")]
     except ValueError:
-        values = []
-    if text is not None and not values:
-        message = f"expected comma-separated numbers such as 0.05,0.1, got {text!r}"
-        raise click.BadParameter(message, ctx, param)
-    return None if text is None else values
+        empty = [i + 1 for i, part in enumerate(text.split(",")) if not part.strip()]
+        why = f"; item {empty[0]} is empty" if empty else ""
+        message = f"expected comma-separated numbers such as 0.05,0.1, got {text!r}{why}"
+        raise click.BadParameter(message, ctx, param) from None
 
 
 #: Buffers of torch's norm layers: without an emakit snapshot to say which tensors are
@@ -224,8 +228,8 @@ def progress_bar(
 _STEP = click.option(
     "--step",
     type=click.IntRange(min=1),
-    help="Training step to synthesize at; only snapshots at or before it are used. "
-    "Default: the latest snapshot's step.",
+    help="Training step to synthesize at, from the first snapshot's step to the last's; only "
+    "snapshots at or before it are used. Default: the latest snapshot's step.",
 )
 
 
@@ -237,22 +241,13 @@ SYNTHESIZED_FORMAT_VERSION = 1
 OUTPUT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
-def _inode(path: Path) -> object:
-    """What names the file at ``path`` (through links too): its device and inode, or the
-    path itself when it cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return path
-    return st.st_dev, st.st_ino
-
-
 def _output_paths(
-    out: Path, key: str, values: Sequence[float], inputs: Sequence[Path], force: bool
+    out: Path, key: str, values: Sequence[float], folder: Path, force: bool
 ) -> list[Path]:
     """The output files: ``out``, or one per value named after it, in the format the suffix
-    names (`OUTPUT_FORMATS`). Never one of ``inputs`` (a path to it, a symlink or a hard
-    link); an existing file only with ``force``."""
+    names (`OUTPUT_FORMATS`). Never a file of ``folder``'s snapshots (a path to it, a
+    symlink or a hard link: [`check_output()`][emakit.posthoc.snapshots.folder.check_output]);
+    an existing file only with ``force``."""
     if out.suffix.lower() not in OUTPUT_FORMATS:
         raise click.BadParameter(
             f"{out} has the suffix {out.suffix or '(none)'!r}; synthesize writes "
@@ -269,13 +264,8 @@ def _output_paths(
     if len(set(paths)) != len(paths):
         option = "--" + key.replace("_", "-")
         raise click.BadParameter(f"the values {list(values)} repeat", param_hint=option)
-    given = {_inode(p): p for p in inputs}
     for path in paths:
-        if (same := given.get(_inode(path))) is not None:
-            raise click.ClickException(
-                f"--out {path} is the input snapshot {same}: synthesize never overwrites its "
-                f"inputs; name the output differently"
-            )
+        check_output("--out", path, folder)
         if os.path.lexists(path) and not force:
             raise click.ClickException(
                 f"--out {path} already exists; pass --force to replace it, or choose another name"
@@ -372,9 +362,7 @@ def synthesize(
         folder, profiles = open_folder(folder, **legacy)
         snaps = pick_snapshots(folder, profiles, run)
         plans = [plan_synthesis(folder, step=step, snapshots=snaps, **{key: v}) for v in values]  # type: ignore[arg-type, union-attr]
-        inputs = [f for s in list_snapshots(folder, legacy=profiles) for f in (*s.files, *s.frozen)]
-        inputs += [f.path for f in list_legacy_files(folder)]
-        paths = _output_paths(out, key, values, inputs, force)  # type: ignore[arg-type]
+        paths = _output_paths(out, key, values, folder, force)  # type: ignore[arg-type]
         with progress_bar(progress) as start:
             for plan, path in zip(plans, paths, strict=True):
                 label = f"sigma_rel={plan.sigma_rel:.6g} step={plan.step}"
@@ -500,7 +488,10 @@ def sweep_cmd(
     except (EMAError, OSError) as e:
         raise fail(e) from e
     click.echo(result.table())
-    best, score = result.best
+    try:
+        best, score = result.best
+    except EMAError as e:  # every score NaN: the table is shown, then why there is no best
+        raise fail(e) from e
     click.echo(f"best: sigma_rel={best:.6g} (score {score:.6g}, step {result.step})")
     if plot is not None:
         click.echo(f"wrote {plot}")
@@ -588,8 +579,10 @@ def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None
     known = {p for s in listed for p in (*s.files, *s.frozen)} | {f.path for f in theirs}
     others = [p for p in folder.iterdir() if p.is_file() and p not in known and p.name != LOCK_NAME]
     if not snaps and not theirs:
+        skipped = skipped_files(folder)
         raise click.ClickException(
             f"{folder} holds no emakit post-hoc snapshots ({len(others)} other file(s))"
+            + (f"; {len(skipped)} file(s) skipped: {'; '.join(skipped[:3])}" if skipped else "")
         )
     click.echo(f"post-hoc EMA snapshot folder {folder}")
     runs = runs_in(listed)
@@ -657,9 +650,12 @@ def _snapshot_table(snaps: list[SnapshotInfo]) -> None:
     if sides:
         users = sum(bool(s.frozen) for s in snaps)
         names = len(frozenset().union(*(s.frozen_names for s in snaps)))
+        for side in sides:  # read whole: a damaged side file is named here, not at synthesis
+            check_side_file(side, [p for s in snaps if side in s.frozen for p in s.files])
         click.echo(
             f"frozen weights stored once: {len(sides)} side file(s) ({_size(side_bytes)}, "
-            f"{names} tensors), used by {users} snapshot(s); not counted in the sizes above"
+            f"{names} tensors, SHA-256 checked), used by {users} snapshot(s); not counted in "
+            f"the sizes above"
         )
     ref = next((s for s in reversed(snaps) if not s.is_legacy), snaps[-1])
     _describe(_snapshot_rows(ref), ref.copied, label="each snapshot: ")
@@ -669,6 +665,9 @@ def _inspect_safetensors(path: Path) -> None:
     with SafetensorsFile(path) as f, join_frozen(f) as g:  # a snapshot's frozen tensors too
         meta, rows = dict(f.metadata), [_row(n, g.dtype(n), g.shape(n)) for n in g.keys()]  # noqa: SIM118
     kind = meta.get("format", "(none)")
+    side = path.parent / meta.get("frozen_file", "") if "frozen_file" in meta else None
+    if kind == FROZEN_FORMAT or side is not None:  # its bytes against its digest
+        check_side_file(side or path, [path] if side else [], meta.get("frozen_digest"))
     # every field of a snapshot's header checked; a damaged emakit header is an error
     info = read_snapshot_info(path) if kind == SNAPSHOT_FORMAT else emakit_header(meta, str(path))
     what = TITLES.get(kind, "safetensors file")
@@ -801,7 +800,8 @@ def inspect_cmd(
 
     For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and
     size, and ema-pytorch's <index>.<step>.pt files (listed, or with --legacy-sigma-rels
-    read as those profiles); a folder holding several runs needs --run. For a file: its
+    read as those profiles); a folder holding several runs needs --run. Side files of
+    frozen weights are read whole, their SHA-256 checked. For a file: its
     header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
     EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
     save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,

@@ -527,6 +527,7 @@ class PostHocEMA(nn.Module):
             plot=plot,
             snapshots=lambda: self._on_rank_zero(self._snapshots),
             scorer=scorer,
+            evaluate=evaluate,
         )
 
     # -- forward --------------------------------------------------------------------------

@@ -43,9 +43,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..._files.atomic import LOCKS_AVAILABLE, try_lock
-from ..._files.reading import as_path
-from ..._files.safetensors_file import SafetensorsFile
+from ..._files.atomic import LOCKS_AVAILABLE, TEMP_PREFIX, try_lock
+from ..._files.reading import as_path, parse_json
+from ..._files.safetensors_file import SafetensorsFile, near_format
 from ...errors import (
     EMAError,
     EMAFileNotFoundError,
@@ -63,7 +63,7 @@ from .format import (
     looks_damaged,
     parse_header,
 )
-from .frozen import is_side_file, join_frozen, side_missing
+from .frozen import frozen_ref, is_side_file, join_frozen, side_missing
 from .legacy import LEGACY_NAME, LEGACY_SOURCE, LegacyFile, LegacyProfiles
 from .shards import (
     SHARD_FORMAT,
@@ -72,12 +72,15 @@ from .shards import (
     parse_layout,
     set_frozen_names,
     shard_fields,
+    shard_suffix,
 )
 
 __all__ = [
     "LOCK_NAME",
     "FolderLock",
+    "check_output",
     "check_run_id",
+    "collect_frozen_files",
     "describe_runs",
     "find_snapshot_folder",
     "first_write_warnings",
@@ -87,6 +90,7 @@ __all__ = [
     "own_path",
     "pick_run",
     "runs_in",
+    "skipped_files",
 ]
 
 #: The lock file a writing run holds in its snapshot folder.
@@ -188,6 +192,60 @@ def _legacy_snapshots(
     ]
 
 
+def _read_folder(
+    root: Path,
+) -> tuple[list[SnapshotInfo], list[tuple[ShardEntry, SnapshotInfo]], list[str]]:
+    """The headers of the folder's snapshot files: ``(whole-model snapshots, rank files,
+    why each skipped file was skipped)``."""
+    found: list[SnapshotInfo] = []
+    shards: list[tuple[ShardEntry, SnapshotInfo]] = []
+    skipped: list[str] = []
+    seen: dict = {}  # side files checked
+    for path in sorted(root.iterdir()):  # not emakit's temporary files (".<name>.emakit-tmp-...")
+        name = path.name
+        if name.startswith(".") or not name.endswith(SNAPSHOT_SUFFIX) or is_side_file(name):
+            continue
+        if not path.is_file():
+            continue
+        try:
+            f = SafetensorsFile(path, "snapshot")
+        except EMAError as e:  # unreadable, a FIFO, or a file that vanished since the listing
+            skipped.append(f"skipping {path}: {e}")
+            continue
+        with f:
+            meta = f.metadata
+            kind = meta.get("format")
+            why = side_missing(path, meta, seen) if kind in (SNAPSHOT_FORMAT, SHARD_FORMAT) else ""
+            if why:
+                skipped.append(why)
+            elif kind == SNAPSHOT_FORMAT:
+                found.append(parse_header(path, meta, f))  # a malformed field raises
+            elif kind == SHARD_FORMAT:
+                shards.append(_shard_entry(path, meta, f))
+            elif looks_damaged(meta):
+                skipped.append(
+                    f"skipping {path}: its header is almost a snapshot's but its format is "
+                    f"{kind!r}; the file is damaged"
+                )
+    return found, shards, skipped
+
+
+def skipped_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Why [`list_snapshots()`][emakit.posthoc.snapshots.folder.list_snapshots] skips
+    files of ``folder``, one line per file, each naming it (and, for a snapshot whose side
+    file is missing or damaged, the side file); empty when it skips none. What an error
+    for a folder without usable snapshots says.
+
+    Raises:
+        EMAFileNotFoundError: ``folder`` does not exist.
+        EMAValueError: ``folder`` is not a folder.
+    """
+    try:
+        return _read_folder(_existing_folder(folder))[2]
+    except EMAStateError as e:  # a malformed header: that is why
+        return [str(e)]
+
+
 def list_snapshots(
     folder: str | os.PathLike[str], *, legacy: LegacyProfiles | None = None
 ) -> list[SnapshotInfo]:
@@ -218,37 +276,9 @@ def list_snapshots(
             index is out of range of ``legacy.gammas``.
     """
     root = _existing_folder(folder)
-    found: list[SnapshotInfo] = []
-    shards: list[tuple[ShardEntry, SnapshotInfo]] = []
-    seen: dict = {}  # side files checked
-    for path in sorted(root.iterdir()):  # not emakit's temporary files (".<name>.emakit-tmp-...")
-        name = path.name
-        if name.startswith(".") or not name.endswith(SNAPSHOT_SUFFIX) or is_side_file(name):
-            continue
-        if not path.is_file():
-            continue
-        try:
-            f = SafetensorsFile(path, "snapshot")
-        except EMAError as e:  # unreadable, a FIFO, or a file that vanished since the listing
-            warnings.warn(f"skipping {path}: {e}", PostHocWarning, stacklevel=2)
-            continue
-        with f:
-            meta = f.metadata
-            kind = meta.get("format")
-            why = side_missing(path, meta, seen) if kind in (SNAPSHOT_FORMAT, SHARD_FORMAT) else ""
-            if why:
-                warnings.warn(why, PostHocWarning, stacklevel=2)
-            elif kind == SNAPSHOT_FORMAT:
-                found.append(parse_header(path, meta, f))  # a malformed field raises
-            elif kind == SHARD_FORMAT:
-                shards.append(_shard_entry(path, meta, f))
-            elif looks_damaged(meta):
-                warnings.warn(
-                    f"skipping {path}: its header is almost a snapshot's but its format is "
-                    f"{kind!r}; the file is damaged",
-                    PostHocWarning,
-                    stacklevel=2,
-                )
+    found, shards, skipped = _read_folder(root)
+    for why in skipped:
+        warnings.warn(why, PostHocWarning, stacklevel=2)
     by_path = {e.path: info for e, info in shards}
     for group in complete_sets(e for e, _ in shards):
         infos = [by_path[e.path] for e in group]
@@ -297,6 +327,180 @@ def find_snapshot_folder(folder: str | os.PathLike[str]) -> Path:
             f"subfolders do ({', '.join(repr(str(p)) for p in subs[:5])}); pass one of them"
         )
     return subs[0] if subs else folder
+
+
+# -- the files snapshots are made of ----------------------------------------------------------
+
+#: The header entries that name a snapshot's side file.
+_FROZEN_KEYS = ("frozen_file", "frozen_digest", "frozen_names")
+
+
+def _references(files: Sequence[Path]) -> tuple[set[str], list[Path], list[Path]]:
+    """What the ``.safetensors`` files among ``files`` (side files and emakit's in-flight
+    temporaries left out) say about side files: ``(the names of the side files they refer
+    to, the snapshot and rank files, the files whose references cannot be known)``.
+
+    A file's references cannot be known when its header cannot be read, is almost a
+    snapshot's (`looks_damaged()`), or is a snapshot's whose side-file entries are
+    malformed, partly missing or misspelled (a key one or two characters off): such a
+    file may be a damaged snapshot referring to any side file.
+    """
+    refs: set[str] = set()
+    snapshots: list[Path] = []
+    unknown: list[Path] = []
+    for p in files:
+        name = p.name
+        if not name.endswith(SNAPSHOT_SUFFIX) or TEMP_PREFIX in name or is_side_file(name):
+            continue
+        try:
+            with SafetensorsFile(p, "snapshot") as f:
+                meta = f.metadata
+        except (EMAError, OSError):
+            unknown.append(p)
+            continue
+        if meta.get("format") not in (SNAPSHOT_FORMAT, SHARD_FORMAT):
+            if looks_damaged(meta):
+                unknown.append(p)
+            continue
+        snapshots.append(p)
+        present = [k for k in _FROZEN_KEYS if k in meta]
+        misspelt = [
+            k
+            for k in meta
+            if k not in _FROZEN_KEYS and any(near_format(k, f) for f in _FROZEN_KEYS)
+        ]
+        try:
+            ref = frozen_ref(p, meta)
+        except EMAStateError:
+            ref = None
+        if misspelt or (present and (ref is None or len(present) < len(_FROZEN_KEYS))):
+            unknown.append(p)
+        elif ref is not None:
+            refs.add(ref.file.name)
+    return refs, snapshots, unknown
+
+
+def _check_shard(shard: object) -> tuple[int, int] | None:
+    if shard is None:
+        return None
+    ok = (
+        isinstance(shard, tuple)
+        and len(shard) == 2
+        and all(type(x) is int for x in shard)
+        and 0 <= shard[0] < shard[1]
+    )
+    if not ok:
+        raise EMAValueError(
+            f"shard must be None or (rank, world) with 0 <= rank < world, got {shard=!r}"
+        )
+    return shard  # type: ignore[return-value]
+
+
+def collect_frozen_files(
+    folder: str | os.PathLike[str], run: str | None = None, shard: tuple[int, int] | None = None
+) -> list[Path]:
+    """Remove the side files in ``folder`` that no file there refers to any more.
+
+    Only side files are ever removed: the run's (every run's when ``run`` is None), and
+    with ``shard=(rank, world)`` only that rank's (each rank collects its own). A file that
+    any ``.safetensors`` file in the folder refers to (a snapshot of any run, complete or
+    not) is kept. The rule is conservative: when a ``.safetensors`` file in the folder may
+    be a snapshot but its references cannot be read (its header is unreadable or damaged,
+    or its side-file entries are malformed), it may refer to any side file, so **none is
+    removed** (a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning] names it, when that
+    keeps a file); move the damaged file out of the folder to collect again. A file that
+    cannot be removed is left. The writer calls this after each snapshot.
+
+    Args:
+        folder: the snapshot folder (it must exist).
+        run: the run whose side files may be removed (a run id: letters, digits, ``.``,
+            ``_``, ``-``). Default None: every run's.
+        shard: ``(rank, world)``: only that rank's side files. Default None: the side
+            files of whole-model snapshots (``run`` given), or all (``run`` None).
+
+    Returns:
+        The files removed.
+
+    Raises:
+        EMAFileNotFoundError: ``folder`` does not exist.
+        EMAValueError: ``folder`` is not a folder; ``run`` is not a run id (a path such as
+            ``"../x"``); ``shard`` is not ``(rank, world)``.
+        EMATypeError: ``folder`` is not a path, or ``run`` is not a str.
+    """
+    root = _existing_folder(folder)
+    if run is not None:
+        check_run_id("run", run)
+    part = _check_shard(shard)
+    ending = f".run-{run}{'' if part is None else shard_suffix(*part)}.safetensors"
+    try:
+        files = sorted(root.iterdir())
+    except OSError:
+        return []
+    candidates = [
+        p for p in files if is_side_file(p.name) and (run is None or p.name.endswith(ending))
+    ]
+    if not candidates:  # no side file: no header read
+        return []
+    refs, _, unknown = _references(files)
+    unused = [p for p in candidates if p.name not in refs]
+    if unknown and unused:
+        warnings.warn(
+            f"kept {len(unused)} frozen weights file(s) that no readable snapshot refers to "
+            f"({unused[0].name}{', ...' if len(unused) > 1 else ''}): "
+            f"{', '.join(str(p) for p in unknown[:3])}{' ...' if len(unknown) > 3 else ''} "
+            f"may be a damaged snapshot referring to them (its header cannot be read); move "
+            f"it out of the folder, then call emakit.posthoc.collect_frozen_files",
+            PostHocWarning,
+            stacklevel=2,
+        )
+        return []
+    removed = []
+    for p in unused:
+        with contextlib.suppress(OSError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def _inode(path: Path) -> object:
+    """What names the file at ``path`` (through links too): its device and inode, or the
+    absolute path when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.abspath(path)
+    return st.st_dev, st.st_ino
+
+
+def check_output(name: str, path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
+    """Refuse an output path that is, or links to (a symlink, a hard link), a file the
+    snapshots of ``folder`` are made of: a snapshot or rank file of any run, readable or
+    not (a damaged one), a side file (referred to or not, or named by a snapshot and
+    missing), an ema-pytorch snapshot file. Writing there would destroy snapshots.
+
+    Args:
+        name: the argument's name, for the message (``"--out"``, ``"plot"``).
+        path: the output path.
+        folder: the snapshot folder (nothing is checked when it is not a folder).
+
+    Raises:
+        EMAValueError: ``path`` is such a file (naming it).
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        return
+    files = sorted(root.iterdir())
+    refs, snapshots, unknown = _references(files)
+    inputs = [*snapshots, *unknown, *(root / r for r in refs)]
+    inputs += [p for p in files if is_side_file(p.name)] + [f.path for f in list_legacy_files(root)]
+    given = {_inode(p): p for p in inputs}
+    same = given.get(_inode(Path(path)))
+    if same is not None:
+        raise EMAValueError(
+            f"{name} {os.fspath(path)} is {same}, a file of the input snapshots in "
+            f"{str(root)!r}: emakit never overwrites the snapshots or their side files; "
+            f"name the output differently"
+        )
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -511,7 +715,7 @@ class FolderLock:
 
     def _holder(self) -> str:
         with contextlib.suppress(OSError, ValueError):
-            info = json.loads((self.folder / LOCK_NAME).read_text(encoding="utf-8"))
+            info = parse_json((self.folder / LOCK_NAME).read_text(encoding="utf-8"))
             return f"run {info.get('run')!r} (process {info.get('pid')} on {info.get('host')!r})"
         return "another run"
 

@@ -44,10 +44,17 @@ new digest, hence a new file: it is never read back as the old one. Cheaper sign
 view or an extension kernel changes the bytes without bumping either.
 
 **Removal.** After each snapshot the writer removes its run's side files that no file in
-the folder refers to any more (`collect_frozen_files()`): the file of a value that
+the folder refers to any more ([`collect_frozen_files()`][emakit.posthoc.snapshots.folder.collect_frozen_files]): the file of a value that
 changed, once the snapshots of the old value are gone (deleted by hand, replaced by a
-resumed run); a file still referred to is never removed. Call it yourself after removing
-snapshots.
+resumed run); a file still referred to, or one that a damaged snapshot might refer to, is
+never removed. Call it yourself after removing snapshots.
+
+**Reading.** A side file's bytes are checked when it is read: every tensor is hashed
+(`tensor_digest()`) as it is read and the digest compared with the one its snapshots
+record (`check_side_file()`; a reader of a snapshot reads and hashes the side file once,
+at its first frozen tensor). A damaged file (a flipped bit, a partial copy) raises an
+[`EMAStateError`][emakit.errors.EMAStateError] naming it, its snapshots and both digests,
+instead of giving wrong weights.
 
 `snapshot_tensors()` (the CPU copies a snapshot or a side file stores, floating tensors
 in the snapshot dtype) and `tensor_digest()` apply that one cast rule.
@@ -73,7 +80,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..._files.atomic import TEMP_PREFIX
 from ..._files.safetensors_file import SafetensorsFile
 from ..._version import __version__
 from ...errors import EMAError, EMAStateError
@@ -84,7 +90,7 @@ __all__ = [
     "FROZEN_FORMAT",
     "FrozenJoin",
     "FrozenPart",
-    "collect_frozen_files",
+    "check_side_file",
     "frozen_part",
     "frozen_ref",
     "frozen_tensors",
@@ -193,39 +199,123 @@ def frozen_ref(path: Path, meta: Mapping[str, str]) -> FrozenRef | None:
     return FrozenRef(path.parent / file, digest, names)
 
 
-def _side_file_ok(path: Path, digest: str) -> bool:
-    """Whether ``path`` is a readable side file whose header records ``digest``."""
-    with contextlib.suppress(EMAError), SafetensorsFile(path, "frozen weights file") as f:
-        return f.metadata.get("format") == FROZEN_FORMAT and f.metadata.get("digest") == digest
-    return False
+def _side_problem(path: Path, digest: str) -> str:
+    """What is wrong with ``path`` as the side file recording ``digest`` (its header; the
+    bytes are checked when read, see `check_side_file()`); ``""`` when nothing is."""
+    if not os.path.lexists(path):
+        return "does not exist"
+    try:
+        with SafetensorsFile(path, "frozen weights file") as f:
+            meta = f.metadata
+    except EMAError as e:
+        return f"cannot be read ({e})"
+    if meta.get("format") != FROZEN_FORMAT:
+        return f"is not a frozen weights file (its header format is {meta.get('format')!r})"
+    if meta.get("digest") != digest:
+        return f"records another digest ({meta.get('digest')!r}): it was replaced"
+    return ""
 
 
-def side_missing(path: Path, meta: Mapping[str, str], seen: dict[Any, bool]) -> str:
+def side_missing(path: Path, meta: Mapping[str, str], seen: dict[Any, str]) -> str:
     """Why the snapshot file ``path`` (header ``meta``) cannot be read: its side file is
-    missing or damaged; ``""`` when it has none or it is fine. Listing skips such files.
-    ``seen`` caches the side files checked (one listing's)."""
+    missing or damaged (naming both); ``""`` when it has none or it is fine. Listing skips
+    such files. ``seen`` caches the side files checked (one listing's)."""
     ref = frozen_ref(path, meta)
     if ref is None:
         return ""
     key = (ref.file, ref.digest)
     if key not in seen:
-        seen[key] = _side_file_ok(ref.file, ref.digest)
-    if seen[key]:
+        seen[key] = _side_problem(ref.file, ref.digest)
+    if not seen[key]:
         return ""
     return (
-        f"skipping {path}: its frozen weights file {ref.file.name} is missing or damaged "
-        f"(the side files of a snapshot folder must stay next to its snapshots)"
+        f"skipping {path}: its frozen weights file {ref.file.name} is missing or damaged: it "
+        f"{seen[key]} (the side files of a snapshot folder must stay next to its snapshots: "
+        f"copy or move the folder as a whole)"
     )
+
+
+class _Hashed(Mapping[str, Tensor]):
+    """A side file's tensors read one at a time, as `tensor_digest()` asks for them;
+    those named in ``keep`` are kept (``kept``), so a reader that needs them reads the
+    file once."""
+
+    def __init__(self, side: SafetensorsFile, keep: Iterable[str] = ()) -> None:
+        self.side, self.keep = side, set(keep)
+        self.kept: dict[str, Tensor] = {}
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self.side.get(name)
+        if name in self.keep:
+            self.kept[name] = t
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.side.keys())
+
+    def __len__(self) -> int:
+        return len(self.side.keys())
+
+
+def _verified(
+    side: SafetensorsFile, users: Sequence[Path], keep: Iterable[str] = ()
+) -> dict[str, Tensor]:
+    """Read every tensor of the open side file ``side`` once, hashing it (`tensor_digest()`
+    of the stored tensors), and compare the digest with the one its header and its
+    snapshots (``users``) record; the tensors named in ``keep``, as read.
+
+    Raises:
+        EMAStateError: the digests differ (naming the side file, the snapshots, both
+            digests).
+    """
+    reading = _Hashed(side, keep)
+    actual, expected = tensor_digest(reading, None), side.metadata.get("digest", "")
+    if actual != expected:
+        names = ", ".join(str(p) for p in users[:3]) + (" ..." if len(users) > 3 else "")
+        raise EMAStateError(
+            f"frozen weights file {side.path} is damaged: the SHA-256 of its tensors is "
+            f"{actual}, but the snapshot(s) taking their frozen weights from it ({names}) "
+            f"record {expected}; its bytes changed since it was written (a bad disk, an "
+            f"incomplete copy, an edit). Restore the file from a copy of the folder; "
+            f"without it those snapshots cannot be used"
+        )
+    return reading.kept
+
+
+def check_side_file(path: Path, users: Sequence[Path] = (), digest: str | None = None) -> None:
+    """Check the side file ``path`` whole: its tensors hash to the digest its header
+    records (one read of the file), and that is ``digest`` when given (what its snapshots
+    record). ``users``: the snapshot files that refer to it, for the message.
+
+    Raises:
+        EMAStateError: it is missing, unreadable, not a side file, replaced, or its bytes
+            do not hash to its digest (the message names it and the snapshots).
+    """
+    first = users[0] if users else path
+    try:
+        side = SafetensorsFile(path, "frozen weights file")
+    except EMAError as e:
+        why = f"cannot be read ({e})"
+        raise _side_error(first, FrozenRef(path, digest or "", frozenset()), why) from e
+    with side:
+        recorded = side.metadata.get("digest", "")
+        why = _side_problem(path, recorded if digest is None else digest)
+        if why:
+            raise _side_error(first, FrozenRef(path, recorded, frozenset()), why)
+        _verified(side, users)
 
 
 class FrozenJoin:
     """One snapshot file and its side file read as one: the snapshot's own tensors and,
-    under their names, the frozen ones it takes from the side file."""
+    under their names, the frozen ones it takes from the side file. The side file's bytes
+    are checked against its digest when its first tensor is read (`get()`): the whole
+    file is read and hashed once, then tensors are read as asked."""
 
     def __init__(self, own: SafetensorsFile, side: SafetensorsFile, names: frozenset[str]):
         self.own, self.side, self.names = own, side, names
         self.metadata = own.metadata
         self.path = own.path
+        self.checked = False
 
     def _of(self, name: str) -> SafetensorsFile:
         return self.side if name in self.names else self.own
@@ -243,7 +333,16 @@ class FrozenJoin:
         return self._of(name).dtype(name)
 
     def get(self, name: str) -> Tensor:
-        """A tensor, as stored."""
+        """A tensor, as stored.
+
+        Raises:
+            EMAStateError: ``name`` is in the side file, whose bytes do not hash to its
+                digest.
+        """
+        if name in self.names and not self.checked:
+            kept = _verified(self.side, [self.path], keep=(name,))
+            self.checked = True
+            return kept[name]
         return self._of(name).get(name)
 
 
@@ -301,61 +400,18 @@ def frozen_tensors(
 ) -> dict[str, Tensor]:
     """The frozen tensors a snapshot file (header ``meta``, storing ``own``) takes from its
     side file; empty when it has none. For readers of a snapshot as a plain state dict
-    ([`load_ema_weights()`][emakit.checkpoint.load_ema_weights]).
+    ([`load_ema_weights()`][emakit.checkpoint.load_ema_weights]). The side file is read
+    once, every tensor hashed as it is read and the digest checked.
 
     Raises:
-        EMAStateError: the side file is missing, replaced or incomplete.
+        EMAStateError: the side file is missing, replaced, incomplete, or its bytes do not
+            hash to the digest its snapshot records.
     """
     ref = frozen_ref(Path(path), meta)
     if ref is None:
         return {}
     with _open_side(Path(path), ref, set(own)) as side:
-        return {n: side.get(n) for n in sorted(ref.names)}
-
-
-def collect_frozen_files(
-    folder: str | os.PathLike[str], run: str | None = None, shard: tuple[int, int] | None = None
-) -> list[Path]:
-    """Remove the side files in ``folder`` that no file there refers to any more.
-
-    Only side files are ever removed: the run's (every run's when ``run`` is None), and
-    with ``shard=(rank, world)`` only that rank's (each rank collects its own). A file that
-    any ``.safetensors`` file in the folder refers to (a snapshot of any run, complete or
-    not) is kept; a file whose header cannot be read refers to nothing. Never raises for a
-    file that cannot be read or removed.
-
-    Args:
-        folder: the snapshot folder.
-        run: the run whose side files may be removed. Default None: every run's.
-        shard: ``(rank, world)``: only that rank's side files. Default None: the side
-            files of whole-model snapshots (``run`` given), or all (``run`` None).
-
-    Returns:
-        The files removed.
-    """
-    root = Path(folder)
-    ending = f".run-{run}{'' if shard is None else shard_suffix(*shard)}.safetensors"
-    try:
-        files = sorted(root.iterdir())
-    except OSError:
-        return []
-    candidates = [
-        p for p in files if is_side_file(p.name) and (run is None or p.name.endswith(ending))
-    ]
-    refs: set[str] = set()
-    for p in files if candidates else ():  # no side file: no header read
-        name = p.name
-        if not name.endswith(".safetensors") or TEMP_PREFIX in name or is_side_file(name):
-            continue
-        with contextlib.suppress(EMAError, OSError), SafetensorsFile(p, "snapshot") as f:
-            refs.add(f.metadata.get("frozen_file", ""))
-    removed = []
-    for p in candidates:
-        if p.name not in refs:
-            with contextlib.suppress(OSError):
-                p.unlink()
-                removed.append(p)
-    return removed
+        return _verified(side, [Path(path)], keep=ref.names)  # hashed as read: one read
 
 
 @dataclass(frozen=True)
@@ -430,4 +486,4 @@ def frozen_part(
         return None
     digest = tensor_digest(tensors, dtype)
     path = folder / frozen_filename(digest, run, shard)
-    return FrozenPart(tuple(names), tensors, digest, path, not _side_file_ok(path, digest))
+    return FrozenPart(tuple(names), tensors, digest, path, bool(_side_problem(path, digest)))

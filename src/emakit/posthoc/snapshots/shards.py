@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from ..._dist.collectives import is_rank_zero
 from ..._dist.deepspeed import WORLD_KEY, ZeroPartitions
 from ..._dist.dtensor import is_dtensor
+from ..._files.reading import parse_json
 from ...errors import EMAStateError
 from ..math import PostHocWarning
 
@@ -309,11 +310,13 @@ def header_names(path: Path, meta: Mapping[str, str], key: str, absent: str = ""
     """The header entry ``key`` of a snapshot file: a JSON list of tensor names, checked;
     ``absent`` is read in its place when it is missing (by default, an error)."""
     try:
-        names = json.loads(meta.get(key, absent))
+        names = parse_json(meta.get(key, absent))
     except ValueError:
         names = None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise malformed(path, f"{key}={meta.get(key)!r}: not a JSON list of names")
+        text = repr(meta.get(key))
+        text = text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
+        raise malformed(path, f"{key}={text}: not a JSON list of names")
     return frozenset(names)
 
 
@@ -370,7 +373,7 @@ def parse_layout(
     stored, or None), checked against the tensors the file holds (``stored``: name ->
     shape)."""
     try:
-        raw = json.loads(meta.get("shard_layout", ""))
+        raw = parse_json(meta.get("shard_layout", ""))
     except ValueError:
         raise malformed(path, "shard_layout is not JSON") from None
     if not isinstance(raw, dict):

@@ -29,7 +29,9 @@ The folder's lock ([`FolderLock`][emakit.posthoc.snapshots.folder.FolderLock]) i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
 import secrets
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,9 +46,9 @@ from ..._dist.deepspeed import ZeroPartitions
 from ...errors import EMAError, EMARuntimeError, EMATypeError, EMAWriteError
 from ..karras import KarrasEMA
 from ..math import PostHocWarning
-from .folder import FolderLock, first_write_warnings, own_path
+from .folder import FolderLock, collect_frozen_files, first_write_warnings, own_path
 from .format import SnapshotInfo, snapshot_filename, snapshot_header, write_snapshots
-from .frozen import collect_frozen_files, frozen_part, snapshot_tensors
+from .frozen import check_side_file, frozen_part, snapshot_tensors
 from .shards import is_sharded, model_blocks, shard_header
 
 __all__ = ["OUTCOME_TIMEOUT_S", "SnapshotWriter", "check_snapshottable"]
@@ -88,6 +90,8 @@ class SnapshotWriter:
     Attributes:
         store_frozen_once: whether shared frozen tensors go into side files.
         checked: whether the folder was checked before this run's first write.
+        intact: the side files (path and version) whose bytes were checked, which new
+            snapshots may refer to without reading them again.
         lock: the folder lock held (rank 0), or None.
     """
 
@@ -95,6 +99,7 @@ class SnapshotWriter:
         self.store_frozen_once = store_frozen_once
         self.checked = False
         self.lock: FolderLock | None = None
+        self.intact: set[tuple[Path, tuple[int, ...]]] = set()
 
     def release(self) -> None:
         """Release the folder lock, if held."""
@@ -171,6 +176,19 @@ class SnapshotWriter:
             _share(e, folder, step)
             raise  # pragma: no cover - _share raises
 
+    def _intact(self, path: Path, digest: str) -> bool:
+        """Whether the existing side file ``path`` that this step would refer to holds what
+        ``digest`` says (its bytes read and hashed once per writer and version of the file:
+        a damaged one is written again instead of being referred to by new snapshots)."""
+        try:
+            key = (path, _identity(path))
+            if key not in self.intact:
+                check_side_file(path, digest=digest)
+                self.intact.add(key)
+        except (EMAError, OSError):
+            return False
+        return True
+
     def _files(
         self,
         profiles: Sequence[KarrasEMA],
@@ -194,6 +212,8 @@ class SnapshotWriter:
             states = [m.state_dict() if shard is None else model_blocks(m)[0] for m in models]
             shared = [e.shared_names() for e in profiles]
             part = frozen_part(states, shared, dtype=dtype, folder=folder, run=run, shard=shard)
+            if part is not None and not part.new and not self._intact(part.path, part.digest):
+                part = dataclasses.replace(part, new=True)  # damaged: written again, healed
         side = [part.path] if part is not None and part.new else []
 
         def produce(index: int) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -227,8 +247,15 @@ class SnapshotWriter:
             ), header
 
         written = write_snapshots(side + paths, produce, before_replace=vote)
+        if side:  # written from the tensors just hashed: no need to read it back
+            self.intact.add((side[0], _identity(side[0])))
         collect_frozen_files(folder, run, shard)  # the files of values no snapshot uses
         return written
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _share(failure: BaseException | None, folder: Path, step: int) -> None:

@@ -44,7 +44,7 @@ from ..math import (
     solve_weights,
     solve_weights_stepwise,
 )
-from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run
+from ..snapshots.folder import list_legacy_files, list_snapshots, pick_run, skipped_files
 from ..snapshots.format import SnapshotInfo, open_snapshot
 from ..snapshots.legacy import LegacyProfiles
 from ..snapshots.shards import is_sharded, model_blocks
@@ -137,9 +137,16 @@ def pick_snapshots(
     ([`pick_run()`][emakit.posthoc.snapshots.folder.pick_run]), ema-pytorch's read with ``legacy``.
 
     Raises:
-        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``.
+        EMAStateError: ema-pytorch files and no ``legacy``; several runs and no ``run``;
+            files that look like snapshots but were all skipped (unreadable, or their side
+            files missing or damaged: the message names them).
     """
     snaps = pick_run(list_snapshots(folder, legacy=legacy), run, folder)
+    if not snaps and (skipped := skipped_files(folder)):  # files there, none readable: why
+        raise EMAStateError(
+            f"no usable post-hoc EMA snapshots in {str(folder)!r}: {len(skipped)} file(s) "
+            f"were skipped: {'; '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}"
+        )
     if legacy is None and (stray := list_legacy_files(folder)):
         raise EMAStateError(
             f"{str(folder)!r} holds {len(stray)} ema-pytorch snapshot file(s) "
@@ -173,8 +180,9 @@ def plan_synthesis(
             above ``1/sqrt(12)`` gamma < 0: more weight on early iterates). Give this or
             ``gamma``.
         gamma: the target exponent, ``>= GAMMA_MIN`` (~ -0.382).
-        step: the target step; only snapshots taken at or before it are used. Default
-            None: the latest snapshot's step.
+        step: the target step, from the first snapshot's step to the last's (after the
+            last snapshot the EMA was never recorded: refused); only snapshots taken at or
+            before it are used. Default None: the latest snapshot's step.
         legacy: the profiles of ema-pytorch's ``<index>.<step>.pt`` files in the folder,
             which are then used with emakit's snapshots. Default None: the folder must
             hold none.
@@ -190,16 +198,16 @@ def plan_synthesis(
 
     Raises:
         EMAValueError: bad target, missing folder, a folder with no snapshots, or a
-            ``step`` before the first snapshot; a ``run`` with no snapshots; a target after
-            step 1 from ema-pytorch files that have averaged nothing yet (its
-            ``update_every`` is larger than their steps).
+            ``step`` before the first snapshot or after the last; a ``run`` with no
+            snapshots; a target after step 1 from ema-pytorch files that have averaged
+            nothing yet (its ``update_every`` is larger than their steps).
         EMAStateError: ema-pytorch files in the folder and no ``legacy``, or one whose
             profile index ``legacy`` does not cover; snapshots of several runs and no
-            ``run``.
+            ``run``; snapshot files that were all skipped (see `pick_snapshots()`).
 
     Warns:
         PostHocWarning: the fit is poor (relative profile error above 0.1, e.g. a target
-            step far after the last snapshot), the weights amplify the snapshots'
+            step far between two snapshots), the weights amplify the snapshots'
             rounding noticeably, or the solve fell back to least squares. With
             ema-pytorch's files (solved from the weights they really hold,
             [`solve_weights_stepwise()`][emakit.posthoc.math.solve_weights_stepwise]): a
@@ -213,14 +221,19 @@ def plan_synthesis(
             f"no post-hoc EMA snapshots in {str(folder)!r} (files named step-*.safetensors "
             f"written by PostHocEMA); train with PostHocEMA and call checkpoint() first"
         )
+    first, last = min(s.step for s in snaps), max(s.step for s in snaps)
     if step is None:
-        step = snaps[-1].step
-    usable = tuple(s for s in snaps if s.step <= step)
-    if not usable:
+        step = last
+    if not first <= step <= last:
+        # After the last snapshot the EMA was never recorded: refused, however close.
+        where = f"before the first snapshot (step {first})"
+        if step > last:
+            where = f"after the last snapshot (step {last}), after which the EMA was not recorded"
         raise EMAValueError(
-            f"step={step} is before the first snapshot (step {snaps[0].step}) in "
-            f"{str(folder)!r}; pass a step in [{snaps[0].step}, {snaps[-1].step}]"
+            f"step={step} is {where} in {str(folder)!r}; pass a step in [{first}, {last}], "
+            f"or none for the last snapshot's step"
         )
+    usable = tuple(s for s in snaps if s.step <= step)
     theirs = any(s.is_legacy for s in usable)
     if theirs:
         _refuse_unaveraged(usable, step, folder)
@@ -233,7 +246,15 @@ def plan_synthesis(
     if theirs:
         solution = _solve_theirs(usable, step, sigma_rel, gamma, buffers_from)
         return SynthesisPlan(sigma_rel, gamma, step, usable, solution, buffers_from)
-    solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
+    try:
+        solution = solve_weights([s.t for s in usable], [s.gamma for s in usable], step, gamma)
+    except EMAValueError as e:
+        if step == last:
+            raise
+        raise EMAValueError(
+            f"step={step}: {e}; the last snapshot at or before it is at step {last}: pick a "
+            f"step that has a snapshot"
+        ) from e
     if solution.residual > RESIDUAL_WARN:
         warnings.warn(
             f"post-hoc EMA: the snapshots at or before step {step} reconstruct the "
@@ -338,8 +359,9 @@ def _poor_fit_reason(
     usable: tuple[SnapshotInfo, ...], step: int, sigma_rel: float, gamma: float
 ) -> str:
     """Why the fit is poor, and what to change: the target step lies after the last
-    snapshot, the target length lies outside the tracked ones, or the snapshots are too
-    few (too far apart) for the profile; each checked, not assumed."""
+    snapshot at or before it (between two snapshots), the target length lies outside the
+    tracked ones, or the snapshots are too few (too far apart) for the profile; each
+    checked, not assumed."""
     steps = sorted({s.step for s in usable})
     last = steps[-1]
     reasons = []

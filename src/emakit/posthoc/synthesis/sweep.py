@@ -18,6 +18,7 @@ stored tensor; each length is evaluated, then dropped, before the next batch.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import Tensor
 from ..._validate import integer
 from ...errors import EMATypeError, EMAValueError
 from ..math import check_sigma_rel
+from ..snapshots.folder import check_output
 from ..snapshots.format import SnapshotInfo
 from ..snapshots.legacy import LegacyProfiles
 from .plan import pick_snapshots, plan_synthesis
@@ -71,14 +73,27 @@ class SweepResult:
 
     @property
     def best(self) -> tuple[float, float]:
-        """The ``(sigma_rel, score)`` with the best score (NaN scores never win)."""
-        finite = [p for p in self.pairs if not math.isnan(p[1])] or list(self.pairs)
+        """The ``(sigma_rel, score)`` with the best score (NaN scores never win).
+
+        Raises:
+            EMAValueError: every score is NaN: there is no best length.
+        """
+        scored = [p for p in self.pairs if not math.isnan(p[1])]
+        if not scored:
+            raise EMAValueError(
+                f"every score of the sweep is NaN ({len(self.pairs)} length(s), sigma_rel "
+                f"{[round(s, 6) for s, _ in self.pairs[:5]]}{' ...' if len(self.pairs) > 5 else ''}"
+                f"), so no length is best: the evaluation function returned NaN for each "
+                f"reconstruction; check it on the tracked EMA first"
+            )
         pick = min if self.mode == "min" else max
-        return pick(finite, key=lambda p: p[1])
+        return pick(scored, key=lambda p: p[1])
 
     def table(self) -> str:
-        """The scores as text, one line per length, the best marked."""
-        best = self.best[0]
+        """The scores as text, one line per length, the best marked (none when every score
+        is NaN)."""
+        scored = any(not math.isnan(v) for _, v in self.pairs)
+        best = self.best[0] if scored else None
         better = "lower" if self.mode == "min" else "higher"
         lines = [f"sigma_rel  score  (step {self.step}, {better} is better)"]
         for s, v in self.pairs:
@@ -110,8 +125,11 @@ class SweepResult:
             ax.axvline(
                 t, color="tab:green", alpha=0.4, label="tracked profiles" if i == 0 else None
             )
-        bx, by = self.best
-        ax.plot([bx], [by], "*", color="tab:red", markersize=14, label=f"best: sigma_rel={bx:.3g}")
+        if any(not math.isnan(v) for _, v in self.pairs):
+            bx, by = self.best
+            ax.plot(
+                [bx], [by], "*", color="tab:red", markersize=14, label=f"best: sigma_rel={bx:.3g}"
+            )
         ax.set(
             xlabel="EMA length sigma_rel",
             ylabel=ylabel,
@@ -149,6 +167,33 @@ def sweep_lengths(spec: str) -> list[float]:
     return [check_sigma_rel(v, "sigma_rel") for v in values]
 
 
+def _function_name(fn: object) -> str:
+    """``module.qualname`` of a function, for messages (its ``repr`` when it has none)."""
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if isinstance(name, str) and module else repr(fn)
+
+
+def _score(value: object, evaluate: str) -> float:
+    """A score ``evaluate`` returned, as a float: a real number (Python's, NumPy's) or a
+    one-element real tensor; anything else (a string, None, a complex number, a tensor of
+    several values) raises, naming the function and the value.
+
+    Raises:
+        EMATypeError: ``value`` is not a real number.
+    """
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.item())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    text = repr(value)
+    raise EMATypeError(
+        f"the evaluation function {evaluate} must return a number (a float, or a "
+        f"one-element tensor), got {text[:80]}{'...' if len(text) > 80 else ''} "
+        f"({type(value).__name__}); return the score itself, e.g. float(loss)"
+    )
+
+
 def run_sweep(
     folder: str | os.PathLike[str],
     sigma_rels: Sequence[float] | str,
@@ -159,13 +204,15 @@ def run_sweep(
     plot: str | os.PathLike[str] | None,
     snapshots: Callable[[], list[SnapshotInfo]],
     scorer: Scorer,
+    evaluate: Callable[..., Any],
 ) -> SweepResult:
     """The sweep of [`sweep()`][emakit.posthoc.synthesis.sweep.sweep] and
     [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep]: check the arguments, list the snapshots
     (``snapshots()``), plan every length at one step, then ``scorer()`` gives the function
     that scores a reconstruction and the keywords of its passes (see
     [`region_args()`][emakit.posthoc.synthesis.plan.region_args]); each pass reads every
-    snapshot once for ``lengths_per_pass`` lengths."""
+    snapshot once for ``lengths_per_pass`` lengths. Each score must be a real number; the
+    error for one that is not names ``evaluate`` (the user's function)."""
     if isinstance(sigma_rels, str):
         sigma_rels = sweep_lengths(sigma_rels)
     if isinstance(sigma_rels, bytes) or not isinstance(sigma_rels, Sequence):
@@ -176,16 +223,19 @@ def run_sweep(
         raise EMAValueError(f"mode must be 'min' (lower is better) or 'max', got {mode=!r}")
     srs = [check_sigma_rel(s, "sigma_rels") for s in sigma_rels]
     per_pass = integer("lengths_per_pass", lengths_per_pass, low=1)
+    if plot is not None:
+        check_output("plot", plot, folder)  # before any work: never over a snapshot
     snaps = snapshots()
     plans = [plan_synthesis(folder, sigma_rel=s, step=step, snapshots=snaps) for s in srs]
     score, shape = scorer()
+    name = _function_name(evaluate)
     scores: list[float] = []
     for start in range(0, len(plans), per_pass):
         batch = plans[start : start + per_pass]
         states = weighted_sums(batch[0].snapshots, batch, **shape)
         for i in range(len(states)):
             state, states[i] = states[i], {}  # each length dropped once scored
-            scores.append(float(score(state)))
+            scores.append(_score(score(state), name))
             del state
     tracked = tuple(sorted({round(s.sigma_rel, 12) for s in plans[0].snapshots}))
     result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode)
@@ -249,4 +299,5 @@ def sweep(
         plot=plot,
         snapshots=lambda: pick_snapshots(folder, legacy, run),
         scorer=lambda: (evaluate, {}),
+        evaluate=evaluate,
     )
