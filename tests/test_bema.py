@@ -30,14 +30,16 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
 
 
 class Reference:
-    """TRL's BEMACallback algorithm, one tensor at a time, with ``lerp_`` for the EMA."""
+    """TRL's BEMACallback algorithm, one tensor at a time, with ``lerp_`` for the EMA; the
+    evaluated weights are built when read, from the model's weights then, with the
+    ``alpha_t`` of the most recent averaging update (0 before the first)."""
 
     def __init__(self, model: nn.Module, **settings: float) -> None:
         self.rule = bema_rule(**settings)
         self.params = dict(model.named_parameters())
         self.theta0 = {k: p.detach().clone() for k, p in self.params.items()}
         self.ema = {k: p.detach().clone() for k, p in self.params.items()}
-        self.out = {k: p.detach().clone() for k, p in self.params.items()}
+        self.alpha = 0.0
 
     @torch.no_grad()
     def step(self, t: int) -> None:
@@ -48,12 +50,17 @@ class Reference:
             for k, p in self.params.items():
                 self.theta0[k].copy_(p)
                 self.ema[k].copy_(p)
-                self.out[k].copy_(p)
         elif (t - r.update_after) % r.update_freq == 0:
-            beta, alpha = r.beta(t), r.alpha(t)
+            beta, self.alpha = r.beta(t), r.alpha(t)
             for k, p in self.params.items():
                 self.ema[k].lerp_(p, beta)
-                self.out[k] = self.ema[k] + alpha * (p - self.theta0[k])
+
+    @property
+    def out(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {
+                k: self.ema[k] + self.alpha * (p - self.theta0[k]) for k, p in self.params.items()
+            }
 
 
 def test_rule_timing():
@@ -95,9 +102,9 @@ def test_matches_the_reference_loop(kw: dict, model_dtype: torch.dtype):
                 for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
                     p.copy_(q)
         ref.step(t)
-        state = bema.state_dict()
-        for name in ref.out:
-            assert torch.equal(state[f"ema_model.{name}"], ref.out[name]), (t, name)
+        state, out = bema.state_dict(), ref.out
+        for name in out:
+            assert torch.equal(state[f"ema_model.{name}"], out[name]), (t, name)
             assert torch.equal(state[f"bema_ema.{name}"], ref.ema[name]), (t, name)
             assert torch.equal(state[f"bema_theta0.{name}"], ref.theta0[name]), (t, name)
     assert bema.get_current_decay() == pytest.approx(1 - bema.rule.beta(14))

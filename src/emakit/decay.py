@@ -360,6 +360,12 @@ class BEMARule(DecayRule):
         """``alpha_t`` (see [`bema_alpha`][emakit.decay.bema_alpha])."""
         return bema_alpha(t, lag=self.lag, multiplier=self.multiplier, bias_power=self.bias_power)
 
+    def last_update(self, step: int) -> int:
+        """The call ``t <= step`` of the most recent averaging (``"lerp"``) update, 0 if
+        none yet: ``tau + phi * floor((step - tau) / phi)`` once ``step >= tau + phi``."""
+        since = step - self.update_after
+        return step - since % self.update_freq if since >= self.update_freq else 0
+
     def action(self, step: int, last: int) -> Action:
         """What call ``t = step + 1`` does (see the class docstring)."""
         t = step + 1
