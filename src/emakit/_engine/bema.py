@@ -162,4 +162,3 @@ class BEMAWork:
             alone = self.ema[r] is like  # a span of one tensor is the tensor itself
             out[name] = s if alone else s.narrow(0, offset, like.numel()).view(like.shape)
         return out
-
