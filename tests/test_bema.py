@@ -469,3 +469,25 @@ def test_any_accepted_setting_gives_weights_in_the_unit_interval(**kw: object):
         assert 0.0 <= beta <= 1.0 and 0.0 <= alpha <= 1.0, (t, beta, alpha)
     assert [rule.last_update(t) for t in calls] == calls
     assert rule.last_update(first - 1) == 0
+
+
+def test_a_state_written_before_the_two_copy_layout_resumes_exactly():
+    """``fixtures/bema_state_v1.pt`` was written by the BEMA that stored its evaluated
+    weights (main at 0f95f40): this test's ``net()`` and ``train_step`` with ``SETTINGS``,
+    the model and BEMA state at step 7 (between updates) and the BEMA state at step 14
+    (an update step). Loaded here and trained on, it ends with the same state."""
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "fixtures" / "bema_state_v1.pt")
+    model = net()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    bema = BEMA(model, **SETTINGS)
+    bema.load_state_dict(saved["bema"])
+    for t in range(8, 15):
+        train_step(model, opt, t)
+        bema.update()
+    state, final = bema.state_dict(), saved["final"]
+    assert state.keys() == final.keys()
+    for k in final:
+        assert torch.equal(state[k], final[k]), k

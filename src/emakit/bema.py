@@ -9,10 +9,10 @@ moved since a reference point, which removes the lag's bias at early times:
 
 with ``beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier)`` and
 ``alpha_t = (lag + multiplier t)^-bias_power`` (see [`BEMARule`][emakit.decay.BEMARule]).
-It is an EMA kind like the others: the decay rule is pure, the update a fused piece of
-work on the same runners (inline, background thread, offloaded to the CPU), the state one
-versioned codec next to ema-pytorch's keys, and ``swap()``, ``ema(x)`` and the exports
-read the evaluated weights ``theta_hat``.
+It is an EMA kind like the others: the decay rule is pure, the update the EMA's own
+``lerp_`` on the same runners (inline, background thread, offloaded to the CPU), the state
+one versioned codec next to ema-pytorch's keys. ``theta_hat`` is built only when read
+(``swap()``, ``ema(x)``, ``ema_model``, the exports, the state dict).
 """
 
 from __future__ import annotations
@@ -53,25 +53,39 @@ class BEMA(EMA):
 
     Call `update()` after every optimizer step, as for an [`EMA`][emakit.EMA]. ``t``
     is the number of `update()` calls, which is TRL's ``state.global_step``. At
-    construction (TRL: ``on_train_begin``) ``theta0``, the EMA and the evaluated weights
-    are the model's weights. Then, at call ``t``:
+    construction (TRL: ``on_train_begin``) ``theta0`` and the EMA are the model's weights.
+    Then, at call ``t``:
 
     * ``t < update_after``: nothing;
-    * ``t == update_after``: ``theta0``, the EMA and the evaluated weights become
-      ``theta_t`` (TRL keeps its evaluated copy from ``on_train_begin`` until the first
-      averaging update instead; the paper's BEMA at ``tau`` is ``theta_tau``, as here);
-    * ``(t - update_after) % update_freq == 0``: ``ema.lerp_(theta_t, beta_t)``, then the
-      evaluated weights ``ema + alpha_t * (theta_t - theta0)``; between updates they hold.
+    * ``t == update_after``: ``theta0`` and the EMA become ``theta_t``;
+    * ``(t - update_after) % update_freq == 0``: ``ema.lerp_(theta_t, beta_t)`` (an
+      EMA's update, from a snapshot of ``theta_t`` taken in ``update()`` when it runs in
+      the background: the model is never read after ``update()`` returns).
+
+    **The evaluated weights** ``ema + alpha_t * (theta - theta0)`` are built when
+    something reads them (`swap()`, ``bema(x)``, ``ema_model``, an export,
+    `state_dict()`), from the model's weights ``theta`` at that moment, with ``alpha_t``
+    of the most recent update (0 before the first, so they are the EMA itself: the
+    model's weights at construction or at ``update_after``). Read right after an update
+    they are TRL's ``running_model``, bit for bit for a given EMA (the Trainer callback
+    keeps the last update's for ``bema/`` when steps follow it); read between updates
+    (``update_freq > 1``), the correction uses the current weights where TRL holds the
+    last update's. They are built into the EMA model's own tensors while the plain EMA
+    waits in a stash, so a module taken from ``ema_model`` holds them until the next
+    `update()`, which puts the plain EMA back (a read then costs about four passes over
+    the weights and the first update after it one more; further reads build again only
+    if the model's weights changed).
 
     The paper (Algorithm 1) counts ``t`` from the burn-in, ``beta_t = (rho + gamma (t -
     tau))^-kappa``; TRL, and so this class, count it from the start of training, which
     differs when ``update_after > 0``.
 
-    **Memory**: three copies of the averaged tensors, on ``device``: ``theta0`` and the
-    EMA (BEMA's state), and the evaluated weights (the EMA model itself: what
-    `swap()`, ``ema(x)`` and the exports read, computed at each update from that
-    step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
-    EMA lives on another device or dtype than the model.
+    **Memory**: two copies of the averaged tensors, on ``device``: the EMA (the EMA
+    model's own tensors) and ``theta0``; a third, the stash, from a read until the next
+    update. A background BEMA (``device=`` given) adds the snapshot buffer an EMA in the
+    background has, as does a BEMA on another device or dtype than the model. Frozen
+    weights are shared with the model. An update costs an EMA's (one ``lerp_`` per
+    span).
 
     **State**: `state_dict()` has [`EMA.state_dict`][emakit.EMA.state_dict]'s keys
     (``ema_model.*`` holds the evaluated weights), plus the EMA and ``theta0`` of every
@@ -81,7 +95,7 @@ class BEMA(EMA):
         {
             "initted": tensor(True),
             "step": tensor(800),
-            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
+            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta - theta0)
             "ema_model.bias": tensor(...),
             "bema_ema.weight": tensor(...),      # the plain EMA
             "bema_ema.bias": tensor(...),
@@ -89,8 +103,9 @@ class BEMA(EMA):
             "bema_theta0.bias": tensor(...),
         }
 
-    A resumed BEMA continues bit for bit. Loading refuses a state saved with other
-    settings (when the metadata is there).
+    A resumed BEMA continues bit for bit (the plain EMA comes from ``bema_ema.*``; the
+    layout is the one earlier versions wrote, and their states load). Loading refuses a
+    state saved with other settings (when the metadata is there).
 
     Args:
         model: the online (training) module.
@@ -100,10 +115,13 @@ class BEMA(EMA):
             Default 0.2.
         lag: the offset ``rho`` of both schedules. Default 10.
         update_after: the burn-in ``tau``, in calls. Default 0.
-        multiplier: the time scale ``gamma``, > 0. Default 1.0.
+        multiplier: the time scale ``gamma``, > 0. Default 1.0. With a positive power,
+            ``lag + multiplier * t`` must be >= 1 at the first update ``t = update_after +
+            update_freq``, so that ``beta_t`` and ``alpha_t`` stay in [0, 1].
         min_ema_multiplier: the floor of ``beta_t``, in [0, 1]. Default 0.0.
-        ema_model: keyword-only; a module (or factory) to hold the evaluated weights; the
-            model's weights are copied into it. Default None: a copy of ``model``.
+        ema_model: keyword-only; a module (or factory) to hold the EMA and, when read, the
+            evaluated weights; the model's weights (frozen ones too) are copied into it.
+            Default None: a copy of ``model``.
         device: keyword-only; keep the BEMA tensors on this device, e.g. ``"cpu"`` (TRL's
             default) for a GPU model. Default None: the model's device.
         async_update: keyword-only; run the arithmetic on a background thread (see

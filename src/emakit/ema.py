@@ -443,7 +443,7 @@ class EMA(nn.Module):
         """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
         if not self._tree and self._modules["ema_model"] is None:
             self.init_ema()
-        ema_model = self._tree[0] if self._tree else self._modules["ema_model"]
+        ema_model: Any = self._tree[0] if self._tree else self._modules["ema_model"]
         return self._source.pairs(self.model, ema_model)  # not a read: no _before_read
 
     def restore_ema_model_device(self) -> None:
