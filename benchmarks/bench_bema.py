@@ -12,14 +12,15 @@ rounds and, beside it, the smallest ratio to the floor seen in any round.
   does not (a walk over the objects it references), over the bytes of the trainable
   weights, measured right after an update (nothing read since) and after a read of the
   evaluated weights (``bema.ema_model``; TRL's ``running_model``).
-* **update** is one averaging call (``update_freq=1``): ``bema.update()``; for the
-  background BEMA (``device="cpu"``) the update and a wait for the worker; TRL: one
+* **update** is one averaging call (``update_freq=1``): ``bema.update()``; TRL: one
   ``_update_bema_weights`` (what its ``on_step_end`` does on an update step). Times are
   the calling thread's CPU time (``time.thread_time``), which a busy machine inflates
-  less than the wall clock; the background row is wall time (its work runs on another
-  thread).
+  less than the wall clock. For the background BEMA (``device="cpu"``) that is what the
+  training thread pays (the snapshot; the worker's ``lerp_`` runs beside it).
 * **update + read** adds a read of the evaluated weights after every update (as an
-  evaluation after each update would): ``bema.ema_model``.
+  evaluation after each update would): ``bema.ema_model``, which builds them (and
+  allocates the stash of the plain EMA: on a CPU the first touch of its pages is most of
+  a read's cost).
 * **floor**: one ``lerp_`` over a flat float32 buffer of as many elements as the model's
   trainable weights, toward another.
 """
@@ -39,7 +40,6 @@ import torch
 import emakit
 from emakit import BEMA, EMA
 
-#: The background BEMA's row: timed on the wall clock (its worker is another thread).
 BACKGROUND = "emakit BEMA, device='cpu' (background)"
 
 
@@ -152,10 +152,6 @@ def main() -> None:
     }
     flat_ema, flat_theta = torch.zeros(n), torch.randn(n)
 
-    def bg_update() -> None:
-        background.update()
-        background.tracker.runner.wait()
-
     def trl_update() -> None:
         with torch.no_grad():
             cb._update_bema_weights(10)
@@ -163,7 +159,7 @@ def main() -> None:
     contenders: dict[str, Callable[[], Any]] = {
         "floor: one flat lerp_": lambda: flat_ema.lerp_(flat_theta, 0.01),
         "emakit BEMA": bema.update,
-        BACKGROUND: bg_update,
+        BACKGROUND: background.update,
         "emakit EMA (for scale)": ema.update,
         "TRL BEMACallback": trl_update,
         "emakit BEMA, update + read": lambda: (bema.update(), bema.ema_model),
@@ -172,8 +168,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, fn in contenders.items():
             nudge()
-            clock = time.perf_counter if name == BACKGROUND else time.thread_time
-            times[name].append(median_s(fn, clock))
+            times[name].append(median_s(fn, time.thread_time))
+        background.tracker.runner.wait()
     floor = times["floor: one flat lerp_"]
     print(
         "\n| contender | copies retained after an update | after a read | update (ms) "

@@ -341,6 +341,7 @@ class BEMA(EMA):
         return repr(self.rule)
 
     def __getstate__(self) -> dict:
+        self._drop_evaluated()  # the copy holds the plain EMA; a read builds again
         return {**super().__getstate__(), "_work": None}  # rebuilt on first use
 
 
