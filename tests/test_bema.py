@@ -315,7 +315,7 @@ def test_a_write_after_update_never_reaches_the_background_bema(monkeypatch):
             with torch.no_grad():
                 model[0].weight.add_(100.0)
             gate.set()
-        bema.tracker.runner.wait()
+            bema.tracker.runner.wait()  # before the gate closes again
     _assert_same_state(fg, bg)
     ema = bg.state_dict()["bema_ema.0.weight"]
     assert (ema - fg_model[0].weight).abs().min() > 50  # the writes stayed out of the EMA
@@ -504,3 +504,26 @@ def test_a_state_written_before_the_two_copy_layout_resumes_exactly():
     assert state.keys() == final.keys()
     for k in final:
         assert torch.equal(state[k], final[k]), k
+
+
+def test_a_weights_only_load_is_read_until_the_next_update():
+    """Loading only ``ema_model.*`` (a weights file) puts those weights in the EMA model
+    for reading, as the evaluated weights; the next update goes on from BEMA's own state."""
+    model, twin = net(), net()
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (model, twin))
+    bema, untouched = BEMA(model, update_freq=1), BEMA(twin, update_freq=1)
+    for t in range(1, 4):
+        train_step(model, opt, t)
+        train_step(twin, twin_opt, t)
+        bema.update()
+        untouched.update()
+    weights = {k: torch.full_like(v, 0.5) for k, v in bema.ema_model.state_dict().items()}
+    result = bema.load_state_dict({f"ema_model.{k}": v for k, v in weights.items()}, strict=False)
+    assert any(k.startswith("bema_ema.") for k in result.missing_keys)
+    for k, v in bema.ema_model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    train_step(model, opt, 4)
+    train_step(twin, twin_opt, 4)
+    bema.update()
+    untouched.update()
+    _assert_same_state(bema, untouched)

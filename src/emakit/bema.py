@@ -220,7 +220,6 @@ class BEMA(EMA):
         """The BEMA work over ``plan``'s pairs (built again when the plan is new), which the
         tracker hands its runner (inline, thread or stream) instead of the plan."""
         if self._work is None or self._work[0] is not plan or self._work[1].thawed():
-            self._drop_evaluated()  # new theta0 entries start from the plain EMA
             theta0 = self._theta0
             gone = sorted(theta0.keys() - {p.name for p in plan.pairs})
             if gone:  # the model changed: the state cannot follow
@@ -232,12 +231,20 @@ class BEMA(EMA):
             # from the shadow's value, laid out like the shadows (the same spans), keyed in
             # the model's order (the same on every rank), not memory order.
             new = [p for p in state_order(plan.pairs) if p.name not in theta0]
+            if new:
+                self._drop_evaluated()  # from the plain EMA
             shadows = [local_tensor(p.shadow) for p in new]
             tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
             rehome_(tensors, sources=shadows)
             by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
             theta0.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
-            self._work = (plan, BEMAWork(plan, theta0))
+            work = BEMAWork(plan, theta0)
+            built = self._built
+            if built is not None and _spans(built[0]) != _spans(work):
+                self._drop_evaluated()  # the stash no longer fits the EMA model's layout
+            elif built is not None:  # a new plan over the same tensors: they stay built
+                self._built = (work, built[1], built[2])
+            self._work = (plan, work)
         return self._work[1]
 
     # -- the evaluated weights -------------------------------------------------------------
@@ -343,6 +350,11 @@ class BEMA(EMA):
     def __getstate__(self) -> dict:
         self._drop_evaluated()  # the copy holds the plain EMA; a read builds again
         return {**super().__getstate__(), "_work": None}  # rebuilt on first use
+
+
+def _spans(work: BEMAWork) -> list[tuple[int, int, torch.dtype]]:
+    """Where a work's spans of the EMA model lie: a stash fits works that agree on it."""
+    return [(t.data_ptr(), t.numel(), t.dtype) for t in work.ema]
 
 
 class _EvaluatedSwap(Swap):
