@@ -487,7 +487,7 @@ def test_any_accepted_setting_gives_weights_in_the_unit_interval(**kw: object):
 
 def test_a_state_written_before_the_two_copy_layout_resumes_exactly():
     """``fixtures/bema_state_v1.pt`` was written by the BEMA that stored its evaluated
-    weights (main at 0f95f40): this test's ``net()`` and ``train_step`` with ``SETTINGS``,
+    weights (main at 49697b9): this test's ``net()`` and ``train_step`` with ``SETTINGS``,
     the model and BEMA state at step 7 (between updates) and the BEMA state at step 14
     (an update step). Loaded here and trained on, it ends with the same state."""
     from pathlib import Path
