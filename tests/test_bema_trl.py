@@ -151,3 +151,24 @@ def test_peft_model_writes_the_adapters(tmp_path: Path):
     for name, p in bema_model.named_parameters():
         if "lora_B" in name:  # LoRA's B starts at zero: the BEMA of it moved
             assert p.abs().max() > 0, name
+
+
+def test_a_run_ending_between_updates_writes_trls_bema(tmp_path: Path):
+    """The last BEMA update is at step 6 of 7: TRL's ``bema/`` holds that update's
+    evaluated weights, not ones rebuilt from step 7's weights; so does emakit's."""
+    make_trainer(tmp_path / "trl", [trl.BEMACallback(**BEMA_KW)], max_steps=7).train()
+    ours = BEMACallback(**BEMA_KW)
+    make_trainer(tmp_path / "emakit", [ours], max_steps=7).train()
+    a = load_file(tmp_path / "trl" / "bema" / "model.safetensors")
+    b = load_file(tmp_path / "emakit" / "bema" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6)
+    # not vacuous: built from the weights of step 7 instead, they differ
+    state, key = ours.bema.state_dict(), "transformer.h.0.attn.c_attn.weight"
+    theta7 = ours.bema.model.get_parameter(key).detach()
+    rebuilt = state[f"bema_ema.{key}"] + ours.bema.bias_weight * (
+        theta7 - state[f"bema_theta0.{key}"]
+    )
+    assert ours.bema.bias_weight == bema_alpha(6, lag=10, multiplier=1.0, bias_power=0.2)
+    assert (rebuilt - a[key]).abs().max() > 1e-4

@@ -9,10 +9,10 @@ moved since a reference point, which removes the lag's bias at early times:
 
 with ``beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier)`` and
 ``alpha_t = (lag + multiplier t)^-bias_power`` (see [`BEMARule`][emakit.decay.BEMARule]).
-It is an EMA kind like the others: the decay rule is pure, the update a fused piece of
-work on the same runners (inline, background thread, offloaded to the CPU), the state one
-versioned codec next to ema-pytorch's keys, and ``swap()``, ``ema(x)`` and the exports
-read the evaluated weights ``theta_hat``.
+It is an EMA kind like the others: the decay rule is pure, the update the EMA's own
+``lerp_`` on the same runners (inline, background thread, offloaded to the CPU), the state
+one versioned codec next to ema-pytorch's keys. ``theta_hat`` is built only when read
+(``swap()``, ``ema(x)``, ``ema_model``, the exports, the state dict).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _validate as check
 from ._core.state import StateCodec, integer, real, refuse_other_settings
+from ._core.swap import Swap
 from ._dist.dtensor import dtensor_like, is_dtensor, local_tensor
 from ._engine.bema import BEMAWork, state_order
 from ._engine.flat import rehome_
@@ -43,6 +45,7 @@ _CODEC = StateCodec(  # BEMARule's settings, in the metadata
     [(integer if f.type == "int" else real)(f.name, meta=True) for f in fields(BEMARule)],
     version_name="bema_version",
 )
+_KEYS = ("bema_ema.", "bema_theta0.")  # the prefixes of BEMA's own tensors in its state
 
 
 class BEMA(EMA):
@@ -50,25 +53,39 @@ class BEMA(EMA):
 
     Call `update()` after every optimizer step, as for an [`EMA`][emakit.EMA]. ``t``
     is the number of `update()` calls, which is TRL's ``state.global_step``. At
-    construction (TRL: ``on_train_begin``) ``theta0``, the EMA and the evaluated weights
-    are the model's weights. Then, at call ``t``:
+    construction (TRL: ``on_train_begin``) ``theta0`` and the EMA are the model's weights.
+    Then, at call ``t``:
 
     * ``t < update_after``: nothing;
-    * ``t == update_after``: ``theta0``, the EMA and the evaluated weights become
-      ``theta_t`` (TRL keeps its evaluated copy from ``on_train_begin`` until the first
-      averaging update instead; the paper's BEMA at ``tau`` is ``theta_tau``, as here);
-    * ``(t - update_after) % update_freq == 0``: ``ema.lerp_(theta_t, beta_t)``, then the
-      evaluated weights ``ema + alpha_t * (theta_t - theta0)``; between updates they hold.
+    * ``t == update_after``: ``theta0`` and the EMA become ``theta_t``;
+    * ``(t - update_after) % update_freq == 0``: ``ema.lerp_(theta_t, beta_t)`` (an
+      EMA's update, from a snapshot of ``theta_t`` taken in ``update()`` when it runs in
+      the background: the model is never read after ``update()`` returns).
+
+    **The evaluated weights** ``ema + alpha_t * (theta - theta0)`` are built when
+    something reads them (`swap()`, ``bema(x)``, ``ema_model``, an export,
+    `state_dict()`), from the model's weights ``theta`` at that moment, with ``alpha_t``
+    of the most recent update (0 before the first, so they are the EMA itself: the
+    model's weights at construction or at ``update_after``). Read right after an update
+    they are TRL's ``running_model``, bit for bit for a given EMA (the Trainer callback
+    keeps the last update's for ``bema/`` when steps follow it); read between updates
+    (``update_freq > 1``), the correction uses the current weights where TRL holds the
+    last update's. They are built into the EMA model's own tensors while the plain EMA
+    waits in a stash, so a module taken from ``ema_model`` holds them until the next
+    `update()`, which puts the plain EMA back (a read then costs about four passes over
+    the weights and the first update after it one more; further reads build again only
+    if the model's weights changed).
 
     The paper (Algorithm 1) counts ``t`` from the burn-in, ``beta_t = (rho + gamma (t -
     tau))^-kappa``; TRL, and so this class, count it from the start of training, which
     differs when ``update_after > 0``.
 
-    **Memory**: three copies of the averaged tensors, on ``device``: ``theta0`` and the
-    EMA (BEMA's state), and the evaluated weights (the EMA model itself: what
-    `swap()`, ``ema(x)`` and the exports read, computed at each update from that
-    step's ``theta_t`` as TRL's ``running_model`` is), plus one staging buffer when the
-    EMA lives on another device or dtype than the model.
+    **Memory**: two copies of the averaged tensors, on ``device``: the EMA (the EMA
+    model's own tensors) and ``theta0``; a third, the stash, from a read until the next
+    update. A background BEMA (``device=`` given) adds the snapshot buffer an EMA in the
+    background has, as does a BEMA on another device or dtype than the model. Frozen
+    weights are shared with the model. An update costs an EMA's (one ``lerp_`` per
+    span).
 
     **State**: `state_dict()` has [`EMA.state_dict`][emakit.EMA.state_dict]'s keys
     (``ema_model.*`` holds the evaluated weights), plus the EMA and ``theta0`` of every
@@ -78,7 +95,7 @@ class BEMA(EMA):
         {
             "initted": tensor(True),
             "step": tensor(800),
-            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta_t - theta0)
+            "ema_model.weight": tensor(...),     # ema + alpha_t * (theta - theta0)
             "ema_model.bias": tensor(...),
             "bema_ema.weight": tensor(...),      # the plain EMA
             "bema_ema.bias": tensor(...),
@@ -86,8 +103,9 @@ class BEMA(EMA):
             "bema_theta0.bias": tensor(...),
         }
 
-    A resumed BEMA continues bit for bit. Loading refuses a state saved with other
-    settings (when the metadata is there).
+    A resumed BEMA continues bit for bit (the plain EMA comes from ``bema_ema.*``; the
+    layout is the one earlier versions wrote, and their states load). Loading refuses a
+    state saved with other settings (when the metadata is there).
 
     Args:
         model: the online (training) module.
@@ -97,10 +115,13 @@ class BEMA(EMA):
             Default 0.2.
         lag: the offset ``rho`` of both schedules. Default 10.
         update_after: the burn-in ``tau``, in calls. Default 0.
-        multiplier: the time scale ``gamma``, > 0. Default 1.0.
+        multiplier: the time scale ``gamma``, > 0. Default 1.0. With a positive power,
+            ``lag + multiplier * t`` must be >= 1 at the first update ``t = update_after +
+            update_freq``, so that ``beta_t`` and ``alpha_t`` stay in [0, 1].
         min_ema_multiplier: the floor of ``beta_t``, in [0, 1]. Default 0.0.
-        ema_model: keyword-only; a module (or factory) to hold the evaluated weights; the
-            model's weights are copied into it. Default None: a copy of ``model``.
+        ema_model: keyword-only; a module (or factory) to hold the EMA and, when read, the
+            evaluated weights; the model's weights (frozen ones too) are copied into it.
+            Default None: a copy of ``model``.
         device: keyword-only; keep the BEMA tensors on this device, e.g. ``"cpu"`` (TRL's
             default) for a GPU model. Default None: the model's device.
         async_update: keyword-only; run the arithmetic on a background thread (see
@@ -171,25 +192,36 @@ class BEMA(EMA):
             async_update=async_update,
         )
         self.rule = self.tracker.rule = rule
-        #: BEMA's state by the prefix of its keys: the plain EMA and ``theta0``, by name.
-        self._state: dict[str, dict[str, Tensor]] = {"bema_ema.": {}, "bema_theta0.": {}}
+        #: ``theta0`` of every corrected tensor, by name (the plain EMA is the EMA model's).
+        self._theta0: dict[str, Tensor] = {}
         self._work: tuple[Plan, BEMAWork] | None = None
+        #: While the EMA model holds the evaluated weights: the work that built them, the
+        #: stash holding the plain EMA, and the online versions they were built from.
+        self._built: tuple[BEMAWork, list[Tensor], list[tuple[int, int]]] | None = None
         self.tracker.work = self._work_for  # the runner is handed BEMA's work for a plan
-        self.copy_params_from_model_to_ema()  # lays out theta0 and the EMA: = the model now
+        self.copy_params_from_model_to_ema()  # theta0 and the EMA: = the model now
         self.tracker.set_counters(initted=True)
 
     def copy_params_from_model_to_ema(self) -> None:
-        """Restart BEMA from the model's current weights: ``theta0``, the EMA and the
-        evaluated weights all become a copy of the model (the counters are kept)."""
+        """Restart BEMA from the model's current weights: ``theta0`` and the EMA become a
+        copy of the model (the counters are kept)."""
+        self._drop_evaluated()
         self.tracker.runner.wait()
         self._work_for(self.tracker.plan()).run(Action("copy", call=self.tracker.step))
+
+    def update(self) -> None:
+        """One call (see [`EMA.update`][emakit.EMA.update]); the EMA model first drops the
+        evaluated weights a read built, so the update averages the plain EMA."""
+        if self._built is not None and not self.tracker.swapped:
+            self._drop_evaluated()
+        super().update()
 
     def _work_for(self, plan: Plan) -> BEMAWork:
         """The BEMA work over ``plan``'s pairs (built again when the plan is new), which the
         tracker hands its runner (inline, thread or stream) instead of the plan."""
         if self._work is None or self._work[0] is not plan or self._work[1].thawed():
-            ema, theta0 = self._state.values()
-            gone = sorted(ema.keys() - {p.name for p in plan.pairs})
+            theta0 = self._theta0
+            gone = sorted(theta0.keys() - {p.name for p in plan.pairs})
             if gone:  # the model changed: the state cannot follow
                 raise EMAStateError(
                     f"the model's averaged tensors changed under this BEMA ({gone[:5]} are "
@@ -198,39 +230,94 @@ class BEMA(EMA):
             # New entries (all of them at first, then a frozen weight trained again) start
             # from the shadow's value, laid out like the shadows (the same spans), keyed in
             # the model's order (the same on every rank), not memory order.
-            new = [p for p in state_order(plan.pairs) if p.name not in ema]
+            new = [p for p in state_order(plan.pairs) if p.name not in theta0]
+            if new:
+                self._drop_evaluated()  # from the plain EMA
             shadows = [local_tensor(p.shadow) for p in new]
-            for store in (ema, theta0):
-                tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
-                rehome_(tensors, sources=shadows)
-                by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
-                store.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
-            self._work = (plan, BEMAWork(plan, ema, theta0))
+            tensors = [torch.empty(0, dtype=s.dtype, device=s.device) for s in shadows]
+            rehome_(tensors, sources=shadows)
+            by_name = {p.name: t for p, t in zip(new, tensors, strict=True)}
+            theta0.update((p.name, by_name[p.name]) for p in plan.pairs if p.name in by_name)
+            work = BEMAWork(plan, theta0)
+            built = self._built
+            if built is not None and _spans(built[0]) != _spans(work):
+                self._drop_evaluated()  # the stash no longer fits the EMA model's layout
+            elif built is not None:  # a new plan over the same tensors: they stay built
+                self._built = (work, built[1], built[2])
+            self._work = (plan, work)
         return self._work[1]
+
+    # -- the evaluated weights -------------------------------------------------------------
+
+    def _last_alpha(self) -> float:
+        """``alpha_t`` of the most recent averaging update (0 before the first)."""
+        last = self.rule.last_update(self.tracker.step)
+        return self.rule.alpha(last) if last else 0.0
+
+    def _evaluate(self) -> None:
+        """Build the evaluated weights into the EMA model from the model's weights now,
+        unless they were built from these very weights (or the model holds them: swapped)."""
+        self.tracker.runner.wait()
+        if self.__dict__.get("_theta0") is None or self.tracker.swapped:
+            return  # still in EMA's constructor, or the model runs on them now
+        work = self._work_for(self.tracker.plan())
+        built = self._built
+        if built is not None and built[0] is work and built[2] == work.versions():
+            return
+        stash = work.build(self._last_alpha(), None if built is None else built[1])
+        self._built = (work, stash, work.versions())
+
+    def _drop_evaluated(self) -> None:
+        """Put the plain EMA back into the EMA model and free the stash (if built)."""
+        built = self.__dict__.get("_built")
+        if built is not None:
+            self.tracker.runner.wait()
+            built[0].restore(built[1])
+            self._built = None
+
+    def _plain_ema(self) -> dict[str, Tensor]:
+        """The plain EMA of every corrected tensor, by name (in the stash while the EMA
+        model holds the evaluated weights, else the EMA model's own tensors)."""
+        work = self._work_for(self.tracker.plan())
+        if self._built is not None:
+            ema = self._built[0].stashed(self._built[1])
+        else:
+            ema = {name: work.shadows[i] for name, (_, _, i) in work.where.items()}
+        return {name: ema[name] for name in self._theta0}  # the model's order, every rank's
+
+    def _before_read(self) -> None:
+        self._evaluate()  # ema_model, ema(x), forward methods, update_model_with_ema
+
+    def swap(self, *, in_place: bool = False) -> Swap:
+        """As [`EMA.swap`][emakit.EMA.swap], with the evaluated weights (built on entry)."""
+        return _EvaluatedSwap(self, in_place=check.boolean("in_place", in_place))
 
     def get_current_decay(self) -> float:
         """``1 - beta_t`` of the most recent BEMA update (0 before the first)."""
-        return self.rule.decay(self.tracker.last) if self.tracker.last > 0 else 0.0
+        last = self.rule.last_update(self.tracker.step)
+        return self.rule.decay(last) if last else 0.0
 
     @property
     def bias_weight(self) -> float:
         """``alpha_t`` of the most recent BEMA update (0 before the first)."""
-        return self.rule.alpha(self.tracker.last) if self.tracker.last > 0 else 0.0
+        return self._last_alpha()
 
     # -- state -----------------------------------------------------------------------------
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        self._drop_evaluated()
         out = super()._apply(fn, recurse)
-        for store in getattr(self, "_state", {}).values():  # plain tensors: no autograd
-            for name, t in store.items():
-                store[name] = fn(t)
+        theta0 = getattr(self, "_theta0", {})
+        for name, t in theta0.items():  # plain tensors: no autograd
+            theta0[name] = fn(t)
         return out
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self._evaluate()  # ema_model.* hold the evaluated weights
         super()._save_to_state_dict(destination, prefix, keep_vars)
         _CODEC.encode(asdict(self.rule), destination, prefix)  # the settings
         shadows = {p.name: p.shadow for p in self.tracker.plan().pairs}
-        for key, store in self._state.items():
+        for key, store in (("bema_ema.", self._plain_ema()), ("bema_theta0.", self._theta0)):
             for name, t in store.items():
                 # a DTensor like its shadow (FSDP2), so distributed checkpoints shard it alike
                 shadow = shadows[name]
@@ -238,15 +325,18 @@ class BEMA(EMA):
                 destination[prefix + key + name] = value if keep_vars else value.detach()
 
     def owns_state_key(self, key: str) -> bool:
-        return key.startswith(tuple(self._state)) or super().owns_state_key(key)
+        return key.startswith(_KEYS) or super().owns_state_key(key)
 
     def _load_own_state(
         self, state_dict: Mapping[str, Any], prefix: str, metadata: dict, missing_keys: list[str]
     ) -> None:
         saved = _CODEC.decode(state_dict, prefix, metadata, missing_keys)
         refuse_other_settings("BEMA", saved, asdict(self.rule))
+        # The EMA model then loads ``ema_model.*`` (the evaluated weights when saved): the
+        # plain EMA waits in the stash until the next update, as after a read.
+        self._evaluate()
         with torch.no_grad():
-            for key, store in self._state.items():
+            for key, store in (("bema_ema.", self._plain_ema()), ("bema_theta0.", self._theta0)):
                 for name, t in store.items():
                     value = state_dict.get(prefix + key + name)
                     if value is None:
@@ -258,4 +348,22 @@ class BEMA(EMA):
         return repr(self.rule)
 
     def __getstate__(self) -> dict:
+        self._drop_evaluated()  # the copy holds the plain EMA; a read builds again
         return {**super().__getstate__(), "_work": None}  # rebuilt on first use
+
+
+def _spans(work: BEMAWork) -> list[tuple[int, int, torch.dtype]]:
+    """Where a work's spans of the EMA model lie: a stash fits works that agree on it."""
+    return [(t.data_ptr(), t.numel(), t.dtype) for t in work.ema]
+
+
+class _EvaluatedSwap(Swap):
+    """`Swap` of a BEMA: the evaluated weights are built on every entry."""
+
+    def __init__(self, bema: BEMA, *, in_place: bool) -> None:
+        super().__init__(bema.tracker, bema.model, in_place=in_place)
+        self.bema = bema
+
+    def enter(self) -> Swap:
+        self.bema._evaluate()
+        return super().enter()

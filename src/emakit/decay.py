@@ -381,6 +381,12 @@ class BEMARule(DecayRule):
         """``alpha_t`` (see [`bema_alpha`][emakit.decay.bema_alpha])."""
         return bema_alpha(t, lag=self.lag, multiplier=self.multiplier, bias_power=self.bias_power)
 
+    def last_update(self, step: int) -> int:
+        """The call ``t <= step`` of the most recent averaging (``"lerp"``) update, 0 if
+        none yet: ``tau + phi * floor((step - tau) / phi)`` once ``step >= tau + phi``."""
+        since = step - self.update_after
+        return step - since % self.update_freq if since >= self.update_freq else 0
+
     def action(self, step: int, last: int) -> Action:
         """What call ``t = step + 1`` does (see the class docstring)."""
         t = step + 1
@@ -419,7 +425,10 @@ def bema_rule(
 
     Raises:
         EMAValueError, EMATypeError: a keyword out of range or of the wrong type, or a
-            ``lag`` and ``multiplier`` that would give ``beta_t > 1`` at the first update.
+            ``lag`` and ``multiplier`` with ``lag + multiplier * t < 1`` at the first
+            averaging update ``t = update_after + update_freq`` while a power is positive
+            (``beta_t`` or ``alpha_t`` would exceed 1, up to inf: every accepted setting
+            gives weights in [0, 1] at every step).
     """
     update_freq = check.integer("update_freq", update_freq, low=1)
     update_after = check.integer("update_after", update_after, low=0)
@@ -428,12 +437,21 @@ def bema_rule(
     lag = check.real("lag", lag, low=0.0)
     multiplier = check.real("multiplier", multiplier, low=0.0, low_open=True)
     min_ema_multiplier = check.real("min_ema_multiplier", min_ema_multiplier, low=0.0, high=1.0)
+    # Both weights are powers of x_t = lag + multiplier * t, which grows with t from the
+    # first averaging update t = update_after + update_freq: beta_t <= 1 and alpha_t <= 1
+    # (so finite, and the EMA a convex average) for every t exactly when x_t >= 1 there;
+    # below 1 a positive power makes a weight above 1, and up to inf as x_t nears 0.
+    # With both powers 0 the weights are 1 whatever x_t is.
     first = update_after + update_freq
-    if ema_power > 0 and lag + multiplier * first < 1.0:
+    x = lag + multiplier * first  # int64 counts: finite, or inf (then weights 0 or 1)
+    if (ema_power > 0 or bias_power > 0) and not x >= 1.0:
+        positive = {"ema_power": ema_power, "bias_power": bias_power}
+        powers = " and ".join(f"{k}={v}" for k, v in positive.items() if v > 0)
         raise EMAValueError(
             f"lag + multiplier * t must be >= 1 at the first BEMA update (t={first}) so that "
-            f"beta_t = (lag + multiplier * t) ** -ema_power stays <= 1, got {lag=} and "
-            f"{multiplier=}; raise lag (TRL's default is 10)"
+            f"beta_t = x ** -ema_power and alpha_t = x ** -bias_power (x = lag + multiplier "
+            f"* t) stay <= 1 with {powers}, got {lag=} and {multiplier=} (x = {x:g}); raise "
+            f"lag (TRL's default is 10) or multiplier"
         )
     lag = int(lag) if lag.is_integer() else lag  # as TRL shows it: 10, not 10.0
     return BEMARule(

@@ -424,8 +424,13 @@ class EMA(nn.Module):
     def ema_model(self) -> nn.Module | Any:
         """The EMA model (None before the first update with ``lazy_init_ema=True``); waits
         for a background update in flight first."""
-        self.tracker.runner.wait()
+        self._before_read()
         return self._tree[0] if self._tree else self._modules["ema_model"]
+
+    def _before_read(self) -> None:
+        """What every read of the EMA weights does first: wait for a background update in
+        flight (a ``BEMA`` also builds its evaluated weights here)."""
+        self.tracker.runner.wait()
 
     def init_ema(self, ema_model: nn.Module | None = None) -> None:
         """Create (or adopt) the EMA model and lay out its storage.
@@ -440,14 +445,15 @@ class EMA(nn.Module):
         first = next(iter(all_tensors(ema_model)), None)
         self._home = self.device or (first.device if first is not None else None)
         for name in self.forward_method_names:  # FSDP2: registered, run on fresh shards
-            setattr(self, name, ForwardMethod(ema_model, name, self.tracker.runner.wait))
+            setattr(self, name, ForwardMethod(ema_model, name, self._before_read))
         self.tracker.invalidate()
 
     def _tracked(self) -> Tracked:
         """The live pairs (the tracker's ``pairs``); creates a lazy EMA model first."""
         if not self._tree and self._modules["ema_model"] is None:
             self.init_ema()
-        return self._source.pairs(self.model, self.ema_model)
+        ema_model: Any = self._tree[0] if self._tree else self._modules["ema_model"]
+        return self._source.pairs(self.model, ema_model)  # not a read: no _before_read
 
     def restore_ema_model_device(self) -> None:
         """Move the EMA model back to its own device (where it was built, or ``device=``)
@@ -572,7 +578,7 @@ class EMA(nn.Module):
         b = self.update_model_with_ema_beta
         if decay is not None:
             b = check.real("decay", decay, low=0.0, high=1.0)
-        self.tracker.runner.wait()
+        self._before_read()
         if b == 0.0:
             self.tracker.plan().copy_to_online()
         else:

@@ -1,28 +1,24 @@
-"""BEMA's update over an EMA's pairs: the EMA, ``theta0`` and the evaluated weights.
+"""BEMA's update over an EMA's pairs, and its evaluated weights, built only when read.
 
-A `BEMAWork` is the work a runner runs for a [`BEMA`][emakit.BEMA] (see
-`emakit._engine.runners`). Over the averaged tensors, grouped by device and dtype, it
-keeps three lists laid out alike, one span per run of memory-adjacent tensors:
+A [`BEMA`][emakit.BEMA] keeps two copies of its averaged tensors: the plain EMA, which
+*is* the EMA model's own tensors (the shadows), and ``theta0``, laid out like them. Its
+update is therefore an EMA's: `BEMAWork` hands the EMA's [`Plan`][emakit._engine.plan.Plan]
+to the runner (inline, background thread, CUDA side stream: the plan snapshots what the
+background reads), and after a copy (the first call, ``t == update_after``) sets
+``theta0`` to the copied shadows:
 
-* ``out``: the evaluated (bias-corrected) weights, which are the EMA model's own tensors
-  (so ``swap()``, ``ema(x)`` and every export read them);
-* ``ema``: the plain EMA;
-* ``theta0``: the weights at ``update_after``;
+.. math:: \\text{ema} \\leftarrow \\text{ema} + \\beta_t(\\theta_t - \\text{ema})
 
-and a source per span: the online tensors themselves when they already form the same span
-in the same dtype and device, else a staging buffer laid out like the shadow (pinned when
-the values come from an accelerator), allocated once. An averaging update is five
-foreach kernels and allocates nothing:
+The evaluated weights ``ema + alpha * (theta - theta0)`` are built only when something
+reads the EMA model (`BEMAWork.build()`): the plain EMA moves into a *stash* allocated
+then, and the shadows take
 
-.. math:: \\text{ema} \\leftarrow \\text{ema} + \\beta_t(\\theta_t - \\text{ema}),\\qquad
-   \\text{out} \\leftarrow ((\\theta_t - \\theta_0)\\,\\alpha_t) + \\text{ema}
+.. math:: \\text{out} \\leftarrow ((\\theta - \\theta_0)\\,\\alpha) + \\text{ema}
 
-The second line is TRL's ``ema + alpha * (thetat - theta0)`` in TRL's order of operations,
-so ``out`` has TRL's bits for a given ``ema``; the first is one ``lerp_`` where TRL does
-``ema.mul_(1 - beta).add_(theta, alpha=beta)`` (the two agree to float rounding). A copy
-action (the first call, or ``t == update_after``) sets all three to the online values.
-Tensors that are copied rather than averaged (integer buffers, no-EMA names) are copied
-into the EMA model on every update and every copy.
+from the model's weights ``theta`` read then, on the caller's thread, in TRL's order of
+operations (so ``out`` has TRL's bits for a given ``ema``). `BEMAWork.restore()` puts the
+plain EMA back and frees the stash before the next update. The arithmetic runs over
+spans (`emakit._engine.flat`): one kernel per run of memory-adjacent tensors.
 """
 
 from __future__ import annotations
@@ -34,9 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from .._dist.dtensor import local_tensor
-from .flat import memory_order
+from .flat import memory_order, span, split_runs
 from .pairs import TensorPair
-from .paths import pair_spans
+from .paths import no_autograd
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -46,55 +42,53 @@ if TYPE_CHECKING:
 def held(p: TensorPair) -> bool:
     """Whether an averaged pair is a frozen weight that BEMA holds as it was copied (a
     frozen weight the EMA could not share, e.g. offloaded: TRL's ``running_model`` holds
-    those too): no ``theta0``, no EMA, no work until it is trained again."""
+    those too): no ``theta0``, no correction, until it is trained again."""
     online = p.online
     return p.average and isinstance(online, nn.Parameter) and not online.requires_grad
 
 
 def state_order(pairs: Sequence[TensorPair]) -> list[TensorPair]:
-    """The averaged pairs BEMA works on, in the memory order of their shadows, the order
-    in which the EMA and ``theta0`` tensors are laid out (so they form the same spans)."""
+    """The averaged pairs BEMA corrects, in the memory order of their shadows, the order
+    in which the ``theta0`` tensors are laid out (so they form the same spans)."""
     averaged = [p for p in pairs if p.average and not held(p)]
     return sorted(averaged, key=lambda p: memory_order(local_tensor(p.shadow)))
 
 
 class BEMAWork:
-    """The BEMA update of a plan's pairs (see the module docstring), runnable by any runner.
+    """A BEMA's update and evaluated weights over a plan's pairs (see the module docstring).
 
     Args:
-        plan: the EMA's plan: its pairs' shadow tensors are the evaluated weights, and it
-            copies the pairs that are never averaged.
-        ema: the EMA tensor of each averaged pair, by name, laid out in
-            `state_order()` (DTensors: this rank's shard).
-        theta0: ``theta0`` likewise.
+        plan: the EMA's plan; its pairs' shadow tensors hold the plain EMA.
+        theta0: ``theta0`` of every corrected pair (`state_order()`), by name, laid out
+            like the shadows (DTensors: this rank's shard).
     """
 
-    def __init__(self, plan: Plan, ema: Mapping[str, Tensor], theta0: Mapping[str, Tensor]) -> None:
+    def __init__(self, plan: Plan, theta0: Mapping[str, Tensor]) -> None:
         self.plan = plan
+        #: The corrected pairs' shadows (the EMA) and online tensors, one per pair.
+        self.shadows: list[Tensor] = []
+        self.onlines: list[Tensor] = []
+        self.ema: list[Tensor] = []  # spans of the shadows
+        self.theta0: list[Tensor] = []  # spans of theta0, alike
+        #: name -> (span, offset in it, index in `shadows`) of each corrected tensor: its
+        #: place in a stash.
+        self.where: dict[str, tuple[int, int, int]] = {}
         by_key: dict[tuple[Any, ...], list[TensorPair]] = {}
         for p in state_order(plan.pairs):
             s = local_tensor(p.shadow)
             by_key.setdefault((s.device, s.dtype), []).append(p)
-        #: Spans of the evaluated weights, the EMA and ``theta0``, and what each reads (the
-        #: online tensors, or the staging buffer), every group's; the copies that gather.
-        self.out: list[Tensor] = []
-        self.ema: list[Tensor] = []
-        self.theta0: list[Tensor] = []
-        self.src: list[Tensor] = []
-        self.gathers: list[tuple[list[Tensor], list[Tensor]]] = []
-        for members in by_key.values():
-            outs = [local_tensor(p.shadow) for p in members]
-            onlines = [local_tensor(p.online) for p in members]
-            staged = any(o.dtype != outs[0].dtype or o.device != outs[0].device for o in onlines)
-            states = [outs, [ema[p.name] for p in members], [theta0[p.name] for p in members]]
-            (out, ema_spans, theta0_spans), src, gather_dst, gather_src = pair_spans(
-                states, onlines, staged=staged
-            )
-            self.out += out
-            self.ema += ema_spans
-            self.theta0 += theta0_spans
-            self.src += src
-            self.gathers.append((gather_dst, gather_src))
+        for group in by_key.values():
+            shadows = [local_tensor(p.shadow) for p in group]
+            starts = [theta0[p.name] for p in group]
+            for run in split_runs([shadows, starts]):  # memory-adjacent in both
+                first = shadows[run[0]]
+                for i in run:
+                    offset = int(shadows[i].storage_offset() - first.storage_offset())
+                    self.where[group[i].name] = (len(self.ema), offset, len(self.where))
+                self.ema.append(span([shadows[i] for i in run]))
+                self.theta0.append(span([starts[i] for i in run]))
+            self.shadows += shadows
+            self.onlines += [local_tensor(p.online) for p in group]
         self.held = [p.online for p in plan.pairs if held(p)]
         #: Whether the online tensors live on a CUDA device (snapshots are non-blocking).
         self.on_accelerator = plan.on_accelerator
@@ -103,33 +97,68 @@ class BEMAWork:
         """Whether a held frozen weight is trainable again (the work must be rebuilt)."""
         return any(t.requires_grad for t in self.held)
 
+    # -- the update: the plan's, then theta0 after a copy ----------------------------------
+
     def run(self, action: Action) -> None:
         """Carry out ``action`` now."""
-        self.stage()
-        self.finish(action)
+        self.plan.run(action)
+        self._after(action)
 
-    @torch.no_grad()
     def stage(self, *, non_blocking: bool = False, guard: Any = None) -> None:
-        """Copy the never-averaged tensors into the EMA model and snapshot the averaged
-        ones into the staging buffers (where they are staged)."""
-        self.plan.copy_unaveraged()
-        for dst, src in self.gathers:
-            if dst:
-                torch._foreach_copy_(dst, src, non_blocking=non_blocking)
+        """Snapshot the online tensors into the plan's staging buffers (what a background
+        runner reads later: the model is never read after ``update()`` returns)."""
+        self.plan.stage(non_blocking=non_blocking, guard=guard)
 
-    @torch.no_grad()
     def finish(self, action: Action) -> None:
-        """The arithmetic of ``action`` from the snapshot (``"lerp"``: BEMA's update with
-        ``beta_t = action.weights[0]`` and ``alpha_t = action.bias``; ``"init"`` and
-        ``"copy"``: snapshot ``theta0``, the EMA and the output)."""
-        if not self.out:  # nothing averaged (foreach kernels refuse empty lists)
-            return
-        if action.kind == "lerp":
-            torch._foreach_lerp_(self.ema, self.src, action.weights[0])
-            torch._foreach_copy_(self.out, self.src)
-            torch._foreach_sub_(self.out, self.theta0)
-            torch._foreach_mul_(self.out, action.bias)
-            torch._foreach_add_(self.out, self.ema)
-        elif action.kind in ("init", "copy"):
-            for dst in (self.theta0, self.ema, self.out):
-                torch._foreach_copy_(dst, self.src)
+        """The arithmetic of ``action`` from the snapshot: the EMA's ``lerp_`` (``"lerp"``,
+        ``beta_t = action.weights[0]``), or a copy that also sets ``theta0``."""
+        self.plan.finish(action)
+        self._after(action)
+
+    def _after(self, action: Action) -> None:
+        if action.kind in ("init", "copy") and self.ema:
+            with no_autograd(True):
+                torch._foreach_copy_(self.theta0, self.ema)  # theta0 = the copy, its dtype
+
+    # -- the evaluated weights -------------------------------------------------------------
+
+    def versions(self) -> list[tuple[int, int]]:
+        """What the evaluated weights were built from: each online tensor's storage and
+        version counter (any in-place write, e.g. an optimizer step, bumps it)."""
+        return [(t.data_ptr(), t._version) for t in self.onlines]
+
+    def build(self, alpha: float, stash: list[Tensor] | None) -> list[Tensor]:
+        """Write ``ema + alpha * (theta - theta0)`` into the shadows, ``theta`` the model's
+        weights now (cast to the shadows' dtype and device). ``stash`` holds the plain EMA
+        (from an earlier build); None moves it into a new stash first. Returns the stash."""
+        if stash is None:  # made outside inference mode: the state dict may hand it out
+            stash = [torch.empty_like(s) for s in self.ema]
+            with no_autograd(True):
+                if stash:
+                    torch._foreach_copy_(stash, self.ema)
+        with no_autograd(True):
+            if not self.ema:  # nothing corrected (foreach kernels refuse empty lists)
+                return stash
+            if alpha == 0.0:  # before the first averaging update: the EMA itself
+                torch._foreach_copy_(self.ema, stash)
+                return stash
+            torch._foreach_copy_(self.shadows, self.onlines)
+            torch._foreach_sub_(self.ema, self.theta0)
+            torch._foreach_mul_(self.ema, alpha)
+            torch._foreach_add_(self.ema, stash)
+        return stash
+
+    def restore(self, stash: list[Tensor]) -> None:
+        """Put the plain EMA back into the shadows from ``stash`` (see `build()`)."""
+        if stash:
+            with no_autograd(True):
+                torch._foreach_copy_(self.ema, stash)
+
+    def stashed(self, stash: list[Tensor]) -> dict[str, Tensor]:
+        """The plain EMA of each corrected tensor, by name: views of ``stash``."""
+        out = {}
+        for name, (r, offset, i) in self.where.items():
+            s, like = stash[r], self.shadows[i]
+            alone = self.ema[r] is like  # a span of one tensor is the tensor itself
+            out[name] = s if alone else s.narrow(0, offset, like.numel()).view(like.shape)
+        return out

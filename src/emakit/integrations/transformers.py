@@ -438,6 +438,8 @@ class BEMACallback(EMATrainerCallback):
         bema_rule(**self.settings)  # refuse bad settings now
         self.device = device
         self.bema_kwargs = bema_kwargs
+        #: The evaluated weights of the run's last BEMA update, kept when steps follow it.
+        self._final: dict[str, Any] | None = None
 
     @property
     def bema(self) -> BEMA | None:
@@ -463,6 +465,24 @@ class BEMACallback(EMATrainerCallback):
         """Write the BEMA model to ``output_dir/bema`` (``save_pretrained``, as TRL does;
         ``model.safetensors`` for a model without it), from the main process."""
         self._stop()
-        bema = self.ema
+        bema, final, self._final = self.ema, self._final, None
         if bema is not None and state.is_world_process_zero:
-            _save_model(bema.ema_model, bema, Path(args.output_dir or ".") / "bema")
+            model = bema.ema_model
+            if final is not None:  # TRL's running_model: the last update's, not rebuilt
+                model.load_state_dict(final)
+            _save_model(model, bema, Path(args.output_dir or ".") / "bema")
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Update the BEMA. After the run's last BEMA update, when steps follow it, keep
+        its evaluated weights for ``bema/``: TRL writes those (its ``running_model``), and
+        a BEMA read later builds them from the weights of the last step."""
+        super().on_step_end(args, state, control, **kwargs)
+        bema, end = self.ema, state.max_steps
+        if isinstance(bema, BEMA) and isinstance(end, int):
+            t, every = int(bema.step), bema.rule.update_freq
+            if bema.rule.last_update(t) == t and t < end < t + every:
+                self._final = {
+                    k: v.detach().clone() for k, v in bema.ema_model.state_dict().items()
+                }
