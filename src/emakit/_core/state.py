@@ -316,3 +316,28 @@ def kind_problem(key: str, value: torch.Tensor, mine: torch.Tensor) -> str | Non
         f"tensor is {str(mine.dtype).replace('torch.', '')} ({want}): it would be converted "
         f"silently; the checkpoint is of another model or corrupt"
     )
+
+
+def tensor_list_like(
+    source: str, name: str, values: Any, mine: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``values``, a stored list of tensors (torch_ema's and diffusers' ``shadow_params``),
+    checked against the tensors it will be copied into: a list of tensors, as many, each of
+    the same shape. Raises `EMAStateError` naming ``source``, ``name`` and the first
+    mismatch; changes nothing."""
+    if not isinstance(values, (list, tuple)) or not all(
+        isinstance(v, torch.Tensor) for v in values
+    ):
+        raise EMAStateError(f"{source}: {name} must be a list of tensors, got {values!r:.80}")
+    if len(values) != len(mine):
+        raise EMAStateError(
+            f"{source} holds {len(values)} {name} but this EMA averages {len(mine)} "
+            f"parameters; it was saved from other parameters (another model)"
+        )
+    for i, (v, s) in enumerate(zip(values, mine, strict=True)):
+        if v.shape != s.shape:
+            raise EMAStateError(
+                f"{source}: {name}[{i}] has shape {tuple(v.shape)}, the parameter "
+                f"{tuple(s.shape)}; it was saved from other parameters (another model)"
+            )
+    return list(values)

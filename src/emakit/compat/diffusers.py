@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
+from .._core.state import tensor_list_like
 from ..ema import EMA
-from ..errors import EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMARuntimeError, EMATypeError, EMAValueError
 
 __all__ = ["EMAModel"]
 
@@ -383,21 +384,7 @@ class EMAModel:
         shadow = state_dict.get("shadow_params")
         ours = self.shadow_params
         if shadow is not None:
-            if not isinstance(shadow, (list, tuple)) or not all(
-                isinstance(t, Tensor) for t in shadow
-            ):
-                raise EMAStateError("shadow_params must be a list of tensors")
-            if len(shadow) != len(ours):
-                raise EMAStateError(
-                    f"shadow_params holds {len(shadow)} tensors but this EMAModel tracks "
-                    f"{len(ours)} parameters; the state comes from another model"
-                )
-            for i, (t, s) in enumerate(zip(shadow, ours, strict=True)):
-                if t.shape != s.shape:
-                    raise EMAStateError(
-                        f"shadow_params[{i}] has shape {tuple(t.shape)} but parameter {i} "
-                        f"has shape {tuple(s.shape)}; the state comes from another model"
-                    )
+            shadow = tensor_list_like("EMAModel.load_state_dict", "shadow_params", shadow, ours)
             for t, s in zip(shadow, ours, strict=True):
                 s.copy_(t)
         step = settings.pop("optimization_step", None)

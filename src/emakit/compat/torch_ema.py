@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _validate as check
+from .._core.state import tensor_list_like
 from ..ema import EMA
 from ..errors import EMAStateError, EMATypeError, EMAValueError
 from ..schedules import constant, torch_ema_warmup
@@ -215,25 +216,11 @@ class ExponentialMovingAverage:
             raise EMAStateError(f"{source}: decay must be in [0, 1], got {decay!r}")
         count = state_dict["num_updates"]
         count = None if count is None else check.stored_count(source, "num_updates", count)
-        shadow = _stored_list(source, "shadow_params", state_dict["shadow_params"])
+        mine = self.shadow_params
+        shadow = tensor_list_like(source, "shadow_params", state_dict["shadow_params"], mine)
         collected = state_dict.get("collected_params")
         if collected is not None:
-            collected = _stored_list(source, "collected_params", collected)
-        mine = self.shadow_params
-        for name, values in (("shadow_params", shadow), ("collected_params", collected)):
-            if values is None:
-                continue
-            if len(values) != len(mine):
-                raise EMAStateError(
-                    f"{source} holds {len(values)} {name} but this EMA averages {len(mine)} "
-                    f"parameters; it was saved from other parameters"
-                )
-            for i, (v, s) in enumerate(zip(values, mine, strict=True)):
-                if v.shape != s.shape:
-                    raise EMAStateError(
-                        f"{source}: {name}[{i}] has shape {tuple(v.shape)}, the parameter "
-                        f"{tuple(s.shape)}; it was saved from other parameters"
-                    )
+            collected = tensor_list_like(source, "collected_params", collected, mine)
         for s, v in zip(mine, shadow, strict=True):
             s.copy_(v)
         self.decay, self._use_num_updates = decay, count is not None
@@ -255,9 +242,3 @@ def _tensor_list(name: str, values: Iterable[Tensor]) -> list[Tensor]:
             f"{[type(v).__name__ for v in values][:5] or 'nothing'}"
         )
     return values
-
-
-def _stored_list(source: str, name: str, values: Any) -> list[Tensor]:
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, Tensor) for v in values):
-        raise EMAStateError(f"{source}: {name} must be a list of tensors, got {values!r:.80}")
-    return list(values)
