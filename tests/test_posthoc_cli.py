@@ -169,3 +169,34 @@ def test_inspect_files(trained, tmp_path: Path):
     empty.mkdir()
     result = runner.invoke(inspect_cmd, [str(empty)])
     assert result.exit_code == 1 and "no emakit post-hoc snapshots" in result.output
+
+
+def test_inspect_finds_an_ema_nested_in_a_training_checkpoint(tmp_path: Path):
+    """A plain training checkpoint holds the EMA's state under a key of its own: inspect
+    finds it, says where, and lists the EMA's tensors (issue 31: it counted the rng state)."""
+    from emakit import EMA
+
+    net = make_net()
+    ema = EMA(net, update_after_step=0)
+    ema.update()
+    path = tmp_path / "ckpt.pt"
+    torch.save(
+        {
+            "model": net.state_dict(),
+            "optim": {"state": {}, "param_groups": []},
+            "train": {"ema": ema.state_dict(), "epoch": 3},
+            "rng": torch.get_rng_state(),
+        },
+        path,
+    )
+    result = CliRunner().invoke(inspect_cmd, [str(path)])
+    assert result.exit_code == 0, result.output
+    assert "EMA state_dict at ['train']['ema'] of a checkpoint dict" in result.output
+    assert "step: 1" in result.output and "EMA: " in result.output
+    assert "uint8" not in result.output  # the rng state is not taken for the EMA
+
+    torch.save({"ema": ema.state_dict(), "ema_slow": ema.state_dict()}, path)
+    result = CliRunner().invoke(inspect_cmd, [str(path)])
+    assert "EMA state_dict at ['ema'] of a checkpoint dict (more at ['ema_slow'])" in (
+        result.output
+    )

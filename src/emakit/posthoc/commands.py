@@ -708,9 +708,37 @@ def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
         if "shards_in_state_dict" in entry:
             where += "; the EMA's shards are in the checkpoint's distributed state_dict"
         return where, entry["ema"]
-    if "step" in obj and "initted" in obj and any(str(k).startswith("ema_model.") for k in obj):
+    if _is_ema_state(obj):
         return "EMA state_dict", obj
+    found = _nested_ema_states(obj, "")
+    if found:
+        where = f"EMA state_dict at {found[0][0]} of a checkpoint dict"
+        if len(found) > 1:
+            where += f" (more at {', '.join(p for p, _ in found[1:])})"
+        return where, found[0][1]
     return None, obj
+
+
+def _is_ema_state(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and "step" in obj
+        and "initted" in obj
+        and any(str(k).startswith("ema_model.") for k in obj)
+    )
+
+
+def _nested_ema_states(obj: Mapping[Any, Any], path: str, depth: int = 3) -> list[tuple[str, Any]]:
+    """``(key path, state)`` of each EMA state dict inside a training checkpoint's dicts
+    (``{"model": ..., "ema": ema.state_dict(), ...}`` -> ``['ema']``), ``depth`` levels down."""
+    found: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        here = f"{path}[{key!r}]"
+        if _is_ema_state(value):
+            found.append((here, value))
+        elif isinstance(value, Mapping) and depth > 1:
+            found += _nested_ema_states(value, here, depth - 1)
+    return found
 
 
 def _not_a_checkpoint(path: Path) -> None:
@@ -802,7 +830,8 @@ def inspect_cmd(
     header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
     EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
     save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,
-    a device) is refused.
+    a device) is refused. An EMA state inside a training checkpoint's dict (``{"model":
+    ..., "ema": ema.state_dict()}``) is found and named by its key path.
     """
     try:
         framework = _framework_files(path) if path.is_dir() else None
