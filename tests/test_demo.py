@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 import emakit
 from emakit import demo
 from emakit.cli import main
+from emakit.posthoc import synthesize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 40
@@ -284,6 +286,17 @@ def test_demo_prints_the_snapshot_folder_and_the_cli_finds_it(tmp_path: Path) ->
     )
     assert synthesized.exit_code == 0, synthesized.output
     assert target.is_file()
+    # sweep needs no --eval on the demo's folder: its emakit-eval.json names the scoring,
+    # the held-out loss of this run's split (issue 31)
+    swept = runner.invoke(
+        main, ["sweep", str(out), "--sigma-rel", "0.05,0.15,0.25"], prog_name="emakit"
+    )
+    assert swept.exit_code == 0, swept.output
+    assert "scoring with emakit.demo.training:held_out_loss" in swept.output
+    best = re.search(r"best: sigma_rel=([\d.]+) \(score ([\d.]+)", swept.output)
+    assert best is not None, swept.output
+    state = synthesize(snapshots, sigma_rel=float(best.group(1)))
+    assert demo.held_out_loss(state, seed=0) == pytest.approx(float(best.group(2)), rel=1e-5)
 
 
 def test_demo_help_says_what_out_holds() -> None:

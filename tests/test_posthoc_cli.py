@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from _models import bn_mlp
 from emakit.posthoc import PostHocEMA, plan_synthesis
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.commands import inspect_cmd, sweep_cmd, synthesize
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -200,3 +200,24 @@ def test_inspect_finds_an_ema_nested_in_a_training_checkpoint(tmp_path: Path):
     assert "EMA state_dict at ['ema'] of a checkpoint dict (more at ['ema_slow'])" in (
         result.output
     )
+
+
+def test_sweep_without_eval_needs_an_emakit_eval_file(trained, tmp_path: Path):
+    """Without --eval, sweep scores with the function a folder's emakit-eval.json names
+    (the demo writes one), and only one of emakit's: a folder from elsewhere does not
+    choose the code that runs."""
+    _, folder = trained
+    runner = CliRunner()
+    result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+    assert result.exit_code == 2 and "Missing option '--eval'" in result.output
+    assert "emakit-eval.json" in result.output
+    spec = folder / "emakit-eval.json"
+    try:
+        spec.write_text('{"eval": "os:getcwd"}')
+        result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+        assert result.exit_code == 2 and "not a function of emakit" in result.output
+        spec.write_text('{"eval": "emakit.posthoc.math:missing"}')
+        result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+        assert result.exit_code == 2 and "has no function 'missing'" in result.output
+    finally:
+        spec.unlink()
