@@ -62,6 +62,7 @@ def test_summary_has_sane_numbers(small_run: tuple[Path, dict]) -> None:
         "summary": "summary.json",
         "plot": "demo.png",
         "posthoc_snapshots": "posthoc-snapshots",
+        "sweep_eval": "emakit-eval.json",
     }
     # the post-hoc settings: what was tracked and what was synthesized from it
     assert on_disk["posthoc"] == {
@@ -143,6 +144,7 @@ def test_cli_end_to_end_and_rerun_into_the_same_folder(tmp_path: Path) -> None:
     assert (out / "demo.png").read_bytes() != old_png
     assert sorted(p.name for p in out.iterdir()) == [
         "demo.png",
+        "emakit-eval.json",
         "notes.txt",
         "posthoc-snapshots",
         "summary.json",
@@ -167,7 +169,11 @@ def test_cli_without_out_makes_a_new_folder(
     assert len(folders) == 2  # the second run did not reuse the first one's folder
     for folder in folders:
         assert folder.name.startswith("emakit-demo-")
-        assert sorted(p.name for p in folder.iterdir()) == ["posthoc-snapshots", "summary.json"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "emakit-eval.json",
+            "posthoc-snapshots",
+            "summary.json",
+        ]
 
 
 def test_new_output_dir_never_reuses_a_folder(tmp_path: Path) -> None:
