@@ -102,8 +102,9 @@ def results(
 
 
 def test_pages_have_blocks() -> None:
-    assert len(BLOCKS) >= 30
+    assert len(BLOCKS) >= 15, [i for i, _ in BLOCKS]  # the parser finds them
     assert any(i.startswith("README.md") for i, _ in BLOCKS)  # the quickstart
+    assert any(i.startswith("docs/recipes.md") for i, _ in BLOCKS)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[i for i, _ in BLOCKS])
