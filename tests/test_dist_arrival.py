@@ -32,8 +32,9 @@ def _call(group: Any = None, timeout_s: float = 30.0, step: int = 0) -> str | No
 
 
 def _ours(store: Any) -> list[str]:
-    """emakit's keys in the store."""
-    return [k for k in store.list_keys() if arrival.KEY_ROOT in k]
+    """emakit's keys in the store (none seen where the store cannot list them: torch 2.4)."""
+    keys = store.list_keys() if hasattr(store, "list_keys") else []
+    return [k for k in keys if arrival.KEY_ROOT in k]
 
 
 def worker(rank: int, out: Path) -> dict:
