@@ -205,7 +205,23 @@ class SafeReader(FileSystemReader):
             EMAStateError: the file refers to anything else (it is refused, not run), or
                 is malformed.
         """
-        path = self._metadata_path(kwargs.get("rank"))
+        try:
+            metadata = self._read_checked(kwargs.get("rank"))
+        except EMAStateError as e:
+            # torch 2.9's dcp.load swallows this (it then fails on "metadata is None"):
+            # kept for load_sharded_ema to raise instead
+            self.refused = e
+            raise
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    #: The refusal of the last `read_metadata()` call, or None.
+    refused: EMAStateError | None = None
+
+    def _read_checked(self, rank: int | None) -> Metadata:
+        path = self._metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f, str(path)).load()
@@ -217,9 +233,6 @@ class SafeReader(FileSystemReader):
                     f"checkpoint is damaged"
                 ) from e
         _check_metadata(metadata, str(path))
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _metadata_path(self, rank: int | None) -> Any:
