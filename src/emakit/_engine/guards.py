@@ -120,7 +120,7 @@ def watch_modules(roots: tuple[nn.Module, ...], changes: Changes) -> None:
                 d = state.get(registry)
                 if type(d) is WatchedDict:
                     d.watchers.add(changes)
-                elif type(d) in _PLAIN and not (
+                elif isinstance(d, dict) and type(d) in _PLAIN and not (
                     registry == "_parameters" and any(map(is_dtensor, d.values()))
                 ):
                     watched = WatchedDict(d)
