@@ -120,8 +120,10 @@ def watch_modules(roots: tuple[nn.Module, ...], changes: Changes) -> None:
                 d = state.get(registry)
                 if type(d) is WatchedDict:
                     d.watchers.add(changes)
-                elif isinstance(d, dict) and type(d) in _PLAIN and not (
-                    registry == "_parameters" and any(map(is_dtensor, d.values()))
+                elif (
+                    isinstance(d, dict)
+                    and type(d) in _PLAIN
+                    and not (registry == "_parameters" and any(map(is_dtensor, d.values())))
                 ):
                     watched = WatchedDict(d)
                     watched.watchers = weakref.WeakSet((changes,))
