@@ -76,7 +76,7 @@ from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
-__all__ = ["COMMANDS", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
+__all__ = ["COMMANDS", "EVAL_SPEC_NAME", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
 
 # -- what the commands share ----------------------------------------------------------------
 
