@@ -141,7 +141,7 @@ def main() -> None:
                 f"{r['swap_ms']:>8.1f} {r['export_ms']:>9.1f}"
             )
     if args.json is not None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         args.json.write_text(json.dumps({"when": stamp, "params": params, **results}, indent=1))
 
 

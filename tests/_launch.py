@@ -24,7 +24,29 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from emakit._dist.dtensor import FSDP2_MIN_TORCH, torch_version
+
 PG_TIMEOUT_S = 60
+
+#: Why FSDP2 tests cannot run on this torch, or None: emakit refuses FSDP2 below
+#: ``FSDP2_MIN_TORCH`` by design, and torch 2.6's FSDP2 cannot run on CPU gloo ranks
+#: ("'Stream' object has no attribute 'record_event'", fixed in torch 2.7).
+NO_FSDP2 = (
+    f"emakit supports FSDP2 from torch {'.'.join(map(str, FSDP2_MIN_TORCH))} (by design)"
+    if torch_version() < FSDP2_MIN_TORCH
+    else "torch 2.6's FSDP2 cannot run on CPU (Stream.record_event)"
+    if torch_version() < (2, 7)
+    else None
+)
+#: The mark of a module whose every test shards a model with FSDP2 on CPU ranks.
+FSDP2_MARK = pytest.mark.skipif(NO_FSDP2 is not None, reason=str(NO_FSDP2))
+
+
+def need_fsdp2() -> None:
+    """Skip the calling test or fixture where FSDP2 cannot run (`NO_FSDP2`)."""
+    if NO_FSDP2 is not None:
+        pytest.skip(NO_FSDP2)
+
 
 #: The marks of every test module that launches ranks: the ``dist`` marker, and skips
 #: where gloo or ``fork`` is missing.

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from _models import LayerNormMLP, seeded
 from emakit import BEMA
 from emakit._dist.dtensor import is_dtensor, local_tensor
 
-pytestmark = DIST_MARKS
+pytestmark = [*DIST_MARKS, FSDP2_MARK]
 WORLD, STEPS = 2, 7
 KW = {"update_freq": 2, "update_after": 1, "lag": 10}
 COLLECTIVES = (

@@ -32,12 +32,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _launch import FSDP2_MARK
 from _models import LayerNormMLP, seeded
 from emakit import EMA
 from emakit.distributed import load_sharded_ema, local_tensor, save_sharded_ema
 
 pytestmark = [
     pytest.mark.dist,
+    FSDP2_MARK,
     pytest.mark.skipif(
         sys.platform == "win32" or "fork" not in mp.get_all_start_methods(),
         reason="needs fork() and SIGKILL",

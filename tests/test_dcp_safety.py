@@ -155,3 +155,57 @@ def test_restricted_unpickler_reads_what_dcp_writes(tmp_path: Path) -> None:
     assert "extra.bf16" in metadata.state_dict_metadata
     buf = io.BytesIO((folder / ".metadata").read_bytes())
     assert type(pickle.load(buf)) is type(metadata)
+
+
+def test_torch_2_4_reader_without_get_metadata_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.4's FileSystemReader has no ``_get_metadata_path``: the reader falls back to
+    the one ``.metadata`` file that torch wrote (issue 31: every load failed there)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = tmp_path / "ckpt"
+    save_sharded_ema(make_ema(6.0), folder)
+    monkeypatch.delattr(FileSystemReader, "_get_metadata_path", raising=False)
+    ema = make_ema(0.0)
+    load_sharded_ema(ema, folder)
+    assert all(bool((p == 6).all()) for p in ema.ema_model.parameters())
+
+
+def test_python_3_13_pathlib_local_names_resolve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.13 pickles a path as ``pathlib._local.PosixPath``: such a ``.metadata``
+    (rewritten here as 3.13 writes it, on any Python) loads (issue 31)."""
+    import sys
+    import types
+    from pathlib import PurePath
+
+    folder = tmp_path / "ckpt"
+    save_sharded_ema(make_ema(7.0), folder)
+    (path,) = folder.rglob(".metadata")
+    metadata = pickle.loads(path.read_bytes())
+    metadata.storage_meta.checkpoint_id = Path(folder)  # a path in it, whatever torch wrote
+
+    def rebuild(text: str) -> Path:
+        return Path(text)
+
+    rebuild.__module__ = "pathlib._local"
+    rebuild.__qualname__ = rebuild.__name__ = "PosixPath"
+    monkeypatch.setitem(sys.modules, "pathlib._local", types.ModuleType("pathlib._local"))
+    sys.modules["pathlib._local"].PosixPath = rebuild  # type: ignore[attr-defined]
+
+    class As313(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if isinstance(obj, PurePath):
+                return (rebuild, (str(obj),))
+            return NotImplemented
+
+    buf = io.BytesIO()
+    As313(buf).dump(metadata)
+    assert b"pathlib._local" in buf.getvalue()
+    path.write_bytes(buf.getvalue())
+    monkeypatch.delitem(sys.modules, "pathlib._local")
+    ema = make_ema(0.0)
+    load_sharded_ema(ema, folder)
+    assert all(bool((p == 7).all()) for p in ema.ema_model.parameters())

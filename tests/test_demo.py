@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 import emakit
 from emakit import demo
 from emakit.cli import main
+from emakit.posthoc import synthesize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 40
@@ -60,6 +62,7 @@ def test_summary_has_sane_numbers(small_run: tuple[Path, dict]) -> None:
         "summary": "summary.json",
         "plot": "demo.png",
         "posthoc_snapshots": "posthoc-snapshots",
+        "sweep_eval": "emakit-eval.json",
     }
     # the post-hoc settings: what was tracked and what was synthesized from it
     assert on_disk["posthoc"] == {
@@ -141,6 +144,7 @@ def test_cli_end_to_end_and_rerun_into_the_same_folder(tmp_path: Path) -> None:
     assert (out / "demo.png").read_bytes() != old_png
     assert sorted(p.name for p in out.iterdir()) == [
         "demo.png",
+        "emakit-eval.json",
         "notes.txt",
         "posthoc-snapshots",
         "summary.json",
@@ -165,7 +169,11 @@ def test_cli_without_out_makes_a_new_folder(
     assert len(folders) == 2  # the second run did not reuse the first one's folder
     for folder in folders:
         assert folder.name.startswith("emakit-demo-")
-        assert sorted(p.name for p in folder.iterdir()) == ["posthoc-snapshots", "summary.json"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "emakit-eval.json",
+            "posthoc-snapshots",
+            "summary.json",
+        ]
 
 
 def test_new_output_dir_never_reuses_a_folder(tmp_path: Path) -> None:
@@ -284,6 +292,17 @@ def test_demo_prints_the_snapshot_folder_and_the_cli_finds_it(tmp_path: Path) ->
     )
     assert synthesized.exit_code == 0, synthesized.output
     assert target.is_file()
+    # sweep needs no --eval on the demo's folder: its emakit-eval.json names the scoring,
+    # the held-out loss of this run's split (issue 31)
+    swept = runner.invoke(
+        main, ["sweep", str(out), "--sigma-rel", "0.05,0.15,0.25"], prog_name="emakit"
+    )
+    assert swept.exit_code == 0, swept.output
+    assert "scoring with emakit.demo.training:held_out_loss" in swept.output
+    best = re.search(r"best: sigma_rel=([\d.]+) \(score ([\d.]+)", swept.output)
+    assert best is not None, swept.output
+    state = synthesize(snapshots, sigma_rel=float(best.group(1)))
+    assert demo.held_out_loss(state, seed=0) == pytest.approx(float(best.group(2)), rel=1e-5)
 
 
 def test_demo_help_says_what_out_holds() -> None:

@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, need_fsdp2, run_ranks
 from _models import gathered, seeded
 from emakit import EMA, EMARuntimeError, EMAStateError, EMAWriteError, MultiEMA
 from emakit.checkpoint import save_ema_weights
@@ -181,6 +181,7 @@ def skip_worker(rank: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def skip_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    need_fsdp2()
     return run_ranks(skip_worker, tmp_path_factory.mktemp("skip"), world=4)
 
 
@@ -295,6 +296,7 @@ def disagree_worker(rank: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def disagree_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    need_fsdp2()
     return run_ranks(disagree_worker, tmp_path_factory.mktemp("disagree"), world=2)
 
 
@@ -557,6 +559,7 @@ def export_worker(rank: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def export_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    need_fsdp2()
     return run_ranks(export_worker, tmp_path_factory.mktemp("export"), world=4)
 
 

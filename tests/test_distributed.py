@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, need_fsdp2, run_ranks
 from _models import LayerNormMLP, seeded
 from emakit import EMA, EMAStateError
 from emakit.distributed import (
@@ -295,6 +295,7 @@ def fsdp_worker(rank: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    need_fsdp2()
     return run_job(fsdp_worker, tmp_path_factory.mktemp("fsdp"))
 
 

@@ -34,6 +34,11 @@ def test_site_builds_strict(tmp_path: Path):
         assert name in posthoc
     for page in ("demo", "examples", "development", "posthoc", "architecture"):
         assert (tmp_path / page / "index.html").is_file()
+    # a ```py block is titled as a fragment (docs/_hooks/fragments.py); a ```python one not
+    resume = (tmp_path / "resume" / "index.html").read_text(encoding="utf-8")
+    assert "Fragment: uses your own model" in resume
+    index = (tmp_path / "index.html").read_text(encoding="utf-8")
+    assert "Fragment: uses your own model" not in index
 
 
 def _tool(name: str):

@@ -24,13 +24,14 @@ import pytest
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from emakit import EMA, EMATypeError
 from emakit._core.sharding import adopt_shard, fsdp_layout
 from emakit._dist.dtensor import local_tensor, shard_identity, torch_version
 
 pytestmark = [
     *DIST_MARKS,
+    FSDP2_MARK,
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 

@@ -29,14 +29,14 @@ import pytest
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from _models import gathered
 from emakit import BEMA, EMA, KarrasEMA, MultiEMA, PostHocEMA
 from emakit._core.sharding import adopt_shard
 from emakit._dist.dtensor import local_tensor
 from emakit.distributed import load_sharded_ema, save_sharded_ema
 
-pytestmark = [*DIST_MARKS, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [*DIST_MARKS, FSDP2_MARK, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 KW: dict[str, Any] = dict(beta=0.9, update_after_step=0, update_every=1)
 STEPS = 3

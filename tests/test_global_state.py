@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from emakit import EMA
+from emakit._dist.dtensor import torch_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,7 +176,8 @@ def test_no_frozen_weight_no_hook_and_a_model_of_other_emas_untouched():
     net, elsewhere = nn.Linear(4, 4), nn.Linear(4, 4)
     ema = EMA(net)
     assert not net._forward_pre_hooks
-    assert type(elsewhere._parameters) is dict  # nothing but the tracked modules is watched
+    plain = type(nn.Linear(1, 1)._parameters)  # dict; OrderedDict on torch 2.4
+    assert type(elsewhere._parameters) is plain  # nothing but the tracked modules is watched
     assert type(net._parameters) is not dict
     assert type(ema.ema_model._parameters) is not dict
 
@@ -183,6 +185,11 @@ def test_no_frozen_weight_no_hook_and_a_model_of_other_emas_untouched():
 ema_pytorch = pytest.importorskip("ema_pytorch")
 
 
+@pytest.mark.skipif(
+    torch_version() < (2, 5),
+    reason="torch 2.4's dynamo does not run the unfreeze hook inside a compiled forward: "
+    "the EMA then differs from ema-pytorch's (a known limitation, CHANGELOG)",
+)
 def test_unfreezing_inside_a_compiled_model_is_seen_before_the_step():
     """torch.compile traces the unfreeze hook: no graph break while frozen, one eager call
     when a weight is unfrozen; the EMA stays bit-identical to ema-pytorch's."""

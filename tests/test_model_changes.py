@@ -286,3 +286,30 @@ def test_multi_ema_counts_skips_on_every_member():
     multi.update()
     with pytest.warns(RuntimeWarning):  # given when the count is read back
         assert [e.num_skipped_nonfinite for e in multi] == [1, 1]
+
+
+def test_torch_2_4_ordered_dict_registries_are_watched_too():
+    """torch 2.4 keeps ``_parameters``/``_buffers``/``_modules`` in OrderedDicts (2.5 on:
+    dicts): a replaced head is followed there too (issue 31: on torch 2.4 it was not, and
+    the EMA kept averaging the old head's tensors)."""
+    from collections import OrderedDict
+
+    net = bn_mlp(4, 8, 3, relu=True, seed=0)
+    for module in net.modules():  # as torch 2.4 builds them
+        for registry in ("_parameters", "_buffers", "_modules"):
+            module.__dict__[registry] = OrderedDict(module.__dict__[registry])
+    ema = EMA(net, beta=0.8, update_after_step=0, update_every=1)
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ema.update()
+    ref = Reference(net)
+    net[3] = nn.Linear(8, 3)  # a fresh head of the same shape
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        step(net, opt, gen)
+        ema.update()
+        ref.update(net, ema.get_current_decay())
+    ref.assert_matches(ema, "after replacing the head")
+    net[3] = nn.Linear(8, 5)
+    with pytest.raises(EMAStateError, match=r"'3\.weight'.*shape"):
+        ema.update()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from _models import bn_mlp
 from emakit.posthoc import PostHocEMA, plan_synthesis
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.commands import inspect_cmd, sweep_cmd, synthesize
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,3 +169,55 @@ def test_inspect_files(trained, tmp_path: Path):
     empty.mkdir()
     result = runner.invoke(inspect_cmd, [str(empty)])
     assert result.exit_code == 1 and "no emakit post-hoc snapshots" in result.output
+
+
+def test_inspect_finds_an_ema_nested_in_a_training_checkpoint(tmp_path: Path):
+    """A plain training checkpoint holds the EMA's state under a key of its own: inspect
+    finds it, says where, and lists the EMA's tensors (issue 31: it counted the rng state)."""
+    from emakit import EMA
+
+    net = make_net()
+    ema = EMA(net, update_after_step=0)
+    ema.update()
+    path = tmp_path / "ckpt.pt"
+    torch.save(
+        {
+            "model": net.state_dict(),
+            "optim": {"state": {}, "param_groups": []},
+            "train": {"ema": ema.state_dict(), "epoch": 3},
+            "rng": torch.get_rng_state(),
+        },
+        path,
+    )
+    result = CliRunner().invoke(inspect_cmd, [str(path)])
+    assert result.exit_code == 0, result.output
+    assert "EMA state_dict at ['train']['ema'] of a checkpoint dict" in result.output
+    assert "step: 1" in result.output and "EMA: " in result.output
+    assert "uint8" not in result.output  # the rng state is not taken for the EMA
+
+    torch.save({"ema": ema.state_dict(), "ema_slow": ema.state_dict()}, path)
+    result = CliRunner().invoke(inspect_cmd, [str(path)])
+    assert "EMA state_dict at ['ema'] of a checkpoint dict (more at ['ema_slow'])" in (
+        result.output
+    )
+
+
+def test_sweep_without_eval_needs_an_emakit_eval_file(trained, tmp_path: Path):
+    """Without --eval, sweep scores with the function a folder's emakit-eval.json names
+    (the demo writes one), and only one of emakit's: a folder from elsewhere does not
+    choose the code that runs."""
+    _, folder = trained
+    runner = CliRunner()
+    result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+    assert result.exit_code == 2 and "Missing option '--eval'" in result.output
+    assert "emakit-eval.json" in result.output
+    spec = folder / "emakit-eval.json"
+    try:
+        spec.write_text('{"eval": "os:getcwd"}')
+        result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+        assert result.exit_code == 2 and "not a function of emakit" in result.output
+        spec.write_text('{"eval": "emakit.posthoc.math:missing"}')
+        result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
+        assert result.exit_code == 2 and "has no function 'missing'" in result.output
+    finally:
+        spec.unlink()

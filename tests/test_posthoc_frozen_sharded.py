@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from _models import gathered, seeded
 from emakit import PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
@@ -24,7 +24,7 @@ from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
 from emakit.posthoc.snapshots.frozen import is_side_file
 from emakit.posthoc.snapshots.shards import ShardEntry, set_frozen_names
 
-pytestmark = DIST_MARKS
+pytestmark = [*DIST_MARKS, FSDP2_MARK]
 
 KW: dict[str, Any] = dict(
     sigma_rels=(0.05, 0.28),

@@ -23,12 +23,12 @@ import safetensors
 import torch
 from torch import nn
 
-from _launch import DIST_MARKS, run_ranks
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from _models import gathered, seeded
 from emakit import PostHocEMA
 from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict, to_ema_pytorch
 
-pytestmark = DIST_MARKS
+pytestmark = [*DIST_MARKS, FSDP2_MARK]
 
 SIGMAS = (0.05, 0.28)
 TARGET = 0.15

@@ -158,6 +158,7 @@ def test_sweep_lengths_and_bad_input(trained: PostHocEMA) -> None:
 def test_sweep_command(
     trained: PostHocEMA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pytest.importorskip("matplotlib")  # --plot: the demo extra
     (tmp_path / "sweep_eval.py").write_text(
         "import torch\nfrom test_posthoc_sweep import state_loss\n"
     )

@@ -91,8 +91,8 @@ for _name, _short_help in _LAZY_COMMANDS.items():
     "--out",
     type=click.Path(file_okay=False, writable=True, path_type=Path),
     default=None,
-    help="Folder for summary.json, demo.png and the post-hoc snapshots (its "
-    "posthoc-snapshots/ subfolder); created if missing. If it exists, the demo's own files "
+    help="Folder for summary.json, demo.png, the post-hoc snapshots (its "
+    "posthoc-snapshots/ subfolder) and emakit-eval.json (how emakit sweep scores); created if missing. If it exists, the demo's own files "
     "in it are replaced (the posthoc-snapshots/ folder is emptied and rewritten, and a "
     "demo.png left by an earlier run is removed with --no-plot); other files are left alone. "
     "[default: a new folder emakit-demo-YYYYmmdd-HHMMSS in the current directory]",
@@ -131,7 +131,8 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
     progress bar, then prints the held-out accuracy and loss of the online weights, of
     their EMA and of a post-hoc EMA synthesized after training, and writes
     OUT/summary.json, OUT/demo.png (accuracy curves and the decay schedule) and the
-    post-hoc snapshots in OUT/posthoc-snapshots (try: emakit inspect OUT). Needs the demo
+    post-hoc snapshots in OUT/posthoc-snapshots (try: emakit inspect OUT, or choose the
+    EMA length with emakit sweep OUT --sigma-rel 0.03:0.25:8). Needs the demo
     extra: pip install "emakit[demo]".
     """
     from .demo import DemoDependencyError, check_dependencies, new_output_dir, run_demo

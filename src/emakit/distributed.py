@@ -335,6 +335,9 @@ def load_sharded_ema(
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)
     except dcp.CheckpointException as e:
+        refused = getattr(reader, "refused", None)  # torch 2.9 hides the reader's refusal
+        if refused is not None:
+            raise refused from None
         raise EMAStateError(
             f"sharded checkpoint {folder} cannot be loaded: {_failures(e, folder)}"
         ) from None

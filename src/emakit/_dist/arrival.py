@@ -68,7 +68,10 @@ def default_store() -> Any | None:
 
 def _prefix(group: Any) -> str:
     """``emakit/agree/<group digest>/<seq>``, counting this call."""
-    ranks = torch.distributed.get_process_group_ranks(group)
+    # the default group by name: torch < 2.7 refuses None here (``KeyError: None``)
+    ranks = torch.distributed.get_process_group_ranks(
+        torch.distributed.group.WORLD if group is None else group
+    )
     digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
     seq = _counts.get(digest, 0)
     _counts[digest] = seq + 1

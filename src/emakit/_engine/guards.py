@@ -31,6 +31,7 @@ registered later on a module whose parameters are DTensors, and writes made thro
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from operator import is_not
 from typing import Any
 
@@ -104,6 +105,8 @@ class WatchedDict(dict):
 
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
+#: The registry dicts a `WatchedDict` replaces: torch 2.4 keeps them in OrderedDicts.
+_PLAIN = (dict, OrderedDict)
 
 
 def watch_modules(roots: tuple[nn.Module, ...], changes: Changes) -> None:
@@ -117,8 +120,10 @@ def watch_modules(roots: tuple[nn.Module, ...], changes: Changes) -> None:
                 d = state.get(registry)
                 if type(d) is WatchedDict:
                     d.watchers.add(changes)
-                elif type(d) is dict and not (
-                    registry == "_parameters" and any(map(is_dtensor, d.values()))
+                elif (
+                    isinstance(d, dict)
+                    and type(d) in _PLAIN
+                    and not (registry == "_parameters" and any(map(is_dtensor, d.values())))
                 ):
                     watched = WatchedDict(d)
                     watched.watchers = weakref.WeakSet((changes,))

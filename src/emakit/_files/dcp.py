@@ -137,8 +137,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         for name, c in vars(_md).items()
         if isinstance(c, type) and c.__module__ == _md.__name__
     },
-    **{
-        ("pathlib", name): Path
+    **{  # Python 3.13 pickles a path as pathlib._local.PosixPath
+        (module, name): Path
+        for module in ("pathlib", "pathlib._local")
         for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
     },
     (_StorageInfo.__module__, _StorageInfo.__qualname__): _StorageInfo,
@@ -204,7 +205,23 @@ class SafeReader(FileSystemReader):
             EMAStateError: the file refers to anything else (it is refused, not run), or
                 is malformed.
         """
-        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            metadata = self._read_checked(kwargs.get("rank"))
+        except EMAStateError as e:
+            # torch 2.9's dcp.load swallows this (it then fails on "metadata is None"):
+            # kept for load_sharded_ema to raise instead
+            self.refused = e
+            raise
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    #: The refusal of the last `read_metadata()` call, or None.
+    refused: EMAStateError | None = None
+
+    def _read_checked(self, rank: int | None) -> Metadata:
+        path = self._metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f, str(path)).load()
@@ -216,10 +233,13 @@ class SafeReader(FileSystemReader):
                     f"checkpoint is damaged"
                 ) from e
         _check_metadata(metadata, str(path))
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _metadata_path(self, rank: int | None) -> Any:
+        """The ``.metadata`` file's path: torch's own method where it has one (2.5 on, which
+        may name a file per rank), else the single file torch 2.4 reads."""
+        own = getattr(self, "_get_metadata_path", None)
+        return own(rank) if own is not None else self.fs.concat_path(self.path, ".metadata")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the planned tensors; an entry stored as pickled bytes is refused.

@@ -51,7 +51,14 @@ _MODULES = {
         "POSTHOC_TRACKED",
         "DemoSettings",
     ),
-    "training": ("evaluate", "late_statistics", "load_digits_split", "make_model", "train"),
+    "training": (
+        "evaluate",
+        "held_out_loss",
+        "late_statistics",
+        "load_digits_split",
+        "make_model",
+        "train",
+    ),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

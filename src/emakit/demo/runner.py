@@ -29,6 +29,7 @@ import torch
 from .. import _validate as check
 from .._files.atomic import atomic_write_bytes
 from .._version import __version__
+from ..posthoc.commands import EVAL_SPEC_NAME
 from .report import plot_history, results_table, summary_metrics
 from .settings import DEFAULTS, MODEL_LABELS, POSTHOC_SIGMA_REL, POSTHOC_TRACKED, DemoSettings
 from .training import load_digits_split, train
@@ -110,8 +111,9 @@ def run_demo(
     console: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Run the demo and write ``out/summary.json``, ``out/demo.png`` and the post-hoc
-    snapshots in ``out/posthoc-snapshots``.
+    """Run the demo and write ``out/summary.json``, ``out/demo.png``, the post-hoc
+    snapshots in ``out/posthoc-snapshots`` and ``out/emakit-eval.json`` (the scoring that
+    ``emakit sweep out`` uses without ``--eval``: `held_out_loss` on this run's split).
 
     ``out`` is created if missing. If it exists, the demo's own files in it are replaced
     (atomically; its ``posthoc-snapshots`` folder is emptied and rewritten; with
@@ -221,6 +223,7 @@ def run_demo(
             "summary": SUMMARY_NAME,
             "plot": PLOT_NAME if plot else None,
             "posthoc_snapshots": POSTHOC_DIR if tracked_posthoc else None,
+            "sweep_eval": EVAL_SPEC_NAME if tracked_posthoc else None,
         },
         "history": result["history"],
     }
@@ -231,6 +234,14 @@ def run_demo(
         # A plot left by an earlier run would no longer match summary.json.
         (out / PLOT_NAME).unlink(missing_ok=True)
     atomic_write_bytes(out / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
+    if tracked_posthoc:  # `emakit sweep out` scores lengths with this, without --eval
+        spec = {
+            "eval": "emakit.demo.training:held_out_loss",
+            "kwargs": {"seed": settings.seed, "test_fraction": settings.test_fraction},
+        }
+        atomic_write_bytes(out / EVAL_SPEC_NAME, (json.dumps(spec, indent=2) + "\n").encode())
+    else:
+        (out / EVAL_SPEC_NAME).unlink(missing_ok=True)  # it would score an older run
 
     if progress:
         console.print(
@@ -245,7 +256,8 @@ def run_demo(
         if tracked_posthoc:
             console.print(
                 f"post-hoc EMA snapshots: {posthoc_dir} (emakit inspect {posthoc_dir}; "
-                f"emakit synthesize {posthoc_dir} --sigma-rel 0.15 --out ema.safetensors)",
+                f"emakit synthesize {posthoc_dir} --sigma-rel 0.15 --out ema.safetensors; "
+                f"emakit sweep {out} --sigma-rel 0.03:0.25:8)",
                 soft_wrap=True,
                 highlight=False,
             )

@@ -30,6 +30,7 @@ __all__ = [
     "POSTHOC_TRACKED",
     "DemoSettings",
     "evaluate",
+    "held_out_loss",
     "late_statistics",
     "load_digits_split",
     "make_model",
@@ -110,6 +111,30 @@ def evaluate(forward: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> dict[
         "accuracy": int((logits.argmax(1) == y).sum()) / len(y),
         "loss": F.cross_entropy(logits, y).item(),
     }
+
+
+def held_out_loss(
+    state_dict: Mapping[str, Tensor],
+    *,
+    seed: int = DEFAULTS.seed,
+    test_fraction: float = DEFAULTS.test_fraction,
+) -> float:
+    """The held-out cross-entropy of the demo's model holding ``state_dict``: the score
+    ``emakit sweep`` uses on a demo folder without ``--eval`` (the demo writes these
+    arguments beside its snapshots; lower is better).
+
+    Args:
+        state_dict: weights of `make_model()` (a synthesized EMA, say).
+        seed: the run's seed, which fixed its held-out split. Default 0.
+        test_fraction: the run's held-out fraction. Default 0.3.
+
+    Returns:
+        The mean cross-entropy on the run's held-out digits.
+    """
+    _, _, x_test, y_test = load_digits_split(seed, test_fraction)
+    model = make_model().eval()
+    model.load_state_dict(state_dict)
+    return evaluate(model, x_test, y_test)["loss"]
 
 
 # -- training ---------------------------------------------------------------------------

@@ -34,7 +34,9 @@ reported on one line (``Error: ...``), never as a traceback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
 import math
 import os
 import re
@@ -79,7 +81,15 @@ from .snapshots.legacy import LEGACY_NAME, LegacyProfiles, load_legacy_tensors
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
-__all__ = ["COMMANDS", "convert_cmd", "inspect_cmd", "progress_bar", "sweep_cmd", "synthesize"]
+__all__ = [
+    "COMMANDS",
+    "EVAL_SPEC_NAME",
+    "convert_cmd",
+    "inspect_cmd",
+    "progress_bar",
+    "sweep_cmd",
+    "synthesize",
+]
 
 # -- what the commands share ----------------------------------------------------------------
 
@@ -394,7 +404,42 @@ def sweep_spec(ctx: click.Context, param: click.Parameter, spec: str) -> list[fl
         raise click.BadParameter(str(e), ctx, param) from None
 
 
-def load_function(ctx: click.Context, param: click.Parameter, spec: str) -> Callable[..., Any]:
+#: The file beside a snapshot folder (in it, or in the folder above) that says how
+#: ``emakit sweep`` scores a length when ``--eval`` is not given: ``{"eval":
+#: "emakit.<module>:<function>", "kwargs": {...}}``. ``emakit demo`` writes one.
+EVAL_SPEC_NAME = "emakit-eval.json"
+
+
+def folder_evaluation(folder: Path) -> Callable[..., Any]:
+    """The scoring function named by ``EVAL_SPEC_NAME`` in ``folder`` or its parent, with
+    its keyword arguments bound. Only emakit's own functions may be named: a folder
+    received from elsewhere must not choose which code runs.
+
+    Raises:
+        click.UsageError: no such file (``--eval`` is needed), or it is malformed or
+            names a function outside emakit.
+    """
+    found = [p for p in (folder / EVAL_SPEC_NAME, folder.parent / EVAL_SPEC_NAME) if p.is_file()]
+    if not found:
+        raise click.UsageError(
+            f"Missing option '--eval' (MODULE:FUNCTION, scoring a state_dict): {folder} has "
+            f"no {EVAL_SPEC_NAME} to score with (emakit demo writes one beside its snapshots)"
+        )
+    try:
+        spec = json.loads(found[0].read_text(encoding="utf-8"))
+        target, kwargs = spec["eval"], dict(spec.get("kwargs", {}))
+        if not str(target).startswith("emakit."):
+            raise ValueError(f"it names {target!r}, not a function of emakit")
+        fn = load_function(None, None, target)
+    except (ValueError, KeyError, TypeError, click.BadParameter) as e:
+        raise click.UsageError(f"{found[0]} is not a usable {EVAL_SPEC_NAME}: {e}") from e
+    click.echo(f"Note: scoring with {target} from {found[0]}", err=True)
+    return functools.partial(fn, **kwargs)
+
+
+def load_function(
+    ctx: click.Context | None, param: click.Parameter | None, spec: str
+) -> Callable[..., Any]:
     """``--eval module:function`` -> the function (the current folder is importable);
     a malformed spec, a module that cannot be imported or a name that is not one of its
     callables is a usage error."""
@@ -426,10 +471,10 @@ def load_function(ctx: click.Context, param: click.Parameter, spec: str) -> Call
 @click.option(
     "--eval",
     "evaluate",
-    required=True,
     metavar="MODULE:FUNCTION",
-    callback=load_function,
-    help="The scoring function, FUNCTION(state_dict) -> float, importable from the current folder.",
+    callback=lambda ctx, param, spec: None if spec is None else load_function(ctx, param, spec),
+    help="The scoring function, FUNCTION(state_dict) -> float, importable from the current "
+    f"folder. Default: the one the folder's {EVAL_SPEC_NAME} names (an emakit demo folder).",
 )
 @click.option(
     "--plot",
@@ -453,7 +498,7 @@ def load_function(ctx: click.Context, param: click.Parameter, spec: str) -> Call
 def sweep_cmd(
     folder: Path,
     sigma_rel: list[float],
-    evaluate: Callable[..., Any],
+    evaluate: Callable[..., Any] | None,
     plot: Path | None,
     step: int | None,
     maximize: bool,
@@ -471,12 +516,13 @@ def sweep_cmd(
     Example:
         emakit sweep ./post-hoc-ema-checkpoints --sigma-rel 0.03:0.25:12
             --eval my_project.evaluation:validation_loss --plot sweep.png
+        emakit sweep ./emakit-demo-20260101-120000 --sigma-rel 0.03:0.25:8
     """
     try:
         folder, profiles = open_folder(folder, **legacy)
         result = sweep(
             folder,
-            evaluate,
+            evaluate or folder_evaluation(folder),
             sigma_rel,
             step=step,
             mode="max" if maximize else "min",
@@ -710,9 +756,37 @@ def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
         if "shards_in_state_dict" in entry:
             where += "; the EMA's shards are in the checkpoint's distributed state_dict"
         return where, entry["ema"]
-    if "step" in obj and "initted" in obj and any(str(k).startswith("ema_model.") for k in obj):
+    if _is_ema_state(obj):
         return "EMA state_dict", obj
+    found = _nested_ema_states(obj, "")
+    if found:
+        where = f"EMA state_dict at {found[0][0]} of a checkpoint dict"
+        if len(found) > 1:
+            where += f" (more at {', '.join(p for p, _ in found[1:])})"
+        return where, found[0][1]
     return None, obj
+
+
+def _is_ema_state(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and "step" in obj
+        and "initted" in obj
+        and any(str(k).startswith("ema_model.") for k in obj)
+    )
+
+
+def _nested_ema_states(obj: Mapping[Any, Any], path: str, depth: int = 3) -> list[tuple[str, Any]]:
+    """``(key path, state)`` of each EMA state dict inside a training checkpoint's dicts
+    (``{"model": ..., "ema": ema.state_dict(), ...}`` -> ``['ema']``), ``depth`` levels down."""
+    found: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        here = f"{path}[{key!r}]"
+        if _is_ema_state(value):
+            found.append((here, value))
+        elif isinstance(value, Mapping) and depth > 1:
+            found += _nested_ema_states(value, here, depth - 1)
+    return found
 
 
 def _not_a_checkpoint(path: Path) -> None:
@@ -805,7 +879,8 @@ def inspect_cmd(
     header (.safetensors) or its EMA state (.pt, read with weights_only=True), also the
     EMA inside a Lightning .ckpt. A Transformers checkpoint-N folder or an Accelerate
     save_state folder: the EMA it holds. Anything but a folder or a regular file (a FIFO,
-    a device) is refused.
+    a device) is refused. An EMA state inside a training checkpoint's dict (``{"model":
+    ..., "ema": ema.state_dict()}``) is found and named by its key path.
     """
     try:
         framework = _framework_files(path) if path.is_dir() else None
