@@ -20,7 +20,7 @@ def test_readme_commands_present():
     assert not re.search(r"pip install (-U )?\"?emakit\b", text), "emakit is not on PyPI"
     assert "not on PyPI yet" in text and "python -m build" in text
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    test_cmd = 'pip install -e ".[test]" && python -m pytest'
+    test_cmd = 'pip install -e ".[test]" && python tools/install_peers.py && python -m pytest'
     assert test_cmd in text
     assert test_cmd in ci
 
