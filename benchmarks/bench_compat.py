@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from peers import allow_timm
+
 
 def model(layers: int, width: int) -> nn.Module:
     torch.manual_seed(0)
@@ -54,6 +56,7 @@ def pairs(net: nn.Module) -> dict[str, tuple[Callable[[], None], Callable[[], No
 
     found = {}
     try:
+        allow_timm()
         from timm.utils.model_ema import ModelEmaV3
 
         from emakit.compat.timm import ModelEmaV3 as Ours

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from emakit import EMA
+from peers import allow_timm
 
 REQUIREMENT = 1e-4
 CONSTANT = {"inv_gamma": 1e-6, "power": 1.0}  # decay = beta for every averaging update
@@ -100,6 +101,7 @@ def trackers(model: nn.Module, beta: float, sched: dict[str, float]) -> list[Tra
         ),
     ]
     if sched is CONSTANT:
+        allow_timm()
         from timm.utils.model_ema import ModelEmaV3
 
         # timm keeps a bf16 shadow with stochastic rounding by default; its decay is

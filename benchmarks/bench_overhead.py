@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import emakit
+from peers import allow_timm
 
 
 def resnet18() -> nn.Module:
@@ -72,6 +73,7 @@ def contenders(every: int) -> dict[str, Factory]:
         return make
 
     def timm_v3(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[int], None]:
+        allow_timm()
         from timm.utils.model_ema import ModelEmaV3
 
         ema = ModelEmaV3(model, decay=0.999)

@@ -78,6 +78,7 @@ from torch import nn
 
 import emakit
 from emakit import EMA, flatten_parameters
+from peers import allow_timm
 
 BETA = 0.999
 FLOOR = "floor: one lerp_ over a flat tensor"
@@ -188,6 +189,7 @@ def c_ema_pytorch(use_foreach: bool) -> Callable[[nn.Module], Callable[[], None]
 
 
 def c_timm(model: nn.Module) -> Callable[[], None]:
+    allow_timm()
     from timm.utils.model_ema import ModelEmaV3
 
     ema = ModelEmaV3(model, decay=BETA)
@@ -583,6 +585,7 @@ def memory_worker(case: str) -> dict[str, float]:
         ema.update()
         keep.append(ema)
     elif case == "create_timm":
+        allow_timm()
         from timm.utils.model_ema import ModelEmaV3
 
         keep.append(ModelEmaV3(model, decay=BETA))

@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 import emakit
+from peers import allow_timm
 
 DEVICE = "cuda"
 DRY = False
@@ -440,6 +441,7 @@ def peer_contenders(model: nn.Module) -> dict[str, Callable[[], object] | str]:
     except ImportError:
         out["ema-pytorch 0.8.3 use_foreach=True"] = "not installed (pip install ema-pytorch==0.8.3)"
     try:
+        allow_timm()
         from timm.utils.model_ema import ModelEmaV3
 
         timm_ema = ModelEmaV3(model, decay=0.999)
