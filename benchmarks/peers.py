@@ -19,4 +19,4 @@ def allow_timm() -> None:
         sys.path.append(tests)
     import _peers
 
-    _peers.allow_torchvision_without_its_extension()
+    _peers.allow_timm()

@@ -22,7 +22,7 @@ if _TESTS not in sys.path:
 import _peers  # noqa: E402
 
 # timm's comparison tests beside a CPU torch with PyPI's (CUDA) torchvision: see _peers.
-_peers.allow_torchvision_without_its_extension()
+_peers.allow_timm()
 
 
 def pytest_collection_finish(session) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import _peers
 from emakit import EMAValueError, bench
 from emakit.bench import FLOOR, BenchRow, bench_update
 from emakit.cli import main
@@ -110,7 +111,7 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": _peers.child_pythonpath(str(root / "src"))}
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=280, env=env,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import _peers
 import emakit
 from emakit.cli import main
 
@@ -107,7 +108,7 @@ def test_no_plot_does_not_need_matplotlib(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": _peers.child_pythonpath()}
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=120, env=env
     )

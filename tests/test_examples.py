@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import _peers
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -41,7 +43,7 @@ def test_example_runs(script: str, tmp_path: Path):
         pytest.skip(f"{script} needs {extra}")
     if script == "posthoc_sweep.py":
         args = [*args, "--plot", str(tmp_path / "sweep.png")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": _peers.child_pythonpath()}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,

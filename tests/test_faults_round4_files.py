@@ -29,6 +29,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+import _peers
 from emakit import EMA, EMAError, PostHocEMA
 from emakit.checkpoint import load_ema_weights, save_checkpoint, save_ema_weights
 from emakit.errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
@@ -530,7 +531,7 @@ def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tmp_path: Pat
     dest = tmp_path / "ema.safetensors"
     save_ema_weights(EMA(nn.Linear(64, 64)), dest)
     before = dest.read_bytes()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": _peers.child_pythonpath()}
     child = subprocess.run([sys.executable, "-c", CHILD, str(dest)], env=env)
     assert child.returncode == -signal.SIGKILL
     (left,) = [p for p in tmp_path.iterdir() if ".emakit-tmp-" in p.name]
