@@ -504,7 +504,10 @@ def test_a_state_written_before_the_two_copy_layout_resumes_exactly():
     state, final = bema.state_dict(), saved["final"]
     assert state.keys() == final.keys()
     for k in final:
-        assert torch.equal(state[k], final[k]), k
+        if torch.__version__.startswith("2.13."):  # the release that wrote the fixture
+            assert torch.equal(state[k], final[k]), k
+        else:  # another torch's matmul and SGD kernels may round the training differently
+            torch.testing.assert_close(state[k], final[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
 def test_a_weights_only_load_is_read_until_the_next_update():

@@ -348,7 +348,8 @@ class ZeroPartitions(nn.Module):
         dist = torch.distributed
         if not dist.is_initialized():  # one process: the partition is the whole tensor
             return local[:numel].view(shape)
-        if to_writer and 0 not in dist.get_process_group_ranks(group):
+        # the default group by name: torch < 2.7 refuses None here (``KeyError: None``)
+        if to_writer and 0 not in dist.get_process_group_ranks(group or dist.group.WORLD):
             return None  # another replica of the partitions: rank 0's group sends them
         out = gather_padded(local, size, group, to_writer=to_writer)
         return None if out is None else out[:numel].view(shape)
