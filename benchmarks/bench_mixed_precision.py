@@ -185,13 +185,20 @@ def run(
 GPT2 = {"vocab": 50257, "positions": 1024, "width": 768, "layers": 12}
 
 
-def gpt2_shapes(layers: int = GPT2["layers"], vocab: int = GPT2["vocab"]) -> nn.Module:
+def gpt2_shapes(
+    layers: int = GPT2["layers"],
+    vocab: int = GPT2["vocab"],
+    *,
+    width: int = GPT2["width"],
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
     """GPT-2 124M's parameter tensors (``GPT2LMHeadModel``, tied head) in bf16: embeddings,
     per block two LayerNorms, ``c_attn``, ``c_proj``, ``c_fc``, ``c_proj`` as Linear
     layers, and the final LayerNorm; 124,439,808 values at the defaults. Nothing
     downloaded, no transformers needed."""
-    d = GPT2["width"]
-    kw = {"dtype": torch.bfloat16}
+    d = width
+    kw = {"dtype": dtype, "device": device}
     torch.manual_seed(0)
     blocks = [
         nn.ModuleList(

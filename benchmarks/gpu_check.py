@@ -79,6 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import bench_mixed_precision
 import emakit
 from peers import allow_timm
 
@@ -625,29 +626,11 @@ def check_forward_cast() -> list[dict[str, Any]]:
 
 
 def gpt2_shapes(dtype: torch.dtype) -> nn.Module:
-    """GPT-2 124M's parameter tensors as plain layers (see
-    ``benchmarks/bench_mixed_precision.py``); 2 blocks and a 4096-word vocabulary in the
-    dry run."""
-    d, layers, vocab = 768, (2 if DRY else 12), (4096 if DRY else 50257)
+    """GPT-2 124M's parameter tensors as plain layers (``bench_mixed_precision.gpt2_shapes``);
+    2 blocks of width 64 and a 4096-word vocabulary in the dry run."""
     if DRY:
-        d = 64
-    torch.manual_seed(0)
-    kw = {"dtype": dtype, "device": DEVICE}
-    blocks = [
-        nn.ModuleList(
-            [
-                nn.LayerNorm(d, **kw),
-                nn.Linear(d, 3 * d, **kw),
-                nn.Linear(d, d, **kw),
-                nn.LayerNorm(d, **kw),
-                nn.Linear(d, 4 * d, **kw),
-                nn.Linear(4 * d, d, **kw),
-            ]
-        )
-        for _ in range(layers)
-    ]
-    embed = [nn.Embedding(vocab, d, **kw), nn.Embedding(1024, d, **kw)]
-    return nn.ModuleList([*embed, *blocks, nn.LayerNorm(d, **kw)])
+        return bench_mixed_precision.gpt2_shapes(2, 4096, width=64, dtype=dtype, device=DEVICE)
+    return bench_mixed_precision.gpt2_shapes(dtype=dtype, device=DEVICE)
 
 
 def floor_lerp(n: int, repeats: int) -> float:
