@@ -85,6 +85,7 @@ def trackers(model: nn.Module, beta: float, sched: dict[str, float]) -> list[Tra
 
     kw = {"beta": beta, "update_after_step": 0, "update_every": 1, **sched}
     ours = EMA(model, ema_dtype=torch.float32, **kw)
+    fused = EMA(model, ema_dtype=torch.float32, compile_update=True, **kw)
     theirs = ema_pytorch.EMA(model, include_online_model=False, **kw)
     out = [
         Tracker(
@@ -92,6 +93,12 @@ def trackers(model: nn.Module, beta: float, sched: dict[str, float]) -> list[Tra
             ours.update,
             ours.get_current_decay,
             lambda: dict(ours.ema_model.named_parameters()),
+        ),
+        Tracker(
+            "emakit EMA(ema_dtype=torch.float32, compile_update=True)",
+            fused.update,
+            fused.get_current_decay,
+            lambda: dict(fused.ema_model.named_parameters()),
         ),
         Tracker(
             "ema-pytorch 0.8.3 EMA (bf16 shadow)",
@@ -217,7 +224,13 @@ def gpt2_shapes(
     return nn.ModuleList([*embed, *blocks, nn.LayerNorm(d, **kw)])
 
 
-def speed_contenders(model: nn.Module, before: Any | None) -> dict[str, Callable[[], None]]:
+#: Seconds the compiled contender's first update took (its compile), when it ran.
+COMPILE_SECONDS: list[float] = []
+
+
+def speed_contenders(
+    model: nn.Module, before: Any | None, *, compiled: bool = True
+) -> dict[str, Callable[[], None]]:
     """name -> one averaging update (``update_after_step=0, update_every=1``)."""
     import copy
 
@@ -236,6 +249,13 @@ def speed_contenders(model: nn.Module, before: Any | None) -> dict[str, Callable
     out["emakit use_foreach=False"] = EMA(
         model, ema_dtype=torch.float32, use_foreach=False, **kw
     ).update
+    if compiled:
+        fused = EMA(model, ema_dtype=torch.float32, compile_update=True, **kw)
+        fused.update()  # the first call copies the model
+        started = time.perf_counter()
+        fused.update()  # the first averaging update compiles
+        COMPILE_SECONDS.append(time.perf_counter() - started)
+        out["emakit compile_update=True"] = fused.update
     fp32 = copy.deepcopy(model).float()
     out["ema-pytorch 0.8.3 coerce_dtype=True"] = ema_pytorch.EMA(
         model, ema_model=fp32, coerce_dtype=True, include_online_model=False, **kw
@@ -249,10 +269,12 @@ def speed_contenders(model: nn.Module, before: Any | None) -> dict[str, Callable
 FLOOR = "floor: one fp32 lerp_ over as many elements"
 
 
-def bench_speed(rounds: int, layers: int, vocab: int, before: Any | None) -> dict[str, Any]:
+def bench_speed(
+    rounds: int, layers: int, vocab: int, before: Any | None, *, compiled: bool = True
+) -> dict[str, Any]:
     model = gpt2_shapes(layers, vocab)
     n = sum(p.numel() for p in model.parameters())
-    fns = speed_contenders(model, before)
+    fns = speed_contenders(model, before, compiled=compiled)
     for fn in fns.values():
         fn()
         fn()
@@ -288,6 +310,7 @@ def bench_speed(rounds: int, layers: int, vocab: int, before: Any | None) -> dic
         "rounds": rounds,
         "floor_10B_ms": floor12["wall"] * 10 / 12 * 1e3,
         "bandwidth_GBps": 12 * n / floor12["wall"] / 1e9,
+        "compile_seconds": COMPILE_SECONDS[-1] if COMPILE_SECONDS else None,
         "rows": rows,
     }
 
@@ -325,7 +348,10 @@ def memory_worker(case: str, layers: int, vocab: int, before_dir: str | None) ->
         )
     else:
         pkg: Any = emakit_module(before_dir) if case.startswith("before") else EMA
-        use_foreach = {"default": None, "foreach": True, "loop": False}[case.split()[-1]]
+        last = case.split()[-1]
+        if last == "compiled":
+            kw["compile_update"] = True
+        use_foreach = {"default": None, "foreach": True, "loop": False, "compiled": None}[last]
         ema = pkg(model, ema_dtype=torch.float32, use_foreach=use_foreach, **kw)
     for _ in range(3):
         ema.update()
@@ -352,8 +378,10 @@ def emakit_module(before_dir: str | None) -> Any:
 MEMORY_CASES = ("default", "foreach", "loop")
 
 
-def bench_memory(layers: int, vocab: int, before_dir: str | None) -> list[dict[str, Any]]:
-    cases = [f"emakit {c}" for c in MEMORY_CASES]
+def bench_memory(
+    layers: int, vocab: int, before_dir: str | None, *, compiled: bool = True
+) -> list[dict[str, Any]]:
+    cases = [f"emakit {c}" for c in (*MEMORY_CASES, "compiled")[: 3 + compiled]]
     if before_dir:
         cases += [f"before {c}" for c in MEMORY_CASES[:2]]
     rows = []
@@ -376,6 +404,10 @@ def print_speed(res: dict[str, Any], memory: list[dict[str, Any]]) -> None:
         f"ms ({res['bandwidth_GBps']:.1f} GB/s measured); {res['rounds']} interleaved rounds; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
+    if res.get("compile_seconds") is not None:
+        print(
+            f"compile_update=True: the first update (its compile) took {res['compile_seconds']:.1f} s"
+        )
     print(
         "\n| contender | wall median (ms) | wall min (ms) | CPU median (ms) | x 10 B floor "
         "(median / min / CPU) | bytes per element |"
@@ -412,6 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=GPT2["layers"], help="--speed: blocks")
     parser.add_argument("--vocab", type=int, default=GPT2["vocab"], help="--speed: vocabulary")
     parser.add_argument("--no-memory", action="store_true", help="--speed: skip the RSS runs")
+    parser.add_argument(
+        "--no-compiled", action="store_true", help="--speed: leave out compile_update=True"
+    )
     parser.add_argument("--before", metavar="DIR", help="--speed: an older emakit package too")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -427,8 +462,13 @@ def main(argv: list[str] | None = None) -> None:
 
             before = load_before(args.before)
         load = os.getloadavg()
-        res = bench_speed(args.rounds, args.layers, args.vocab, before)
-        memory = [] if args.no_memory else bench_memory(args.layers, args.vocab, args.before)
+        compiled = not args.no_compiled
+        res = bench_speed(args.rounds, args.layers, args.vocab, before, compiled=compiled)
+        memory = (
+            []
+            if args.no_memory
+            else bench_memory(args.layers, args.vocab, args.before, compiled=compiled)
+        )
         res.update({"memory": memory, "loadavg_start": load, "loadavg_end": os.getloadavg()})
         print_speed(res, memory)
         if args.json:

@@ -62,6 +62,11 @@ class MultiEMA(nn.Module):
                     f"MultiEMA does not take {key}=; give betas= or schedules=, and build "
                     f"separate EMA objects for per-EMA models or hare-and-tortoise updates"
                 )
+        if ema_kwargs.get("compile_update"):
+            raise EMAValueError(
+                "MultiEMA does not take compile_update=True: it fuses its EMAs' updates in "
+                "one eager pass over the weights; build separate EMA objects to compile each"
+            )
         if schedules is not None:
             if isinstance(schedules, (str, bytes)) or not all(callable(s) for s in schedules):
                 raise EMATypeError(

@@ -48,9 +48,8 @@ import torch
 from torch import Tensor
 
 from .._engine.finite import FiniteGuard
-from .._engine.kernels import Impl
 from .._engine.pairs import Tracked
-from .._engine.plan import Plan, build_plan
+from .._engine.plan import Engine, Plan, build_plan
 from .._engine.runners import Runner
 from ..decay import INIT, SKIP, Action, DecayRule
 from ..errors import EMARuntimeError
@@ -77,7 +76,7 @@ class Tracker:
             pairs). The one call a tracker makes up into its owner, only when the plan no
             longer matches the model (first use, or after a tensor was replaced, added or
             deleted).
-        impl: the engine path (``"loop"``, ``"foreach"`` or ``"flat"``).
+        impl: the engine path (``"loop"``, ``"foreach"``, ``"flat"`` or ``"compiled"``).
         runner: where updates run: a `SyncRunner`, `ThreadRunner` or `StreamRunner`.
         skip_nonfinite: skip updates whose online weights hold NaN or Inf. Default False.
     """
@@ -86,7 +85,7 @@ class Tracker:
         self,
         rule: DecayRule,
         pairs: Callable[[], Tracked],
-        impl: Impl,
+        impl: Engine,
         runner: Runner,
         skip_nonfinite: bool = False,
     ) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .._dist.dtensor import local_tensor
+from .compiled import CompiledLerp
 from .flat import ALIGN, aligned, span, split_runs
 from .kernels import copy_each, multi_tensor_lerp, single_tensor_lerp
 from .pairs import TensorPair
@@ -84,7 +85,9 @@ class Transfer:
     its destination in dtype or device (the per-tensor paths cast on the fly). ``rounds``:
     the averaged pairs of another dtype on the same device, cast window by window through
     one small buffer (see `cast_rounds()`); ``dst``/``src`` then hold the pairs themselves
-    (copies cast on the fly).
+    (copies cast on the fly). ``fused``: the averaged pairs of one device as one compiled
+    function that casts and averages in one pass (``compile_update=True``, see
+    `emakit._engine.compiled`).
     """
 
     dst: list[Tensor] = field(default_factory=list)
@@ -93,6 +96,7 @@ class Transfer:
     stage_src: list[Tensor] = field(default_factory=list)
     convert: bool = False
     rounds: list[Round] = field(default_factory=list)
+    fused: CompiledLerp | None = None
 
 
 @dataclass
@@ -295,12 +299,18 @@ def cast_rounds(
 
 
 def build_groups(
-    pairs: Sequence[TensorPair], *, to_shadow: bool, flat: bool, staged: bool = False
+    pairs: Sequence[TensorPair],
+    *,
+    to_shadow: bool,
+    flat: bool,
+    staged: bool = False,
+    compiled: bool = False,
 ) -> list[Group]:
     """The groups of ``pairs`` for one direction (online -> shadow, or back): per tensor,
     or as spans when ``flat`` (always through staging buffers when ``staged``). Averaged
     pairs of another dtype on the same device are cast window by window (`cast_rounds()`)
-    on every path, unless ``staged``."""
+    on every path, unless ``staged``; with ``compiled``, the averaged pairs of each group
+    on one device are one compiled function instead (`CompiledLerp`)."""
     groups: dict[tuple, Group] = {}
     for p in pairs:
         dst, src = (p.shadow, p.online) if to_shadow else (p.online, p.shadow)
@@ -316,8 +326,11 @@ def build_groups(
         transfer.convert = key[:2] != key[2:]
     for g in groups.values():
         dst, src = g.first
-        cast = to_shadow and not staged and dst.device == src.device and dst.dtype != src.dtype
-        if cast and g.lerp.dst:
+        one_device = to_shadow and not staged and dst.device == src.device
+        cast = one_device and dst.dtype != src.dtype
+        if compiled and one_device and g.lerp.dst:  # flat is False: the copies go per tensor
+            g.lerp.fused = CompiledLerp(g.lerp.dst, g.lerp.src)
+        elif cast and g.lerp.dst:
             g.lerp.rounds = cast_rounds(g.lerp.dst, g.lerp.src, flat=flat, pointers=g.pointers)
         if flat or staged:
             stages = staged or (dst.dtype, dst.device) != (src.dtype, src.device)
@@ -365,7 +378,9 @@ class Path:
             if g.copy.dst:
                 self.copy_each(g.copy.dst, g.copy.src)
             t = g.lerp
-            if t.rounds:
+            if t.fused is not None:
+                t.fused(weights[g.decay_group])
+            elif t.rounds:
                 for cast_dst, cast_src, dst, src in t.rounds:
                     self.copy_each(cast_dst, cast_src)
                     self.lerp_same(dst, src, weights[g.decay_group])

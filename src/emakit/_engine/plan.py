@@ -24,6 +24,7 @@ rebuilds itself when the storage under them moved.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -32,11 +33,15 @@ from .._dist.dtensor import is_dtensor
 from ..decay import COPY, Action
 from .finite import GuardedPath
 from .guards import Guards
-from .kernels import Impl
 from .pairs import TensorPair, Tracked
 from .paths import FOREACH, LOOP, Group, Pointers, build_groups, no_autograd, stage
 
 _MOVES = frozenset(("lerp", "init", "copy"))
+
+#: How a plan updates: the kernels' ``"loop"``, ``"foreach"`` or ``"flat"``
+#: (`emakit._engine.kernels.IMPLS`), or ``"compiled"``: per tensor, each group's averaged
+#: pairs through one compiled function (`emakit._engine.compiled`).
+Engine = Literal["loop", "foreach", "flat", "compiled"]
 
 
 class Plan:
@@ -45,7 +50,7 @@ class Plan:
     Args:
         tracked: the tracked tensors (a `Tracked` value, or
             plain pairs), in the order the shadow is laid out.
-        impl: ``"loop"``, ``"foreach"`` or ``"flat"``.
+        impl: ``"loop"``, ``"foreach"``, ``"flat"`` or ``"compiled"`` (see `Engine`).
         staged: route every online tensor through a staging buffer (background runners).
 
     The online -> shadow groups are built at once; shadow -> online (used by
@@ -53,7 +58,7 @@ class Plan:
     """
 
     def __init__(
-        self, tracked: Tracked | Sequence[TensorPair], impl: Impl, *, staged: bool = False
+        self, tracked: Tracked | Sequence[TensorPair], impl: Engine, *, staged: bool = False
     ) -> None:
         tracked = Tracked.of(tracked)
         self.pairs = list(tracked.pairs)
@@ -64,7 +69,7 @@ class Plan:
         watched = [p.online for p in self.shared if not is_dtensor(p.online)]
         self.shared_pointers = Pointers(watched, [t.data_ptr() for t in watched])
         self.shared_pointers.seal()
-        self.impl: Impl = "flat" if staged else impl
+        self.impl: Engine = "flat" if staged else impl
         self.staged = staged
         self.guards = Guards(
             [w for p in self.pairs for w in ((p.online_slot, p.online), (p.shadow_slot, p.shadow))],
@@ -72,7 +77,11 @@ class Plan:
             tracked.changes,
         )
         self.groups: list[Group] = build_groups(
-            self.pairs, to_shadow=True, flat=self.impl == "flat", staged=staged
+            self.pairs,
+            to_shadow=True,
+            flat=self.impl == "flat",
+            staged=staged,
+            compiled=self.impl == "compiled",
         )
         self.path = LOOP if self.impl == "loop" else FOREACH  # chosen once
         self._staging = any(t.stage_dst for g in self.groups for t in (g.lerp, g.copy))
@@ -82,7 +91,9 @@ class Plan:
         self.on_accelerator = bool(self.pairs) and self.pairs[0].online.is_cuda
         #: Kernels (spans or tensors) one averaging update touches, summed over groups.
         self.num_kernels = sum(
-            sum(len(r[2]) for r in g.lerp.rounds) or len(g.lerp.dst) + len(g.copy.dst)
+            1 + len(g.copy.dst)
+            if g.lerp.fused is not None
+            else sum(len(r[2]) for r in g.lerp.rounds) or len(g.lerp.dst) + len(g.copy.dst)
             for g in self.groups
         )
         #: One more than the highest decay group index among the pairs.

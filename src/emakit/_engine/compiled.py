@@ -1,0 +1,80 @@
+"""The opt-in compiled update (``compile_update=True``): cast and lerp in one fused pass.
+
+Eager torch averages an fp32 shadow of a bf16 model in two kernels per window: a cast
+into a small buffer, then ``lerp_`` from it (`emakit._engine.paths.cast_rounds`). Inductor
+fuses ``shadow.lerp_(online.to(shadow.dtype), w)`` into one loop that reads each weight
+once and reads and writes the shadow once: for a bf16 model with an fp32 shadow, 2 + 4 + 4
+= 10 bytes per element, the floor.
+
+`CompiledLerp` compiles one function per group (one decay group, device and dtype pair),
+traced over the group's whole list of pairs, so one call per update runs every pair.
+
+* **No recompile per decay.** The lerp weight is a 0-dim tensor of the shadow's dtype on
+  its device, filled before each call: a new decay value is new data, not a new constant.
+* **One compiled copy per group.** torch keeps the compiled versions of a function with
+  its code object, at most ``torch._dynamo.config.cache_size_limit`` of them (8 by
+  default), and falls back to eager past that. Each `CompiledLerp` compiles its own copy
+  of the code, so any number of EMAs in one process keep theirs without touching torch's
+  global settings.
+* **Compiled lazily.** The first update compiles (seconds on a small model, tens of
+  seconds for a 124M-parameter one on a CPU; Inductor caches the result on disk, so a
+  restart with the same shapes is quicker). A compile failure raises
+  [`EMARuntimeError`][emakit.errors.EMARuntimeError] naming the option, with torch's reason.
+* **Not bit-identical** to eager ``lerp_`` (the reference and ema-pytorch): Inductor
+  may evaluate the same formula with other roundings (fused multiply-add, another
+  branch of the two-sided lerp formula). BENCHMARKS.md gives the measured difference.
+
+Pairs whose shadow lives on another device than the online tensor, and the copied
+(never averaged) pairs, take the eager path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import FunctionType
+
+import torch
+from torch import Tensor
+
+from ..errors import EMARuntimeError
+
+
+def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
+    for d, s in zip(dsts, srcs):  # noqa: B905 - traced: the lists match by construction
+        d.lerp_(s.to(d.dtype), weight)
+
+
+class CompiledLerp:
+    """``dst.lerp_(src.to(dst.dtype), w)`` for every pair of one group, as one compiled
+    function (see the module docstring).
+
+    Args:
+        dsts: the shadow tensors, updated in place.
+        srcs: the online tensors, on the same device, any floating dtype.
+    """
+
+    def __init__(self, dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+        self.dsts = list(dsts)
+        self.srcs = list(srcs)
+        ref = self.dsts[0]
+        self.weight = torch.zeros((), dtype=ref.dtype, device=ref.device)
+        code = _lerp_each.__code__
+        own = FunctionType(code.replace(), _lerp_each.__globals__, code.co_name)
+        self.fn = torch.compile(own, fullgraph=True, dynamic=False)
+        self.compiled = False
+
+    def __call__(self, weight: float) -> None:
+        """Average every pair with lerp weight ``weight`` (``1 - decay``)."""
+        self.weight.fill_(weight)
+        if self.compiled:
+            self.fn(self.dsts, self.srcs, self.weight)
+            return
+        try:
+            self.fn(self.dsts, self.srcs, self.weight)
+        except Exception as e:  # torch's compile errors have no common base class
+            raise EMARuntimeError(
+                f"compile_update=True could not compile the fused update of "
+                f"{len(self.dsts)} tensors ({type(e).__name__}: {e}); pass "
+                f"compile_update=False for the eager update"
+            ) from e
+        self.compiled = True

@@ -1,0 +1,189 @@
+"""``compile_update=True``: the opt-in fused cast-and-lerp, compiled by torch.compile on CPU.
+
+Not bit-identical to the eager update (Inductor may round differently), so the checks are:
+within a few float32 roundings of the eager update after many steps, as close to a
+float64 reference EMA as the eager update, one compile per EMA (no recompile for a new
+decay value, none shared between EMAs), the eager path kept for what it cannot fuse, and
+the combinations it refuses at construction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from emakit import EMA, MultiEMA
+from emakit.errors import EMAValueError
+
+# one compile of a small model takes seconds on a CPU; inductor needs a C++ compiler there
+pytestmark = pytest.mark.slow
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    model.register_buffer("seen", torch.zeros((), dtype=torch.long))
+    return model.to(torch.bfloat16)
+
+
+def _step(model: nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.05)
+        if hasattr(model, "seen"):
+            model.seen += 1
+
+
+def _pair(model: nn.Module, **kw: object) -> tuple[EMA, EMA]:
+    kw = {"beta": 0.99, "update_after_step": 0, "update_every": 1, "ema_dtype": torch.float32, **kw}
+    return EMA(model, compile_update=True, **kw), EMA(model, **kw)
+
+
+def _assert_close(compiled: EMA, eager: EMA, ulps: float = 8.0) -> None:
+    a, b = compiled.ema_model.state_dict(), eager.ema_model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        assert x.dtype == y.dtype, name
+        if not x.is_floating_point():
+            assert torch.equal(x, y), name
+            continue
+        scale = y.abs().max().clamp_min(1.0)
+        diff = (x - y).abs().max()
+        assert diff <= ulps * EPS32 * scale, f"{name}: {diff.item():.3g} apart"
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[EMA, EMA, dict[str, torch.Tensor]]:
+    """40 updates with the default warm-up (a new decay each time) and no recompile, beside
+    the eager update and a float64 reference of the same bf16 weights."""
+    model = _model()
+    compiled, eager = _pair(model, beta=0.999, power=2 / 3)  # a decay that changes per step
+    gen = torch.Generator().manual_seed(1)
+    ref = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    decays = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(40):
+            _step(model, gen)
+            compiled.update()
+            eager.update()
+            decay = compiled.get_current_decay()
+            decays.add(decay)
+            for n, p in model.named_parameters():
+                ref[n].lerp_(p.detach().double(), 1.0 - decay)
+    assert len(decays) > 30  # the weight really changed from call to call
+    return compiled, eager, ref
+
+
+def test_compiled_update_matches_the_eager_one_within_float32_rounding(trained):
+    compiled, eager, _ref = trained
+    assert compiled.get_current_decay() == eager.get_current_decay()
+    _assert_close(compiled, eager)
+    assert compiled.ema_model[0].weight.dtype == torch.float32
+    assert int(compiled.ema_model.seen) == 40  # the integer buffer: copied, eagerly
+
+
+def test_compiled_update_is_as_close_to_float64_as_the_eager_one(trained):
+    compiled, eager, ref = trained
+    ours = dict(compiled.ema_model.named_parameters())
+    theirs = dict(eager.ema_model.named_parameters())
+    for name, r in ref.items():
+        err = ((ours[name].double() - r).norm() / r.norm()).item()
+        eager_err = ((theirs[name].double() - r).norm() / r.norm()).item()
+        assert err <= max(2 * eager_err, 1e-7), (name, err, eager_err)
+
+
+def test_compiled_plan_fuses_the_averaged_pairs(trained):
+    compiled, _eager, _ref = trained
+    plan = compiled.tracker.plan()
+    fused = [g.lerp.fused for g in plan.groups if g.lerp.fused is not None]
+    assert len(fused) == 1 and fused[0].compiled
+    assert len(fused[0].dsts) == 6  # every averaged parameter, in one compiled call
+    assert plan.num_kernels == 2  # the fused call and the integer buffer's copy
+    assert all(not g.lerp.rounds for g in plan.groups)  # no cast buffer
+
+
+def test_each_ema_compiles_its_own_function():
+    # torch keeps compiled versions per code object; two EMAs must not share one, or the
+    # second would be a recompile of the first (and past cache_size_limit, silently eager)
+    model = _model()
+    other = nn.Linear(8, 3).to(torch.bfloat16)
+    a, a_eager = _pair(model)
+    b, b_eager = _pair(other, beta=0.9)
+    gen = torch.Generator().manual_seed(4)
+    with torch._dynamo.config.patch(error_on_recompile=True, cache_size_limit=1):
+        for _ in range(3):
+            _step(model, gen)
+            _step(other, gen)
+            for ema in (a, a_eager, b, b_eager):
+                ema.update()
+    _assert_close(a, a_eager)
+    _assert_close(b, b_eager)
+
+
+def test_compiled_update_reads_a_repointed_weight_and_a_new_dtype():
+    model = _model()
+    compiled, eager = _pair(model)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        _step(model, gen)
+        compiled.update()
+        eager.update()
+    layer = model[0]
+    layer.weight.data = layer.weight.data.clone() + 1  # a new storage under the Parameter
+    compiled.update()
+    eager.update()
+    _assert_close(compiled, eager)
+    model.float()  # every weight changes dtype: the plans rebuild (a new compile)
+    for _ in range(2):
+        _step(model, gen)
+        compiled.update()
+        eager.update()
+    _assert_close(compiled, eager)
+    assert next(g for g in compiled.tracker.plan().groups if g.lerp.dst).lerp.fused.compiled
+
+
+def test_compiled_update_of_a_pytree_and_of_a_same_dtype_model():
+    torch.manual_seed(3)
+    tree = {"w": torch.randn(5, 7, dtype=torch.float16), "b": [torch.randn(3)]}
+    kw = {"beta": 0.9, "update_after_step": 0, "update_every": 1}
+    compiled = EMA(tree, compile_update=True, ema_dtype=torch.float32, **kw)
+    eager = EMA(tree, ema_dtype=torch.float32, **kw)
+    for _ in range(4):
+        tree["w"].add_(0.1)
+        tree["b"][0].mul_(1.1)
+        compiled.update()
+        eager.update()
+    ours, theirs = compiled.ema_pytree, eager.ema_pytree
+    for x, y in ((ours["w"], theirs["w"]), (ours["b"][0], theirs["b"][0])):
+        assert x.dtype == y.dtype == torch.float32
+        assert torch.allclose(x, y, rtol=8 * EPS32, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("use_foreach", True),
+        ("use_foreach", False),
+        ("skip_nonfinite", True),
+        ("device", "cpu"),
+        ("async_update", True),
+        ("stream", True),
+        ("partition", True),
+    ],
+)
+def test_compile_update_refuses_what_it_cannot_fuse(keyword, value):
+    with pytest.raises(
+        EMAValueError, match=f"compile_update=True cannot be combined with {keyword}="
+    ):
+        EMA(nn.Linear(2, 2), compile_update=True, **{keyword: value})
+
+
+def test_compile_update_must_be_a_bool_and_multi_ema_refuses_it():
+    with pytest.raises(Exception, match="compile_update"):
+        EMA(nn.Linear(2, 2), compile_update="yes")
+    with pytest.raises(EMAValueError, match="MultiEMA does not take compile_update=True"):
+        MultiEMA(nn.Linear(2, 2), compile_update=True)
