@@ -140,8 +140,11 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     mixed = checks["mixed_precision"]["rows"]
     paths = {r["contender"] for r in mixed}
     assert {f"emakit {p}, ema_dtype=float32" for p in ("default", "use_foreach=True")} <= paths
+    assert "emakit compile_update=True, ema_dtype=float32" in paths
     for r in mixed[1:]:
-        assert 0 < r["held_beyond_shadow_MiB"] <= r["limit_MiB"] and r["bytes_per_element"] > 0
+        fused = "compile_update" in r["contender"]  # no cast buffer at all
+        assert r["held_beyond_shadow_MiB"] <= r["limit_MiB"] and r["bytes_per_element"] > 0
+        assert (r["held_beyond_shadow_MiB"] == 0) == fused
         assert r["peak_during_update_MiB"] == 0.0
     assert checks["bema"]["rows"][1]["x_floor"] > 0
     lora = checks["lora"]["rows"]
