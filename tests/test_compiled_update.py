@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from emakit import EMA, MultiEMA
 from emakit.errors import EMAValueError
 
@@ -187,3 +188,49 @@ def test_compile_update_must_be_a_bool_and_multi_ema_refuses_it():
         EMA(nn.Linear(2, 2), compile_update="yes")
     with pytest.raises(EMAValueError, match="MultiEMA does not take compile_update=True"):
         MultiEMA(nn.Linear(2, 2), compile_update=True)
+
+
+def _fsdp2_ranks(rank: int, out: object) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from emakit._dist.dtensor import local_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 5))
+    model.to(torch.bfloat16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    compiled, eager = _pair(model)
+    gen = torch.Generator().manual_seed(7 + rank)  # the same steps on both ranks' shards
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                local = local_tensor(p)
+                local.add_(torch.randn(local.shape, generator=gen).to(local.dtype) * 0.05)
+        compiled.update()
+        eager.update()
+    a, b = compiled.ema_model.state_dict(), eager.ema_model.state_dict()
+    return {
+        "fused": [g.lerp.fused is not None for g in compiled.tracker.plan().groups],
+        "diff": max((local_tensor(a[k]) - local_tensor(b[k])).abs().max().item() for k in a),
+        "moved": max(
+            (local_tensor(a[k]) - local_tensor(p).float()).abs().max().item()
+            for k, p in model.state_dict().items()
+        ),
+        "dtypes": {str(local_tensor(v).dtype) for v in a.values()},
+    }
+
+
+@FSDP2_MARK
+def test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards(tmp_path):
+    for result in run_ranks(_fsdp2_ranks, tmp_path, world=2, timeout_s=240):
+        assert result["fused"] and all(result["fused"])
+        assert result["dtypes"] == {"torch.float32"}
+        assert result["diff"] <= 8 * EPS32 * 2  # weights of magnitude below 2
+        assert result["moved"] > 0  # a real average: the shadow lags the shards
+
+
+for _mark in DIST_MARKS:  # gloo and fork, as every test that launches ranks
+    test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards = _mark(
+        test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards
+    )
