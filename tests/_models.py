@@ -183,7 +183,7 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     A DTensor with a ``_StridedShard`` placement (FSDP2 with tensor parallelism) is
     assembled from every rank's local shard where its chunk (``__create_chunk_list__``)
     puts it, not by ``DTensor.full_tensor()``: on torch 2.8 and 2.9 that misplaces the
-    rows when they do not divide evenly (fixed in 2.10). ``test_posthoc_sharded`` checks
+    rows when they do not divide evenly (rewritten after 2.9). ``test_posthoc_sharded`` checks
     the chunks against the data FSDP2 put on each rank."""
     return {n: _full(v).detach().clone() for n, v in model.state_dict().items()}
 

@@ -101,12 +101,11 @@ def local_block(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     protocol ``torch.distributed.checkpoint`` uses). The one place emakit learns where a
     shard goes, for sharded snapshots and for exports alike.
 
-    It is right for every placement emakit meets, FSDP2 with tensor parallelism
-    (``_StridedShard``) over rows that do not divide evenly included, on every torch
-    whose FSDP2 emakit supports (torch before 2.8 refuses such uneven rows outright).
-    ``DTensor.full_tensor()`` is not: on torch 2.8 and 2.9 it puts the rows of an uneven
-    ``_StridedShard`` in the wrong places (fixed in torch 2.10), which is why emakit
-    never uses it to assemble a tensor.
+    It matches the data FSDP2 puts on each rank, with tensor parallelism
+    (``_StridedShard``) over rows that do not divide evenly too (FSDP2 refuses such rows
+    before torch 2.8). ``DTensor.full_tensor()`` does not: on torch 2.8 and 2.9 its
+    reassembly of an uneven ``_StridedShard`` puts rows in the wrong places (rewritten
+    after 2.9, pytorch#163843), so emakit never assembles a tensor with it.
 
     Raises:
         EMAStateError: the chunk is not the shape of the local shard (a layout emakit

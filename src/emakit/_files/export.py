@@ -23,9 +23,11 @@ its CPU copy on the way to the file (none when it already is on the CPU): at mos
 twice the largest tensor, whatever the model's size. Over gloo on the CPU, rank 0
 receives each rank's rows straight into the output (`gather_padded()`: point-to-point,
 since gloo's ``gather`` holds a second, flat copy), so there it is about once the largest
-tensor plus a few MiB (1.5x measured on a model of 4 MiB float32 tensors, BENCHMARKS.md). Every other rank holds its padded shard of one tensor at a time (placements other
-than rows, e.g. tensor parallelism, are assembled on every rank of the mesh from each
-rank's block, `_from_blocks()`: one full tensor at a time on each rank of the mesh). DeepSpeed's partitions are gathered to rank 0 the same way
+tensor plus a few MiB (1.5x measured on a model of 4 MiB float32 tensors, BENCHMARKS.md).
+Every other rank holds its padded shard of one tensor at a time (placements other than
+rows, e.g. tensor parallelism, are assembled on every rank of the mesh from each rank's
+block, `_from_blocks()`: one full tensor at a time on each rank of the mesh). DeepSpeed's
+partitions are gathered to rank 0 the same way
 ([`ZeroPartitions.gathered()`][emakit._dist.deepspeed.ZeroPartitions.gathered]). A failure on rank 0
 (disk full, a value the export ``dtype`` cannot hold) does not leave the other ranks
 waiting in a gather: rank 0 goes on gathering without writing, and `share_outcome()`
