@@ -178,8 +178,26 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of ``model``'s state dict in full, cloned (a collective for DTensors:
-    call it on every rank)."""
-    return {
-        n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-        for n, v in model.state_dict().items()
-    }
+    call it on every rank).
+
+    A DTensor with a ``_StridedShard`` placement (FSDP2 with tensor parallelism) is
+    assembled from every rank's local shard where its chunk (``__create_chunk_list__``)
+    puts it, not by ``DTensor.full_tensor()``: on torch 2.8 and 2.9 that misplaces the
+    rows when they do not divide evenly (rewritten after 2.9). ``test_posthoc_sharded`` checks
+    the chunks against the data FSDP2 put on each rank."""
+    return {n: _full(v).detach().clone() for n, v in model.state_dict().items()}
+
+
+def _full(v: torch.Tensor) -> torch.Tensor:
+    if not hasattr(v, "full_tensor"):
+        return v
+    strided = any(type(p).__name__ == "_StridedShard" for p in v.placements)
+    if not strided or v.device_mesh.size() != torch.distributed.get_world_size():
+        return v.full_tensor()
+    chunk = v.__create_chunk_list__()[0]
+    parts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, (tuple(chunk.offsets), v.to_local().cpu()))
+    out = torch.empty(v.shape, dtype=v.dtype)
+    for offsets, local in parts:  # replicas write the same values
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, local.shape, strict=True))] = local
+    return out.to(v.device)

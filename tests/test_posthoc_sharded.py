@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -141,6 +142,9 @@ def mesh_part(rank: int, out: Path, res: dict) -> None:
 
     model = build()
     twin = seeded(lambda: nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 8)), 2)
+    _uneven_strided_rows(model, twin, build, out, res)
+    if rank == 0:
+        res["tp_initial"] = {n: v.clone() for n, v in twin.state_dict().items()}
     ema = PostHocEMA(
         model, ema_model=build, checkpoint_every_num_steps=2, checkpoint_folder=out / "tp", **KW
     )
@@ -149,6 +153,37 @@ def mesh_part(rank: int, out: Path, res: dict) -> None:
     res["tp_on_ranks"] = gathered(ema.synthesize_ema_model(sigma_rel=TARGET).ema_model)
     if rank == 0:
         res["tp_ref"] = ref.synthesize_ema_model(sigma_rel=TARGET).ema_model.state_dict()
+
+
+def _uneven_strided_rows(
+    model: nn.Module, twin: nn.Module, build: Any, out: Path, res: dict
+) -> None:
+    """FSDP2 over tensor parallelism, ``0``'s 6 rows: 3 per tensor-parallel rank, split
+    2 + 1 over the FSDP ranks (``_StridedShard(0, sf=2), Shard(0)``). Each rank's blocks,
+    with the values it really holds there (``twin`` is the same model, whole), and an
+    export of a fresh EMA made without ``DTensor.full_tensor()``, which misplaces these
+    rows on torch 2.8 and 2.9."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
+    from emakit import EMA, save_ema_weights
+    from emakit.posthoc.snapshots.shards import model_blocks
+
+    local, blocks, _ = model_blocks(model, empty=True)
+    full = twin.state_dict()
+    res["tp_blocks"] = {n: (b.offset, b.size) for n, b in blocks.items()}
+    res["tp_block_values"] = {
+        n: torch.equal(
+            local[n].detach(),
+            full[n][tuple(slice(o, o + s) for o, s in zip(b.offset, b.size, strict=True))],
+        )
+        for n, b in blocks.items()
+    }
+    ema = EMA(model, ema_model=build)
+    refuse = AssertionError("emakit assembled a tensor with DTensor.full_tensor()")
+    with mock.patch.object(DTensor, "full_tensor", side_effect=refuse):
+        save_ema_weights(ema, out / "tp-export.safetensors")
 
 
 def four_ranks(rank: int, out: Path) -> dict:
@@ -270,6 +305,17 @@ def test_hsdp_and_tensor_parallel_snapshots(four) -> None:
         warnings.simplefilter("ignore", PostHocWarning)
         close(synthesize_state_dict(out / "hsdp", sigma_rel=TARGET), results[0]["hsdp_ref"])
         close(synthesize_state_dict(out / "tp", sigma_rel=TARGET), results[0]["tp_ref"])
+    # TP x FSDP2 over uneven rows: the blocks FSDP2 filled, and the export, exact
+    for rank, r in enumerate(results):
+        dp, tp = divmod(rank, 2)
+        assert r["tp_blocks"]["0.weight"] == ((3 * tp + 2 * dp, 0), (2 - dp, 8)), rank
+        assert r["tp_blocks"]["2.weight"] == ((4 * dp, 3 * tp), (4, 3)), rank
+        assert all(r["tp_block_values"].values()), (rank, r["tp_block_values"])
+    exported = safetensors.torch.load_file(str(out / "tp-export.safetensors"))
+    initial = results[0]["tp_initial"]
+    assert list(exported) == list(initial)
+    for name, value in initial.items():
+        assert torch.equal(exported[name], value), name
     # HSDP: ranks 2 and 3 (replicate coordinate 1) store nothing; ranks 0 and 1 the shards
     stored = {}
     for path in sorted((out / "hsdp").glob("step-000000002_sigma_rel-0.05_*")):

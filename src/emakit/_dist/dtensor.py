@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import EMATypeError
+from ..errors import EMAStateError, EMATypeError
 
 #: The oldest torch whose FSDP2 emakit supports: ``torch.distributed.fsdp.fully_shard``,
 #: ``FSDPModule`` and ``register_fsdp_forward_method`` became public, and ``fully_shard``
@@ -92,6 +92,60 @@ def dtensor_like(local: Tensor, like: Tensor) -> Any:
     d: Any = like
     return DTensor.from_local(
         local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+    )
+
+
+def local_block(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where the local shard of the DTensor ``t`` lies in the full tensor: ``(offsets,
+    sizes)``, one of each per dimension, as ``DTensor.__create_chunk_list__`` says (the
+    protocol ``torch.distributed.checkpoint`` uses). The one place emakit learns where a
+    shard goes, for sharded snapshots and for exports alike.
+
+    It matches the data FSDP2 puts on each rank, with tensor parallelism
+    (``_StridedShard``) over rows that do not divide evenly too (FSDP2 refuses such rows
+    before torch 2.8). ``DTensor.full_tensor()`` does not: on torch 2.8 and 2.9 its
+    reassembly of an uneven ``_StridedShard`` puts rows in the wrong places (rewritten
+    after 2.9, pytorch#163843), so emakit never assembles a tensor with it.
+
+    Raises:
+        EMAStateError: the chunk is not the shape of the local shard (a layout emakit
+            cannot place).
+    """
+    d: Any = t
+    chunk = d.__create_chunk_list__()[0]
+    offsets = tuple(int(x) for x in chunk.offsets)
+    sizes = tuple(int(x) for x in chunk.sizes)
+    local = tuple(d.to_local().shape)
+    if local != sizes:
+        raise EMAStateError(
+            f"a DTensor's local shard has shape {local} but its chunk is {sizes} "
+            f"(placements {d.placements}): emakit cannot place this shard in the full "
+            f"tensor; save the EMA with emakit.distributed.save_sharded_ema instead"
+        )
+    return offsets, sizes
+
+
+def stores_block(t: Tensor) -> bool:
+    """Whether this rank is the one that stores the local shard of the DTensor ``t``
+    where the shards are assembled or written once: the replica at coordinate 0 of every
+    mesh dimension ``t`` is replicated over (HSDP's replicate dimension, a bias
+    replicated over tensor-parallel ranks); every rank of a dimension that shards it.
+
+    Raises:
+        EMAStateError: ``t`` has a ``Partial`` placement (its shards are summands, not
+            parts; an EMA's weights are never partial).
+    """
+    d: Any = t
+    coordinate = d.device_mesh.get_coordinate() or []
+    for placement in d.placements:
+        if placement.is_partial():
+            raise EMAStateError(
+                f"a tensor with a Partial placement ({d.placements}) cannot be stored or "
+                f"assembled: its shards are summands, not parts; an EMA's weights are "
+                f"never partial"
+            )
+    return all(
+        not p.is_replicate() or c == 0 for p, c in zip(d.placements, coordinate, strict=False)
     )
 
 

@@ -23,9 +23,11 @@ its CPU copy on the way to the file (none when it already is on the CPU): at mos
 twice the largest tensor, whatever the model's size. Over gloo on the CPU, rank 0
 receives each rank's rows straight into the output (`gather_padded()`: point-to-point,
 since gloo's ``gather`` holds a second, flat copy), so there it is about once the largest
-tensor plus a few MiB (1.5x measured on a model of 4 MiB float32 tensors, BENCHMARKS.md). Every other rank holds its padded shard of one tensor at a time (placements other
-than rows, e.g. tensor parallelism, fall back to an all-gather: one full tensor at a time
-on each rank of the mesh). DeepSpeed's partitions are gathered to rank 0 the same way
+tensor plus a few MiB (1.5x measured on a model of 4 MiB float32 tensors, BENCHMARKS.md).
+Every other rank holds its padded shard of one tensor at a time (placements other than
+rows, e.g. tensor parallelism, are assembled on every rank of the mesh from each rank's
+block, `_from_blocks()`: one full tensor at a time on each rank of the mesh). DeepSpeed's
+partitions are gathered to rank 0 the same way
 ([`ZeroPartitions.gathered()`][emakit._dist.deepspeed.ZeroPartitions.gathered]). A failure on rank 0
 (disk full, a value the export ``dtype`` cannot hold) does not leave the other ranks
 waiting in a gather: rank 0 goes on gathering without writing, and `share_outcome()`
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .._dist.collectives import gather_padded
-from .._dist.dtensor import dtensor_like, is_dtensor
+from .._dist.dtensor import is_dtensor, local_block, stores_block
 from ..errors import EMAError, EMAValueError, EMAWriteError
 from .atomic import atomic_path
 from .reading import write_errors
@@ -58,14 +60,17 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False
     FSDP2's layout (``Shard(0)`` on a 1-D mesh) is gathered with one all-gather into a
     buffer of ``world * ceil(rows / world)`` rows, whose first ``rows`` rows are the tensor
     (``torch.chunk``'s split: only the last ranks hold fewer rows, or none), so the full
-    tensor is a view of the one buffer it arrives in. Any other placement goes through
-    ``DTensor.full_tensor()``.
+    tensor is a view of the one buffer it arrives in. Any other placement (tensor
+    parallelism, with or without FSDP2) is assembled from every rank's block where
+    ``__create_chunk_list__`` places it (`_from_blocks()`), never by
+    ``DTensor.full_tensor()``, which on torch 2.8 and 2.9 misplaces the rows of FSDP2 with
+    tensor parallelism when they do not divide evenly.
 
     With ``to_writer``, `tensor_for_writer()`: FSDP2's rows, and HSDP's (``Shard(0)``
     along one mesh dimension, replicated along the others), are *gathered* to rank 0 (the
     writer) alone: rank 0 receives the tensor, every other rank None, and the ranks of
-    the other HSDP replicas take no part. Any other placement (tensor parallelism...)
-    still goes through ``DTensor.full_tensor()``, and every rank of its mesh receives it.
+    the other HSDP replicas take no part. Any other placement is still assembled on
+    every rank of its mesh, which all receive it.
     """
     if not is_dtensor(t):
         return t
@@ -77,7 +82,30 @@ def full_tensor(t: Tensor, dtype: torch.dtype | None, *, to_writer: bool = False
         if any(c != 0 for i, c in enumerate(mesh.get_coordinate() or []) if i != along):
             return None  # another replica: rank 0's replica sends everything
         return _gather_rows(local, shape, mesh, along=along, to_writer=to_writer)
-    return dtensor_like(local, t).full_tensor()
+    return _from_blocks(d, local)
+
+
+def _from_blocks(d: Any, local: Tensor) -> Tensor:
+    """The DTensor ``d`` in full on every rank of its mesh, ``local`` (its local shard,
+    already cast) placed where ``__create_chunk_list__`` says
+    (`emakit._dist.dtensor.local_block`).
+
+    Each rank writes the block it stores (`emakit._dist.dtensor.stores_block`: one
+    replica of a replicated block) into a buffer of zeros of the full shape, and the
+    buffers are summed over each mesh dimension in turn, as bytes (``uint8``): every byte
+    is one rank's byte plus zeros, so the result is the shards' bits exactly (``-0.0``
+    and NaN payloads included), whatever the dtype. One all-reduce of the full tensor
+    per mesh dimension, and one full tensor held on each rank.
+    """
+    out = local.new_zeros(tuple(d.shape))
+    if stores_block(d):
+        offsets, sizes = local_block(d)
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = local
+    raw = out.reshape(-1).view(torch.uint8)
+    mesh = d.device_mesh
+    for dim in range(mesh.ndim):
+        torch.distributed.all_reduce(raw, group=mesh.get_group(dim))
+    return out
 
 
 def tensor_for_writer(t: Tensor, dtype: torch.dtype | None) -> Tensor | None:

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from ..._dist.collectives import is_rank_zero
 from ..._dist.deepspeed import WORLD_KEY, ZeroPartitions
-from ..._dist.dtensor import is_dtensor
+from ..._dist.dtensor import is_dtensor, local_block, stores_block
 from ..._files.reading import parse_json
 from ...errors import EMAStateError
 from ..math import PostHocWarning
@@ -197,35 +197,21 @@ def is_sharded(model: nn.Module | None) -> bool:
 
 def _held(t: Tensor, store: bool) -> tuple[Tensor, Block] | None:
     """The block of the full tensor ``t`` that this rank holds, with the local tensor
-    holding it: a DTensor's local shard (``__create_chunk_list__``, the protocol
-    ``torch.distributed.checkpoint`` uses), the whole of another tensor. With ``store``,
-    what this rank stores of it in a sharded snapshot, or None: a replicated block is
-    stored by the replica at coordinate 0 of every mesh dimension it is replicated over,
-    a plain tensor (the same on every rank) by rank 0, an empty block nowhere."""
+    holding it: a DTensor's local shard (where `emakit._dist.dtensor.local_block` places
+    it: ``__create_chunk_list__``, the protocol ``torch.distributed.checkpoint`` uses),
+    the whole of another tensor. With ``store``, what this rank stores of it in a sharded
+    snapshot, or None: a replicated block is stored by the replica at coordinate 0 of
+    every mesh dimension it is replicated over (`emakit._dist.dtensor.stores_block`), a
+    plain tensor (the same on every rank) by rank 0, an empty block nowhere."""
     if not is_dtensor(t):
         return (t, Block.whole(t.shape)) if is_rank_zero() or not store else None
     d: Any = t
-    chunk = d.__create_chunk_list__()[0]
-    block = Block(tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+    block = Block(*local_block(t))
     if not store:
         return d.to_local(), block
-    coordinate = d.device_mesh.get_coordinate() or []
-    for placement, c in zip(d.placements, coordinate, strict=False):
-        if placement.is_partial():
-            raise EMAStateError(
-                f"a tensor with a Partial placement ({d.placements}) cannot be snapshotted: "
-                f"its shards are summands, not parts; an EMA's weights are never partial"
-            )
-        if placement.is_replicate() and c != 0:
-            return None
-    local = d.to_local()
-    if tuple(local.shape) != block.size:  # a torch whose chunks are not the local shard
-        raise EMAStateError(
-            f"a DTensor's local shard has shape {tuple(local.shape)} but its chunk is "
-            f"{block.size} (placements {d.placements}): emakit cannot snapshot this layout; "
-            f"save it with emakit.distributed.save_sharded_ema instead"
-        )
-    return (local, block) if block.numel else None
+    if not stores_block(t):
+        return None
+    return (d.to_local(), block) if block.numel else None
 
 
 def model_blocks(
