@@ -20,7 +20,10 @@ process, interleaved round-robin; the median per call is reported.
 * **fixed cost** (also alone with ``--fixed-cost-only``): one averaging ``update()``
   against a bare ``torch._foreach_lerp_`` over the EMA's *own* adapter tensors (the same
   memory), thread CPU time, ``--rounds`` alternated rounds of 50 calls each; and the
-  update with its kernel stubbed out (the host time around it). Median and minimum ratio.
+  update with its kernel stubbed out (the host time around it), with three of its parts
+  timed alone: the watch of the shared frozen weights' storages (also between two bare
+  kernels, as updates meet it), the rule's decay and ``Action``, entering and leaving
+  inference mode. Median and minimum ratio.
 * **post-hoc snapshots** (``--snapshots N``, also alone with ``--snapshots-only``): a
   ``PostHocEMA`` of two profiles writes ``N`` snapshot steps (float16) with the frozen base
   stored once (the default), stored in every snapshot (``store_frozen_once=False``) and
@@ -195,7 +198,7 @@ def main() -> None:
 
 def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
     """``update()`` against the bare kernel over the EMA's own tensors, and stubbed."""
-    from emakit._engine.paths import FOREACH  # it holds the kernel it was built with
+    from emakit._engine.paths import FOREACH, no_autograd  # FOREACH: the kernel it was built with
 
     ema = EMA(model, beta=0.999, update_after_step=0, update_every=1)
     for _ in range(5):
@@ -216,8 +219,30 @@ def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
     def noop(*args: Any) -> None:
         return None
 
+    # parts of the stubbed update, each timed alone: the watch of the shared frozen weights'
+    # storages (Plan.freshness()), the rule's decay and Action, entering inference mode
+    tracker, watch = ema.tracker, plan.shared_pointers
+
+    def decay() -> None:
+        tracker.rule.action(tracker.step, tracker.last)
+
+    def inference() -> None:
+        with no_autograd(True):
+            pass
+
+    def watch_then_bare() -> None:  # the watch as an update meets it: after a kernel
+        watch.moved()
+        bare()
+
+    parts = {
+        "watch": watch.moved,
+        "watch+bare": watch_then_bare,
+        "decay": decay,
+        "inference": inference,
+    }
     kernel = FOREACH.lerp_same
     samples: dict[str, list[float]] = {"update": [], "bare": [], "stubbed": []}
+    samples.update({k: [] for k in parts})
     for r in range(rounds):
         pair = [("update", ema.update), ("bare", bare)]
         for name, fn in pair if r % 2 == 0 else pair[::-1]:
@@ -227,6 +252,8 @@ def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
             samples["stubbed"].append(batch(ema.update))
         finally:
             object.__setattr__(FOREACH, "lerp_same", kernel)
+        for name, fn in parts.items():
+            samples[name].append(batch(fn))
     med = {k: statistics.median(v) for k, v in samples.items()}
     ratios = [u / b for u, b in zip(samples["update"], samples["bare"], strict=True)]
     print(
@@ -235,7 +262,13 @@ def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
         f"{med['update']:.1f} µs, bare _foreach_lerp_ over its own tensors {med['bare']:.1f} "
         f"µs: {med['update'] / med['bare']:.3f}x (medians; per-round ratio median "
         f"{statistics.median(ratios):.3f}x, min {min(ratios):.3f}x); update() with its "
-        f"kernel stubbed {med['stubbed']:.1f} µs"
+        f"kernel stubbed {med['stubbed']:.1f} µs, of which the watch of the "
+        f"{len(watch.tensors)} shared frozen weights {med['watch']:.1f} µs, the decay and "
+        f"its Action {med['decay']:.1f} µs, entering and leaving inference mode "
+        f"{med['inference']:.1f} µs, the rest (Python calls, other checks) "
+        f"{med['stubbed'] - med['watch'] - med['decay'] - med['inference']:.1f} µs; the "
+        f"watch between two kernels (its storages no longer in the cache) "
+        f"{med['watch+bare'] - med['bare']:.1f} µs"
     )
 
 

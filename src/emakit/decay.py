@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Action:
     """What one ``update()`` call does to the EMA weights.
 
@@ -71,6 +71,18 @@ class Action:
     call: int = 0
     guard: Any = field(default=None, compare=False, repr=False)
     bias: float = 0.0
+
+    def __init__(
+        self,
+        kind: Literal["skip", "init", "copy", "hold", "lerp"],
+        weights: tuple[float, ...] = (),
+        call: int = 0,
+        guard: Any = None,
+        bias: float = 0.0,
+    ) -> None:
+        # One dict update instead of a frozen dataclass's five object.__setattr__ calls:
+        # an Action is made on every update (0.4 µs of a small one's host time).
+        self.__dict__.update(kind=kind, weights=weights, call=call, guard=guard, bias=bias)
 
     @property
     def averages(self) -> bool:
