@@ -109,7 +109,7 @@ def _suite(torch: str, full: bool):
         constraints = _pin_torch(session, torch)
         _release_checks(session, constraints)
         if full:
-            session.install("-c", constraints, "-e", ".[test]")
+            session.install("-c", constraints, "-e", ".[test,test-peers]")
         else:
             session.install("-c", constraints, "-e", ".", *CORE_DEPS)
         _run(session, core=not full)
