@@ -46,6 +46,7 @@ NOT_CORE = [
     "test_docs_blocks.py",
     "test_docs_site.py",
     "test_examples.py",
+    "test_framework_floor.py",
     "test_inspect_frameworks.py",
     "test_install.py",
     "test_integration_accelerate.py",
