@@ -37,6 +37,10 @@ TORCH_FLOOR = {
     "diffusers": (2, 6),
 }
 
+#: emakit's modules that import a framework when imported: a docs block that imports one
+#: needs that framework.
+_USES = {"emakit.integrations.transformers": "transformers"}
+
 #: A module to import after the framework itself, where importing the framework alone does
 #: not show whether it works (transformers imports lazily).
 _PROBE = {"transformers": "transformers.trainer_pt_utils"}
@@ -45,6 +49,7 @@ _PROBE = {"transformers": "transformers.trainer_pt_utils"}
 def refusal(module: str) -> str | None:
     """Why ``module`` does not work with this torch, or None: the reason where it is
     installed, this torch is older than its framework's floor and importing it fails."""
+    module = _USES.get(module, module)
     framework = module.split(".")[0]
     floor = TORCH_FLOOR.get(framework)
     if floor is None or torch_version() >= floor or importlib.util.find_spec(framework) is None:
