@@ -469,6 +469,10 @@ def peer_contenders(model: nn.Module) -> dict[str, Callable[[], object] | str]:
         out["diffusers EMAModel (foreach)"] = lambda: dema.step(model.parameters())
     except ImportError:
         out["diffusers EMAModel (foreach)"] = "not installed (pip install diffusers)"
+    except Exception as e:  # installed beside a torch it does not support (0.4x needs 2.6)
+        out["diffusers EMAModel (foreach)"] = (
+            f"does not work with torch {torch.__version__}: {type(e).__name__}: {e}"
+        )
     return out
 
 

@@ -32,7 +32,7 @@ def pytest_collection_finish(session) -> None:
     import _mypy_run
 
     selected = any(item.name == _mypy_run.TEST_NAME for item in session.items)
-    if selected and importlib.util.find_spec("mypy") is not None:
+    if selected and _mypy_run.SKIP is None and importlib.util.find_spec("mypy") is not None:
         _mypy_run.start()
 
 

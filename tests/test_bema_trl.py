@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from _frameworks import need
+
+transformers = need("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
-trl = pytest.importorskip("trl")
+trl = need("trl")
 
 from safetensors.torch import load_file  # noqa: E402
 
@@ -139,7 +141,7 @@ def test_resume_from_checkpoint_is_exact(runs: tuple, tmp_path: Path):
 
 
 def test_peft_model_writes_the_adapters(tmp_path: Path):
-    peft = pytest.importorskip("peft")
+    peft = need("peft")
     model = peft.get_peft_model(
         make_model(), peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0)
     )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import emakit
+from _frameworks import need
 from emakit import EMA, EMAPytree, EMAStateError
 from emakit._files import atomic as io_mod
 from emakit.checkpoint import (
@@ -441,10 +442,7 @@ def test_averaged_model(tmp_path, use_buffers):
 
 
 def test_diffusers_ema_model(tmp_path):
-    try:
-        from diffusers.training_utils import EMAModel
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"diffusers is not installed ({e}); pip install diffusers to run this test")
+    EMAModel = need("diffusers.training_utils").EMAModel
     net = Net()
     theirs = EMAModel(net.parameters(), decay=0.9, use_ema_warmup=True, power=0.75)
     train(net, 7, lambda: theirs.step(net.parameters()))
@@ -521,7 +519,6 @@ def test_warm_up_warning_and_step_override():
 @pytest.mark.parametrize("fmt", [f for f in FOREIGN_FORMATS if f != "emakit"])
 def test_mismatched_model_names_the_source(tmp_path, fmt):
     torch_ema = pytest.importorskip("torch_ema")
-    from diffusers.training_utils import EMAModel  # noqa: F401 - installed for the suite
     from torch.optim.swa_utils import AveragedModel
 
     other = nn.Sequential(nn.Linear(3, 3))

@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from _frameworks import need
 from emakit import EMA, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
 from emakit.compat.diffusers import EMAModel
 from emakit.foreign import load_foreign_state
 
-training_utils = pytest.importorskip("diffusers.training_utils")
-diffusers = pytest.importorskip("diffusers")
+training_utils = need("diffusers.training_utils")
+diffusers = need("diffusers")
 Theirs = training_utils.EMAModel
 
 #: Per tensor, |ours - theirs| stays within this many float32 epsilons of the tensor's

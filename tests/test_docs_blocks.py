@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from _frameworks import refusal
+
 # the fixture that runs every block counts toward the first test's time
 pytestmark = pytest.mark.timeout(1800)
 
@@ -64,6 +66,17 @@ def missing_imports(code: str) -> list[str]:
     return sorted(n for n in names if importlib.util.find_spec(n) is None)
 
 
+def refused_imports(code: str) -> list[str]:
+    """Why packages the block imports do not work with this torch (`_frameworks.refusal`)."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return sorted({r for n in names if (r := refusal(n)) is not None})
+
+
 def _run(code: str, folder: Path) -> tuple[int, str, float]:
     folder.mkdir(parents=True)
     script = folder.parent / f"{folder.name}.py"
@@ -94,7 +107,11 @@ def results(
         for item in request.session.items
         if getattr(item, "originalname", "") == "test_block_runs" and hasattr(item, "callspec")
     }
-    todo = [(i, c) for i, c in BLOCKS if i in wanted and not missing_imports(c)]
+    todo = [
+        (i, c)
+        for i, c in BLOCKS
+        if i in wanted and not missing_imports(c) and not refused_imports(c)
+    ]
     base = tmp_path_factory.mktemp("blocks")
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         futures = {i: pool.submit(_run, c, base / re.sub(r"\W", "_", i)) for i, c in todo}
@@ -113,6 +130,9 @@ def test_block_runs(block: tuple[str, str], results: dict[str, tuple[int, str, f
     missing = missing_imports(code)
     if missing:
         pytest.skip(f"{name} imports {missing}, not installed here")
+    refused = refused_imports(code)
+    if refused:
+        pytest.skip(f"{name}: {'; '.join(refused)}")
     returncode, output, _ = results[name]
     assert returncode == 0, f"{name} failed on its own (```py marks a fragment):\n{output}"
 

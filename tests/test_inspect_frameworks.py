@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from _frameworks import need
 from emakit.posthoc.commands import inspect_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def test_accelerate_state_folder_shows_its_ema(tmp_path: Path):
 
 
 def test_trainer_checkpoint_folder_shows_its_ema(tmp_path: Path):
-    pytest.importorskip("transformers")
+    need("transformers")
     from emakit import EMA, save_ema_weights
     from emakit.integrations.transformers import EMA_WEIGHTS_NAME
 

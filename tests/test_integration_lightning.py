@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from _launch import FSDP2_MARK  # noqa: E402
 from emakit import EMAError  # noqa: E402
 from emakit.integrations.lightning import (  # noqa: E402
     CHECKPOINT_KEY,
@@ -425,6 +426,7 @@ torch.save(res, out + "/rank" + str(trainer.global_rank) + ".pt")
 
 @pytest.mark.dist
 @pytest.mark.slow
+@FSDP2_MARK
 def test_model_parallel_strategy_fsdp2_two_cpu_processes(tmp_path: Path):
     # ModelParallelStrategy (FSDP2 in configure_model) on 2 CPU processes (gloo): the EMA
     # of each rank's shards, validation on it, and exact resume from both checkpoint

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+from _frameworks import need
+
+transformers = need("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
 from safetensors.torch import load_file  # noqa: E402

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from _frameworks import need
 from emakit import EMA, EMAStateError, EMAValueError, schedules
 from emakit.foreign import load_foreign_state
 
@@ -259,7 +260,7 @@ DIFFUSERS_NO_WARMUP = "schedule=schedules.torch_ema_warmup(0.9999)"
 
 @pytest.mark.parametrize("use_ema_warmup", [True, False])
 def test_diffusers_row_same_decays_and_weights_to_rounding(use_ema_warmup):
-    training_utils = pytest.importorskip("diffusers.training_utils")
+    training_utils = need("diffusers.training_utils")
     row = readme_row(DIFFUSERS_ROW)
     swap = None
     if not use_ema_warmup:
@@ -286,7 +287,7 @@ def test_diffusers_row_same_decays_and_weights_to_rounding(use_ema_warmup):
 
 
 def tiny_unet():
-    diffusers = pytest.importorskip("diffusers")
+    diffusers = need("diffusers")
     torch.manual_seed(0)
     return diffusers.UNet2DModel(
         sample_size=8,
@@ -302,7 +303,7 @@ def tiny_unet():
 
 def trained_ema_model(steps: int = 5):
     """A tiny UNet and a diffusers ``EMAModel`` of it after ``steps`` noisy SGD steps."""
-    training_utils = pytest.importorskip("diffusers.training_utils")
+    training_utils = need("diffusers.training_utils")
     net = tiny_unet()
     theirs = training_utils.EMAModel(
         net.parameters(), decay=0.99, model_cls=type(net), model_config=net.config
@@ -467,7 +468,7 @@ def test_folder_with_bad_config_bad_shards_or_another_model(tmp_path):
 @pytest.mark.filterwarnings("ignore:It is deprecated to pass a pretrained model:FutureWarning")
 def test_ema_model_folder_round_trips_through_from_pretrained(tmp_path):
     """diffusers reads the folder back with the same weights emakit loaded."""
-    training_utils = pytest.importorskip("diffusers.training_utils")
+    training_utils = need("diffusers.training_utils")
     net, theirs = trained_ema_model(steps=4)
     theirs.save_pretrained(tmp_path / "ema")
     back = training_utils.EMAModel.from_pretrained(tmp_path / "ema", type(net))

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from _frameworks import need
+
+transformers = need("transformers")
+peft = need("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 

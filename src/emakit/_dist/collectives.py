@@ -123,16 +123,16 @@ def gather_padded(
     if local.shape[0] != rows:  # the last ranks' shards are shorter, or empty: pad them
         local = _padded(local, rows)
     world = dist.get_world_size(group)
-    out = None
-    if not to_writer or dist.get_rank() == 0:
-        out = local.new_empty((world * rows, *local.shape[1:]))
     if to_writer:
+        out = local.new_empty((world * rows, *local.shape[1:])) if dist.get_rank() == 0 else None
         chunks = None if out is None else list(out.chunk(world))
         dist.gather(local.contiguous(), chunks, dst=0, group=group)
-    else:  # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, local.contiguous(), group=group)
-    return out
+        return out
+    full = local.new_empty((world * rows, *local.shape[1:]))
+    # all_gather_single where present: gloo's all_gather_into_tensor holds two copies
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(full, local.contiguous(), group=group)
+    return full
 
 
 def _padded(local: Tensor, rows: int) -> Tensor:

@@ -40,6 +40,20 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 try:
+    import transformers
+    from transformers.utils import is_torch_available
+except ImportError as e:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "emakit.integrations.transformers needs Transformers: pip install "
+        "'emakit[transformers]' (or pip install transformers accelerate)"
+    ) from e
+if not is_torch_available():  # Transformers turns its PyTorch part off on a torch it refuses
+    raise ImportError(
+        f"emakit.integrations.transformers needs Transformers' PyTorch part, which transformers "
+        f"{transformers.__version__} turns off beside torch {torch.__version__} (Transformers 5 "
+        "needs torch >= 2.6): pip install 'torch>=2.6'"
+    )
+try:
     from accelerate.utils import send_to_device
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_pt_utils import find_batch_size
