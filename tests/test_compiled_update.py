@@ -196,6 +196,8 @@ def _fsdp2_ranks(rank: int, out: object) -> dict[str, object]:
 
     from emakit._dist.dtensor import local_tensor
 
+    # a forked rank compiles in its own process: no pool of compile workers per rank
+    torch._inductor.config.compile_threads = 1
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 5))
     model.to(torch.bfloat16)
