@@ -39,14 +39,15 @@ from ._common import TRAINER_WEIGHTS_NAME, EMAKeywords, ema_keywords, ema_metric
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+_NEEDS = (
+    "emakit.integrations.transformers needs Transformers: pip install "
+    "'emakit[transformers]' (or pip install transformers accelerate)"
+)
 try:
     import transformers
     from transformers.utils import is_torch_available
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise ImportError(
-        "emakit.integrations.transformers needs Transformers: pip install "
-        "'emakit[transformers]' (or pip install transformers accelerate)"
-    ) from e
+    raise ImportError(_NEEDS) from e
 if not is_torch_available():  # Transformers turns its PyTorch part off on a torch it refuses
     raise ImportError(
         f"emakit.integrations.transformers needs Transformers' PyTorch part, which transformers "
@@ -59,10 +60,7 @@ try:
     from transformers.trainer_pt_utils import find_batch_size
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - depends on what is installed
-    raise ImportError(
-        "emakit.integrations.transformers needs Transformers: pip install "
-        "'emakit[transformers]' (or pip install transformers accelerate)"
-    ) from e
+    raise ImportError(_NEEDS) from e
 
 __all__ = ["BEMA_STATE_NAME", "EMA_WEIGHTS_NAME", "BEMACallback", "EMATrainerCallback"]
 
