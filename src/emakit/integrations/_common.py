@@ -68,6 +68,7 @@ class EMAKeywords(TypedDict, total=False):
     decay_groups: Mapping[str, float | Callable[[int], float]] | None
     skip_nonfinite: bool
     partition: bool
+    compile_update: bool
     device: torch.device | str | None
     async_update: bool | None
     stream: bool
