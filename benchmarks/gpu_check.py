@@ -83,6 +83,7 @@ from torch import nn
 
 import bench_mixed_precision
 import emakit
+from emakit._engine.compiled import refusal as compile_refusal
 from peers import allow_timm
 
 DEVICE = "cuda"
@@ -702,6 +703,9 @@ def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
         "compile_update=True": {"compile_update": True},  # opt-in, not bit-identical
     }
     for name, kw in paths.items():
+        if "compile_update" in kw and (why := compile_refusal()) is not None:
+            rows.append({"contender": f"emakit {name}", "refused": why, "ok": True})
+            continue
         ema, extra = held_bytes(
             lambda kw=kw: emakit.EMA(model, ema_dtype=torch.float32, **KW, **kw), shadow
         )

@@ -15,10 +15,13 @@ from torch import nn
 
 from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from emakit import EMA, MultiEMA
+from emakit._engine.compiled import refusal
 from emakit.errors import EMAValueError
 
 # one compile of a small model takes seconds on a CPU; inductor needs a C++ compiler there
 pytestmark = pytest.mark.slow
+#: The tests that compile: emakit refuses compile_update on older torch (by design).
+COMPILES = pytest.mark.skipif(refusal() is not None, reason=str(refusal()))
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -79,6 +82,7 @@ def trained() -> tuple[EMA, EMA, dict[str, torch.Tensor]]:
     return compiled, eager, ref
 
 
+@COMPILES
 def test_compiled_update_matches_the_eager_one_within_float32_rounding(trained):
     compiled, eager, _ref = trained
     assert compiled.get_current_decay() == eager.get_current_decay()
@@ -87,6 +91,7 @@ def test_compiled_update_matches_the_eager_one_within_float32_rounding(trained):
     assert int(compiled.ema_model.seen) == 40  # the integer buffer: copied, eagerly
 
 
+@COMPILES
 def test_compiled_update_is_as_close_to_float64_as_the_eager_one(trained):
     compiled, eager, ref = trained
     ours = dict(compiled.ema_model.named_parameters())
@@ -97,6 +102,7 @@ def test_compiled_update_is_as_close_to_float64_as_the_eager_one(trained):
         assert err <= max(2 * eager_err, 1e-7), (name, err, eager_err)
 
 
+@COMPILES
 def test_compiled_plan_fuses_the_averaged_pairs(trained):
     compiled, _eager, _ref = trained
     plan = compiled.tracker.plan()
@@ -107,6 +113,7 @@ def test_compiled_plan_fuses_the_averaged_pairs(trained):
     assert all(not g.lerp.rounds for g in plan.groups)  # no cast buffer
 
 
+@COMPILES
 def test_each_ema_compiles_its_own_function():
     # torch keeps compiled versions per code object; two EMAs must not share one, or the
     # second would be a recompile of the first (and past cache_size_limit, silently eager)
@@ -125,6 +132,7 @@ def test_each_ema_compiles_its_own_function():
     _assert_close(b, b_eager)
 
 
+@COMPILES
 def test_compiled_update_reads_a_repointed_weight_and_a_new_dtype():
     model = _model()
     compiled, eager = _pair(model)
@@ -147,6 +155,7 @@ def test_compiled_update_reads_a_repointed_weight_and_a_new_dtype():
     assert next(g for g in compiled.tracker.plan().groups if g.lerp.dst).lerp.fused.compiled
 
 
+@COMPILES
 def test_compiled_update_of_a_pytree_and_of_a_same_dtype_model():
     torch.manual_seed(3)
     tree = {"w": torch.randn(5, 7, dtype=torch.float16), "b": [torch.randn(3)]}
@@ -224,6 +233,7 @@ def _fsdp2_ranks(rank: int, out: object) -> dict[str, object]:
 
 
 @FSDP2_MARK
+@COMPILES
 def test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards(tmp_path):
     for result in run_ranks(_fsdp2_ranks, tmp_path, world=2, timeout_s=240):
         assert result["fused"] and all(result["fused"])
@@ -236,3 +246,23 @@ for _mark in DIST_MARKS:  # gloo and fork, as every test that launches ranks
     test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards = _mark(
         test_compiled_update_of_an_fsdp2_model_updates_each_rank_shards
     )
+
+
+def test_compile_update_is_refused_where_torch_would_change_the_process(monkeypatch):
+    # torch 2.4's Inductor turns on flush-to-zero for the whole process when it loads a
+    # CPU kernel (seen: denormals became zero for every later computation)
+    from emakit._engine import compiled
+
+    monkeypatch.setattr(compiled, "torch_version", lambda: (2, 4))
+    with pytest.raises(EMAValueError, match=r"compile_update=True needs torch >= 2\.9"):
+        EMA(nn.Linear(2, 2), compile_update=True)
+
+
+@COMPILES
+def test_compiling_leaves_denormals_alone(trained):
+    # no flush-to-zero left behind in the process by the compiled kernel (torch 2.4 did)
+    import struct
+
+    smallest = struct.unpack("d", struct.pack("q", 1))[0]
+    assert smallest * 1.0 > 0.0
+    assert torch.tensor(1e-40) * 1.0 > 0

@@ -28,6 +28,7 @@ from ._core.swap import Swap
 from ._core.tracker import Tracker
 from ._core.tree import all_tensors, leaves, named_tensors
 from ._dist.deepspeed import ZeroPartitions, zero3_params
+from ._engine.compiled import refusal as compile_refusal
 from ._engine.pairs import Tracked
 from ._engine.plan import Engine
 from ._engine.runners import Runner, StreamRunner, SyncRunner, ThreadRunner, hook_optimizer
@@ -188,7 +189,7 @@ class EMA(nn.Module):
             (seconds; tens of seconds for a 124M-parameter model on a CPU). **Not
             bit-identical** to the eager update and ema-pytorch: Inductor may round
             differently (BENCHMARKS.md, "Compiled mixed precision"). Pairs on two devices
-            and copied tensors stay eager. Not with ``use_foreach``, ``skip_nonfinite``,
+            and copied tensors stay eager. Needs torch >= 2.9. Not with ``use_foreach``, ``skip_nonfinite``,
             ``device``, ``async_update``, ``stream`` or ``partition``. Default False.
 
     Attributes:
@@ -370,7 +371,8 @@ class EMA(nn.Module):
     # -- the keywords that need more than their value ------------------------------------
 
     def _check_compiled(self) -> None:
-        """Raise for the keywords ``compile_update=True`` cannot be combined with."""
+        """Raise for the keywords ``compile_update=True`` cannot be combined with, and on a
+        torch it does not support."""
         others = {
             "use_foreach": (self.use_foreach, None, "the compiled update is its own engine"),
             "skip_nonfinite": (self.skip_nonfinite, False, "the guard has its own kernels"),
@@ -385,6 +387,8 @@ class EMA(nn.Module):
                     f"compile_update=True cannot be combined with {name}={value!r} ({why}); "
                     f"leave {name} at {default!r} or pass compile_update=False"
                 )
+        if (reason := compile_refusal()) is not None:
+            raise EMAValueError(reason)
 
     def _refuse_for_pytree(self) -> None:
         """Raise for keywords that only apply to a module (see `_MODULE_ONLY`)."""

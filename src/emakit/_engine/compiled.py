@@ -38,7 +38,25 @@ from types import FunctionType
 import torch
 from torch import Tensor
 
+from .._dist.dtensor import torch_version
 from ..errors import EMARuntimeError
+
+#: The oldest torch ``compile_update=True`` accepts. torch 2.4's Inductor turns on
+#: flush-to-zero for the whole process when it loads a compiled CPU kernel (denormals read
+#: and computed as zero everywhere after, a process-wide side effect); 2.9 and newer do
+#: not (checked on 2.9.1, 2.13 and 2.14.1; 2.5-2.8 not checked, so refused too).
+COMPILE_MIN_TORCH = (2, 9)
+
+
+def refusal() -> str | None:
+    """Why ``compile_update=True`` cannot run on this torch, or None."""
+    if torch_version() < COMPILE_MIN_TORCH:
+        return (
+            f"compile_update=True needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))} "
+            f"(got {torch.__version__}: older Inductor turns on flush-to-zero for the whole "
+            f"process when it loads a CPU kernel); upgrade torch or pass compile_update=False"
+        )
+    return None
 
 
 def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
