@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from _frameworks import refusal
+from emakit._engine.compiled import refusal as compile_refusal
 
 # the fixture that runs every block counts toward the first test's time
 pytestmark = pytest.mark.timeout(1800)
@@ -67,14 +68,18 @@ def missing_imports(code: str) -> list[str]:
 
 
 def refused_imports(code: str) -> list[str]:
-    """Why packages the block imports do not work with this torch (`_frameworks.refusal`)."""
+    """Why packages the block imports do not work with this torch (`_frameworks.refusal`),
+    or why emakit refuses a keyword the block passes (``compile_update=True``)."""
     names = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
-    return sorted({r for n in names if (r := refusal(n)) is not None})
+    reasons = {r for n in names if (r := refusal(n)) is not None}
+    if "compile_update=True" in code and (why := compile_refusal()) is not None:
+        reasons.add(why)  # emakit refuses it on this torch, by design
+    return sorted(reasons)
 
 
 def _run(code: str, folder: Path) -> tuple[int, str, float]:
