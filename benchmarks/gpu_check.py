@@ -704,7 +704,9 @@ def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
     }
     for name, kw in paths.items():
         if "compile_update" in kw and (why := compile_refusal()) is not None:
-            rows.append({"contender": f"emakit {name}", "refused": why, "ok": True})
+            rows.append(
+                {"contender": f"emakit {name}, ema_dtype=float32", "refused": why, "ok": True}
+            )
             continue
         ema, extra = held_bytes(
             lambda kw=kw: emakit.EMA(model, ema_dtype=torch.float32, **KW, **kw), shadow
