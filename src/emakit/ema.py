@@ -186,7 +186,7 @@ class EMA(nn.Module):
             bf16 model with an fp32 shadow (``ema_dtype=torch.float32``), where the eager
             update casts through a small buffer first. The decay is passed as a 0-dim
             tensor, so no decay value recompiles. The first averaging update compiles
-            (seconds; tens of seconds for a 124M-parameter model on a CPU). **Not
+            (seconds on a CPU; BENCHMARKS.md). **Not
             bit-identical** to the eager update and ema-pytorch: Inductor may round
             differently (BENCHMARKS.md, "Compiled mixed precision"). Pairs on two devices
             and copied tensors stay eager. Needs torch >= 2.9. Not with ``use_foreach``, ``skip_nonfinite``,

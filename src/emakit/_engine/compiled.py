@@ -16,9 +16,9 @@ traced over the group's whole list of pairs, so one call per update runs every p
   default), and falls back to eager past that. Each `CompiledLerp` compiles its own copy
   of the code, so any number of EMAs in one process keep theirs without touching torch's
   global settings.
-* **Compiled lazily.** The first update compiles (seconds on a small model, tens of
-  seconds for a 124M-parameter one on a CPU; Inductor caches the result on disk, so a
-  restart with the same shapes is quicker). A compile failure raises
+* **Compiled lazily.** The first averaging update compiles (about 10 s cold for a small
+  model on a CPU, 3.5-4.2 s for GPT-2 124M's 148 tensors with Inductor's disk cache warm,
+  BENCHMARKS.md). A compile failure raises
   [`EMARuntimeError`][emakit.errors.EMARuntimeError] naming the option, with torch's reason.
 * **Not bit-identical** to eager ``lerp_`` (the reference and ema-pytorch): the compiled
   function computes ``d + w * (s - d)`` for every weight (eager ``lerp_`` switches to
@@ -67,8 +67,8 @@ def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
 
 
 class CompiledLerp:
-    """``dst.lerp_(src.to(dst.dtype), w)`` for every pair of one group, as one compiled
-    function (see the module docstring).
+    """``dst += w * (src.to(dst.dtype) - dst)`` for every pair of one group, as one
+    compiled function (see the module docstring).
 
     Args:
         dsts: the shadow tensors, updated in place.
