@@ -141,9 +141,14 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     paths = {r["contender"] for r in mixed}
     assert {f"emakit {p}, ema_dtype=float32" for p in ("default", "use_foreach=True")} <= paths
     assert "emakit compile_update=True, ema_dtype=float32" in paths
+    if not any("refused" in r for r in mixed):
+        assert any("bit for bit" in c for c in paths)
     for r in mixed[1:]:
         if "refused" in r:  # compile_update=True on a torch emakit refuses it on (< 2.9)
             assert "compile_update" in r["contender"] and "torch >= 2.9" in r["refused"]
+            continue
+        if "bit for bit" in r["contender"]:  # the compiled update against the eager one
+            assert r["tensors"] > 0 and r["tensors_that_differ"] == 0 and r["ok"]
             continue
         fused = "compile_update" in r["contender"]  # no cast buffer at all
         assert r["held_beyond_shadow_MiB"] <= r["limit_MiB"] and r["bytes_per_element"] > 0

@@ -9,7 +9,7 @@ once and reads and writes the shadow once: for a bf16 model with an fp32 shadow,
 `CompiledLerp` compiles one function per group (one decay group, device and dtype pair),
 traced over the group's whole list of pairs, so one call per update runs every pair.
 
-* **No recompile per decay.** The lerp weight is a 0-dim tensor of the shadow's dtype on
+* **No recompile per decay.** The lerp weight is a 0-dim tensor of the computation dtype on
   its device, filled before each call: a new decay value is new data, not a new constant.
 * **One compiled copy per group.** torch keeps the compiled versions of a function with
   its code object, at most ``torch._dynamo.config.cache_size_limit`` of them (8 by
@@ -20,11 +20,16 @@ traced over the group's whole list of pairs, so one call per update runs every p
   model on a CPU, 3.5-4.2 s for GPT-2 124M's 148 tensors with Inductor's disk cache warm,
   BENCHMARKS.md). A compile failure raises
   [`EMARuntimeError`][emakit.errors.EMARuntimeError] naming the option, with torch's reason.
-* **Not bit-identical** to eager ``lerp_`` (the reference and ema-pytorch): the compiled
-  function computes ``d + w * (s - d)`` for every weight (eager ``lerp_`` switches to
-  ``s - (s - d) * (1 - w)`` for ``w >= 0.5``, the first warm-up steps; the single form
-  measured 9% faster compiled), and Inductor may contract it into a fused multiply-add.
-  BENCHMARKS.md gives the measured difference.
+* **Bit-identical to eager ``lerp_``** (the reference loop, ema-pytorch's
+  ``shadow.lerp_(online.to(shadow.dtype), w)``): the function computes what torch's
+  ``lerp_`` kernels compute, in the same precision and order. With ``c = w`` and
+  ``b = d`` where ``|w| < 0.5``, else ``c = w - 1`` and ``b = s`` (``s`` cast to the
+  computation dtype), ``d <- fma(c, s - d, b)``: one rounding of the product and sum, as
+  the eager CPU kernel's fused multiply-add and the CUDA kernel's contracted one. The
+  computation dtype is the shadow's, widened to float32 (bf16 and fp16 shadows computed in
+  float32 and rounded once, as eager). Inductor's C++ compile is asked to contract
+  ``b + c * (s - d)`` into that fused multiply-add for this function only
+  (`_contract_option()`); its default (no contraction) rounds twice, up to 1 ulp away.
 
 Pairs whose shadow lives on another device than the online tensor, and the copied
 (never averaged) pairs, take the eager path.
@@ -59,15 +64,29 @@ def refusal() -> str | None:
     return None
 
 
+def _contract_option() -> dict[str, object]:
+    """Inductor's per-compile option that lets its C++ compiler fuse ``b + c * x`` into one
+    multiply-add: a string (``"fast"``) in recent torch, a bool (True) in older ones."""
+    from torch._inductor import config  # noqa: PLC0415 - loaded by torch.compile anyway
+
+    value = getattr(config.cpp, "enable_floating_point_contract_flag", None)
+    if value is None:  # pragma: no cover - every torch emakit compiles on has it
+        return {}
+    return {"cpp.enable_floating_point_contract_flag": True if isinstance(value, bool) else "fast"}
+
+
 def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
-    # d + w (s - d): the branch of lerp's formula that eager ``lerp_`` takes for w < 0.5
-    # (every EMA past its first steps); cheaper than the two-branch form (measured).
+    # torch's lerp kernels, pair by pair: fma(w, e - s, s) for |w| < 0.5, else
+    # fma(w - 1, e - s, e), in the weight's (computation) dtype, rounded once to the shadow's
+    small = weight.abs() < 0.5
+    coeff = torch.where(small, weight, weight - 1)
     for d, s in zip(dsts, srcs):  # noqa: B905 - traced: the lists match by construction
-        d.add_((s.to(d.dtype) - d) * weight)
+        start, end = d.to(weight.dtype), s.to(weight.dtype)
+        d.copy_(torch.where(small, start, end) + coeff * (end - start))
 
 
 class CompiledLerp:
-    """``dst += w * (src.to(dst.dtype) - dst)`` for every pair of one group, as one
+    """``dst.lerp_(src.to(dst.dtype), w)`` for every pair of one group, bit for bit, as one
     compiled function (see the module docstring).
 
     Args:
@@ -79,10 +98,12 @@ class CompiledLerp:
         self.dsts = list(dsts)
         self.srcs = list(srcs)
         ref = self.dsts[0]
-        self.weight = torch.zeros((), dtype=ref.dtype, device=ref.device)
+        # the computation dtype: the shadow's, widened to float32 (torch's opmath type)
+        op = torch.promote_types(ref.dtype, torch.float32)
+        self.weight = torch.zeros((), dtype=op, device=ref.device)
         code = _lerp_each.__code__
         own = FunctionType(code.replace(), _lerp_each.__globals__, code.co_name)
-        self.fn = torch.compile(own, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(own, fullgraph=True, dynamic=False, options=_contract_option())
         self.compiled = False
 
     def __call__(self, weight: float) -> None:
