@@ -747,7 +747,9 @@ def compiled_bits() -> dict[str, Any]:
     """``compile_update=True`` against the eager update on the device, bit for bit: a small
     bf16 model of GPT-2's layer kinds, eight updates from the first (weights 1, 0.63, then
     below 0.5, so both branches of ``lerp_``)."""
-    model = bench_mixed_precision.gpt2_shapes(2, 4096, width=64, dtype=torch.bfloat16, device=DEVICE)
+    model = bench_mixed_precision.gpt2_shapes(
+        2, 4096, width=64, dtype=torch.bfloat16, device=DEVICE
+    )
     kw = {**KW, "beta": 0.99, "ema_dtype": torch.float32}
     eager = emakit.EMA(model, **kw)
     compiled = emakit.EMA(model, compile_update=True, **kw)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 #: The tests that compile: emakit refuses compile_update on older torch (by design).
 COMPILES = pytest.mark.skipif(refusal() is not None, reason=str(refusal()))
 
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
@@ -136,7 +137,9 @@ def test_compiled_update_is_bit_identical_to_ema_pytorch(model_dtype, ema_dtype)
         for name in a:
             assert a[name].dtype == b[name].dtype == ema_dtype, name
             assert torch.equal(a[name], b[name]), f"step {step}: {name}"
-    assert any(g.lerp.fused is not None and g.lerp.fused.compiled for g in ours.tracker.plan().groups)
+    assert any(
+        g.lerp.fused is not None and g.lerp.fused.compiled for g in ours.tracker.plan().groups
+    )
 
 
 @COMPILES

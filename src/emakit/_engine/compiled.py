@@ -67,7 +67,7 @@ def refusal() -> str | None:
 def _contract_option() -> dict[str, object]:
     """Inductor's per-compile option that lets its C++ compiler fuse ``b + c * x`` into one
     multiply-add: a string (``"fast"``) in recent torch, a bool (True) in older ones."""
-    from torch._inductor import config  # noqa: PLC0415 - loaded by torch.compile anyway
+    from torch._inductor import config  # lazily: loaded by torch.compile anyway
 
     value = getattr(config.cpp, "enable_floating_point_contract_flag", None)
     if value is None:  # pragma: no cover - every torch emakit compiles on has it
