@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_mixed_precision.py [--quick] [--json OUT] [--steps N]
     python benchmarks/bench_mixed_precision.py --speed [--rounds R] [--before DIR] [--json OUT]
+    python benchmarks/bench_mixed_precision.py --passes [--rounds R]
 
 ``--speed``: the cost of one averaging update of GPT-2 124M's parameter shapes in bf16
 with an fp32 shadow (``ema_dtype=torch.float32``; ema-pytorch: an fp32 ``ema_model`` with
@@ -18,6 +19,12 @@ fresh subprocess (RSS, ``/proc/self/status``): the memory an EMA retains beyond 
 after a few updates, and the peak above that during one update (allocation per update).
 ``--before DIR`` adds an older emakit (e.g. ``/tmp/before/src/emakit``) as a second
 package, side by side.
+
+``--passes``: where two eager passes stop. Over as many elements as GPT-2 124M, a bf16
+source and an fp32 shadow, for windows of 256 KiB to 16 MiB: the cast of every window
+into one reused buffer alone, the shadow's ``lerp_`` from that buffer alone, and both (what
+the eager update does), each against the same floor, minimum and median of ``--rounds``
+(torch alone, no emakit).
 
 A small bf16 model (Linear layers) is trained by a stand-in for noisy SGD: fp32 master
 weights take a random step of about 1e-3 of each tensor's RMS per iteration and the bf16
@@ -444,6 +451,63 @@ def print_speed(res: dict[str, Any], memory: list[dict[str, Any]]) -> None:
                 )
 
 
+def bench_passes(rounds: int, n: int) -> dict[str, Any]:
+    """The eager update's two passes, timed apart and together (see the module docstring)."""
+    shadow, online = torch.randn(n), torch.randn(n).to(torch.bfloat16)
+    flat = torch.randn(n)
+
+    def best(fn: Callable[[], Any]) -> tuple[float, float]:
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times), statistics.median(times)
+
+    def windows(size: int, cast: bool, lerp: bool) -> Callable[[], None]:
+        k = size // 4
+        buffer = torch.empty(k)
+
+        def run() -> None:
+            for i in range(0, n, k):
+                view, m = buffer[: min(k, n - i)], min(k, n - i)
+                if cast:
+                    view.copy_(online[i : i + m])
+                if lerp:
+                    shadow[i : i + m].lerp_(view, 0.001)
+
+        return run
+
+    floor = best(lambda: shadow.lerp_(flat, 0.001))[1] * 10 / 12
+    rows = []
+    for size in (256 << 10, 1 << 20, 4 << 20, 16 << 20):
+        row: dict[str, Any] = {"window_kib": size >> 10}
+        for name, cast, lerp in (
+            ("cast", True, False),
+            ("lerp", False, True),
+            ("both", True, True),
+        ):
+            low, med = best(windows(size, cast, lerp))
+            row[name] = {"min_ms": low * 1e3, "median_ms": med * 1e3, "x_floor": med / floor}
+        rows.append(row)
+    return {"elements": n, "floor_10B_ms": floor * 1e3, "rounds": rounds, "windows": rows}
+
+
+def print_passes(res: dict[str, Any]) -> None:
+    print(
+        f"\n{res['elements']:,} elements, bf16 source, fp32 shadow; 10 B floor "
+        f"{res['floor_10B_ms']:.1f} ms; median of {res['rounds']} (x floor), min in brackets\n"
+    )
+    print("| window | cast alone | lerp_ from the buffer alone | both (the eager update) |")
+    print("|---:|---:|---:|---:|")
+    for row in res["windows"]:
+        cells = [
+            f"{row[k]['median_ms']:.1f} ms ({row[k]['min_ms']:.1f}), {row[k]['x_floor']:.2f}x"
+            for k in ("cast", "lerp", "both")
+        ]
+        print(f"| {row['window_kib']} KiB | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 steps instead of 3000")
@@ -458,11 +522,22 @@ def main(argv: list[str] | None = None) -> None:
         "--no-compiled", action="store_true", help="--speed: leave out compile_update=True"
     )
     parser.add_argument("--before", metavar="DIR", help="--speed: an older emakit package too")
+    parser.add_argument(
+        "--passes", action="store_true", help="the eager update's two passes, timed apart"
+    )
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.memory_worker:
         print(json.dumps(memory_worker(args.memory_worker, args.layers, args.vocab, args.before)))
+        return
+    if args.passes:
+        n = sum(p.numel() for p in gpt2_shapes(args.layers, args.vocab).parameters())
+        res = bench_passes(args.rounds, n)
+        print_passes(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
         return
     if args.speed:
         before = None

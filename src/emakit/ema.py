@@ -184,13 +184,14 @@ class EMA(nn.Module):
             per group of tensors, which casts and averages in one pass over memory:
             ``shadow.lerp_(online.to(shadow.dtype), w)`` fused, 10 bytes per element for a
             bf16 model with an fp32 shadow (``ema_dtype=torch.float32``), where the eager
-            update casts through a small buffer first. The decay is passed as a 0-dim
-            tensor, so no decay value recompiles. The first averaging update compiles
-            (seconds on a CPU; BENCHMARKS.md). **Not
-            bit-identical** to the eager update and ema-pytorch: Inductor may round
-            differently (BENCHMARKS.md, "Compiled mixed precision"). Pairs on two devices
-            and copied tensors stay eager. Needs torch >= 2.9. Not with ``use_foreach``, ``skip_nonfinite``,
-            ``device``, ``async_update``, ``stream`` or ``partition``. Default False.
+            update casts through a small buffer first. Bit-identical to the eager update
+            and to ema-pytorch (the function is ``lerp_``'s formula, contracted into the
+            same fused multiply-add). The decay is passed as a 0-dim tensor, so no decay
+            value recompiles. The first averaging update compiles (seconds on a CPU, which
+            needs a C++ compiler; BENCHMARKS.md, "The opt-in compiled update"). Pairs on
+            two devices and copied tensors stay eager. Needs torch >= 2.9. Not with
+            ``use_foreach``, ``skip_nonfinite``, ``device``, ``async_update``, ``stream``
+            or ``partition``. Default False.
 
     Attributes:
         kind: ``"module"`` for an EMA of a module, ``"pytree"`` for one of a tensor or pytree.
