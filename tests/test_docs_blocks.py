@@ -85,12 +85,19 @@ def refused_imports(code: str) -> list[str]:
 def _run(code: str, folder: Path) -> tuple[int, str, float]:
     folder.mkdir(parents=True)
     script = folder.parent / f"{folder.name}.py"
-    script.write_text(code.replace("/tmp/", f"{folder}/"), encoding="utf-8")
+    # No block may raise a PostHocWarning (a warning filter, set before the block runs:
+    # ``python -W error::emakit.posthoc.PostHocWarning`` is refused at startup, "invalid
+    # module name", and Python then runs without it)
+    header = (
+        "import warnings; from emakit.posthoc import PostHocWarning; "
+        'warnings.simplefilter("error", PostHocWarning)\n'
+    )
+    script.write_text(header + code.replace("/tmp/", f"{folder}/"), encoding="utf-8")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT / "src")}
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-W", "error::emakit.posthoc.PostHocWarning", str(script)],
+            [sys.executable, str(script)],
             cwd=folder,
             capture_output=True,
             text=True,
@@ -146,3 +153,12 @@ def test_fragments_are_marked_on_the_site() -> None:
     """```py blocks are shown as fragments: the hook that titles them is in mkdocs.yml."""
     assert "docs/_hooks/fragments.py" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     assert blocks("py"), "no fragment left: drop the hook, or keep this test honest"
+
+
+def test_a_block_that_raises_a_posthoc_warning_fails(tmp_path):
+    # the promise above is checked: a PostHocWarning in a block is an error, not a line
+    code = 'import warnings\nfrom emakit.posthoc import PostHocWarning\nwarnings.warn("x", PostHocWarning)\n'
+    rc, out, _ = _run(code, tmp_path / "warns")
+    assert rc != 0 and "PostHocWarning" in out
+    rc, out, _ = _run('import warnings\nwarnings.warn("fine")\n', tmp_path / "other")
+    assert rc == 0, out
