@@ -345,3 +345,28 @@ def test_import_loads_no_peer():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_failed_save_pretrained_leaves_the_previous_folder(tmp_path, monkeypatch):
+    unet = tiny_unet()
+    ours = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config)
+    ours.save_pretrained(tmp_path / "ema")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ema").iterdir()}
+    noisy_sgd(unet, 2, lambda k: ours.step(unet.parameters()))
+    save = type(unet).save_pretrained
+
+    def dies_half_way(model, folder, *args, **kwargs):
+        save(model, folder, *args, **kwargs)
+        for f in Path(folder).iterdir():  # the weights half written, then the process fails
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(unet), "save_pretrained", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        ours.save_pretrained(tmp_path / "ema")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ema").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ema"]  # nothing left beside it
+    monkeypatch.undo()
+    ours.save_pretrained(tmp_path / "ema")  # a later save replaces it, and it reads back
+    back = EMAModel.from_pretrained(tmp_path / "ema", type(unet))
+    assert back.optimization_step == 2 and same(back.shadow_params, ours.shadow_params)

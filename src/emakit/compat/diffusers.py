@@ -17,8 +17,10 @@ last bit differs now and then, as it does between diffusers' own ``foreach=False
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -26,6 +28,7 @@ from torch import Tensor, nn
 
 from .. import _validate as check
 from .._core.state import tensor_list_like
+from .._files.atomic import atomic_paths
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMATypeError, EMAValueError
 
@@ -396,7 +399,8 @@ class EMAModel:
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Write the EMA weights as ``model_cls`` saves a model, with the settings of
         `state_dict()` (``optimization_step`` included) in its ``config.json``: the
-        folder diffusers' ``EMAModel.from_pretrained`` reads.
+        folder diffusers' ``EMAModel.from_pretrained`` reads. The files replace those of
+        an earlier save only once all are written (a failed save changes nothing).
 
         Raises:
             EMAValueError: ``model_cls`` or ``model_config`` was not given.
@@ -411,7 +415,17 @@ class EMAModel:
         model = model_cls.from_config(config)
         model.register_to_config(**{name: getattr(self, name) for name in _SETTINGS})
         self.copy_to(model.parameters())
-        model.save_pretrained(path)
+        # The model writes into a folder of its own next to ``path``; only once every file
+        # is complete do they replace ``path``'s (atomic_paths): a failed or interrupted
+        # save leaves the previous folder as it was.
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staged:
+            model.save_pretrained(staged)
+            names = sorted(f.relative_to(staged) for f in Path(staged).rglob("*") if f.is_file())
+            with atomic_paths([out / name for name in names]) as temps:
+                for name, temp in zip(names, temps, strict=True):
+                    os.replace(Path(staged) / name, temp)
 
     @classmethod
     def from_pretrained(
