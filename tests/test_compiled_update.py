@@ -306,3 +306,15 @@ def test_compiling_leaves_denormals_alone(trained):
     smallest = struct.unpack("d", struct.pack("q", 1))[0]
     assert smallest * 1.0 > 0.0
     assert torch.tensor(1e-40) * 1.0 > 0
+
+
+@COMPILES
+def test_an_inductor_without_the_fma_option_is_named(monkeypatch):
+    from emakit._engine import compiled
+    from emakit.errors import EMARuntimeError
+
+    monkeypatch.setattr(compiled, "FMA_OPTIONS", {"cpp.no_such_option": "fast"})
+    ema = EMA(_model(), compile_update=True, update_after_step=0, update_every=1)
+    with pytest.raises(EMARuntimeError, match=r"compile_update=True needs Inductor's options"):
+        ema.update()  # the first update builds the plan, and the compiled function with it
+    assert int(ema.step) == 0  # the failed call did not count

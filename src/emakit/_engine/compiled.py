@@ -29,7 +29,7 @@ traced over the group's whole list of pairs, so one call per update runs every p
   computation dtype is the shadow's, widened to float32 (bf16 and fp16 shadows computed in
   float32 and rounded once, as eager). Inductor's C++ compile is asked to contract
   ``b + c * (s - d)`` into that fused multiply-add for this function only
-  (`_contract_option()`); its default (no contraction) rounds twice, up to 1 ulp away.
+  (`FMA_OPTIONS`); its default (no contraction) rounds twice, up to 1 ulp away.
 
 Pairs whose shadow lives on another device than the online tensor, and the copied
 (never averaged) pairs, take the eager path.
@@ -64,15 +64,10 @@ def refusal() -> str | None:
     return None
 
 
-def _contract_option() -> dict[str, object]:
-    """Inductor's per-compile option that lets its C++ compiler fuse ``b + c * x`` into one
-    multiply-add: a string (``"fast"``) in recent torch, a bool (True) in older ones."""
-    from torch._inductor import config  # lazily: loaded by torch.compile anyway
-
-    value = getattr(config.cpp, "enable_floating_point_contract_flag", None)
-    if value is None:  # pragma: no cover - every torch emakit compiles on has it
-        return {}
-    return {"cpp.enable_floating_point_contract_flag": True if isinstance(value, bool) else "fast"}
+#: Inductor's per-compile option that lets its C++ compiler contract ``b + c * x`` into one
+#: fused multiply-add (``"off"`` by default; a string in torch 2.9 and later). A torch
+#: without it refuses the option: `CompiledLerp` then raises, naming it.
+FMA_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 
 def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
@@ -103,7 +98,13 @@ class CompiledLerp:
         self.weight = torch.zeros((), dtype=op, device=ref.device)
         code = _lerp_each.__code__
         own = FunctionType(code.replace(), _lerp_each.__globals__, code.co_name)
-        self.fn = torch.compile(own, fullgraph=True, dynamic=False, options=_contract_option())
+        try:
+            self.fn = torch.compile(own, fullgraph=True, dynamic=False, options=FMA_OPTIONS)
+        except RuntimeError as e:  # an option this torch's Inductor does not know
+            raise EMARuntimeError(
+                f"compile_update=True needs Inductor's options {FMA_OPTIONS} for the bits of "
+                f"eager lerp_ ({e}); pass compile_update=False for the eager update"
+            ) from e
         self.compiled = False
 
     def __call__(self, weight: float) -> None:
