@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import FunctionType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +68,7 @@ def refusal() -> str | None:
 #: Inductor's per-compile option that lets its C++ compiler contract ``b + c * x`` into one
 #: fused multiply-add (``"off"`` by default; a string in torch 2.9 and later). A torch
 #: without it refuses the option: `CompiledLerp` then raises, naming it.
-FMA_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+FMA_OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 
 def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
