@@ -49,7 +49,9 @@ runs on its own; one that fails is reported as failed and the others still run.
     model of the same layer kinds, eight updates through the warm-up's large weights).
     Also the compiled update with Inductor's ``combo_kernels`` (one launch for many
     tensors' kernels on a GPU, where one launch per tensor may cost more than the memory
-    traffic). Targets: at most 1.25x the 10-byte floor (1.05x compiled), compiled bit for bit;
+    traffic), and the eager default with cast windows of 4, 8, 32 and 64 MiB (16 by
+    default on an accelerator: which size the device wants). Targets: at most 1.25x the
+    10-byte floor (1.05x compiled), compiled bit for bit;
     no shadow-sized staging (at most 64 MiB or
     1% of the shadow, whichever is larger, held or allocated).
 11. **bema**: one ``BEMA.update()`` (``update_freq=1``) of GPT-2's shapes in fp32 against
@@ -89,6 +91,7 @@ from torch import nn
 import bench_mixed_precision
 import emakit
 from emakit._engine import compiled as compiled_update
+from emakit._engine import paths as cast_paths
 from emakit._engine.compiled import refusal as compile_refusal
 from peers import allow_timm
 
@@ -747,8 +750,37 @@ def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
         row["ok"] = memory_ok if DRY else memory_ok and row["x_10B_floor"] <= target
         rows.append(row)
         del ema
+    rows += cast_windows(model, floor12, repeats)
     if compile_refusal() is None:
         rows.append(compiled_bits())
+    return rows
+
+
+def cast_windows(model: nn.Module, floor12: float, repeats: int) -> list[dict[str, Any]]:
+    """The eager default update with other sizes of its cast buffer
+    (``emakit._engine.paths.CAST_CHUNK_BYTES``; 16 MiB on an accelerator): small windows pay
+    two launches each, large ones spill out of the cache. Which size the device wants."""
+    rows = []
+    saved = dict(cast_paths.CAST_CHUNK_BYTES)
+    try:
+        for mib in (4, 8, 32, 64):
+            cast_paths.CAST_CHUNK_BYTES[DEVICE] = mib << 20
+            ema = emakit.EMA(model, ema_dtype=torch.float32, **KW)
+            ema.update()
+            t = time_per_call(ema.update, repeats)
+            rows.append(
+                {
+                    "contender": f"emakit default, ema_dtype=float32, cast window {mib} MiB",
+                    "us": t * 1e6,
+                    "x_10B_floor": t / (floor12 * 10 / 12),
+                    "bytes_per_element": 12 * t / floor12,
+                    "ok": True,  # a measurement, no target: the default is 16 MiB
+                }
+            )
+            del ema
+    finally:
+        cast_paths.CAST_CHUNK_BYTES.clear()
+        cast_paths.CAST_CHUNK_BYTES.update(saved)
     return rows
 
 
