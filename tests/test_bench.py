@@ -145,6 +145,7 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     if not any("refused" in r for r in mixed):
         assert any("bit for bit" in c for c in paths)
     for r in mixed[1:]:
+        assert "error" not in r, r
         if "refused" in r:  # compile_update=True on a torch emakit refuses it on (< 2.9)
             assert "compile_update" in r["contender"] and "torch >= 2.9" in r["refused"]
             continue
