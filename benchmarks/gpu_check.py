@@ -47,7 +47,11 @@ runs on its own; one that fails is reported as failed and the others still run.
     ``compile_update=True`` too (opt-in), with its first averaging update's time (the
     compile), and whether it is bit-identical to the eager update on the device (a small
     model of the same layer kinds, eight updates through the warm-up's large weights).
-    Targets: at most 1.25x the 10-byte floor (1.05x compiled), compiled bit for bit;
+    Also the compiled update with Inductor's ``combo_kernels`` (one launch for many
+    tensors' kernels on a GPU, where one launch per tensor may cost more than the memory
+    traffic), and the eager default with cast windows of 4, 8, 32 and 64 MiB (16 by
+    default on an accelerator: which size the device wants). Targets: at most 1.25x the
+    10-byte floor (1.05x compiled), compiled bit for bit;
     no shadow-sized staging (at most 64 MiB or
     1% of the shadow, whichever is larger, held or allocated).
 11. **bema**: one ``BEMA.update()`` (``update_freq=1``) of GPT-2's shapes in fp32 against
@@ -70,13 +74,14 @@ allocation events (10-11). Its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +90,8 @@ from torch import nn
 
 import bench_mixed_precision
 import emakit
+from emakit._engine import compiled as compiled_update
+from emakit._engine import paths as cast_paths
 from emakit._engine.compiled import refusal as compile_refusal
 from peers import allow_timm
 
@@ -684,8 +691,6 @@ def held_bytes(build: Callable[[], object], shadow_bytes: int) -> tuple[object, 
 def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
     model = gpt2_shapes(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
-    shadow = n * 4
-    limit = max(64 * 2**20, shadow // 100)
     floor12 = floor_lerp(n, repeats)
     peak, source = peak_bandwidth_gbps()
     rows: list[dict[str, Any]] = [
@@ -703,44 +708,103 @@ def check_mixed_precision(repeats: int) -> list[dict[str, Any]]:
         "use_foreach=True": {"use_foreach": True},
         "use_foreach=False": {"use_foreach": False},
         "compile_update=True": {"compile_update": True},  # opt-in
+        # the same, with Inductor's combo kernels: on a GPU, one launch for many tensors'
+        # pointwise kernels instead of one each (148 here); on a CPU the option does nothing
+        "compile_update=True, combo_kernels": {"compile_update": True, "combo": True},
     }
     for name, kw in paths.items():
+        combo = kw.pop("combo", False)
         if "compile_update" in kw and (why := compile_refusal()) is not None:
             rows.append(
                 {"contender": f"emakit {name}, ema_dtype=float32", "refused": why, "ok": True}
             )
             continue
-        ema, extra = held_bytes(
-            lambda kw=kw: emakit.EMA(model, ema_dtype=torch.float32, **KW, **kw), shadow
-        )
-        ema.update()  # type: ignore[attr-defined]
-        started = time.perf_counter()
-        ema.update()  # type: ignore[attr-defined]  # compile_update: compiles here
-        sync()
-        first = time.perf_counter() - started
-        t = time_per_call(ema.update, repeats)  # type: ignore[attr-defined]
-        during = peak_during(ema.update)  # type: ignore[attr-defined]
-        if DEVICE != "cuda":
-            extra = float(staging_bytes(ema))
-        target = 1.05 if "compile_update" in kw else 1.25
-        row = {
-            "contender": f"emakit {name}, ema_dtype=float32",
-            "us": t * 1e6,
-            "first_averaging_update_s": first,
-            "x_10B_floor": t / (floor12 * 10 / 12),
-            "target_x_floor": target,
-            "bytes_per_element": 12 * t / floor12,
-            "held_beyond_shadow_MiB": extra / 2**20,
-            "peak_during_update_MiB": during / 2**20,
-            "limit_MiB": limit / 2**20,
-        }
-        memory_ok = extra <= limit and during <= limit
-        row["ok"] = memory_ok if DRY else memory_ok and row["x_10B_floor"] <= target
-        rows.append(row)
-        del ema
+        try:  # a contender that fails is a row saying why; the others still run
+            rows.append(mixed_row(model, name, kw, combo, floor12, repeats))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            rows.append(
+                {"contender": f"emakit {name}, ema_dtype=float32", "error": error, "ok": False}
+            )
+    rows += cast_windows(model, floor12, repeats)
     if compile_refusal() is None:
         rows.append(compiled_bits())
     return rows
+
+
+def mixed_row(
+    model: nn.Module, name: str, kw: dict[str, Any], combo: bool, floor12: float, repeats: int
+) -> dict[str, Any]:
+    """One contender of check 10: its time against the floor, its memory, its compile."""
+    shadow = sum(p.numel() for p in model.parameters()) * 4
+    limit = max(64 * 2**20, shadow // 100)
+    with inductor_options({"combo_kernels": True} if combo else {}):
+        ema, extra = held_bytes(
+            lambda kw=kw: emakit.EMA(model, ema_dtype=torch.float32, **KW, **kw), shadow
+        )
+        ema.update()  # type: ignore[attr-defined]  # builds the plan: torch.compile here
+    started = time.perf_counter()
+    ema.update()  # type: ignore[attr-defined]  # compile_update: compiles here
+    sync()
+    first = time.perf_counter() - started
+    t = time_per_call(ema.update, repeats)  # type: ignore[attr-defined]
+    during = peak_during(ema.update)  # type: ignore[attr-defined]
+    if DEVICE != "cuda":
+        extra = float(staging_bytes(ema))
+    target = 1.05 if "compile_update" in kw else 1.25
+    row = {
+        "contender": f"emakit {name}, ema_dtype=float32",
+        "us": t * 1e6,
+        "first_averaging_update_s": first,
+        "x_10B_floor": t / (floor12 * 10 / 12),
+        "target_x_floor": target,
+        "bytes_per_element": 12 * t / floor12,
+        "held_beyond_shadow_MiB": extra / 2**20,
+        "peak_during_update_MiB": during / 2**20,
+        "limit_MiB": limit / 2**20,
+    }
+    memory_ok = extra <= limit and during <= limit
+    row["ok"] = memory_ok if DRY else memory_ok and row["x_10B_floor"] <= target
+    return row
+
+
+def cast_windows(model: nn.Module, floor12: float, repeats: int) -> list[dict[str, Any]]:
+    """The eager default update with other sizes of its cast buffer
+    (``emakit._engine.paths.CAST_CHUNK_BYTES``; 16 MiB on an accelerator): small windows pay
+    two launches each, large ones spill out of the cache. Which size the device wants."""
+    rows = []
+    saved = dict(cast_paths.CAST_CHUNK_BYTES)
+    try:
+        for mib in (4, 8, 32, 64):
+            cast_paths.CAST_CHUNK_BYTES[DEVICE] = mib << 20
+            ema = emakit.EMA(model, ema_dtype=torch.float32, **KW)
+            ema.update()
+            t = time_per_call(ema.update, repeats)
+            rows.append(
+                {
+                    "contender": f"emakit default, ema_dtype=float32, cast window {mib} MiB",
+                    "us": t * 1e6,
+                    "x_10B_floor": t / (floor12 * 10 / 12),
+                    "bytes_per_element": 12 * t / floor12,
+                    "ok": True,  # a measurement, no target: the default is 16 MiB
+                }
+            )
+            del ema
+    finally:
+        cast_paths.CAST_CHUNK_BYTES.clear()
+        cast_paths.CAST_CHUNK_BYTES.update(saved)
+    return rows
+
+
+@contextlib.contextmanager
+def inductor_options(extra: dict[str, Any]) -> Iterator[None]:
+    """Add ``extra`` to the Inductor options of the compiled update built inside."""
+    saved = compiled_update.FMA_OPTIONS
+    compiled_update.FMA_OPTIONS = {**saved, **extra}
+    try:
+        yield
+    finally:
+        compiled_update.FMA_OPTIONS = saved
 
 
 def compiled_bits() -> dict[str, Any]:

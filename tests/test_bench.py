@@ -141,14 +141,19 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     paths = {r["contender"] for r in mixed}
     assert {f"emakit {p}, ema_dtype=float32" for p in ("default", "use_foreach=True")} <= paths
     assert "emakit compile_update=True, ema_dtype=float32" in paths
+    assert {f"emakit default, ema_dtype=float32, cast window {m} MiB" for m in (4, 64)} <= paths
     if not any("refused" in r for r in mixed):
         assert any("bit for bit" in c for c in paths)
     for r in mixed[1:]:
+        assert "error" not in r, r
         if "refused" in r:  # compile_update=True on a torch emakit refuses it on (< 2.9)
             assert "compile_update" in r["contender"] and "torch >= 2.9" in r["refused"]
             continue
         if "bit for bit" in r["contender"]:  # the compiled update against the eager one
             assert r["tensors"] > 0 and r["tensors_that_differ"] == 0 and r["ok"]
+            continue
+        if "cast window" in r["contender"]:  # the eager default with other buffer sizes
+            assert r["bytes_per_element"] > 0 and r["x_10B_floor"] > 0
             continue
         fused = "compile_update" in r["contender"]  # no cast buffer at all
         assert r["held_beyond_shadow_MiB"] <= r["limit_MiB"] and r["bytes_per_element"] > 0
