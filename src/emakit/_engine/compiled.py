@@ -25,7 +25,8 @@ traced over the group's whole list of pairs, so one call per update runs every p
   ``lerp_`` kernels compute, in the same precision and order. With ``c = w`` and
   ``b = d`` where ``|w| < 0.5``, else ``c = w - 1`` and ``b = s`` (``s`` cast to the
   computation dtype), ``d <- fma(c, s - d, b)``: one rounding of the product and sum, as
-  the eager CPU kernel's fused multiply-add and the CUDA kernel's contracted one. The
+  the eager CPU kernel's fused multiply-add (and, expected, the CUDA kernel's contracted
+  one: ``benchmarks/gpu_check.py`` compares the bits on a GPU, not yet run). The
   computation dtype is the shadow's, widened to float32 (bf16 and fp16 shadows computed in
   float32 and rounded once, as eager). Inductor's C++ compile is asked to contract
   ``b + c * (s - d)`` into that fused multiply-add for this function only
@@ -72,8 +73,9 @@ FMA_OPTIONS: dict[str, Any] = {"cpp.enable_floating_point_contract_flag": "fast"
 
 
 def _lerp_each(dsts: list[Tensor], srcs: list[Tensor], weight: Tensor) -> None:
-    # torch's lerp kernels, pair by pair: fma(w, e - s, s) for |w| < 0.5, else
-    # fma(w - 1, e - s, e), in the weight's (computation) dtype, rounded once to the shadow's
+    # torch's lerp kernels, pair by pair, with start = shadow and end = online weight:
+    # fma(w, end - start, start) for |w| < 0.5, else fma(w - 1, end - start, end), in the
+    # weight's (computation) dtype, rounded once to the shadow's
     small = weight.abs() < 0.5
     coeff = torch.where(small, weight, weight - 1)
     for d, s in zip(dsts, srcs):  # noqa: B905 - traced: the lists match by construction
