@@ -470,11 +470,11 @@ def bench_passes(rounds: int, n: int) -> dict[str, Any]:
 
         def run() -> None:
             for i in range(0, n, k):
-                view, m = buffer[: min(k, n - i)], min(k, n - i)
+                m = min(k, n - i)
                 if cast:
-                    view.copy_(online[i : i + m])
+                    buffer[:m].copy_(online[i : i + m])
                 if lerp:
-                    shadow[i : i + m].lerp_(view, 0.001)
+                    shadow[i : i + m].lerp_(buffer[:m], 0.001)
 
         return run
 
