@@ -215,9 +215,9 @@ def test_sweep_without_eval_needs_an_emakit_eval_file(trained, tmp_path: Path):
     try:
         spec.write_text('{"eval": "os:getcwd"}')
         result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
-        assert result.exit_code == 2 and "not a function of emakit" in result.output
-        spec.write_text('{"eval": "emakit.posthoc.math:missing"}')
+        assert result.exit_code == 2 and "not one of emakit's evaluations" in result.output
+        spec.write_text('{"eval": "emakit.posthoc.math:missing"}')  # tests/test_eval_file.py
         result = runner.invoke(sweep_cmd, [str(folder), "--sigma-rel", "0.1"])
-        assert result.exit_code == 2 and "has no function 'missing'" in result.output
+        assert result.exit_code == 2 and "not one of emakit's evaluations" in result.output
     finally:
         spec.unlink()

@@ -146,13 +146,14 @@ def torch_load(path: str | os.PathLike[str], what: str = "file", *, yours: bool 
             ) from e
 
 
-def parse_json(text: str | bytes) -> Any:
-    """``json.loads(text)`` of JSON read from a file, with nesting too deep for Python's
-    parser (a crafted file: a list 100,000 brackets deep) raised as the ``ValueError``
-    that any malformed JSON raises, so a reader's one ``except ValueError`` names the file
-    instead of letting a ``RecursionError`` escape."""
+def parse_json(text: str | bytes, **hooks: Any) -> Any:
+    """``json.loads(text, **hooks)`` of JSON read from a file, with nesting too deep for
+    Python's parser (a crafted file: a list 100,000 brackets deep) raised as the
+    ``ValueError`` that any malformed JSON raises, so a reader's one ``except ValueError``
+    names the file instead of letting a ``RecursionError`` escape. ``hooks`` are
+    ``json.loads``' keywords (``object_pairs_hook``, ``parse_constant``)."""
     try:
-        return json.loads(text)
+        return json.loads(text, **hooks)
     except RecursionError:
         raise ValueError("the JSON is nested too deeply to be read") from None
 

@@ -29,9 +29,17 @@ import torch
 from .. import _validate as check
 from .._files.atomic import atomic_write_bytes
 from .._version import __version__
-from ..posthoc.commands import EVAL_SPEC_NAME
+from ..posthoc.evaluations import EVAL_FILE_NAME, write_eval_file
 from .report import plot_history, results_table, summary_metrics
-from .settings import DEFAULTS, MODEL_LABELS, POSTHOC_SIGMA_REL, POSTHOC_TRACKED, DemoSettings
+from .settings import (
+    DEFAULTS,
+    MODEL_LABELS,
+    POSTHOC_SIGMA_REL,
+    POSTHOC_TRACKED,
+    SEED_RANGE,
+    TEST_FRACTION_RANGE,
+    DemoSettings,
+)
 from .training import load_digits_split, train
 
 __all__ = [
@@ -223,7 +231,7 @@ def run_demo(
             "summary": SUMMARY_NAME,
             "plot": PLOT_NAME if plot else None,
             "posthoc_snapshots": POSTHOC_DIR if tracked_posthoc else None,
-            "sweep_eval": EVAL_SPEC_NAME if tracked_posthoc else None,
+            "sweep_eval": EVAL_FILE_NAME if tracked_posthoc else None,
         },
         "history": result["history"],
     }
@@ -235,13 +243,14 @@ def run_demo(
         (out / PLOT_NAME).unlink(missing_ok=True)
     atomic_write_bytes(out / SUMMARY_NAME, (json.dumps(summary, indent=2) + "\n").encode())
     if tracked_posthoc:  # `emakit sweep out` scores lengths with this, without --eval
-        spec = {
-            "eval": "emakit.demo.training:held_out_loss",
-            "kwargs": {"seed": settings.seed, "test_fraction": settings.test_fraction},
-        }
-        atomic_write_bytes(out / EVAL_SPEC_NAME, (json.dumps(spec, indent=2) + "\n").encode())
+        write_eval_file(
+            out,
+            "emakit.demo.training:held_out_loss",
+            seed=settings.seed,
+            test_fraction=settings.test_fraction,
+        )
     else:
-        (out / EVAL_SPEC_NAME).unlink(missing_ok=True)  # it would score an older run
+        (out / EVAL_FILE_NAME).unlink(missing_ok=True)  # it would score an older run
 
     if progress:
         console.print(
@@ -268,10 +277,12 @@ def _check_settings(s: DemoSettings) -> None:
     """Refuse a setting out of range (an EMAValueError, which is a ValueError, naming it)."""
     for name in ("steps", "batch_size", "eval_every", "update_every", "threads"):
         check.integer(name, getattr(s, name), low=1)
-    check.integer("seed", s.seed, low=0, high=2**32 - 1)
+    check.integer("seed", s.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
     check.integer("update_after_step", s.update_after_step, low=0)
     for name in ("beta", "label_noise"):
         check.real(name, getattr(s, name), low=0.0, high=1.0)
     for name in ("lr", "power"):
         check.real(name, getattr(s, name), low=0.0, low_open=True)
-    check.real("test_fraction", s.test_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
+    check.real(
+        "test_fraction", s.test_fraction, low=TEST_FRACTION_RANGE[0], high=TEST_FRACTION_RANGE[1]
+    )

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULTS", "MODEL_LABELS", "POSTHOC_SIGMA_REL", "POSTHOC_TRACKED", "DemoSettings"]
+__all__ = [
+    "DEFAULTS",
+    "MODEL_LABELS",
+    "POSTHOC_SIGMA_REL",
+    "POSTHOC_TRACKED",
+    "SEED_RANGE",
+    "TEST_FRACTION_RANGE",
+    "DemoSettings",
+]
 
 #: Display names of the evaluated models, in table/plot order. A new model (e.g. a
 #: post-hoc EMA) is one more entry here plus one more entry in the evaluators that
@@ -22,6 +30,12 @@ MODEL_LABELS: dict[str, str] = {"online": "online", "ema": "EMA", "posthoc": "po
 POSTHOC_SIGMA_REL = 0.10
 POSTHOC_TRACKED = (0.05, 0.28)
 
+#: The seeds a run takes (both ends included): scikit-learn's ``random_state`` range.
+SEED_RANGE = (0, 2**32 - 1)
+#: The held-out fractions a run takes (both ends included): a stratified split of the
+#: 1,797 digits then keeps at least one image of each of the 10 classes on both sides.
+TEST_FRACTION_RANGE = (0.01, 0.99)
+
 
 @dataclass(frozen=True)
 class DemoSettings:
@@ -30,7 +44,7 @@ class DemoSettings:
     Attributes:
         steps: optimizer steps. Default 1500.
         seed: seeds the train/test split, the label noise, the initial weights and the
-            batch order. Default 0.
+            batch order, in `SEED_RANGE`. Default 0.
         beta: ceiling of the EMA decay. Default 0.995 (a horizon of ~200 steps).
         update_after_step: EMA copies the model until this step. Default 100.
         update_every: EMA averages every this many steps. Default 1.
@@ -39,7 +53,8 @@ class DemoSettings:
         lr: constant SGD learning rate (no momentum), high on purpose. Default 0.1.
         batch_size: examples per step, small on purpose. Default 16.
         label_noise: fraction of training labels replaced by a random class. Default 0.2.
-        test_fraction: fraction of the digits held out for evaluation. Default 0.3.
+        test_fraction: fraction of the digits held out for evaluation, in
+            `TEST_FRACTION_RANGE`. Default 0.3.
         eval_every: steps between held-out evaluations. Default 50.
         posthoc_every: steps between post-hoc EMA snapshots (profiles sigma_rel 0.05 and
             0.28, updated every step); after training the demo synthesizes sigma_rel 0.10

@@ -17,9 +17,11 @@ module only when one of them runs::
   only with ``--force``. The file holds the model's state dict, so it loads straight into
   the model class: ``model.load_state_dict(safetensors.torch.load_file(path))``.
 * ``sweep``: ``--eval module:function`` names ``function(state_dict) -> float``, imported
-  like ``python -c "import module"`` from the current folder; it scores each synthesized
-  EMA. The table of scores and the best length are printed; ``--plot`` writes the score
-  against ``sigma_rel`` (needs matplotlib).
+  from the installed packages or the current folder (searched last); it scores each
+  synthesized EMA. Without ``--eval``, the folder's ``emakit-eval.json`` may name one of
+  emakit's own evaluations (`emakit.posthoc.evaluations`: a fixed registry, typed
+  arguments; the file never chooses code). The table of scores and the best length are
+  printed; ``--plot`` writes the score against ``sigma_rel`` (needs matplotlib).
 * ``inspect`` reads files without unpickling anything: safetensors headers with emakit's
   own reader (every field validated), torch files with ``torch.load(weights_only=True)``;
   also the EMA inside a Lightning ``.ckpt``, an Accelerate ``save_state`` folder and a
@@ -34,9 +36,7 @@ reported on one line (``Error: ...``), never as a traceback.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import json
 import math
 import os
 import re
@@ -57,6 +57,7 @@ from ..checkpoint import emakit_header
 from ..errors import EMAError
 from ..integrations._common import LIGHTNING_CHECKPOINT_KEY, TRAINER_WEIGHTS_NAME
 from .convert import to_ema_pytorch
+from .evaluations import EVAL_FILE_NAME, find_eval_file, read_eval_file
 from .math import SIGMA_REL_MAX
 from .snapshots.folder import (
     LOCK_NAME,
@@ -83,7 +84,6 @@ from .synthesis.sweep import sweep, sweep_lengths
 
 __all__ = [
     "COMMANDS",
-    "EVAL_SPEC_NAME",
     "convert_cmd",
     "inspect_cmd",
     "progress_bar",
@@ -404,50 +404,44 @@ def sweep_spec(ctx: click.Context, param: click.Parameter, spec: str) -> list[fl
         raise click.BadParameter(str(e), ctx, param) from None
 
 
-#: The file beside a snapshot folder (in it, or in the folder above) that says how
-#: ``emakit sweep`` scores a length when ``--eval`` is not given: ``{"eval":
-#: "emakit.<module>:<function>", "kwargs": {...}}``. ``emakit demo`` writes one.
-EVAL_SPEC_NAME = "emakit-eval.json"
-
-
 def folder_evaluation(folder: Path) -> Callable[..., Any]:
-    """The scoring function named by ``EVAL_SPEC_NAME`` in ``folder`` or its parent, with
-    its keyword arguments bound. Only emakit's own functions may be named: a folder
-    received from elsewhere must not choose which code runs.
+    """The score that ``folder``'s ``emakit-eval.json`` (or its parent's) names, from
+    emakit's fixed registry (`emakit.posthoc.evaluations`): the file is data, never code.
 
     Raises:
-        click.UsageError: no such file (``--eval`` is needed), or it is malformed or
-            names a function outside emakit.
+        click.UsageError: no such file (``--eval`` is needed).
+        click.ClickException: exit code 2 and one line, ``... is not a usable
+            emakit-eval.json: ...`` naming the entry, when the file is anything else.
     """
-    found = [p for p in (folder / EVAL_SPEC_NAME, folder.parent / EVAL_SPEC_NAME) if p.is_file()]
-    if not found:
+    path = find_eval_file(folder)
+    if path is None:
         raise click.UsageError(
             f"Missing option '--eval' (MODULE:FUNCTION, scoring a state_dict): {folder} has "
-            f"no {EVAL_SPEC_NAME} to score with (emakit demo writes one beside its snapshots)"
+            f"no {EVAL_FILE_NAME} to score with (emakit demo writes one beside its snapshots)"
         )
     try:
-        spec = json.loads(found[0].read_text(encoding="utf-8"))
-        target, kwargs = spec["eval"], dict(spec.get("kwargs", {}))
-        if not str(target).startswith("emakit."):
-            raise ValueError(f"it names {target!r}, not a function of emakit")
-        fn = load_function(None, None, target)
-    except (ValueError, KeyError, TypeError, click.BadParameter) as e:
-        raise click.UsageError(f"{found[0]} is not a usable {EVAL_SPEC_NAME}: {e}") from e
-    click.echo(f"Note: scoring with {target} from {found[0]}", err=True)
-    return functools.partial(fn, **kwargs)
+        name, score = read_eval_file(path)
+    except EMAError as e:
+        refusal = fail(e)
+        refusal.exit_code = 2
+        raise refusal from e
+    click.echo(f"Note: scoring with {name} from {path}", err=True)
+    return score
 
 
 def load_function(
     ctx: click.Context | None, param: click.Parameter | None, spec: str
 ) -> Callable[..., Any]:
-    """``--eval module:function`` -> the function (the current folder is importable);
-    a malformed spec, a module that cannot be imported or a name that is not one of its
-    callables is a usage error."""
+    """``--eval module:function`` -> the function, the user's explicit choice on the
+    command line; the current folder is searched after the installed packages (appended
+    to ``sys.path``), so a file in it cannot stand in for an installed module. A malformed
+    spec, a module that cannot be imported or a name that is not one of its callables is
+    a usage error."""
     module_name, sep, name = spec.partition(":")
     if not sep or not module_name or not name:
         raise click.BadParameter(f"expected module:function, got {spec!r}", ctx, param)
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -473,8 +467,9 @@ def load_function(
     "evaluate",
     metavar="MODULE:FUNCTION",
     callback=lambda ctx, param, spec: None if spec is None else load_function(ctx, param, spec),
-    help="The scoring function, FUNCTION(state_dict) -> float, importable from the current "
-    f"folder. Default: the one the folder's {EVAL_SPEC_NAME} names (an emakit demo folder).",
+    help="The scoring function, FUNCTION(state_dict) -> float, importable (installed, or "
+    f"in the current folder). Default: the one of emakit's that the folder's {EVAL_FILE_NAME} "
+    "names (an emakit demo folder).",
 )
 @click.option(
     "--plot",
