@@ -324,6 +324,7 @@ def test_the_sweep_command_with_nan_scores_is_a_clear_error(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --eval appends the current folder
     write_eval(tmp_path, "float('nan')")
     got = CliRunner().invoke(
         sweep_cmd, [str(folder), "--sigma-rel", "0.1,0.2", "--eval", "round4_eval:score"]
@@ -340,6 +341,7 @@ def test_an_eval_returning_a_non_number_names_the_function_and_the_value(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, shown: str
 ):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --eval appends the current folder
     write_eval(tmp_path, body)
     got = CliRunner().invoke(
         sweep_cmd, [str(folder), "--sigma-rel", "0.1", "--eval", "round4_eval:score"]
