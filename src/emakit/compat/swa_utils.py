@@ -115,9 +115,12 @@ class AveragedModel(nn.Module):
     Differences from torch's:
 
     * no host sync per update: torch reads ``n_averaged`` (a tensor on ``device``) back on
-      every call; here the count is kept on the host too and written to ``n_averaged`` on
-      the device. It is read back from ``n_averaged`` when a state dict is loaded: a value
-      written into ``n_averaged`` by hand is not seen until then;
+      every call; here the count is kept on the host too, and ``n_averaged`` is read back
+      only at the first update and after it was written or replaced (``fill_(0)`` as in
+      torchvision's warm-up, ``copy_``, ``+=``, a loaded state dict, ``.to()``, an
+      assignment): the next update then sees it as torch's does. A write through
+      ``n_averaged.data`` moves no version counter and is not seen;
+    * a negative ``n_averaged`` raises `EMAValueError` (torch then skips averaging);
     * the tensors are paired by name, strictly (torch zips them in order and stops at the
       shorter list): a model of another structure raises `EMAStateError`;
     * integer buffers (``num_batches_tracked``) with ``use_buffers=True`` and an engine
@@ -135,6 +138,7 @@ class AveragedModel(nn.Module):
 
     n_averaged: Tensor
     _count: int  # n_averaged on the host
+    _seen: tuple[Tensor | None, int]  # the n_averaged buffer and its version matching _count
     _engine: EMA | None  # the engine EMA over .module (kept out of the module tree)
 
     def __init__(
@@ -158,8 +162,12 @@ class AveragedModel(nn.Module):
         self.multi_avg_fn = multi_avg_fn
         self.use_buffers = check.boolean("use_buffers", use_buffers)
         self.__dict__["_count"] = 0
+        self.__dict__["_seen"] = _UNREAD
         self.__dict__["_engine"] = None
-        self.register_load_state_dict_post_hook(_read_count)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copied or unpickled n_averaged has a new version counter: read it at the next update
+        super().__setstate__({**state, "_seen": _UNREAD})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``.module``."""
@@ -193,7 +201,20 @@ class AveragedModel(nn.Module):
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
         """Average ``model`` in: the first call copies it (see the class docstring)."""
+        buffer = self.n_averaged
+        version = _version(buffer)
+        seen, seen_version = self._seen
+        if buffer is not seen or version != seen_version:  # written or replaced since
+            n = int(buffer)  # the one host read
+            self.__dict__["_count"] = n
+            if self._engine is not None:
+                self._engine.tracker.reset(n)
         n = self._count
+        if n < 0:
+            raise EMAValueError(
+                f"n_averaged must be >= 0, got n_averaged={n}; "
+                "fill it with 0 to copy the model at the next update"
+            )
         weight = self._weight(n)
         if weight is not None:
             tracker = self._engine_for(model).tracker
@@ -203,6 +224,8 @@ class AveragedModel(nn.Module):
             self._call_user_fn(model, n)
         self.n_averaged += 1  # on its device: no host sync
         self.__dict__["_count"] = n + 1
+        # the version our += leaves when nothing else wrote the buffer during this call
+        self.__dict__["_seen"] = (buffer, version + 1)
 
     def _call_user_fn(self, model: nn.Module, n: int) -> None:
         """torch's update with the user's ``avg_fn``/``multi_avg_fn``."""
@@ -237,11 +260,12 @@ class AveragedModel(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def _read_count(module: nn.Module, incompatible: Any) -> None:
-    """A load-state-dict post-hook: the host count follows the loaded ``n_averaged``."""
-    if not isinstance(module, AveragedModel):  # registered on AveragedModel only
-        return
-    n = int(module.n_averaged)
-    module.__dict__["_count"] = n
-    if module._engine is not None:
-        module._engine.tracker.reset(n)
+#: `AveragedModel._seen` before its first read: no buffer matches it
+_UNREAD: tuple[Tensor | None, int] = (None, 0)
+
+
+def _version(t: Tensor) -> int:
+    """``t``'s version counter, which every in-place write moves (a loaded state dict
+    included); -1 for an inference tensor, which has none: that never equals a version
+    seen after an update (>= 0), so such a count is read at every update, as torch does."""
+    return -1 if t.is_inference() else t._version
