@@ -12,10 +12,16 @@ run with only the import changed.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import multiprocessing as mp
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from torch import Tensor, nn
 
 from _frameworks import need
 from emakit import EMA, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from emakit._files import atomic
 from emakit.compat.diffusers import EMAModel
 from emakit.foreign import load_foreign_state
 
@@ -370,3 +377,298 @@ def test_a_failed_save_pretrained_leaves_the_previous_folder(tmp_path, monkeypat
     ours.save_pretrained(tmp_path / "ema")  # a later save replaces it, and it reads back
     back = EMAModel.from_pretrained(tmp_path / "ema", type(unet))
     assert back.optimization_step == 2 and same(back.shadow_params, ours.shadow_params)
+
+
+# -- save_pretrained replaces the folder as a whole -------------------------------------------
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def sharded_saves(monkeypatch: pytest.MonkeyPatch, model_cls: type) -> None:
+    """Make ``model_cls.save_pretrained`` (which ``EMAModel.save_pretrained`` calls) write
+    shards of at most 40 kB with an index, as a big model's save does."""
+    save = model_cls.save_pretrained
+    monkeypatch.setattr(
+        model_cls,
+        "save_pretrained",
+        lambda model, folder, **kw: save(model, folder, max_shard_size=40_000, **kw),
+    )
+
+
+def folder_tree(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under ``folder`` by relative path: a file's bytes, None for a folder."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def emakit_leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".emakit-" in p.name)
+
+
+def assert_reads_back(path: Path, ours: EMAModel, step: int) -> None:
+    """diffusers' ``EMAModel.from_pretrained``, emakit's, and ``load_foreign_state`` all
+    read ``ours`` (its weights and ``step``) from ``path``."""
+    model_cls = ours.model_cls
+    for reader in (Theirs, EMAModel):
+        back = reader.from_pretrained(path, model_cls)
+        assert back.optimization_step == step, reader
+        assert same(back.shadow_params, ours.shadow_params), reader
+    plain = EMA(tiny_unet(seed=3), update_after_step=0, update_every=1)
+    assert load_foreign_state(plain, path) == "diffusers"
+    assert int(plain.step) == step
+    assert same(list(plain.ema_model.parameters()), ours.shadow_params)
+
+
+def test_a_single_file_save_over_a_sharded_one_reads_the_new_weights(tmp_path, monkeypatch):
+    unet = tiny_unet()
+    ours = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config)
+    path = tmp_path / "ema"
+    noisy_sgd(unet, 2, lambda k: ours.step(unet.parameters()))
+    with monkeypatch.context() as m:
+        sharded_saves(m, type(unet))
+        ours.save_pretrained(path)
+    names = sorted(p.name for p in path.iterdir())
+    assert INDEX in names and len([n for n in names if "-of-" in n]) > 1
+    assert_reads_back(path, ours, 2)
+
+    noisy_sgd(unet, 3, lambda k: ours.step(unet.parameters()))
+    ours.save_pretrained(path)  # a single file now: the new weights read back
+    assert_reads_back(path, ours, 5)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", WEIGHTS]  # nothing stale
+
+    noisy_sgd(unet, 1, lambda k: ours.step(unet.parameters()))
+    with monkeypatch.context() as m:  # and sharded again: no stale single file
+        sharded_saves(m, type(unet))
+        ours.save_pretrained(path)
+    assert WEIGHTS not in {p.name for p in path.iterdir()}
+    assert_reads_back(path, ours, 6)
+    assert emakit_leftovers(tmp_path) == []
+
+
+def test_your_files_in_the_folder_survive_a_save(tmp_path):
+    unet = tiny_unet()
+    ours = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config)
+    path = tmp_path / "ema"
+    ours.save_pretrained(path)
+    (path / "notes.md").write_text("run 12, lr 1e-4")
+    (path / "samples").mkdir()
+    (path / "samples" / "step2.png").write_bytes(b"png")
+    (path / "diffusion_pytorch_model.bin").write_bytes(b"an older .bin")  # the weights'
+    path.chmod(0o750)
+    inode = (path / "notes.md").stat().st_ino
+    noisy_sgd(unet, 2, lambda k: ours.step(unet.parameters()))
+    ours.save_pretrained(path)
+    assert sorted(str(p.relative_to(path)) for p in path.rglob("*")) == [
+        "config.json",
+        WEIGHTS,
+        "notes.md",
+        "samples",
+        "samples/step2.png",
+    ]
+    assert (path / "notes.md").stat().st_ino == inode  # the same file, not a copy
+    assert (path / "samples" / "step2.png").read_bytes() == b"png"
+    assert (path.stat().st_mode & 0o777) == 0o750
+    assert_reads_back(path, ours, 2)
+
+
+def test_a_symlinked_folder_is_saved_behind_its_link(tmp_path):
+    unet = tiny_unet()
+    ours = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config)
+    ours.save_pretrained(tmp_path / "run" / "ema")
+    (tmp_path / "latest").symlink_to(Path("run") / "ema")
+    noisy_sgd(unet, 1, lambda k: ours.step(unet.parameters()))
+    ours.save_pretrained(tmp_path / "latest")
+    assert (tmp_path / "latest").is_symlink()
+    assert_reads_back(tmp_path / "run" / "ema", ours, 1)
+
+
+# -- save_pretrained killed (SIGKILL) at every rename -----------------------------------------
+
+
+def _refuses_exchange(a: bytes, b: bytes) -> int:
+    ctypes.set_errno(errno.EINVAL)  # as a file system without RENAME_EXCHANGE answers
+    return -1
+
+
+def _save_killed_at(ema: EMAModel, path: Path, k: int, after: bool, exchange: bool) -> None:
+    """In a forked child: ``ema.save_pretrained(path)``, SIGKILLed right before (or after)
+    its ``k``-th rename or exchange; exits 0 when the save has fewer."""
+    torch.set_num_threads(1)  # no OpenMP pool after fork
+    calls = 0
+
+    def killing(real: Callable) -> Callable:
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == k and not after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = real(*args, **kwargs)
+            if calls == k and after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        return call
+
+    os.rename = killing(os.rename)
+    os.replace = killing(os.replace)
+    if exchange and hasattr(atomic, "_exchange"):  # absent where saves renamed file by file
+        atomic._exchange = killing(atomic._exchange)
+    else:
+        atomic._swap_function = lambda: _refuses_exchange
+    ema.save_pretrained(path)
+    os._exit(0)
+
+
+def _save_killed_while_writing(ema: EMAModel, path: Path) -> None:
+    """In a forked child: ``ema.save_pretrained(path)``, SIGKILLed with its weights file
+    half written."""
+    torch.set_num_threads(1)
+    save = ema.model_cls.save_pretrained
+
+    def half_then_killed(model, folder, **kwargs):
+        save(model, folder, **kwargs)
+        weights = Path(folder) / WEIGHTS
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ema.model_cls.save_pretrained = half_then_killed
+    ema.save_pretrained(path)
+    os._exit(3)  # not reached
+
+
+def forked(target: Callable, *args) -> int:
+    """Run ``target(*args)`` in a forked child; its exit code (``-SIGKILL`` when killed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        proc = mp.get_context("fork").Process(target=target, args=args)
+        proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the child did not finish")
+    return proc.exitcode
+
+
+@pytest.fixture
+def two_saves(tmp_path, monkeypatch):
+    """An EMA at step 5, the folder it saved sharded at step 2 with your files in it
+    (``prev``), and what a save at step 5 makes of that folder (``new``): single-file
+    weights, your files carried."""
+    unet = tiny_unet()
+    ours = EMAModel(unet.parameters(), model_cls=type(unet), model_config=unet.config)
+    noisy_sgd(unet, 2, lambda k: ours.step(unet.parameters()))
+    prev = tmp_path / "prev" / "ema"
+    with monkeypatch.context() as m:
+        sharded_saves(m, type(unet))
+        ours.save_pretrained(prev)
+    (prev / "notes.md").write_text("mine")
+    (prev / "samples").mkdir()
+    (prev / "samples" / "a.png").write_bytes(b"png")
+    noisy_sgd(unet, 3, lambda k: ours.step(unet.parameters()))
+    ref = tmp_path / "ref" / "ema"
+    shutil.copytree(prev, ref)
+    ours.save_pretrained(ref)
+    return ours, prev, folder_tree(prev), folder_tree(ref)
+
+
+def assert_previous_or_new(path: Path, prev: dict, new: dict, *, fallback: bool) -> str:
+    """The folder at ``path`` is exactly the previous save or exactly the new one (its
+    config's step with its weights); with ``fallback``, it may also be missing with the
+    previous one whole under its ``-old-`` name. Returns which."""
+    if not path.exists():
+        assert fallback, "the folder is gone"
+        (old,) = [p for p in path.parent.iterdir() if atomic.OLD_PREFIX in p.name]
+        assert folder_tree(old) == prev
+        return "missing"
+    tree = folder_tree(path)
+    assert tree in (prev, new), sorted(tree)
+    which = "prev" if tree == prev else "new"
+    assert json.loads(tree["config.json"])["optimization_step"] == {"prev": 2, "new": 5}[which]
+    return which
+
+
+def assert_next_save_cleans_up(ours: EMAModel, path: Path, new: dict) -> None:
+    ours.save_pretrained(path)
+    assert folder_tree(path) == new  # your files once, the new weights, nothing stale
+    assert emakit_leftovers(path.parent) == []
+
+
+def kill_at_each_rename(ours, start: Path, root: Path, exchange: bool) -> dict:
+    """Kill a save of ``ours`` into ``ema`` in a copy of the folder ``start`` (the folder
+    and what is beside it) before and after each of its renames in turn; returns
+    ``(k, after) -> the path saved to``, each in its own copy."""
+    left = {}
+    for k in range(1, 10):
+        finished = 0
+        for after in (False, True):
+            parent = root / f"k{k}-{'after' if after else 'before'}"
+            shutil.copytree(start, parent, symlinks=True)
+            code = forked(_save_killed_at, ours, parent / "ema", k, after, exchange)
+            assert code in (0, -signal.SIGKILL), code
+            finished += code == 0
+            left[k, after] = parent / "ema"
+        if finished == 2:
+            return left
+    raise AssertionError("the save never finished")  # pragma: no cover
+
+
+fork_only = pytest.mark.skipif(
+    "fork" not in mp.get_all_start_methods(), reason="needs fork() and SIGKILL"
+)
+
+
+@fork_only
+def test_a_save_killed_at_any_rename_leaves_the_previous_or_the_new_folder(tmp_path, two_saves):
+    ours, prev_folder, prev, new = two_saves
+    left = kill_at_each_rename(ours, prev_folder.parent, tmp_path / "cases", exchange=True)
+    seen = {
+        key: assert_previous_or_new(path, prev, new, fallback=False) for key, path in left.items()
+    }
+    assert seen[1, False] == "prev" and seen[1, True] == "new"  # one exchange decides
+    assert emakit_leftovers(left[1, False].parent) and emakit_leftovers(left[1, True].parent)
+    for path in left.values():
+        assert_next_save_cleans_up(ours, path, new)
+    assert_reads_back(left[1, True], ours, 5)
+
+
+@fork_only
+def test_a_save_killed_at_any_rename_without_an_exchange(tmp_path, two_saves):
+    ours, prev_folder, prev, new = two_saves
+    left = kill_at_each_rename(ours, prev_folder.parent, tmp_path / "cases", exchange=False)
+    seen = {
+        key: assert_previous_or_new(path, prev, new, fallback=True) for key, path in left.items()
+    }
+    # the two renames: the old folder out of the way, then the new one in
+    assert [seen[1, False], seen[1, True], seen[2, False], seen[2, True]] == [
+        "prev",
+        "missing",
+        "missing",
+        "new",
+    ]
+    # A save that finds the folder missing puts the old one back first: killed at any of
+    # its renames too (the restore included), the folder is the previous or the new one.
+    gone = left[1, True]
+    again = kill_at_each_rename(ours, gone.parent, tmp_path / "again", exchange=False)
+    found = {
+        key: assert_previous_or_new(path, prev, new, fallback=True) for key, path in again.items()
+    }
+    assert found[1, False] == "missing" and found[1, True] == "prev"  # the restore's rename
+    for path in again.values():
+        assert_next_save_cleans_up(ours, path, new)
+    for path in left.values():
+        assert_next_save_cleans_up(ours, path, new)
+
+
+@fork_only
+def test_a_save_killed_while_the_model_writes_leaves_the_previous_folder(tmp_path, two_saves):
+    ours, prev_folder, prev, new = two_saves
+    path = tmp_path / "case" / "ema"
+    shutil.copytree(prev_folder, path)
+    assert forked(_save_killed_while_writing, ours, path) == -signal.SIGKILL
+    assert folder_tree(path) == prev
+    (staging,) = emakit_leftovers(path.parent)  # the killed save's, half written
+    assert atomic.DIR_PREFIX in staging
+    assert_next_save_cleans_up(ours, path, new)

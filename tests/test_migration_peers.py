@@ -465,6 +465,70 @@ def test_folder_with_bad_config_bad_shards_or_another_model(tmp_path):
     assert str(folder) in str(e.value)
 
 
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def sharded_folder(tmp_path: Path) -> tuple[nn.Module, Path, dict[str, str], list[str]]:
+    """A diffusers EMA folder in safetensors shards: the net, the folder, the index's
+    ``weight_map`` and the shard names in order."""
+    net, theirs = trained_ema_model(steps=2)
+    folder = tmp_path / "ema"
+    save_like_ema_model(theirs, folder, max_shard_size=40_000)
+    weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) > 1
+    return net, folder, weight_map, shards
+
+
+def rewrite_shard(path: Path, change: Callable[[dict[str, Tensor]], object]) -> None:
+    st = need("safetensors.torch")
+    tensors = st.load_file(path)
+    change(tensors)
+    st.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_the_index_entry(tmp_path):
+    # The copy in the later shard used to win silently over the one the index names.
+    net, folder, weight_map, shards = sharded_folder(tmp_path)
+    name = next(t for t, shard in sorted(weight_map.items()) if shard == shards[0])
+    named = need("safetensors.torch").load_file(folder / shards[0])[name]
+    rewrite_shard(folder / shards[1], lambda t: t.update({name: named + 1}))
+    ours = emakit_ema(net)
+    with pytest.raises(EMAStateError) as e:
+        load_foreign_state(ours, folder)
+    assert f"{folder / shards[1]} holds the tensor {name!r}" in str(e.value)
+    assert f"{INDEX} maps it to {shards[0]!r}" in str(e.value)
+
+
+def test_a_tensor_missing_from_the_shard_the_index_names_is_refused(tmp_path):
+    net, folder, weight_map, shards = sharded_folder(tmp_path)
+    name = next(t for t, shard in sorted(weight_map.items()) if shard == shards[0])
+    rewrite_shard(folder / shards[0], lambda t: t.pop(name))
+    with pytest.raises(EMAStateError) as e:
+        load_foreign_state(emakit_ema(net), folder)
+    assert f"{folder / shards[0]} has no tensor {name!r}" in str(e.value)
+    assert f"which {INDEX} maps to {shards[0]!r}" in str(e.value)
+
+
+def test_a_shard_tensor_the_index_maps_elsewhere_or_nowhere_is_refused(tmp_path):
+    net, folder, weight_map, shards = sharded_folder(tmp_path)
+    # moved from the shard the index names into another one: every tensor is still there
+    name = next(t for t, shard in sorted(weight_map.items()) if shard == shards[1])
+    moved = need("safetensors.torch").load_file(folder / shards[1])[name]
+    rewrite_shard(folder / shards[1], lambda t: t.pop(name))
+    rewrite_shard(folder / shards[0], lambda t: t.update({name: moved}))
+    with pytest.raises(EMAStateError) as e:
+        load_foreign_state(emakit_ema(net), folder)
+    assert f"{folder / shards[0]} holds the tensor {name!r}" in str(e.value)
+    assert f"{INDEX} maps it to {shards[1]!r}" in str(e.value)
+
+    _, folder, _, shards = sharded_folder(tmp_path / "extra")
+    rewrite_shard(folder / shards[0], lambda t: t.update({"stale.weight": torch.zeros(2)}))
+    with pytest.raises(EMAStateError) as e:
+        load_foreign_state(emakit_ema(net), folder)
+    assert f"holds the tensor 'stale.weight', but {INDEX} does not list it" in str(e.value)
+
+
 @pytest.mark.filterwarnings("ignore:It is deprecated to pass a pretrained model:FutureWarning")
 def test_ema_model_folder_round_trips_through_from_pretrained(tmp_path):
     """diffusers reads the folder back with the same weights emakit loaded."""

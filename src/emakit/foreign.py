@@ -137,32 +137,64 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
         path = folder / name
         if not path.is_file():
             continue
-        shards = [name]  # a single file, or the shards an index lists
         if name.endswith(".index.json"):
-            index = _read_json(path)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()
-            ):
-                raise EMAStateError(f"{path} has no 'weight_map' of tensor names to shard files")
-            shards = sorted(set(weight_map.values()))
-        weights: dict[str, Tensor] = {}
-        for shard in shards:
-            if Path(shard).name != shard or shard in (".", ".."):
-                raise EMAStateError(
-                    f"{path} names the shard {shard!r}, which is not a file name inside {folder}"
-                )
-            content, _ = _load_file(folder / shard)  # safetensors, or weights_only=True
-            if not _is_tensor_map(content):
-                raise EMAStateError(
-                    f"{folder / shard} (diffusers EMAModel folder) holds {_describe(content)}, "
-                    f"not a mapping of parameter names to tensors"
-                )
-            weights.update(content)
-        return weights, opt_step
+            return _diffusers_shards(folder, path), opt_step
+        content, _ = _load_file(path)  # safetensors, or weights_only=True
+        return _tensor_map(content, path), opt_step
     raise EMAStateError(
         f"{folder} has a diffusers EMAModel config.json but no weights file ({found}); {expected}"
     )
+
+
+def _tensor_map(content: Any, path: Path) -> dict[str, Tensor]:
+    """``content``, read from ``path``, if it is a mapping of names to tensors."""
+    if not _is_tensor_map(content):
+        raise EMAStateError(
+            f"{path} (diffusers EMAModel folder) holds {_describe(content)}, not a mapping "
+            f"of parameter names to tensors"
+        )
+    return dict(content)
+
+
+def _diffusers_shards(folder: Path, index_path: Path) -> dict[str, Tensor]:
+    """The weights of a sharded diffusers folder, each tensor read from the shard its
+    index names. A shard that lacks a tensor mapped to it, or holds one the index maps
+    elsewhere (a copy in a second shard included) or not at all, is refused: the folder
+    mixes files of two saves, and no rule tells which copy is the right one."""
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise EMAStateError(f"{index_path} has no 'weight_map' of tensor names to shard files")
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(tensor)
+    weights: dict[str, Tensor] = {}
+    for shard, mapped in sorted(by_shard.items()):
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise EMAStateError(
+                f"{index_path} names the shard {shard!r}, which is not a file name inside {folder}"
+            )
+        path = folder / shard
+        content, _ = _load_file(path)  # safetensors, or weights_only=True
+        tensors = _tensor_map(content, path)
+        missing = sorted(mapped - tensors.keys())
+        if missing:
+            raise EMAStateError(
+                f"{path} has no tensor {missing[0]!r}, which {index_path.name} maps to "
+                f"{shard!r} (missing: {check.few(missing, 4)}); the "
+                f"folder mixes files of different saves, or a shard is damaged"
+            )
+        extra = sorted(tensors.keys() - mapped)
+        if extra:
+            where = weight_map.get(extra[0])
+            says = "does not list it" if where is None else f"maps it to {where!r}"
+            raise EMAStateError(
+                f"{path} holds the tensor {extra[0]!r}, but {index_path.name} {says} "
+                f"(not mapped to it: {check.few(extra, 4)}); the folder mixes files "
+                f"of different saves"
+            )
+        weights.update(tensors)
+    return weights
 
 
 def _is_tensor_map(obj: Any) -> bool:

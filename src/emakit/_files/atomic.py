@@ -18,16 +18,29 @@ and a temporary file nobody holds a lock on is stale. Where locks are not availa
 
 The new file keeps the permission bits of the file it replaces; a new file gets the usual
 ``0o666 & ~umask`` (not ``tempfile``'s private ``0o600``).
+
+A whole folder is replaced with [`atomic_folder()`][emakit._files.atomic.atomic_folder]:
+the block fills a staging folder ``.<name>.emakit-dir-XXXXXXXX`` beside it, which then
+takes the place of the old folder in one step (an exchange of the two folders), so a reader
+sees the old folder or the new one, never a mix. Its leftovers are locked and cleaned like
+temporary files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
+import hashlib
 import os
+import re
 import secrets
+import shutil
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from pathlib import Path
 from typing import IO
 
@@ -264,3 +277,364 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (see [`atomic_write()`][emakit._files.atomic.atomic_write])."""
 
     return atomic_write(path, lambda f: f.write(data))
+
+
+# -- whole folders ---------------------------------------------------------------------------
+
+#: Marker in the names of `atomic_folder()`'s staging folders (``.<name>.emakit-dir-XXXXXXXX``).
+DIR_PREFIX = ".emakit-dir-"
+#: Marker of a replaced folder on its way out where the system cannot exchange two folders
+#: (``.<name>.emakit-old-XXXXXXXX``).
+OLD_PREFIX = ".emakit-old-"
+
+#: Errors that say the system or the file system has no atomic exchange (not a failure).
+_NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP})
+_AT_FDCWD = -100  # Linux: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # Linux <linux/fs.h>; macOS RENAME_SWAP has the same value
+
+
+@functools.cache
+def _swap_function() -> Callable[[bytes, bytes], int] | None:
+    """libc's exchange of two paths (returns 0, or -1 with ``errno`` set): Linux
+    ``renameat2(RENAME_EXCHANGE)``, macOS ``renamex_np(RENAME_SWAP)``; None where libc has
+    neither."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # pragma: no cover - no libc to open (Windows)
+        return None
+    if hasattr(libc, "renameat2"):
+        renameat2 = libc.renameat2
+        renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p) * 2 + (ctypes.c_uint,)
+        renameat2.restype = ctypes.c_int
+        return lambda a, b: int(renameat2(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE))
+    if hasattr(libc, "renamex_np"):  # pragma: no cover - macOS
+        renamex_np = libc.renamex_np
+        renamex_np.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint)
+        renamex_np.restype = ctypes.c_int
+        return lambda a, b: int(renamex_np(a, b, _RENAME_EXCHANGE))
+    return None  # pragma: no cover
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries ``a`` and ``b`` in one step. False where the system or the file
+    system cannot (then nothing changed); any other failure raises ``OSError``."""
+    swap = _swap_function()
+    if swap is None:
+        return False
+    if swap(os.fsencode(a), os.fsencode(b)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def _folder_stem(name: str) -> str:
+    """``name`` as the names of its leftovers hold it: whole when short, else a prefix and a
+    hash, so that two long names never share leftovers (a restore must find its own)."""
+    raw = os.fsencode(name)
+    if len(raw) <= _MAX_STEM:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return f"{raw[: _MAX_STEM - 20].decode('utf-8', 'ignore')}~{digest}"
+
+
+def _lock_folder(name: str) -> tuple[int, bool | None]:
+    """Lock the folder ``name``: ``(fd, True)`` held until ``fd`` is closed, ``(-1, False)``
+    busy (a live owner) or gone, ``(-1, None)`` locks unsupported here."""
+    if fcntl is None:
+        return -1, None
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(name, flags)
+    except OSError:
+        return -1, False
+    locked = try_lock(fd)
+    try:  # the name may have moved to another folder between the open and the lock
+        same = os.path.samestat(os.fstat(fd), os.stat(name, follow_symlinks=False))
+    except OSError:
+        same = False
+    if locked and same:
+        return fd, True
+    os.close(fd)
+    return -1, None if locked is None and same else False
+
+
+def _make_folder(parent: str, prefix: str) -> tuple[int, str]:
+    """Create and lock a new folder ``parent/prefix + XXXXXXXX``: ``(fd, path)``, ``fd``
+    holding the lock (-1 where locks are unsupported)."""
+    for _ in range(100):
+        name = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(name, 0o777)  # the umask applies, as to any new folder (not mkdtemp's 0o700)
+        except FileExistsError:
+            continue
+        with _live_lock:
+            _live.add(name)
+        fd, held = _lock_folder(name)
+        if held is not False:
+            return fd, name
+        # Another save's cleaner took it for a leftover between mkdir and lock: start over.
+        with _live_lock:
+            _live.discard(name)
+    raise OSError(f"could not create a staging folder in {parent}")  # pragma: no cover
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the folder ``path``, read-only folders in it included; never raises."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return
+    except OSError:
+        for folder, _, _ in os.walk(path):
+            with contextlib.suppress(OSError):
+                os.chmod(folder, stat.S_IMODE(os.lstat(folder).st_mode) | stat.S_IRWXU)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _leftovers(target: str) -> list[tuple[os.DirEntry[str], bool]]:
+    """The folders beside ``target`` that `atomic_folder()` saves of it left, each with
+    whether it is a replaced folder (``-old-``) rather than a staging one."""
+    stem = re.escape(f".{_folder_stem(os.path.basename(target))}")
+    pattern = re.compile(f"{stem}({re.escape(DIR_PREFIX)}|{re.escape(OLD_PREFIX)})[0-9a-f]{{8}}")
+    try:
+        entries = list(os.scandir(os.path.dirname(target)))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        with contextlib.suppress(OSError):
+            if match and entry.is_dir(follow_symlinks=False):
+                found.append((entry, match.group(1) == OLD_PREFIX))
+    return found
+
+
+def _ctime(entry: os.DirEntry[str]) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_ctime
+    except OSError:
+        return 0.0
+
+
+def remove_stale_folders(path: str | os.PathLike[str]) -> list[Path]:
+    """Clean up after [`atomic_folder()`][emakit._files.atomic.atomic_folder] saves of
+    ``path`` that were killed: put a replaced folder back where ``path`` is missing, and
+    delete the staging and replaced folders no live save owns.
+
+    A leftover is stale when no process holds its lock, or, where locks cannot be tested,
+    when it is older than `STALE_TEMP_AGE_S`. A replaced folder (``-old-``) whose save was
+    killed between its two renames is the only copy of the previous folder: while ``path``
+    is missing it is renamed back (whatever its age), never deleted. Never raises.
+
+    Args:
+        path: the folder `atomic_folder()` writes (symbolic links are followed).
+
+    Returns:
+        The leftovers deleted.
+    """
+    target = os.path.realpath(path)
+    leftovers = _leftovers(target)
+    # A replaced folder goes back first (the newest, if several): it is the previous save.
+    for entry in sorted((e for e, old in leftovers if old), key=_ctime, reverse=True):
+        if os.path.lexists(target):
+            break
+        with _live_lock:
+            if entry.path in _live:
+                continue
+        fd, held = _lock_folder(entry.path)
+        with contextlib.suppress(OSError):
+            if held is not False:
+                os.rename(entry.path, target)
+                fsync_dir(Path(target).parent)
+        if fd >= 0:
+            os.close(fd)
+    removed: list[Path] = []
+    now = time.time()
+    for entry, old in leftovers:
+        with _live_lock:
+            if entry.path in _live:
+                continue
+        if old and not os.path.lexists(target):
+            continue  # a live save between its two renames: the old folder is its to restore
+        fd, held = _lock_folder(entry.path)
+        with contextlib.suppress(OSError):  # gone meanwhile (put back above, or cleaned)
+            aged = now - os.lstat(entry.path).st_mtime > STALE_TEMP_AGE_S
+            if held or (held is None and aged):
+                _remove_tree(entry.path)  # while holding the lock: no save can own it
+                if not os.path.lexists(entry.path):
+                    removed.append(Path(entry.path))
+        if fd >= 0:
+            os.close(fd)
+    return removed
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link ``dst`` to ``src`` (a symbolic link itself, not its target), or a copy
+    flushed to disk where the file system refuses the link."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+        if not os.path.islink(dst):
+            _fsync_file(dst)
+
+
+def _carry_entries(old: str, new: str, carry: Callable[[str, Set[str]], bool]) -> None:
+    """Bring the entries of ``old`` that ``new`` lacks and ``carry`` keeps into ``new``,
+    as hard links (copies where linking fails); emakit's own leftovers are never carried."""
+    written = frozenset(os.listdir(new))
+    with os.scandir(old) as entries:
+        olds = list(entries)
+    for entry in olds:
+        name = entry.name
+        ours = name.startswith(".") and any(
+            m in name for m in (TEMP_PREFIX, DIR_PREFIX, OLD_PREFIX)
+        )
+        if name in written or ours or not carry(name, written):
+            continue
+        dst = os.path.join(new, name)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry.path, dst)
+
+
+def _fsync_file(path: str) -> None:
+    # POSIX fsyncs a read-only descriptor (the file may be read-only); Windows needs write.
+    fd = os.open(
+        path, (os.O_RDONLY if os.name == "posix" else os.O_RDWR) | getattr(os, "O_BINARY", 0)
+    )
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_files(root: str) -> None:
+    """Flush every regular file under ``root`` to disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                _fsync_file(path)
+
+
+def _publish(staging: str, target: str) -> None:
+    """Make the complete folder ``staging`` appear at ``target`` in one step. Where
+    ``target`` existed, its old content ends under the name ``staging`` (exchange) or is
+    removed (the two-rename fallback)."""
+    parent = os.path.dirname(target)
+    if not os.path.lexists(target):
+        try:
+            os.rename(staging, target)
+            return
+        except OSError as e:  # created meanwhile: exchange with it
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    if _exchange(staging, target):
+        return
+    # No exchange here: two renames, with nothing at ``target`` between them. The old
+    # folder waits under a locked ``-old-`` name; a save killed in that window leaves it
+    # there, and the next save (remove_stale_folders) renames it back.
+    fd, _ = _lock_folder(target)  # the lock moves with the old folder to its -old- name
+    old = ""
+    try:
+        for _ in range(100):
+            old = os.path.join(parent, f".{_folder_stem(os.path.basename(target))}{OLD_PREFIX}")
+            old += secrets.token_hex(4)
+            if not os.path.lexists(old):
+                break
+        with _live_lock:
+            _live.add(old)
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        fsync_dir(Path(parent))
+        _remove_tree(old)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with _live_lock:
+            _live.discard(old)
+
+
+@contextlib.contextmanager
+def atomic_folder(
+    path: str | os.PathLike[str], *, carry: Callable[[str, Set[str]], bool] | None = None
+) -> Iterator[Path]:
+    """Yield a new empty folder beside ``path``; on success it replaces ``path`` as a whole.
+
+    The block writes the new content into the yielded staging folder
+    (``.<name>.emakit-dir-XXXXXXXX``, in ``path``'s parent). When it completes, the entries
+    of the old folder that ``carry`` keeps are brought in, every file and folder is
+    fsynced, and the staging folder takes ``path``'s place in one step: a rename where
+    ``path`` does not exist, else an atomic exchange of the two folders (Linux
+    ``renameat2(RENAME_EXCHANGE)``, macOS ``renamex_np(RENAME_SWAP)``), after which the old
+    content (now under the staging name) is deleted. A reader, or a process killed at any
+    moment, sees the old folder or the new one, whole.
+
+    Where the exchange is unavailable (no such libc function, or a file system that
+    refuses it: ``EINVAL``/``ENOSYS``/``ENOTSUP``), two renames are used instead: ``path``
+    to ``.<name>.emakit-old-XXXXXXXX``, then the staging folder to ``path``. A process
+    killed between them leaves no folder at ``path``, the old one under the ``-old-``
+    name, until the next `atomic_folder()` of ``path`` (or
+    [`remove_stale_folders()`][emakit._files.atomic.remove_stale_folders]) renames it back.
+
+    ``path`` is resolved through symbolic links first: the folder a link points to is
+    replaced, the link stays. The new folder keeps the old one's permission bits (a new
+    one gets ``0o777 & ~umask``). If the block raises, ``path`` is left as it was and the
+    staging folder is deleted. Leftovers of killed saves of ``path`` (the staging folder,
+    or the old content under its name) are deleted by the next save: each save holds an
+    ``flock`` on its staging folder, and one no process holds is stale.
+
+    Args:
+        path: the folder to write. Its parent is created if missing.
+        carry: keyword-only; called as ``carry(name, written)`` for each top-level entry
+            of the old folder that the new one lacks (``written``: the new folder's
+            top-level names); True brings it into the new folder, as a hard link (a
+            copy where the file system refuses links; folders entry by entry). Default
+            None: nothing is carried, the new folder is exactly what the block wrote.
+
+    Yields:
+        The staging folder to fill.
+
+    Raises:
+        NotADirectoryError: ``path`` exists and is not a folder.
+
+    Example:
+        >>> import tempfile
+        >>> out = Path(tempfile.mkdtemp()) / "model"
+        >>> with atomic_folder(out) as staged:
+        ...     _ = (staged / "config.json").write_text("{}")
+        >>> sorted(p.name for p in out.iterdir())
+        ['config.json']
+    """
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise NotADirectoryError(errno.ENOTDIR, "atomic_folder needs a folder", target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_folders(target)
+    fd, staging = _make_folder(parent, f".{_folder_stem(os.path.basename(target))}{DIR_PREFIX}")
+    try:
+        yield Path(staging)
+        _fsync_files(staging)
+        if os.path.isdir(target):
+            if carry is not None:
+                _carry_entries(target, staging, carry)
+            os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
+        for folder, _, _ in os.walk(staging):
+            fsync_dir(Path(folder))
+        _publish(staging, target)
+        fsync_dir(Path(parent))
+    finally:
+        _remove_tree(staging)  # the failed save's files, or the old content after an exchange
+        if fd >= 0:
+            os.close(fd)
+        with _live_lock:
+            _live.discard(staging)

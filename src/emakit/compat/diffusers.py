@@ -17,10 +17,9 @@ last bit differs now and then, as it does between diffusers' own ``foreach=False
 from __future__ import annotations
 
 import os
-import tempfile
+import re
 import warnings
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, cast
 
 import torch
@@ -28,7 +27,7 @@ from torch import Tensor, nn
 
 from .. import _validate as check
 from .._core.state import tensor_list_like
-from .._files.atomic import atomic_paths
+from .._files.atomic import atomic_folder
 from ..ema import EMA
 from ..errors import EMARuntimeError, EMATypeError, EMAValueError
 
@@ -48,6 +47,10 @@ _SETTINGS = (
 #: diffusers' deprecated keywords: ``max_value`` is ``decay``, ``min_value`` ``min_decay``,
 #: ``device`` a ``to(device)`` after construction.
 _DEPRECATED = {"max_value": "decay", "min_value": "min_decay", "device": "to(device)"}
+#: A weights file of ``ModelMixin.save_pretrained``, its stem in group 1: ``<stem>.safetensors``
+#: or ``.bin``, a shard ``<stem>-00001-of-00003.safetensors``, an index
+#: ``<stem>.safetensors.index.json``.
+_WEIGHTS_FILE = re.compile(r"(.+?)(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)(?:\.index\.json)?")
 
 
 def _checked(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,6 +92,15 @@ def _parameter_list(parameters: Iterable[Tensor] | nn.Module, method: str) -> li
             f"{[type(p).__name__ for p in params][:5]}"
         )
     return params
+
+
+def _not_replaced_weights(name: str, written: Set[str]) -> bool:
+    """Whether the entry ``name`` of the folder a save replaces is carried into the new
+    one: everything but the weights files (shards and indexes included) of a stem the new
+    save wrote weights under, which would shadow or mix with the new weights."""
+    stems = {m.group(1) for n in written if (m := _WEIGHTS_FILE.fullmatch(n))}
+    match = _WEIGHTS_FILE.fullmatch(name)
+    return match is None or match.group(1) not in stems
 
 
 class EMAModel:
@@ -399,8 +411,24 @@ class EMAModel:
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         """Write the EMA weights as ``model_cls`` saves a model, with the settings of
         `state_dict()` (``optimization_step`` included) in its ``config.json``: the
-        folder diffusers' ``EMAModel.from_pretrained`` reads. The files replace those of
-        an earlier save only once all are written (a failed save changes nothing).
+        folder diffusers' ``EMAModel.from_pretrained`` reads.
+
+        The folder is replaced as a whole: the model writes a new folder beside ``path``,
+        which then takes its place in one atomic exchange
+        ([`atomic_folder()`][emakit._files.atomic.atomic_folder]), so a reader, or a
+        process killed at any moment, finds the previous save or this one, never the
+        config of one with the weights of the other. A failed save changes nothing.
+        Weights files of an earlier save that this one did not write (the shards and index
+        of a sharded save, a ``.bin`` beside a new ``.safetensors``) are gone with the old
+        folder; anything else in it (your own files and subfolders) is carried into the
+        new one as hard links. The new folder keeps the old one's permission bits; a
+        symbolic link at ``path`` stays, and the folder it points to is replaced.
+
+        Where the file system has no atomic exchange of two folders, the old folder is
+        first renamed to ``.<name>.emakit-old-XXXXXXXX`` and the new one then to
+        ``path``: a process killed between those two renames leaves no folder at
+        ``path`` until the next save (of the same ``path``) renames the old one back.
+        Each save also deletes the staging folders of killed saves.
 
         Raises:
             EMAValueError: ``model_cls`` or ``model_config`` was not given.
@@ -415,17 +443,8 @@ class EMAModel:
         model = model_cls.from_config(config)
         model.register_to_config(**{name: getattr(self, name) for name in _SETTINGS})
         self.copy_to(model.parameters())
-        # The model writes into a folder of its own next to ``path``; only once every file
-        # is complete do they replace ``path``'s (atomic_paths): a failed or interrupted
-        # save leaves the previous folder as it was.
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staged:
+        with atomic_folder(path, carry=_not_replaced_weights) as staged:
             model.save_pretrained(staged)
-            names = sorted(f.relative_to(staged) for f in Path(staged).rglob("*") if f.is_file())
-            with atomic_paths([out / name for name in names]) as temps:
-                for name, temp in zip(names, temps, strict=True):
-                    os.replace(Path(staged) / name, temp)
 
     @classmethod
     def from_pretrained(
