@@ -156,6 +156,37 @@ CASES = [
         ("optimizer",),
     ),
     Case("update-in-swap", lambda c: _update_in_swap(c.ema), EMARuntimeError, ("swap",)),
+    # update(model), timm's habit: the EMA follows the model given at construction
+    Case(
+        "update-model",
+        lambda c: c.ema.update(c.net),
+        EMATypeError,
+        ("EMA.update() takes no model", "update(Sequential)", "ema.update()", "ModelEmaV3"),
+    ),
+    Case(
+        "update-model-step",
+        lambda c: c.ema.update(c.net, 3),
+        EMATypeError,
+        ("takes no model", "update(Sequential, int)", "ema.update()"),
+    ),
+    Case(
+        "pytree-update-model",
+        lambda c: c.tree.update(c.net),
+        EMATypeError,
+        ("EMAPytree.update() takes no model", "pytree given at construction"),
+    ),
+    Case(
+        "karras-update-model",
+        lambda c: emakit.KarrasEMA(c.net, sigma_rel=0.1).update(c.net),
+        EMATypeError,
+        ("KarrasEMA.update() takes no model", "ema.update()"),
+    ),
+    Case(
+        "posthoc-update-model",
+        lambda c: emakit.PostHocEMA(c.net, checkpoint_folder=c.tmp / "ph").update(c.net),
+        EMATypeError,
+        ("PostHocEMA.update() takes no model", "update(Sequential)", "posthoc.update()"),
+    ),
     # -- load_state_dict ------------------------------------------------------------------
     Case(
         "load_state_dict-type", lambda c: c.ema.load_state_dict(42), EMATypeError, ("state_dict",)
@@ -399,6 +430,15 @@ CASES = [
 def _update_in_swap(ema: EMA) -> None:
     with ema.swap():
         ema.update()
+
+
+def test_a_refused_update_model_counts_nothing(ctx):
+    before = ctx.ema.tracker.step
+    with pytest.raises(TypeError, match="takes no model"):
+        ctx.ema.update(ctx.net)
+    assert ctx.ema.tracker.step == before
+    ctx.ema.update()  # the call it meant
+    assert ctx.ema.tracker.step == before + 1
 
 
 BUILTIN = {

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint
 from torch import nn
 
 from _models import bn_mlp as _bn_mlp
-from emakit import EMA, MultiEMA, PostHocEMA
+from emakit import EMA, EMAStateError, MultiEMA, PostHocEMA
 from emakit.checkpoint import save_ema_weights
 from emakit.distributed import load_sharded_ema, save_sharded_ema
 
@@ -122,3 +122,32 @@ def test_multi_ema_and_posthoc_hold_no_online_model(tmp_path: Path):
     )
     assert set(posthoc.state_dict()) == set(theirs.state_dict())
     assert not any("online_model." in k for k in posthoc.state_dict())
+
+
+@pytest.mark.parametrize("include_online_model", [True, False])
+def test_half_converts_the_model_only_when_it_is_held_and_updates_then_need_coerce_dtype(
+    include_online_model,
+):
+    """docs/finetuning.md: ``ema.half()`` converts every module the EMA holds, the online
+    model with ``include_online_model=True`` (as ema-pytorch's does); otherwise the model
+    keeps its dtype, and ``update()`` needs ``coerce_dtype=True`` (ema-pytorch's too)."""
+    net = bn_mlp()
+    ema = EMA(net, include_online_model=include_online_model, update_after_step=0, update_every=1)
+    ema.update()
+    ema.half()
+    floating = {p.dtype for p in net.parameters()}
+    assert floating == {torch.float16 if include_online_model else torch.float32}
+    assert {p.dtype for p in ema.ema_model.parameters()} == {torch.float16}
+    peer_net = bn_mlp()
+    ema_pytorch.EMA(peer_net, include_online_model=include_online_model).half()
+    assert {p.dtype for p in peer_net.parameters()} == floating
+    if include_online_model:
+        ema.update()  # model and EMA both float16
+        return
+    with pytest.raises(EMAStateError, match="coerce_dtype=True"):
+        ema.update()
+    coerced = EMA(net, include_online_model=False, coerce_dtype=True, update_every=1)
+    coerced.update()
+    coerced.half()
+    coerced.update()  # the float32 model averaged into the float16 EMA
+    assert {p.dtype for p in net.parameters()} == {torch.float32}

@@ -627,6 +627,42 @@ def test_posthoc_state_is_versioned_and_checks_profiles(tmp_path: Path):
     assert int(clone.step) == 7
 
 
+def test_a_state_of_other_profiles_is_refused_naming_both_and_the_fix(tmp_path: Path):
+    """The refusal names the sigma_rels and gammas of the state and of the PostHocEMA, and
+    the keyword to build it with; built so, the state loads (sigma_rels or gammas form)."""
+    kw = dict(update_every=1, checkpoint_every_num_steps="manual")
+    for saved_with, other in [
+        ({"sigma_rels": (0.05, 0.28)}, {"sigma_rels": (0.05, 0.1)}),
+        ({"gammas": (6.94, 16.97)}, {"gammas": (6.94, 5.0)}),
+        ({"sigma_rels": (0.05, 0.28)}, {"sigma_rels": (0.05,)}),  # another profile count
+    ]:
+        net = bn_net()
+        ema = PostHocEMA(net, checkpoint_folder=tmp_path / "a", **saved_with, **kw)
+        train(net, ema, 3)
+        state = ema.state_dict()
+        loader = PostHocEMA(bn_net(), checkpoint_folder=tmp_path / "b", **other, **kw)
+        with pytest.raises(EMAStateError) as err:
+            loader.load_state_dict(state)
+        message = str(err.value)
+        srs = tuple(round(s, 12) for s in ema.sigma_rels)
+        assert f"with sigma_rels={srs!r} (gammas={ema.gammas!r})" in message, message
+        mine = tuple(round(s, 12) for s in loader.sigma_rels)
+        assert f"has sigma_rels={mine!r} (gammas={loader.gammas!r})" in message, message
+        assert f"saved with: sigma_rels={srs!r} or gammas={ema.gammas!r}" in message, message
+        assert int(loader.step) == 0  # nothing was loaded
+        for fix in ({"sigma_rels": srs}, {"gammas": ema.gammas}):  # the fix, as printed
+            fixed = PostHocEMA(bn_net(), checkpoint_folder=tmp_path / "c", **fix, **kw)
+            fixed.load_state_dict(state)
+            assert int(fixed.step) == 3
+    theirs = dict(state)  # no recorded gammas (ema-pytorch's): the profile count tells
+    with pytest.raises(EMAStateError, match=r"holds 2 profile\(s\).*has 1: sigma_rels=\(0\.05,\)"):
+        loader.load_state_dict(theirs)
+    karras = KarrasEMA(linear(), sigma_rel=0.05, update_every=1)
+    karras.update()
+    with pytest.raises(EMAStateError, match=r"sigma_rel=0\.05 or gamma=16\.97"):
+        KarrasEMA(linear(), sigma_rel=0.1, update_every=1).load_state_dict(karras.state_dict())
+
+
 def test_posthoc_loads_an_ema_pytorch_state(tmp_path: Path):
     ema_pytorch = pytest.importorskip("ema_pytorch")
     net = bn_net()

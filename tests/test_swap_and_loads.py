@@ -128,6 +128,52 @@ def test_writes_inside_swap_write_the_ema_in_every_mode(ema_dtype, in_place):
         assert torch.equal(v, written[k].to(v.dtype)), f"{k}: the write reached the EMA"
 
 
+def test_an_optimizer_step_inside_swap_trains_the_ema_and_updates_go_on():
+    """Documented semantics: the step inside the block writes the EMA weights; the next
+    update() after it raises nothing and averages the model into them."""
+    net, ema, opt = trained()
+    online = {k: v.detach().clone() for k, v in net.named_parameters()}
+    with ema.swap():
+        net(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        written = {k: v.detach().clone() for k, v in net.named_parameters()}
+    for k, v in net.named_parameters():
+        assert torch.equal(v, online[k]), k  # the model's own weights came back untrained
+    ema.update()
+    w = 1.0 - ema.get_current_decay()
+    for k, v in ema.ema_model.named_parameters():
+        torch.testing.assert_close(v, written[k].lerp(online[k], w), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("ema_dtype", [None, torch.float64], ids=["by reference", "by cast"])
+def test_a_hooked_update_after_an_optimizer_step_inside_swap_says_what_happened(ema_dtype):
+    """An optimizer hooked with add_to_optimizer_post_step_hook calls update() from the
+    step inside the block: refused, naming the step and that it trained the EMA weights
+    (and the fix); the step counts nothing, and training goes on after the block."""
+    net, ema, opt = trained(ema_dtype=ema_dtype)
+    ema.add_to_optimizer_post_step_hook(opt)
+    step = ema.tracker.step
+    with ema.swap():
+        net(torch.randn(8, 4)).pow(2).mean().backward()
+        with pytest.raises(emakit.EMARuntimeError) as err:
+            opt.step()
+    message = str(err.value)
+    for part in (
+        "update() was called inside swap()",
+        "an optimizer.step() in the block",
+        "add_to_optimizer_post_step_hook",
+        "trained the EMA weights",
+        "Call optimizer.step() outside the block",
+    ):
+        assert part in message, message
+    assert ema.tracker.step == step and not ema.tracker.swapped
+    opt.zero_grad()
+    net(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()  # outside the block: the hook's update() runs
+    assert ema.tracker.step == step + 1
+
+
 def test_an_untouched_cast_swap_leaves_the_shadow_bit_for_bit():
     net, ema, _ = trained(ema_dtype=torch.float64)
     before = {k: v.clone() for k, v in ema.ema_model.state_dict().items()}

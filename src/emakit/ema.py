@@ -568,7 +568,7 @@ class EMA(nn.Module):
 
     # -- the update ------------------------------------------------------------------------
 
-    def update(self) -> None:
+    def update(self, *model: Any) -> None:
         """Advance the EMA by one training step; call it after every ``optimizer.step()``.
 
         The first call copies the model into the EMA. After that, a call does work only
@@ -581,7 +581,13 @@ class EMA(nn.Module):
         ``step % N == 0`` counted before the call) also pulls the model toward the EMA
         ([`update_model_with_ema()`][emakit.ema.EMA.update_model_with_ema]), except during the warm-up
         (``step <= update_after_step``), when the EMA is only a copy of the model.
+
+        It takes no arguments: the EMA follows the model given at construction. timm's
+        ``update(model)`` raises [`EMATypeError`][emakit.errors.EMATypeError] saying so
+        (``emakit.compat.timm.ModelEmaV3`` takes it).
         """
+        if model:  # timm's habit, update(model): refused by name (an empty tuple: free)
+            raise self._update_takes_no_model(model)
         tracker = self.tracker
         action = tracker.advance()
         if action is not SKIP:
@@ -592,6 +598,18 @@ class EMA(nn.Module):
         step = tracker.step - 1  # ema-pytorch's count before this call
         if step % every == 0 and step > self.update_after_step:
             self.update_model_with_ema()
+
+    def _update_takes_no_model(self, args: tuple[Any, ...]) -> EMATypeError:
+        """The error for ``update(model)``, timm's habit."""
+        what = "pytree" if self._tree else "model"
+        given = ", ".join(type(a).__name__ for a in args)
+        same = " (the one this EMA follows)" if args[0] is self.model else ""
+        return EMATypeError(
+            f"{type(self).__name__}.update() takes no model, got update({given}){same}: the "
+            f"EMA follows the {what} given at construction (ema.{what}). Call ema.update() "
+            f"after each optimizer.step(); for timm's update(model) use "
+            f"emakit.compat.timm.ModelEmaV3"
+        )
 
     def copy_params_from_model_to_ema(self) -> None:
         """Copy every tracked tensor of the model into the EMA (ignored names untouched)."""
@@ -659,7 +677,13 @@ class EMA(nn.Module):
         on exit of the tensors that changed). To evaluate without changing the EMA, call
         ``model.eval()`` under ``torch.no_grad()`` inside the block, or use ``ema(x)``.
         No warning is given: writing the EMA this way is also how its BatchNorm
-        statistics are recalibrated on purpose.
+        statistics are recalibrated on purpose. After the block ``update()`` goes on as
+        usual, averaging the model into the EMA weights as the block left them (an
+        ``optimizer.step()`` there trained them). An ``update()`` inside the block
+        raises [`EMARuntimeError`][emakit.errors.EMARuntimeError], also the one that an
+        optimizer hooked with
+        [`add_to_optimizer_post_step_hook()`][emakit.ema.EMA.add_to_optimizer_post_step_hook]
+        calls after such a step; its message says what the step did.
 
         Example:
             >>> net = torch.nn.Linear(2, 2)

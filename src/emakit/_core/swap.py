@@ -27,7 +27,10 @@ not written back, so a cast never rounds the shadow. To evaluate
 without touching the EMA, evaluate in eval mode without grad, as ``ema(x)`` does.
 
 The original weights come back on exit, also when the block raises. Updating the EMA
-while swapped is an error.
+while swapped is an error; its message names the usual cause, an ``optimizer.step()`` in
+the block that calls ``update()`` through a post-step hook (the step has trained the EMA
+weights by then). After the block, updates go on as usual, averaging the model into the
+EMA weights as the block left them: nothing needs to raise, so nothing does.
 """
 
 from __future__ import annotations

@@ -224,7 +224,15 @@ class Tracker:
         even when its update is then skipped (non-finite weights); an `apply()` that
         raises puts them back (`rewind()`)."""
         if self.swapped:
-            raise EMARuntimeError("update() was called inside swap(); leave the swap() block first")
+            raise EMARuntimeError(
+                "update() was called inside swap(), where the online model holds the EMA "
+                "weights; leave the swap() block first. If an optimizer.step() in the block "
+                "called it (an optimizer hooked with add_to_optimizer_post_step_hook, a "
+                "framework's callback), that step has trained the EMA weights, not the "
+                "model's: inside swap() the model's tensors are the EMA's, and what is "
+                "written there stays in the EMA. Call optimizer.step() outside the block "
+                "(evaluate inside it, in eval mode under torch.no_grad())"
+            )
         if self.views_held:
             self.sync_views()  # a client may have written ema.step / ema.initted in place
         step, last = self.step, self.last

@@ -15,19 +15,20 @@ averaging profile is the paper's for any ``update_every``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._core.frozen import shares
-from .._core.state import StateCodec, integer, real, refuse_other_settings
+from .._core.state import StateCodec, integer, real
 from .._engine.pairs import TensorPair
 from .._validate import boolean
 from ..decay import DecayRule, PowerDecay
 from ..ema import EMA
-from ..errors import EMAValueError
+from ..errors import EMAError, EMAStateError, EMAValueError
 from .math import (
     check_gamma,
     check_sigma_rel,
@@ -36,7 +37,13 @@ from .math import (
     sigma_rel_to_gamma,
 )
 
-__all__ = ["KARRAS_STATE_VERSION", "KarrasEMA", "profile_time", "resolve_profile"]
+__all__ = [
+    "KARRAS_STATE_VERSION",
+    "KarrasEMA",
+    "profile_time",
+    "refuse_other_profiles",
+    "resolve_profile",
+]
 
 #: Version of what `KarrasEMA.state_dict()` adds to EMA's (``gamma``, ``t``, ``dt``, in
 #: the module's metadata under ``karras_version``; version 1 wrote them as keys).
@@ -90,6 +97,48 @@ def resolve_profile(sigma_rel: object, gamma: object) -> tuple[float, float]:
         return s, sigma_rel_to_gamma(s)
     g = check_gamma(gamma)
     return gamma_to_sigma_rel(g), g
+
+
+def refuse_other_profiles(
+    kind: str, saved: Sequence[float] | None, mine: Sequence[float], *, several: bool
+) -> None:
+    """Refuse a state that a ``kind`` (``"KarrasEMA"``, ``"PostHocEMA"``) saved with other
+    profiles than ``mine``, its gammas (one, or ``several``), compared to a relative 1e-9.
+    A state that records none (ema-pytorch's) is not compared.
+
+    Raises:
+        EMAStateError: naming both sides' ``sigma_rel(s)`` and ``gamma(s)``, and the
+            keyword to build the ``kind`` with to load the state.
+    """
+    if saved is None or (
+        len(saved) == len(mine)
+        and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(saved, mine, strict=True))
+    ):
+        return
+    s_name, g_name = ("sigma_rels", "gammas") if several else ("sigma_rel", "gamma")
+
+    def values(gammas: Sequence[float]) -> tuple[object, object]:
+        """(sigma_rel(s) or None, gamma(s)) as a keyword would take them."""
+        gs = tuple(float(g) for g in gammas)
+        try:  # 12 decimals rebuild the same gammas to well within 1e-9
+            srs: tuple[float, ...] | None = tuple(round(gamma_to_sigma_rel(g), 12) for g in gs)
+        except EMAError:  # a recorded gamma no profile has
+            srs = None
+        if several:
+            return srs, gs
+        return (None if srs is None else srs[0]), gs[0]
+
+    def text(gammas: Sequence[float]) -> str:
+        srs, gs = values(gammas)
+        return f"{g_name}={gs!r}" if srs is None else f"{s_name}={srs!r} ({g_name}={gs!r})"
+
+    srs, gs = values(saved)
+    keyword = f"{g_name}={gs!r}" if srs is None else f"{s_name}={srs!r} or {g_name}={gs!r}"
+    raise EMAStateError(
+        f"state_dict is of a {kind} with {text(saved)}, but this {kind} has {text(mine)}; "
+        f"build the {kind} with the profile{'s' if several else ''} the state was saved "
+        f"with: {keyword}"
+    )
 
 
 class KarrasEMA(EMA):
@@ -293,7 +342,10 @@ class KarrasEMA(EMA):
         self, state_dict: Mapping[str, Any], prefix: str, metadata: dict, missing_keys: list[str]
     ) -> None:
         values = _CODEC.decode(state_dict, prefix, metadata, missing_keys)
-        refuse_other_settings("KarrasEMA", values, {"gamma": self.gamma})
+        saved = values.get("gamma")
+        refuse_other_profiles(
+            "KarrasEMA", None if saved is None else [saved], [self.gamma], several=False
+        )
         t = self.tracker
         #: Whether t/dt were derived from the step (no metadata: see profile_time).
         self.t_from_step = "t" not in values

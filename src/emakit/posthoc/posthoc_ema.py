@@ -34,8 +34,8 @@ from .._dist.collectives import AGREE_TIMEOUT_S, dist_ready, is_rank_zero
 from .._dist.deepspeed import ZeroPartitions
 from .._files.reading import writable_folder
 from .._validate import boolean, floating_dtype
-from ..errors import EMAError, EMARuntimeError, EMATypeError, EMAValueError
-from .karras import KarrasEMA, profile_time, resolve_profile
+from ..errors import EMAError, EMARuntimeError, EMAStateError, EMATypeError, EMAValueError
+from .karras import KarrasEMA, profile_time, refuse_other_profiles, resolve_profile
 from .math import PostHocWarning, check_gamma, check_sigma_rel
 from .snapshots.folder import check_run_id, list_snapshots, new_run_id, runs_in
 from .snapshots.format import RUN_PATTERN, SnapshotInfo, snapshot_filename
@@ -266,11 +266,20 @@ class PostHocEMA(nn.Module):
         """The keywords passed on to each [`KarrasEMA`][emakit.posthoc.karras.KarrasEMA] (ema-pytorch's name)."""
         return dict(self._karras_kwargs)
 
-    def update(self) -> None:
+    def update(self, *model: Any) -> None:
         """Update every profile; write snapshots every ``checkpoint_every_num_steps`` calls.
 
-        Call it after every ``optimizer.step()``.
+        Call it after every ``optimizer.step()``. It takes no arguments: the profiles
+        follow the model given at construction; ``update(model)`` (timm's habit) raises
+        [`EMATypeError`][emakit.errors.EMATypeError] saying so.
         """
+        if model:
+            given = ", ".join(type(a).__name__ for a in model)
+            raise EMATypeError(
+                f"PostHocEMA.update() takes no model, got update({given}): every profile "
+                f"follows the model given at construction (posthoc.model). Call "
+                f"posthoc.update() after each optimizer.step()"
+            )
         for ema in self.profiles:
             ema.update()
         every = self.checkpoint_every_num_steps
@@ -554,7 +563,7 @@ class PostHocEMA(nn.Module):
     ) -> None:
         values = _CODEC.decode(state_dict, prefix, local_metadata, missing_keys)
         self._loaded_run = values.get("run")
-        state.refuse_other_settings("PostHocEMA", values, {"gammas": self.gammas})
+        self._refuse_other_profiles(values.get("gammas"), state_dict, prefix, strict)
         before = len(unexpected_keys)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -573,6 +582,10 @@ class PostHocEMA(nn.Module):
         snapshots of exactly one identified run, with a [`PostHocWarning`][emakit.posthoc.math.PostHocWarning].
         """
         state.refuse_load_arguments(state_dict, assign)
+        # Other profiles first: told as such, not as the keys a profile count changes.
+        meta = getattr(state_dict, "_metadata", None) or {}
+        saved = _CODEC.decode(state_dict, "", meta.get("", {}), []).get("gammas")
+        self._refuse_other_profiles(saved, state_dict, "", strict)
         state.check_loadable(  # refuse first: a failed load leaves every profile as it was
             self.state_dict(keep_vars=True), state_dict, strict=strict, owned=self._owns
         )
@@ -593,6 +606,27 @@ class PostHocEMA(nn.Module):
             self.release_folder()
             self.run_id = run
         return result
+
+    def _refuse_other_profiles(
+        self, saved: Any, state_dict: Mapping[str, Any], prefix: str, strict: bool
+    ) -> None:
+        """Refuse a state of other profiles: the gammas it records (emakit's), or, when it
+        records none (ema-pytorch's), another number of profiles (``strict`` only)."""
+        refuse_other_profiles("PostHocEMA", saved, self.gammas, several=True)
+        if saved is not None or not strict:
+            return
+        head = prefix + "ema_models."
+        found = {k[len(head) :].split(".", 1)[0] for k in state_dict if k.startswith(head)}
+        count = sum(1 for i in found if i.isdigit())
+        if count and count != len(self.gammas):
+            srs = tuple(round(s, 12) for s in self.sigma_rels)
+            raise EMAStateError(
+                f"state_dict holds {count} profile(s) (ema_models.0 to ema_models."
+                f"{count - 1}), but this PostHocEMA has {len(self.gammas)}: sigma_rels={srs!r} "
+                f"(gammas={self.gammas!r}). The state does not record its profiles (an "
+                f"ema-pytorch state): build the PostHocEMA with the {count} sigma_rels=... "
+                f"(or gammas=...) it was trained with"
+            )
 
     def _owns(self, key: str) -> bool:
         for i, ema in enumerate(self.profiles):  # as MultiEMA.owns_state_key
