@@ -5,7 +5,7 @@
 nothing on gradient-accumulation micro-steps (it acts only when
 ``accelerator.sync_gradients``).
 
-    pip install "emakit[accelerate]"
+    pip install -e ".[accelerate]"
     python examples/accelerate_ema.py --steps 200
 """
 

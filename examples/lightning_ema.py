@@ -4,7 +4,7 @@
 over 2 batches), runs validation on the EMA weights (by swapping them in, no copy), and
 stores the EMA in the Lightning checkpoint, from which a resumed ``fit`` continues exactly.
 
-    pip install "emakit[lightning]"
+    pip install -e ".[lightning]"
     python examples/lightning_ema.py --epochs 3
 """
 

@@ -37,7 +37,7 @@ def test_demo_help_mentions_every_option_and_default() -> None:
     assert result.exit_code == 0, result.output
     for option in DEMO_OPTIONS:
         assert option in result.output
-    assert "emakit[demo]" in result.output
+    assert 'pip install -e ".[demo]"' in result.output
     assert "default: 1500" in result.output
 
 
@@ -92,7 +92,7 @@ def test_missing_demo_extra_is_a_clean_error(
     monkeypatch.setitem(sys.modules, blocked, None)  # `import blocked` now raises
     result = invoke("demo", "--out", str(tmp_path / "run"), "--steps", "1")
     assert result.exit_code == 1
-    assert 'pip install "emakit[demo]"' in result.output
+    assert "pip install scikit-learn matplotlib rich" in result.output
     assert "Traceback" not in result.output
     assert isinstance(result.exception, SystemExit)
     assert not (tmp_path / "run").exists()

@@ -76,3 +76,41 @@ def test_changelog_has_the_form_a_release_cuts():
     assert numbers == sorted(numbers, reverse=True)
     assert "### Added" in text.split("## [Unreleased]", 1)[1]
     assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
+
+
+#: An install command that asks a package index for emakit: `pip install emakit`,
+#: `pip install "emakit[lightning]"`, `uv add emakit==0.1`, `pip install -U 'emakit'`...
+INDEX_INSTALL = re.compile(
+    r"""(?:pip3?|uv\s+pip|uv|poetry|pipx|conda)\s+(?:install|add)\b[^\n`(#;&|]*?"""
+    r"""(?<![\w./-])['"]?emakit(?:\[[^\]]*\])?(?:[<>=!~][^\s'"]*)?['"]?(?![\w./-])"""
+)
+
+
+def _released() -> bool:
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    return any(v != "Unreleased" for v in re.findall(r"^## \[([^\]]+)\]", text, flags=re.M))
+
+
+def test_every_install_line_installs_what_exists():
+    """Until a release is published, no install line in the README, the docs, the examples
+    or the package's own messages asks a package index for emakit (it is not there, and
+    whoever registers the name would be installed instead): they install from a clone
+    (``pip install -e ".[lightning]"``), a built wheel, or the extra's own packages."""
+    assert INDEX_INSTALL.search('pip install "emakit[lightning]"')  # the pattern bites
+    assert INDEX_INSTALL.search("run `pip install -U emakit==0.1` first")
+    assert INDEX_INSTALL.search("uv add 'emakit'")
+    assert not INDEX_INSTALL.search('pip install -e ".[lightning]"')
+    assert not INDEX_INSTALL.search("pip install dist/emakit-0.1.0-py3-none-any.whl")
+    assert not INDEX_INSTALL.search("pip install lightning (emakit's lightning extra)")
+    assert not INDEX_INSTALL.search('pip install -e ".[demo]" && emakit demo')
+    if _released():
+        return
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    files += sorted((ROOT / "examples").rglob("*.py")) + sorted((ROOT / "src").rglob("*.py"))
+    found = [
+        f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+        for path in files
+        for text in [path.read_text(encoding="utf-8")]
+        for m in INDEX_INSTALL.finditer(text)
+    ]
+    assert not found, "install lines for a release that does not exist:\n" + "\n".join(found)

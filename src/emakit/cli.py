@@ -133,7 +133,7 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
     OUT/summary.json, OUT/demo.png (accuracy curves and the decay schedule) and the
     post-hoc snapshots in OUT/posthoc-snapshots (try: emakit inspect OUT, or choose the
     EMA length with emakit sweep OUT --sigma-rel 0.03:0.25:8). Needs the demo
-    extra: pip install "emakit[demo]".
+    extra (scikit-learn, matplotlib, rich): pip install -e ".[demo]" in a clone of emakit.
     """
     from .demo import DemoDependencyError, check_dependencies, new_output_dir, run_demo
 

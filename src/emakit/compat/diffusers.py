@@ -414,8 +414,7 @@ class EMAModel:
         folder diffusers' ``EMAModel.from_pretrained`` reads.
 
         The folder is replaced as a whole: the model writes a new folder beside ``path``,
-        which then takes its place in one atomic exchange
-        ([`atomic_folder()`][emakit._files.atomic.atomic_folder]), so a reader, or a
+        which then takes its place in one atomic exchange (``emakit._files.atomic``), so a reader, or a
         process killed at any moment, finds the previous save or this one, never the
         config of one with the weights of the other. A failed save changes nothing.
         Weights files of an earlier save that this one did not write (the shards and index

@@ -39,8 +39,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
         )
     except ImportError as e:
         raise ImportError(
-            "emakit.compat.lightning needs Lightning: pip install 'emakit[lightning]' "
-            "(or pip install lightning)"
+            "emakit.compat.lightning needs Lightning: pip install lightning (emakit's "
+            "lightning extra; in a clone of emakit: pip install -e '.[lightning]')"
         ) from e
 
 __all__ = ["EMAWeightAveraging"]

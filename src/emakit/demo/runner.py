@@ -56,7 +56,7 @@ __all__ = [
 SUMMARY_NAME = "summary.json"
 PLOT_NAME = "demo.png"
 POSTHOC_DIR = "posthoc-snapshots"
-INSTALL_HINT = 'pip install "emakit[demo]"'
+INSTALL_HINT = 'pip install scikit-learn matplotlib rich (in a clone of emakit: pip install -e ".[demo]")'
 
 
 class DemoDependencyError(ImportError):
@@ -70,7 +70,7 @@ def check_dependencies(*, plot: bool = True) -> None:
         plot: also require matplotlib. Default True.
 
     Raises:
-        DemoDependencyError: with the install command ``pip install "emakit[demo]"``.
+        DemoDependencyError: with the install command (`INSTALL_HINT`).
     """
     wanted = {"scikit-learn": "sklearn", "rich": "rich"}
     if plot:

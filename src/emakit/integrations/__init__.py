@@ -2,11 +2,11 @@
 
 ============================================  ===============================================
 ``emakit.integrations.lightning``             `EMACallback` for Lightning's ``Trainer``
-                                              (``pip install 'emakit[lightning]'``)
+                                              (``pip install lightning``)
 ``emakit.integrations.accelerate``            `prepare_ema()` for Hugging Face Accelerate
-                                              (``pip install 'emakit[accelerate]'``)
+                                              (``pip install accelerate``)
 ``emakit.integrations.transformers``          `EMATrainerCallback` for the Hugging Face
-                                              ``Trainer`` (``pip install 'emakit[transformers]'``)
+                                              ``Trainer`` (``pip install transformers accelerate``)
 ============================================  ===============================================
 
 This package imports nothing itself: ``import emakit.integrations`` never loads a

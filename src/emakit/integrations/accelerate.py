@@ -32,8 +32,8 @@ try:
     from accelerate.state import GradientState
 except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError(
-        "emakit.integrations.accelerate needs Accelerate: pip install 'emakit[accelerate]' "
-        "(or pip install accelerate)"
+        "emakit.integrations.accelerate needs Accelerate: pip install accelerate (emakit's "
+        "accelerate extra; in a clone of emakit: pip install -e '.[accelerate]')"
     ) from e
 
 __all__ = ["AcceleratedBEMA", "AcceleratedEMA", "prepare_ema"]

@@ -41,8 +41,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
         from pytorch_lightning.utilities.rank_zero import rank_zero_warn  # type: ignore[no-redef]
     except ImportError as e:
         raise ImportError(
-            "emakit.integrations.lightning needs Lightning: pip install 'emakit[lightning]' "
-            "(or pip install lightning)"
+            "emakit.integrations.lightning needs Lightning: pip install lightning (emakit's "
+            "lightning extra; in a clone of emakit: pip install -e '.[lightning]')"
         ) from e
 
 __all__ = [

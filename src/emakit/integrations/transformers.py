@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 _NEEDS = (
-    "emakit.integrations.transformers needs Transformers: pip install "
-    "'emakit[transformers]' (or pip install transformers accelerate)"
+    "emakit.integrations.transformers needs Transformers: pip install transformers "
+    "accelerate (emakit's transformers extra; in a clone of emakit: pip install -e "
+    "'.[transformers]')"
 )
 try:
     import transformers

@@ -103,7 +103,7 @@ class SweepResult:
     def plot(self, path: str | os.PathLike[str], *, ylabel: str = "score") -> Path:
         """Write the score against ``sigma_rel`` as a PNG, the tracked profiles marked
         (vertical lines) and the best length starred. Needs matplotlib (the ``demo``
-        extra: ``pip install 'emakit[demo]'``).
+        extra: ``pip install matplotlib``).
 
         Returns:
             ``path`` as a `Path`.
@@ -115,7 +115,7 @@ class SweepResult:
             from matplotlib.figure import Figure
         except ImportError as e:  # pragma: no cover - matplotlib is in the test environment
             raise EMATypeError(
-                "SweepResult.plot needs matplotlib: pip install 'emakit[demo]'"
+                "SweepResult.plot needs matplotlib: pip install matplotlib"
             ) from e
         fig = Figure(figsize=(6, 4), layout="constrained")
         ax = fig.subplots()
