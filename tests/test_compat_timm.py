@@ -1,11 +1,14 @@
 """`emakit.compat.timm` against the real timm: the same numbers bit for bit after every update,
-state dicts both ways, timm's own checkpoint functions, and timm's ``train.py`` EMA lines with
-the one documented line. Skipped without timm (``python tools/install_peers.py`` installs it
-beside a CPU torch)."""
+state dicts both ways, timm's own checkpoint functions, timm's ``train.py`` EMA lines with
+the documented lines, and DeiT's ``main.py`` EMA lines on the V1 ``ModelEma``. Skipped
+without timm (``python tools/install_peers.py`` installs it beside a CPU torch)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import io
+import logging
 
 import pytest
 import torch
@@ -195,13 +198,59 @@ def test_skip_nonfinite_extra_and_its_refusal():
         compat.ModelEmaV3(make_net(torch.bfloat16), skip_nonfinite=True)
 
 
-def test_train_py_ema_lines_with_the_one_documented_line(tmp_path, monkeypatch):
+#: What the migration guide tells timm's ``train.py`` users to add after the script's imports.
+TRAIN_PY_LINES = """\
+import timm.task.task
+import emakit.compat.timm
+timm.task.task.ModelEmaV3 = emakit.compat.timm.ModelEmaV3
+"""
+#: The names timm's ``train.py`` (main, 2026) imports from timm: it binds no name ``timm``.
+TRAIN_PY_IMPORTS = """\
+from timm import utils
+from timm.models import create_model, safe_model_name
+from timm.task import ClassificationTask, resume_task_checkpoint, load_task_ema_checkpoint
+"""
+
+
+def run_documented_lines(monkeypatch) -> dict:
+    """``TRAIN_PY_LINES`` executed where train.py's imports are (undone by ``monkeypatch``
+    at the end of the test); returns that namespace."""
+    import timm.task.task as task_module
+
+    monkeypatch.setattr(task_module, "ModelEmaV3", task_module.ModelEmaV3)  # restored after
+    script: dict = {"__name__": "train"}
+    exec(TRAIN_PY_IMPORTS, script)
+    exec(TRAIN_PY_LINES, script)
+    return script
+
+
+def test_documented_train_py_lines_switch_the_class_train_py_builds(monkeypatch):
+    """The lines run as written after train.py's imports (the earlier one-line version
+    raised NameError there: train.py binds no ``timm``), and ``task.setup_ema`` then builds
+    emakit's class, as train.py calls it."""
+    pytest.importorskip("timm.task")
+    import timm.task.task as task_module
+
+    monkeypatch.setattr(task_module, "ModelEmaV3", task_module.ModelEmaV3)  # restored after
+    script: dict = {"__name__": "train"}
+    exec(TRAIN_PY_IMPORTS, script)
+    with pytest.raises(NameError, match="'timm'"):  # the line documented before
+        exec("import emakit.compat.timm\n" + TRAIN_PY_LINES.splitlines()[-1], script)
+    script = run_documented_lines(monkeypatch)
+    task = script["ClassificationTask"](make_net(), nn.CrossEntropyLoss(), verbose=False)
+    task.setup_ema(decay=0.99, use_warmup=True, device=None)  # train.py's call
+    assert type(task.get_trainable_module(ema=True)) is compat.ModelEmaV3
+    monkeypatch.undo()
+    task.setup_ema(decay=0.99)
+    assert type(task.get_trainable_module(ema=True)) is model_ema.ModelEmaV3
+
+
+def test_train_py_ema_lines_with_the_documented_lines(tmp_path, monkeypatch):
     """timm's train.py: ``task.setup_ema(...)`` (after resume), ``task.update_ema(step=
     num_updates)`` after each optimizer step, the CheckpointSaver, ``--resume`` through
-    ``load_task_ema_checkpoint``. Run once with timm's class and once after the line the
+    ``load_task_ema_checkpoint``. Run once with timm's class and once after the lines the
     migration guide documents; the EMA weights and the saved files must agree bit for bit."""
     task_mod = pytest.importorskip("timm.task")
-    import timm.task.task as task_module
 
     def run(out, resume_from=None):
         out.mkdir()
@@ -227,7 +276,7 @@ def test_train_py_ema_lines_with_the_one_documented_line(tmp_path, monkeypatch):
         return task.get_trainable_module(ema=True), out / "last.pth.tar"
 
     theirs, their_file = run(tmp_path / "timm")
-    monkeypatch.setattr(task_module, "ModelEmaV3", compat.ModelEmaV3)  # the documented line
+    run_documented_lines(monkeypatch)
     ours, our_file = run(tmp_path / "emakit")
     assert isinstance(ours, compat.ModelEmaV3)
     assert_same(theirs.state_dict(), ours.state_dict(), "after training")
@@ -239,3 +288,262 @@ def test_train_py_ema_lines_with_the_one_documented_line(tmp_path, monkeypatch):
     fresh = make_net()
     timm_models.load_checkpoint(fresh, str(our_file), use_ema=True)
     assert_same(fresh.state_dict(), ours.module.state_dict())
+
+
+# -- the V1 ModelEma (DeiT, older timm scripts) --------------------------------------------
+
+
+def sgd_steps(nets, opts, dtype, steps):
+    for step in steps:
+        for net, opt in zip(nets, opts, strict=True):
+            torch.manual_seed(step)
+            train_step(net, opt, dtype)
+        yield step
+
+
+@pytest.mark.parametrize("device", ["", "cpu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_ema_v1_bit_identical(dtype, device):
+    nets = [make_net(dtype), make_net(dtype)]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    kwargs = {} if device is None else {"device": device}
+    theirs, ours = (
+        model_ema.ModelEma(nets[0], 0.9, **kwargs),
+        compat.ModelEma(nets[1], 0.9, **kwargs),
+    )
+    for attr in ("decay", "device", "ema_has_module"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert not any(p.requires_grad for p in ours.ema.parameters())
+    assert not ours.ema.training
+    for step in sgd_steps(nets, opts, dtype, range(8)):
+        theirs.update(nets[0])
+        ours.update(nets[1])
+        assert_same(theirs.ema.state_dict(), ours.ema.state_dict(), f"step {step}")
+    assert not torch.equal(ours.ema[0].weight, nets[1][0].weight)  # averaged, not copied
+
+
+def test_model_ema_v1_update_takes_the_wrapped_model():
+    """Built before the DDP wrap (DeiT, timm's advice), updated with the wrapped model:
+    timm prefixes ``module.`` to each name, ours takes ``.module``; the same numbers."""
+    nets = [make_net(), make_net()]
+    theirs, ours = model_ema.ModelEma(nets[0], 0.9), compat.ModelEma(nets[1], 0.9)
+    for net in nets:
+        with torch.no_grad():
+            net[0].weight.add_(1.0)
+    theirs.update(nn.DataParallel(nets[0]))  # DDP's .module, on the CPU
+    ours.update(nn.DataParallel(nets[1]))
+    assert not ours.ema_has_module
+    assert_same(theirs.ema.state_dict(), ours.ema.state_dict())
+    assert not torch.equal(ours.ema[0].weight, nets[1][0].weight)
+
+
+def test_model_ema_v1_surface_and_state_dicts_both_ways():
+    import inspect
+
+    theirs = inspect.signature(model_ema.ModelEma)
+    ours = inspect.signature(compat.ModelEma)
+    assert [(p.name, p.default) for p in ours.parameters.values()] == [
+        (p.name, p.default) for p in theirs.parameters.values()
+    ]
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    theirs, ours = model_ema.ModelEma(nets[0], 0.8), compat.ModelEma(nets[1], 0.8)
+    for _ in sgd_steps(nets, opts, torch.float32, range(3)):
+        theirs.update(nets[0])
+    assert_same(timm_utils.get_state_dict(ours), ours.ema.state_dict())  # timm's function
+    ours.load_state_dict(timm_utils.get_state_dict(theirs))  # timm's -> ours
+    assert_same(ours.ema.state_dict(), theirs.ema.state_dict(), "timm -> emakit")
+    back = model_ema.ModelEma(make_net(), 0.8)
+    back.ema.load_state_dict(timm_utils.get_state_dict(ours))  # ours -> timm's
+    assert_same(back.ema.state_dict(), ours.ema.state_dict(), "emakit -> timm")
+    nets[1].load_state_dict(nets[0].state_dict())
+    for _ in sgd_steps(nets, opts, torch.float32, range(3, 5)):
+        for ema, net in ((theirs, nets[0]), (ours, nets[1]), (back, nets[1])):
+            ema.update(net)
+    assert_same(theirs.ema.state_dict(), ours.ema.state_dict(), "after the load")
+    assert_same(back.ema.state_dict(), ours.ema.state_dict(), "after the load, back")
+
+
+def test_model_ema_v2_accepts_an_empty_device_as_v1_does():
+    """timm's V1 takes ``device=''`` for "the model's device"; its V2 raises on it, ours
+    takes it as V1 does (and as ``None``)."""
+    with pytest.raises(RuntimeError, match="empty"):
+        model_ema.ModelEmaV2(make_net(), device="")
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    theirs, ours = model_ema.ModelEmaV2(nets[0], 0.9), compat.ModelEmaV2(nets[1], 0.9, device="")
+    assert ours.device == ""
+    for _ in sgd_steps(nets, opts, torch.float32, range(4)):
+        theirs.update(nets[0])
+        ours.update(nets[1])
+    assert_same(theirs.state_dict(), ours.state_dict())
+    ours.set(nets[1])
+    assert_same(ours.module.state_dict(), nets[1].state_dict())
+
+
+def timm_last_checkpoint(out, net, ema) -> str:
+    """``last.pth.tar`` as timm's train.py writes it: ``CheckpointSaver`` with its
+    ``argparse.Namespace`` of arguments and ``model_ema`` (timm's class or ours)."""
+    args = argparse.Namespace(model="mlp", model_ema=True, model_ema_decay=0.8, lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    saver = timm_utils.CheckpointSaver(
+        net, opt, args=args, model_ema=ema, checkpoint_dir=str(out), recovery_dir=str(out)
+    )
+    saver.save_checkpoint(epoch=0, metric=1.0)
+    return str(out / "last.pth.tar")
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_model_ema_v1_resume_from_a_timm_checkpoint_both_ways(tmp_path, wrap):
+    """``ModelEma(model, resume=path)`` on ``CheckpointSaver``'s ``last.pth.tar`` (with its
+    ``argparse.Namespace``): a file written with timm's class read by ours and the other
+    way round; with a ``DataParallel``-wrapped model, ``module.`` is added as timm does."""
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    theirs, ours = model_ema.ModelEma(nets[0], 0.8), compat.ModelEma(nets[1], 0.8)
+    for _ in sgd_steps(nets, opts, torch.float32, range(4)):
+        theirs.update(nets[0])
+        ours.update(nets[1])
+    (tmp_path / "timm").mkdir()
+    (tmp_path / "emakit").mkdir()
+    their_file = timm_last_checkpoint(tmp_path / "timm", nets[0], theirs)
+    our_file = timm_last_checkpoint(tmp_path / "emakit", nets[1], ours)
+    assert isinstance(torch.load(our_file, weights_only=False)["args"], argparse.Namespace)
+
+    def fresh():
+        return nn.DataParallel(make_net()) if wrap else make_net()
+
+    resumed = {
+        "timm <- timm": model_ema.ModelEma(fresh(), 0.8, resume=their_file),
+        "timm <- emakit": model_ema.ModelEma(fresh(), 0.8, resume=our_file),
+        "emakit <- timm": compat.ModelEma(fresh(), 0.8, resume=their_file),
+        "emakit <- emakit": compat.ModelEma(fresh(), 0.8, resume=our_file),
+    }
+    assert resumed["emakit <- timm"].ema_has_module is wrap
+    expected = resumed["timm <- timm"].ema.state_dict()
+    assert next(iter(expected)).startswith("module.") is wrap
+    for name, ema in resumed.items():
+        assert_same(ema.ema.state_dict(), expected, name)
+        assert not any(p.requires_grad for p in ema.ema.parameters()), name
+    assert_same(timm_utils.get_state_dict(resumed["emakit <- timm"]), theirs.ema.state_dict())
+
+
+def test_model_ema_v1_checkpoint_without_an_ema_keeps_the_weights(tmp_path, caplog):
+    """A checkpoint with no ``state_dict_ema`` (and not a state dict itself): timm logs a
+    warning and goes on with the weights the EMA was built from; so does ours, warning."""
+    path = tmp_path / "model_only.pth"
+    torch.save({"state_dict": make_net().state_dict(), "epoch": 3}, path)
+    with caplog.at_level(logging.WARNING):
+        theirs = model_ema.ModelEma(make_net(), resume=str(path))
+    assert "Failed to find state_dict_ema" in caplog.text
+    with pytest.warns(UserWarning, match="no 'state_dict_ema' entry.*keeps the weights"):
+        ours = compat.ModelEma(make_net(), resume=str(path))
+    assert_same(ours.ema.state_dict(), theirs.ema.state_dict())
+    other = tmp_path / "other.pth"
+    torch.save({"state_dict_ema": nn.Linear(2, 2).state_dict()}, other)
+    with pytest.raises(EMAStateError, match="does not hold this model's EMA"):
+        compat.ModelEma(make_net(), resume=str(other))
+
+
+# DeiT's main.py and utils.py, their EMA lines (facebookresearch/deit), written from what
+# they do: main.py builds ModelEma(model, decay=args.model_ema_decay, device='cpu' if
+# args.model_ema_force_cpu else '', resume='') before DDP, train_one_epoch calls
+# model_ema.update(model) after every optimizer step, each epoch saves
+# {'model', 'optimizer', 'lr_scheduler', 'epoch', 'model_ema': get_state_dict(model_ema),
+# 'args'}, and --resume loads 'model' then utils._load_checkpoint_for_ema(model_ema,
+# checkpoint['model_ema']), which torch.saves that state dict into an io.BytesIO, seeks to 0
+# and passes it to model_ema._load_checkpoint.
+
+DEIT_EPOCHS, DEIT_BATCHES = 3, 4
+
+
+def load_checkpoint_for_ema(model_ema, checkpoint):
+    """DeiT's ``utils._load_checkpoint_for_ema``."""
+    mem_file = io.BytesIO()
+    torch.save(checkpoint, mem_file)
+    mem_file.seek(0)
+    model_ema._load_checkpoint(mem_file)
+
+
+def deit_main(cls, out, resume=None, force_cpu=False):
+    """DeiT's EMA lines with ``cls`` as ``ModelEma``: train to ``DEIT_EPOCHS`` (from the
+    checkpoint ``resume`` when given), saving ``out/checkpoint.pth`` every epoch. Returns
+    the EMA."""
+    args = argparse.Namespace(model_ema_decay=0.9, model_ema_force_cpu=force_cpu, resume=resume)
+    model = make_net()
+    model_ema = cls(
+        model,
+        decay=args.model_ema_decay,
+        device="cpu" if args.model_ema_force_cpu else "",
+        resume="",
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start_epoch = 0
+    if args.resume:
+        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False)  # DeiT's
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch = checkpoint["epoch"] + 1
+        load_checkpoint_for_ema(model_ema, checkpoint["model_ema"])
+    for epoch in range(start_epoch, DEIT_EPOCHS):
+        model.train()
+        for i in range(DEIT_BATCHES):
+            data = torch.Generator().manual_seed(100 * epoch + i)
+            x, y = torch.randn(16, 6, generator=data), torch.randint(0, 3, (16,), generator=data)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            model_ema.update(model)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "lr_scheduler": {},
+                "epoch": epoch,
+                "model_ema": timm_utils.get_state_dict(model_ema),
+                "args": args,
+            },
+            out / f"checkpoint_{epoch}.pth",
+        )
+    return model_ema
+
+
+@pytest.mark.parametrize("force_cpu", [False, True])
+def test_deit_ema_lines_bit_identical_and_resume_restores_the_ema(tmp_path, caplog, force_cpu):
+    """DeiT's run with timm's ``ModelEma`` and with ours: the same EMA and the same files,
+    bit for bit. Resumed after epoch 0 from either run's file, ours continues exactly as the
+    uninterrupted run; timm's ``_load_checkpoint`` finds no ``state_dict_ema`` in what DeiT
+    passes it, logs so, and goes on from the weights it was built with
+    (facebookresearch/deit#173): the one difference, on purpose."""
+    runs = {}
+    for name, cls in (("timm", model_ema.ModelEma), ("emakit", compat.ModelEma)):
+        (tmp_path / name).mkdir()
+        runs[name] = deit_main(cls, tmp_path / name, force_cpu=force_cpu)
+    assert_same(runs["timm"].ema.state_dict(), runs["emakit"].ema.state_dict(), "uninterrupted")
+    for epoch in range(DEIT_EPOCHS):
+        files = [
+            torch.load(tmp_path / n / f"checkpoint_{epoch}.pth", weights_only=False) for n in runs
+        ]
+        assert_same(files[0]["model_ema"], files[1]["model_ema"], f"epoch {epoch} file")
+    expected = runs["timm"].ema.state_dict()
+    for written_by in runs:
+        out = tmp_path / f"emakit_from_{written_by}"
+        out.mkdir()
+        resumed = deit_main(
+            compat.ModelEma,
+            out,
+            resume=tmp_path / written_by / "checkpoint_0.pth",
+            force_cpu=force_cpu,
+        )
+        assert_same(resumed.ema.state_dict(), expected, f"ours resumed from {written_by}'s file")
+    (tmp_path / "timm_resumed").mkdir()
+    with caplog.at_level(logging.WARNING):
+        theirs = deit_main(
+            model_ema.ModelEma,
+            tmp_path / "timm_resumed",
+            resume=tmp_path / "emakit" / "checkpoint_0.pth",
+            force_cpu=force_cpu,
+        )
+    assert "Failed to find state_dict_ema" in caplog.text
+    assert not torch.equal(theirs.ema[0].weight, expected["0.weight"])  # its EMA restarted

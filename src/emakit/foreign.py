@@ -13,17 +13,20 @@ model) raises an [`EMAError`][emakit.errors.EMAError] that names the source and 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._files.reading import open_regular, parse_json, torch_load
+from ._files.reading import open_regular, parse_json, refusal_reason, torch_load
 from ._files.safetensors_file import read_safetensors
 from .checkpoint import check_ema, emakit_header, load_weights, tied_names
 from .ema import EMA
@@ -63,6 +66,22 @@ _LIGHTNING_KEYS = ("state_dict", "averaging_state")
 _STEP_OFFSET = {"torch_ema": 1}
 #: The entries of a timm training checkpoint that hold the EMA's state dict.
 _TIMM_KEYS = ("state_dict_ema", "model_ema")
+#: The formats an EMA state is told by from its own keys, wherever it sits in a checkpoint
+#: (``{"model": ..., "ema": torch_ema_state}``, torchvision's ``checkpoint["model_ema"]``).
+_SELF_DESCRIBING = ("emakit", "ema_pytorch", "torch_ema", "averaged_model", "diffusers")
+#: Classes a training checkpoint holds as data besides tensors and plain containers: timm's
+#: and torchvision's ``train.py`` save their command line, an ``argparse.Namespace`` of
+#: plain values. Nothing else is accepted.
+_DATA_CLASSES: tuple[type, ...] = (argparse.Namespace,)
+#: Modules whose classes an Ultralytics (or YOLOv5) checkpoint pickles: the whole EMA model.
+_ULTRALYTICS_GLOBAL = re.compile(r"GLOBAL (ultralytics\.[\w.]+|models\.yolo\.[\w.]+)")
+#: How to turn an Ultralytics checkpoint into a state emakit reads, and load that.
+_ULTRALYTICS_LOAD = "ckpt = torch.load(path, weights_only=False)  # only if you trust it"
+_ULTRALYTICS_STATE = "state = {'ema': ckpt['ema'].float().state_dict(), 'updates': ckpt['updates']}"
+_ULTRALYTICS_CALL = (
+    "the step of Ultralytics' next update (its number updates + 1; emakit's first call "
+    "copies): load_foreign_state(ema, state['ema'], step=state['updates'] + 1)"
+)
 
 #: What diffusers' ``ModelMixin.save_pretrained`` names its files (``diffusers.utils``
 #: constants), most preferred first, as ``from_pretrained`` prefers them: an index of
@@ -75,14 +94,62 @@ _DIFFUSERS_WEIGHTS = (
 )
 
 
+def read_training_checkpoint(
+    source: str | os.PathLike[str] | IO[bytes], what: str = "checkpoint file"
+) -> Any:
+    """``torch.load(source, map_location="cpu", weights_only=True)`` of a file name or a
+    binary file object, with an ``argparse.Namespace`` (timm's and torchvision's
+    ``train.py`` save their arguments as one) accepted as data and nothing else.
+
+    The Namespace is allowed through torch's ``safe_globals`` context for this one load
+    (never ``add_safe_globals``, which is process-wide), and only where it is not allowed
+    already, so a registration of the caller's is kept. torch 2.4 lacks the context: a
+    Namespace is refused there.
+
+    Raises:
+        EMAFileNotFoundError: ``source`` names no file.
+        EMAStateError: torch refuses or cannot read it (the message names the file, why,
+            and how to load a file you trust).
+    """
+    import torch.serialization as serialization
+
+    scope: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if hasattr(serialization, "safe_globals"):
+        allowed = set(serialization.get_safe_globals())
+        scope = serialization.safe_globals([c for c in _DATA_CLASSES if c not in allowed])
+    with scope:
+        if isinstance(source, (str, os.PathLike)):
+            return torch_load(source, what, yours=True)
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise EMAStateError(
+                f"the {what} given as a file object could not be read as a torch file with "
+                f"weights_only=True ({refusal_reason(e)}); emakit never runs pickled code"
+            ) from e
+
+
 def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
     """A checkpoint file's content and, for safetensors, its header metadata (the file's
-    first bytes tell which it is); a torch file is read with ``weights_only=True``."""
+    first bytes tell which it is); a torch file is read by `read_training_checkpoint()`,
+    and an Ultralytics one, which pickles its model, is refused saying how to read it."""
     with open_regular(path, "checkpoint file") as f:
         head = f.read(9)
     if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then JSON
         return read_safetensors(path)
-    return torch_load(path, "checkpoint file", yours=True), None
+    try:
+        return read_training_checkpoint(path), None
+    except EMAStateError as e:
+        found = _ULTRALYTICS_GLOBAL.search(str(e.__cause__))
+        if found is None:
+            raise
+        raise EMAStateError(
+            f"{path} is an Ultralytics (YOLO) training checkpoint: it pickles the whole EMA "
+            f"model ({found.group(1)}), and emakit reads torch files with weights_only=True, "
+            f"never running pickled code; if you trust the file, turn it into a state dict "
+            f"yourself:\n    {_ULTRALYTICS_LOAD}\n    {_ULTRALYTICS_STATE}\nthen load it with "
+            f"{_ULTRALYTICS_CALL}"
+        ) from e
 
 
 def _describe(obj: Any) -> str:
@@ -215,26 +282,31 @@ def _layout_version(obj: Mapping[Any, Any]) -> int:
     return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
 
-def detect_format(obj: Any) -> str | None:
-    """Guess the format of a checkpoint object from its keys.
-
-    Args:
-        obj: what a library's ``state_dict()`` returned, or what ``torch.load`` gave.
-
-    Returns:
-        The `FOREIGN_FORMATS` entry ``obj`` looks like, or None when none fits.
+def nested_states(
+    obj: Mapping[Any, Any], accept: Callable[[Any], bool], *, depth: int = 3, path: str = ""
+) -> list[tuple[str, Any]]:
+    """``(key path, value)`` of each value that ``accept`` takes inside ``obj``'s mappings,
+    ``depth`` levels down, in order; an accepted value is not searched further.
 
     Example:
-        >>> detect_format({"n_averaged": torch.tensor(3), "module.weight": torch.zeros(1)})
-        'averaged_model'
+        >>> nested_states({"model": {}, "train": {"ema": [1]}}, lambda v: v == [1])
+        [("['train']['ema']", [1])]
     """
+    found: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        here = f"{path}[{key!r}]"
+        if accept(value):
+            found.append((here, value))
+        elif isinstance(value, Mapping) and depth > 1:
+            found += nested_states(value, accept, depth=depth - 1, path=here)
+    return found
+
+
+def _state_format(obj: Any) -> str | None:
+    """The `_SELF_DESCRIBING` format ``obj`` is in, told by its own keys, or None."""
     if not isinstance(obj, Mapping):
         return None
     keys = [k for k in obj if isinstance(k, str)]
-    if all(isinstance(obj.get(k), Mapping) for k in _LIGHTNING_KEYS):
-        return "lightning"
-    if any(isinstance(obj.get(k), Mapping) for k in _TIMM_KEYS):
-        return "timm"
     if isinstance(obj.get("shadow_params"), (list, tuple)):
         if "optimization_step" in obj:
             return "diffusers"
@@ -248,9 +320,36 @@ def detect_format(obj: Any) -> str | None:
         return "emakit"
     if ("initted" in obj or "step" in obj) and any(k.startswith("ema_model.") for k in keys):
         return "ema_pytorch"
-    if _is_tensor_map(obj):
-        return "timm" if all(k.startswith("module.") for k in keys) else "state_dict"
     return None
+
+
+def detect_format(obj: Any) -> str | None:
+    """Guess the format of a checkpoint object from its keys.
+
+    Only ``obj``'s own keys are read: an EMA state nested in a training checkpoint
+    (torchvision's ``checkpoint["model_ema"]``, a Lightning checkpoint's ``"ema"``) gives
+    None here, and [`load_foreign_state()`][emakit.foreign.load_foreign_state] finds it.
+
+    Args:
+        obj: what a library's ``state_dict()`` returned, or what ``torch.load`` gave.
+
+    Returns:
+        The `FOREIGN_FORMATS` entry ``obj`` looks like, or None when none fits.
+
+    Example:
+        >>> detect_format({"n_averaged": torch.tensor(3), "module.weight": torch.zeros(1)})
+        'averaged_model'
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    if all(isinstance(obj.get(k), Mapping) for k in _LIGHTNING_KEYS):
+        return "lightning"
+    if any(isinstance(obj.get(k), Mapping) and _state_format(obj[k]) is None for k in _TIMM_KEYS):
+        return "timm"  # torchvision's "model_ema" is an AveragedModel state: found nested
+    fmt = _state_format(obj)
+    if fmt is None and _is_tensor_map(obj):
+        return "timm" if all(k.startswith("module.") for k in obj) else "state_dict"
+    return fmt
 
 
 def _require_keys(obj: Any, fmt: str, source: str, keys: tuple[str, ...]) -> None:
@@ -284,6 +383,54 @@ def _positional(ema: EMA, shadow: Any, source: str) -> dict[str, Tensor]:
             )
         weights.update(dict.fromkeys(tied[name], t))
     return weights
+
+
+def _nested_state(obj: Mapping[Any, Any], format: str, source: str) -> tuple[Any, str] | None:
+    """``(the state, its source)`` of the one EMA state (of ``format``, or of any
+    `_SELF_DESCRIBING` format for ``"auto"``) inside the training checkpoint ``obj``, found
+    by its keys three levels down, with a warning naming where; None when there is none,
+    or for a Lightning checkpoint of emakit's ``EMACallback`` (whose entry may hold only
+    part of a sharded EMA: `_refuse_lightning_without_average()` says what to do)."""
+    if "emakit_ema" in obj:
+        return None
+    found = nested_states(
+        obj, lambda v: _state_format(v) is not None and format in ("auto", _state_format(v))
+    )
+    if not found:
+        return None
+    if len(found) > 1:
+        raise EMAStateError(
+            f"{source} holds {len(found)} EMA states, at "
+            f"{', '.join(path for path, _ in found)}: pass the one to load, e.g. "
+            f"checkpoint{found[0][0]}"
+        )
+    path, state = found[0]
+    warnings.warn(
+        f"load_foreign_state found the {_state_format(state)} EMA state at {path} of "
+        f"{source} (by its keys) and loads it",
+        UserWarning,
+        stacklevel=3,
+    )
+    return state, f"{source}{path}"
+
+
+def _refuse_ultralytics(obj: Any, source: str) -> None:
+    """An Ultralytics checkpoint loaded with ``weights_only=False`` (its ``"ema"`` a whole
+    model), or its EMA state (``{"ema": state dict, "updates": n}``): say how to load it."""
+    if not isinstance(obj, Mapping) or "updates" not in obj:
+        return
+    ema = obj.get("ema")
+    if isinstance(ema, nn.Module):
+        raise EMAStateError(
+            f"{source} is an Ultralytics (YOLO) checkpoint: its 'ema' entry is a whole "
+            f"{type(ema).__name__} model, not a state; turn it into one (ckpt being the "
+            f"checkpoint):\n    {_ULTRALYTICS_STATE}\nthen load it with {_ULTRALYTICS_CALL}"
+        )
+    if _is_tensor_map(ema):
+        raise EMAStateError(
+            f"{source} is an Ultralytics EMA state ('ema' and 'updates'): load its 'ema' "
+            f"entry with {_ULTRALYTICS_CALL}, state being this dict"
+        )
 
 
 def _refuse_lightning_without_average(obj: Any, source: str) -> None:
@@ -408,6 +555,24 @@ def load_foreign_state(
     ``"state_dict"``          a plain ``state_dict()`` of the model (e.g. exported weights)
     ========================  ==============================================================
 
+    A training checkpoint that holds one EMA state told by its keys (emakit, ema-pytorch,
+    torch_ema, ``AveragedModel``, diffusers) under an entry of its own, up to three levels
+    down, is read as that state, with a warning naming the entry: torchvision's reference
+    ``checkpoint.pth`` (``checkpoint["model_ema"]``, an ``AveragedModel`` state with its
+    ``n_averaged``), a Lightning checkpoint with a torch_ema state under ``"ema"`` (as
+    sgmse's ``on_save_checkpoint`` stores it), ``{"model": ..., "ema": ema.state_dict()}``.
+    With ``format=`` one of those formats, only a state of that format is looked for.
+    Several such states are an error naming each entry: pass the one to load. A Lightning
+    checkpoint of emakit's ``EMACallback`` is not searched (its entry may hold only part of
+    a sharded EMA): resume with the callback.
+
+    Torch files are read with ``weights_only=True``; an ``argparse.Namespace`` (the ``args``
+    that timm's and torchvision's ``train.py`` save) is accepted as data, for that one load,
+    and no other class. An Ultralytics (YOLO) ``last.pt``/``best.pt`` pickles its whole EMA
+    model: it is refused, and the message gives the lines that turn it into a state dict
+    (``{"ema": ckpt["ema"].float().state_dict(), "updates": ckpt["updates"]}``) and the
+    call that loads it, ``load_foreign_state(ema, state["ema"], step=state["updates"] + 1)``.
+
     Tensors are paired by name, strictly; DDP (``module.``) and ``torch.compile``
     (``_orig_mod.``) prefixes are stripped. torch_ema and diffusers store a list in
     ``model.parameters()`` order: it is paired by position with the EMA model's
@@ -449,7 +614,8 @@ def load_foreign_state(
         obj: the checkpoint: a mapping (what the library's ``state_dict()`` returns, or
             what ``torch.load`` gave), an object with a ``state_dict()`` method, the
             path of a torch or safetensors file (read with ``weights_only=True``), or the
-            path of a diffusers ``EMAModel.save_pretrained`` folder.
+            path of a diffusers ``EMAModel.save_pretrained`` folder; a training checkpoint
+            holding one of these states under an entry of its own (see above).
         format: one of `FOREIGN_FORMATS`, or ``"auto"`` (default) to detect it.
         step: the training step to set (overrides the checkpoint's count). Default None.
         strict: pair names strictly (default True); with False, tensors absent from the
@@ -501,8 +667,15 @@ def load_foreign_state(
             source = f"{type(obj).__name__}.state_dict()"
             obj = obj.state_dict()
         fmt = detect_format(obj) if format == "auto" else format
+        missing = fmt is None or (fmt in _SELF_DESCRIBING and _state_format(obj) != fmt)
+        if missing and isinstance(obj, Mapping):  # a training checkpoint: look inside
+            nested = _nested_state(obj, format, source)
+            if nested is not None:
+                obj, source = nested
+                fmt = _state_format(obj)
     if fmt is None:
         _refuse_lightning_without_average(obj, source)
+        _refuse_ultralytics(obj, source)
         raise EMAStateError(
             f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
             f"accepted formats: {', '.join(FOREIGN_FORMATS)} (pass format= to choose one)"

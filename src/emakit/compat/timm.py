@@ -1,23 +1,30 @@
-"""timm's ``ModelEmaV3`` and ``ModelEmaV2`` (``timm.utils.model_ema``, timm 1.0), on emakit.
+"""timm's ``ModelEmaV3``, ``ModelEmaV2`` and the V1 ``ModelEma`` (``timm.utils.model_ema``,
+timm 1.0), on emakit.
 
-Change ``from timm.utils import ModelEmaV3`` to ``from emakit.compat.timm import
-ModelEmaV3``: the same signature, defaults, methods (``update(model, step=None)``,
-``set(model)``, ``get_decay(step)``, ``forward``), the ``.module`` attribute and the state
-dict (``module.*``), so ``timm.utils.get_state_dict``/``unwrap_model``, timm's
-``CheckpointSaver``, ``timm.models.load_checkpoint(..., use_ema=True)`` and
-``train.py --resume`` read and write the same files. timm is not imported.
+Change ``from timm.utils import ModelEmaV3`` (or ``ModelEmaV2``, ``ModelEma``) to ``from
+emakit.compat.timm import ...``: the same signature, defaults, methods and attributes
+(``.module`` for V2/V3, ``.ema`` for V1) and the same files, so
+``timm.utils.get_state_dict``/``unwrap_model``, timm's ``CheckpointSaver``,
+``timm.models.load_checkpoint(..., use_ema=True)``, ``train.py --resume`` and DeiT's
+``main.py`` read and write the same checkpoints. timm is not imported.
 
 timm's ``train.py`` builds its EMA inside ``timm.task.TrainingTask.setup_ema``, from the
-name ``ModelEmaV3`` of the module ``timm.task.task``; one line in the script, after its
-imports, makes it build this class instead::
+name ``ModelEmaV3`` of the module ``timm.task.task``. The script binds no name ``timm``
+(it imports ``from timm import ...``), so these three lines, after its imports, make it
+build this class instead::
 
+    import timm.task.task
+    import emakit.compat.timm
     timm.task.task.ModelEmaV3 = emakit.compat.timm.ModelEmaV3
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import os
+import warnings
+from collections.abc import Mapping
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
@@ -26,8 +33,9 @@ from .. import _validate as check
 from ..decay import Action
 from ..ema import EMA, unwrap_model
 from ..errors import EMAStateError, EMAValueError
+from ..foreign import read_training_checkpoint
 
-__all__ = ["ModelEmaV2", "ModelEmaV3"]
+__all__ = ["ModelEma", "ModelEmaV2", "ModelEmaV3"]
 
 #: The largest number of elements timm's stochastic rounding handles in one float32 batch.
 _SR_CHUNK = 2**22
@@ -325,6 +333,39 @@ class ModelEmaV3(nn.Module):
         return super()._apply(fn, recurse)
 
 
+def _averaging_copy(model: nn.Module, device: torch.device | str | None) -> nn.Module:
+    """timm's EMA copy of ``model``: a deep copy in eval mode, moved to ``device`` unless
+    that is None or ``''`` (the model's device)."""
+    ema = copy.deepcopy(model)
+    ema.eval()
+    if device:
+        ema.to(device=device)
+    return ema
+
+
+@torch.no_grad()
+def _average_(
+    ema: nn.Module, model: nn.Module, decay: float, device: torch.device | str | None
+) -> None:
+    """``e = decay * e + (1 - decay) * m`` for every state-dict value, paired by name, as
+    timm's ``ModelEma`` and ``ModelEmaV2`` compute it: two products and a sum, each rounded
+    in ``e``'s dtype, for every value, integer buffers included (the float result is
+    truncated into them). ``m`` is moved to ``device`` first, unless that is None or ``''``.
+    """
+    ema_values, model_values = _paired_values(ema, model)
+    if device:
+        model_values = [m.to(device=device) for m in model_values]
+    floats = [i for i, e in enumerate(ema_values) if e.is_floating_point()]
+    others = [i for i, e in enumerate(ema_values) if not e.is_floating_point()]
+    if floats:
+        shadow = [ema_values[i] for i in floats]
+        kept = torch._foreach_mul(shadow, decay)
+        torch._foreach_add_(kept, torch._foreach_mul([model_values[i] for i in floats], 1 - decay))
+        torch._foreach_copy_(shadow, kept)
+    for i in others:
+        ema_values[i].copy_(decay * ema_values[i] + (1.0 - decay) * model_values[i])
+
+
 class ModelEmaV2(nn.Module):
     """timm's ``ModelEmaV2``: an EMA of every state-dict tensor of a model (``.module``).
 
@@ -338,13 +379,14 @@ class ModelEmaV2(nn.Module):
     Args:
         model: the model to average.
         decay: the decay, in [0, 1]. Default 0.9999.
-        device: keep the EMA on this device. Default None (the model's).
+        device: keep the EMA on this device. Default None (the model's); ``''`` means the
+            model's too, as in the V1 `ModelEma` (timm's ``ModelEmaV2`` raises on ``''``).
 
     Differences from timm: the values are paired by name (a model of another structure
-    raises `EMAStateError` instead of being zipped in order), and the floating tensors are
-    updated with multi-tensor (``foreach``) kernels. The engine's ``lerp_`` would round
-    differently from this formula, so ``ModelEmaV2`` keeps timm's arithmetic: for emakit's
-    engine, use `ModelEmaV3`.
+    raises `EMAStateError` instead of being zipped in order), the floating tensors are
+    updated with multi-tensor (``foreach``) kernels, and ``device=''`` is accepted. The
+    engine's ``lerp_`` would round differently from this formula, so ``ModelEmaV2`` keeps
+    timm's arithmetic: for emakit's engine, use `ModelEmaV3`.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)
@@ -358,35 +400,150 @@ class ModelEmaV2(nn.Module):
         self, model: nn.Module, decay: float = 0.9999, device: torch.device | str | None = None
     ) -> None:
         super().__init__()
-        self.module = copy.deepcopy(unwrap_model(model))
-        self.module.eval()
         self.decay = check.real("decay", decay, low=0.0, high=1.0)
+        self.module = _averaging_copy(unwrap_model(model), device)
         self.device = device
-        if device is not None:
-            self.module.to(device=device)
 
-    @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """``e = decay * e + (1 - decay) * m`` for every state-dict value."""
-        ema_values, model_values = _paired_values(self.module, unwrap_model(model))
-        model_values = [m.to(device=self.device) for m in model_values]
-        d = self.decay
-        floats = [i for i, e in enumerate(ema_values) if e.is_floating_point()]
-        others = [i for i, e in enumerate(ema_values) if not e.is_floating_point()]
-        if floats:
-            ema = [ema_values[i] for i in floats]
-            kept = torch._foreach_mul(ema, d)
-            torch._foreach_add_(kept, torch._foreach_mul([model_values[i] for i in floats], 1 - d))
-            torch._foreach_copy_(ema, kept)
-        for i in others:
-            ema_values[i].copy_(d * ema_values[i] + (1.0 - d) * model_values[i])
+        _average_(self.module, unwrap_model(model), self.decay, self.device)
 
     @torch.no_grad()
     def set(self, model: nn.Module) -> None:
         """Copy every state-dict value of ``model`` into the EMA."""
         for e, m in zip(*_paired_values(self.module, unwrap_model(model)), strict=True):
-            e.copy_(m.to(device=self.device))
+            e.copy_(m.to(device=self.device) if self.device else m)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``.module``."""
         return self.module(*args, **kwargs)
+
+
+class ModelEma:
+    """timm's V1 ``ModelEma`` (deprecated in timm, used by DeiT and older timm scripts): an
+    EMA of every state-dict tensor of a model, kept in ``.ema``.
+
+    .. math:: e \\leftarrow e \\cdot \\text{decay} + (1 - \\text{decay}) \\cdot m
+
+    for every value of the state dict, computed as timm computes it (integer buffers
+    included, the result truncated into them), so the numbers are timm's bit for bit. The
+    EMA starts as a deep copy of the model, in eval mode, its parameters with
+    ``requires_grad=False``; the first ``update(model)`` already averages. Build it after
+    moving the model to its device and before wrapping it in DDP; ``update(model)`` takes
+    the DDP-wrapped model too (its ``.module`` is used when ``.ema`` has none).
+
+    Args:
+        model: the model to average (copied as given, a ``DataParallel`` wrapper
+            included, as in timm: ``ema_has_module`` then says so).
+        decay: the decay, in [0, 1]. Default 0.9999.
+        device: keep the EMA on this device; ``''`` (default) keeps the model's.
+        resume: a checkpoint to start from, read as `_load_checkpoint()` reads it.
+            Default ``''`` (none).
+
+    Attributes:
+        ema: the averaged copy of the model.
+        decay: the decay.
+        device: the device given.
+        ema_has_module: whether ``.ema`` has a ``.module`` (a wrapped model was given).
+
+    Differences from timm:
+
+    * a checkpoint that is the EMA model's own state dict, as DeiT's
+      ``utils._load_checkpoint_for_ema(model_ema, checkpoint["model_ema"])`` passes it, is
+      loaded; timm looks only for a ``state_dict_ema`` entry, so DeiT's ``--resume``
+      restarts its EMA from the weights it was built with (facebookresearch/deit#173);
+    * a checkpoint without an EMA in it gives a `UserWarning` (timm logs a warning) and
+      keeps the EMA as it is, as timm does; ``module.`` prefixes are also stripped when
+      ``.ema`` has no ``.module``; a file is read with ``weights_only=True``, with an
+      ``argparse.Namespace`` accepted as data, as timm reads it;
+    * the values are paired by name strictly (a model of another structure raises
+      `EMAStateError` instead of a ``KeyError``, or of ignoring names the EMA lacks);
+    * ``state_dict()``/``load_state_dict()`` are those of the EMA model (unwrapped), so
+      ``timm.utils.get_state_dict(model_ema)`` gives what it gives for timm's class.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 4)
+        >>> ema = ModelEma(net, decay=0.99)
+        >>> ema.update(net)  # after optimizer.step()
+        >>> sorted(ema.state_dict())
+        ['bias', 'weight']
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.9999,
+        device: torch.device | str = "",
+        resume: str | os.PathLike[str] | IO[bytes] = "",
+    ) -> None:
+        self.decay = check.real("decay", decay, low=0.0, high=1.0)
+        self.ema = _averaging_copy(model, device)
+        self.device = device
+        self.ema_has_module = hasattr(self.ema, "module")
+        if resume:
+            self._load_checkpoint(resume)
+        for p in self.ema.parameters():
+            p.requires_grad_(False)
+
+    def _load_checkpoint(self, checkpoint: str | os.PathLike[str] | IO[bytes]) -> None:
+        """Load the EMA weights from ``checkpoint``: a file name or a binary file object
+        (DeiT passes an ``io.BytesIO`` holding the EMA model's state dict), read with
+        ``weights_only=True``, an ``argparse.Namespace`` accepted as data.
+
+        Its ``state_dict_ema`` entry (timm's ``CheckpointSaver``), or the checkpoint itself
+        when it is a state dict (DeiT's), is loaded strictly, with a ``module.`` prefix
+        added when ``.ema`` has a ``.module`` (as timm does) or stripped when it has none.
+        Without either, a warning says so and the EMA is left as it is.
+
+        Raises:
+            EMAStateError: the file is unreadable or holds something else than tensors
+                and plain containers, or the state dict is of another model.
+        """
+        source = getattr(checkpoint, "name", None) or (
+            os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "checkpoint"
+        )
+        loaded = read_training_checkpoint(checkpoint, "checkpoint file")
+        if not isinstance(loaded, Mapping):
+            raise EMAStateError(
+                f"{source} holds a {type(loaded).__name__}, not a checkpoint dict with a "
+                f"'state_dict_ema' entry or a state dict of the EMA model"
+            )
+        state = loaded.get("state_dict_ema", loaded)
+        if not isinstance(state, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()
+        ):
+            warnings.warn(
+                f"{source} has no 'state_dict_ema' entry and is not a state dict (keys "
+                f"{check.few([str(k) for k in loaded], 8)}): the EMA keeps the weights it "
+                f"was built from (timm's ModelEma logs the same and goes on)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        if self.ema_has_module:
+            names = {k if k.startswith("module") else f"module.{k}": v for k, v in state.items()}
+        elif state and all(k.startswith("module.") for k in state):
+            names = {k[len("module.") :]: v for k, v in state.items()}
+        else:
+            names = dict(state)
+        try:
+            self.ema.load_state_dict(names)
+        except RuntimeError as e:
+            raise EMAStateError(f"{source} does not hold this model's EMA: {e}") from e
+
+    def update(self, model: nn.Module) -> None:
+        """``e = e * decay + (1 - decay) * m`` for every state-dict value of ``model`` (its
+        ``.module`` when it is wrapped and ``.ema`` is not)."""
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and not self.ema_has_module:
+            model = inner
+        _average_(self.ema, model, self.decay, self.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The EMA model's state dict (unwrapped: the model's names), as
+        ``timm.utils.get_state_dict`` returns it for timm's ``ModelEma``."""
+        return unwrap_model(self.ema).state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load a `state_dict()` into the EMA model (torch's ``load_state_dict``)."""
+        return unwrap_model(self.ema).load_state_dict(state_dict, strict=strict)

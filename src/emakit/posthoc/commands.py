@@ -55,6 +55,7 @@ from .._files.safetensors_file import ST_DTYPES, SafetensorsFile, write_safetens
 from .._version import __version__
 from ..checkpoint import emakit_header
 from ..errors import EMAError
+from ..foreign import nested_states
 from ..integrations._common import LIGHTNING_CHECKPOINT_KEY, TRAINER_WEIGHTS_NAME
 from .convert import to_ema_pytorch
 from .evaluations import EVAL_FILE_NAME, find_eval_file, read_eval_file
@@ -422,11 +423,16 @@ def folder_evaluation(folder: Path) -> Callable[..., Any]:
     try:
         name, score = read_eval_file(path)
     except EMAError as e:
-        refusal = fail(e)
-        refusal.exit_code = 2
-        raise refusal from e
+        raise UnusableFileError(fail(e).message) from e
     click.echo(f"Note: scoring with {name} from {path}", err=True)
     return score
+
+
+class UnusableFileError(click.ClickException):
+    """A file in a folder that emakit refuses to use: one line, exit code 2 (click's code
+    for bad usage), nothing run."""
+
+    exit_code = 2
 
 
 def load_function(
@@ -753,7 +759,7 @@ def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
         return where, entry["ema"]
     if _is_ema_state(obj):
         return "EMA state_dict", obj
-    found = _nested_ema_states(obj, "")
+    found = nested_states(obj, _is_ema_state)  # in a training checkpoint's dicts
     if found:
         where = f"EMA state_dict at {found[0][0]} of a checkpoint dict"
         if len(found) > 1:
@@ -769,19 +775,6 @@ def _is_ema_state(obj: Any) -> bool:
         and "initted" in obj
         and any(str(k).startswith("ema_model.") for k in obj)
     )
-
-
-def _nested_ema_states(obj: Mapping[Any, Any], path: str, depth: int = 3) -> list[tuple[str, Any]]:
-    """``(key path, state)`` of each EMA state dict inside a training checkpoint's dicts
-    (``{"model": ..., "ema": ema.state_dict(), ...}`` -> ``['ema']``), ``depth`` levels down."""
-    found: list[tuple[str, Any]] = []
-    for key, value in obj.items():
-        here = f"{path}[{key!r}]"
-        if _is_ema_state(value):
-            found.append((here, value))
-        elif isinstance(value, Mapping) and depth > 1:
-            found += _nested_ema_states(value, here, depth - 1)
-    return found
 
 
 def _not_a_checkpoint(path: Path) -> None:
