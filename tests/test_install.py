@@ -151,6 +151,7 @@ OPTIONAL_IMPORTS = {
     "lightning": ("lightning", "lightning"),
     "pytorch_lightning": ("lightning", "lightning"),
     "matplotlib": ("demo", "matplotlib"),
+    "mmengine": ("test", "mmengine-lite"),
     "rich": ("demo", "rich"),
     "sklearn": ("demo", "scikit-learn"),
     "torchvision": ("bench", "torchvision"),

@@ -15,6 +15,8 @@ module                                    replaces
                                           ``get_ema_multi_avg_fn``, ``get_ema_avg_fn``
 `emakit.compat.diffusers`                 ``diffusers.training_utils.EMAModel``
 `emakit.compat.lightning`                 ``lightning.pytorch.callbacks.EMAWeightAveraging``
+`emakit.compat.mmengine`                  ``mmengine.model``'s averaged models, for ``EMAHook``
+`emakit.compat.ultralytics`               ``ultralytics.utils.torch_utils.ModelEMA`` (YOLO)
 ========================================  ===================================================
 
 The submodules are imported on use (``from emakit.compat.timm import ModelEmaV3``), never
