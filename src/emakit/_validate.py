@@ -4,6 +4,7 @@ argument, echoing the value, and saying what would be accepted."""
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +19,14 @@ def few(items: list[str], n: int = 10) -> str:
     return f"{items[:n]}{' ...' if len(items) > n else ''} ({len(items)})" if items else "none"
 
 
+def _plain(value: object) -> object:
+    """A 0-dim real tensor as its Python number (one read, when an argument is checked);
+    anything else unchanged. A bool tensor gives a bool, which the callers refuse."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex():
+        return value.item()
+    return value
+
+
 def real(
     name: str,
     value: object,
@@ -29,17 +38,20 @@ def real(
     hint: str = "",
 ) -> float:
     """``value`` as a finite float within the given bounds; every real-number argument of
-    emakit (EMA keywords, schedules, post-hoc profiles) is checked here.
+    emakit (EMA keywords, schedules, post-hoc profiles) is checked here. Any
+    ``numbers.Real`` (numpy's floats and integers included) and a 0-dim real tensor are
+    taken, as the peers take them, and returned as a Python float.
 
     Booleans, NaN and infinities are refused; an infinite bound is always open, so the
     message shows the interval actually accepted, e.g. ``(0.0, inf)``. ``hint`` is
     appended to the message (what the values mean, typical values).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = _plain(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
         raise EMATypeError(
             f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})"
         )
-    v = float(value)
+    v = float(number)
     low_open = low_open or math.isinf(low)
     high_open = high_open or math.isinf(high)
     above = low < v if low_open else low <= v
@@ -59,9 +71,12 @@ INT64_MAX = 2**63 - 1
 
 def integer(name: str, value: object, *, low: int, high: int = INT64_MAX) -> int:
     """``value`` as an int in ``[low, high]`` (booleans are refused); ``high`` defaults to
-    [`INT64_MAX`][emakit._validate.INT64_MAX], the range of the int64 counters every count ends up in."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    [`INT64_MAX`][emakit._validate.INT64_MAX], the range of the int64 counters every count ends up in.
+    Any ``numbers.Integral`` (numpy's integers) and a 0-dim integer tensor are taken, as an int."""
+    number = _plain(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral):
         raise EMATypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
+    value = int(number)
     if value < low:
         raise EMAValueError(f"{name} must be >= {low}, got {name}={value!r}")
     if value > high:

@@ -259,8 +259,8 @@ class EMA(nn.Module):
             decay_groups=decay_groups,
         )
         self.beta = float(beta)
-        self.update_after_step = update_after_step
-        self.update_every = update_every
+        self.update_after_step = int(update_after_step)  # checked by ema_rule: numpy ints too
+        self.update_every = int(update_every)
         self.inv_gamma = float(inv_gamma)
         self.power = float(power)
         self.min_value = float(min_value)
