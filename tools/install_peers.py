@@ -16,6 +16,9 @@ site-packages; only the test process adds it to its path, ``tests/_peers.py``):
    reached, the release from the default index;
 2. timm (its other dependencies, pyyaml, huggingface_hub and safetensors, are the test
    extra's already).
+3. Ultralytics and polars (its trainer writes results.csv with it), for
+   ``tests/test_compat_ultralytics.py``; its other dependencies (numpy, matplotlib, pillow,
+   pyyaml, requests, psutil, opencv-python-headless) are the test extra's.
 
 Then it checks ``import timm.utils`` in a fresh interpreter set up as the tests set
 themselves up. When that fails it removes ``.peers/`` and exits 0 (``--strict``: 1) saying
@@ -30,10 +33,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -43,6 +48,10 @@ PYTORCH_INDEX = "https://download.pytorch.org/whl/{build}"
 CHECK = (
     f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import _peers; "
     "_peers.allow_timm(); import timm.utils, timm.models; print(timm.__version__)"
+)
+ULTRALYTICS_CHECK = (
+    f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import _peers; "
+    "_peers.allow_timm(); import ultralytics.engine.trainer, polars; print(ultralytics.__version__)"
 )
 
 
@@ -94,6 +103,22 @@ def main() -> int:
         f"install_peers: timm {check.stdout.strip()} with torchvision {tv_version} in "
         f"{PEERS.relative_to(ROOT)}/ beside torch {torch_version}"
     )
+    # Ultralytics (tests/test_compat_ultralytics.py) beside them, also --no-deps: its own
+    # requirements would pull opencv-python (a GUI build that needs libGL; the test extra has
+    # opencv-python-headless) and another torchvision. Its trainer writes results.csv with
+    # polars, which comes with the runtime it imports. Without them those tests skip.
+    ultra = pip_target("ultralytics", "polars", "polars-runtime-32")
+    with tempfile.TemporaryDirectory() as config:  # its settings file, not the user's
+        env = {**os.environ, "YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": config}
+        check = subprocess.run(
+            [sys.executable, "-c", ULTRALYTICS_CHECK], capture_output=True, text=True, env=env
+        )
+    if not ultra or check.returncode != 0:
+        why = (check.stderr.strip().splitlines() or ["?"])[-1] if ultra else "pip failed"
+        print(f"install_peers: ultralytics not usable ({why}); its tests skip", flush=True)
+        return 1 if args.strict else 0
+    version = check.stdout.strip().splitlines()[-1]
+    print(f"install_peers: ultralytics {version} in {PEERS.relative_to(ROOT)}/")
     return 0
 
 
