@@ -588,3 +588,33 @@ def test_cuda_shadow_export_and_loads_keep_device_and_dtype(tmp_path):
     load_foreign_state(fresh, theirs.state_dict(), step=10)
     assert fresh.ema_model.conv.weight.is_cuda
     assert torch.equal(fresh.ema_model.conv.weight, theirs.shadow_params[1].float())
+
+
+@pytest.mark.parametrize("step", [0, 40])
+def test_step_overrides_the_count_of_emakit_and_ema_pytorch_states(tmp_path, step):
+    """``step=`` sets the step for every format (documented: it overrides the checkpoint's
+    count), the two that carry their own ``step`` entry included; the caller's state is
+    left as it was."""
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    src = EMA(Net(), beta=0.9, update_after_step=0, update_every=1)
+    train(src.model, 3, src.update)
+    net = Net()
+    theirs = ema_pytorch.EMA(net, beta=0.9, update_after_step=0, update_every=1)
+    train(net, 5, theirs.update)
+    path = save_ema_weights(src, tmp_path / "ema.safetensors")  # its header: step 3
+    for state, fmt, count, weights in [
+        (src.state_dict(), "emakit", 3, src.ema_model.state_dict()),
+        (theirs.state_dict(), "ema_pytorch", 5, theirs.ema_model.state_dict()),
+        (path, "state_dict", 3, src.ema_model.state_dict()),
+    ]:
+        counted = emakit_ema()
+        assert quiet_load(counted, state) == fmt
+        assert int(counted.step) == count  # without step=: the checkpoint's own count
+        ours = emakit_ema()
+        assert quiet_load(ours, state, step=step) == fmt
+        assert int(ours.step) == step, fmt
+        assert_same(ours.ema_model.state_dict(), weights)
+        if not isinstance(state, type(path)):
+            assert int(state["step"]) == count  # not written into the caller's dict
+        ours.update()  # the next update goes on from the step given
+        assert int(ours.step) == step + 1

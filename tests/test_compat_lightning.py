@@ -298,3 +298,221 @@ def test_fit_with_an_exception_in_validation_leaves_the_training_weights():
     average = callback.ema.ema_model.net[0].weight
     assert torch.equal(module.validated[-1], average)  # validation saw the average
     assert not torch.equal(module.net[0].weight, average)  # and the training weights are back
+
+
+# -- when an update happens: every comparison against Lightning's own callback ------------
+
+
+def _updates_per_event(callback: pl.Callback, events: list[tuple[str, int]]) -> list[int]:
+    """Drive ``callback``'s hooks as a Trainer would (``("step", global_step)`` after a
+    batch, ``("epoch", current_epoch)`` after an epoch) and return the update count after
+    each event: ``n_averaged`` for Lightning's, the EMA's step for ours."""
+    from types import SimpleNamespace
+
+    module = Regressor()
+    trainer = SimpleNamespace(global_step=0, current_epoch=0)
+    if isinstance(callback, Theirs):
+        callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    else:
+        callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    counts = []
+    for kind, i in events:
+        if kind == "step":
+            trainer.global_step = i
+            callback.on_train_batch_end(trainer, module, None, None, 0)  # type: ignore[arg-type]
+        else:
+            trainer.current_epoch = i
+            callback.on_train_epoch_end(trainer, module)  # type: ignore[arg-type]
+        with torch.no_grad():  # the weights move between events
+            module.net[0].weight.add_(0.1)
+        if isinstance(callback, Theirs):
+            counts.append(int(callback._average_model.n_averaged))
+        else:
+            counts.append(int(callback.ema.step))
+    return counts
+
+
+#: Two batches per optimizer step (the global step repeats), epochs of four steps, and
+#: an epoch hook called twice for one epoch.
+EVENTS = [
+    ("step", 0),
+    *[("step", s) for s in (1, 1, 2, 2, 3, 3, 4, 4)],
+    ("epoch", 0),
+    ("epoch", 0),
+    *[("step", s) for s in (5, 5, 6, 7, 8)],
+    ("epoch", 1),
+    ("epoch", 1),
+    *[("step", s) for s in (9, 10, 11, 12)],
+    ("epoch", 2),
+    ("epoch", 3),
+    ("epoch", 2),
+]
+BOUNDARIES = [
+    {},
+    {"update_starting_at_step": 4},  # step index 4 (global step 5): updates, not after
+    {"update_starting_at_step": 3, "update_every_n_steps": 3},  # 3 is the first
+    {"update_starting_at_step": 0, "update_every_n_steps": 2},
+    {"update_every_n_steps": 0, "update_starting_at_epoch": 1},  # epoch 1 is the first
+    {"update_every_n_steps": 0, "update_starting_at_epoch": 0},
+    {"update_every_n_steps": 5, "update_starting_at_step": 5, "update_starting_at_epoch": 2},
+]
+
+
+@pytest.mark.parametrize("settings", BOUNDARIES, ids=lambda s: ",".join(map(str, s.items())))
+def test_updates_happen_at_lightnings_boundaries(settings):
+    theirs = _updates_per_event(Theirs(**settings), EVENTS)
+    ours = _updates_per_event(Ours(**settings), EVENTS)
+    assert ours == theirs
+    assert theirs[-1] > 0
+
+
+@pytest.mark.parametrize("start", [0, 1, 3, 4, 6])
+@pytest.mark.parametrize("every", [0, 1, 2, 3])
+def test_should_update_at_each_boundary_is_lightnings(start, every):
+    for settings in (
+        {"update_every_n_steps": every, "update_starting_at_step": start},
+        {"update_every_n_steps": every, "update_starting_at_epoch": start},
+        {"update_every_n_steps": every},
+    ):
+        ours, theirs = Ours(**settings), Theirs(**settings)
+        for step in (None, *range(start - 1, start + 8)):
+            for epoch in (None, start - 1, start, start + 1):
+                want = theirs.should_update(step_idx=step, epoch_idx=epoch)
+                assert ours.should_update(step_idx=step, epoch_idx=epoch) == want, (
+                    settings,
+                    step,
+                    epoch,
+                )
+    assert Ours(update_starting_at_step=start).should_update(step_idx=start)
+    assert not Ours(update_starting_at_step=start + 1).should_update(step_idx=start)
+    assert Ours(update_starting_at_epoch=start).should_update(epoch_idx=start)
+    assert not Ours(update_starting_at_epoch=start + 1).should_update(epoch_idx=start)
+
+
+def test_an_overridden_should_update_decides_as_in_lightning():
+    def late(self, step_idx=None, epoch_idx=None):  # Lightning's docstring example, shifted
+        return step_idx is not None and step_idx >= 6
+
+    theirs = _updates_per_event(type("T", (Theirs,), {"should_update": late})(), EVENTS)
+    ours = _updates_per_event(type("O", (Ours,), {"should_update": late})(), EVENTS)
+    assert ours == theirs and theirs[-1] == 6  # global steps 7..12
+
+
+def test_gradient_accumulation_updates_once_per_optimizer_step_as_lightning():
+    """With ``accumulate_grad_batches=2`` a batch ends twice per global step: one update."""
+    outs = []
+    for cls in (Theirs, Ours):
+        module, callback = Regressor(), cls(decay=0.9)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[callback], accumulate_grad_batches=2,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader(), loader(16))
+        assert trainer.global_step == 4  # 2 epochs of 4 batches
+        outs.append(module.state_dict())
+        count = callback._average_model.n_averaged if cls is Theirs else callback.ema.step
+        assert int(count) == 4
+    assert rounding_ratio(outs[0], outs[1]) <= 2 * ROUNDING_EPS  # as after fit above
+
+
+# -- a checkpoint saved while validation runs on the average ---------------------------------
+
+
+class SavingInValidation(Regressor):
+    """Saves a checkpoint during the first validation batch of epoch 1."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch == 1 and batch_idx == 0:
+            self.trainer.save_checkpoint(self.path)
+        super().validation_step(batch, batch_idx)
+
+
+def test_a_checkpoint_saved_during_validation_holds_lightnings_entries(tmp_path):
+    """Saved while the module holds the average: ``state_dict`` is still the average and
+    ``current_model_state`` the training weights, and validation goes on on the average."""
+    module, callback = SavingInValidation(tmp_path / "mid.ckpt"), Ours(decay=0.9)
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class Before(pl.Callback):  # runs before the swap: the module holds its own weights
+        def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            assert callback.ema is not None
+            average = callback.ema.ema_model.net[0].weight.detach().clone()
+            seen.append((pl_module.net[0].weight.detach().clone(), average))
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[Before(), callback],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader(), loader(16))
+    training, average = seen[-1]
+    assert not torch.equal(average, training)
+    ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    assert torch.equal(ckpt["state_dict"]["net.0.weight"], average)
+    assert torch.equal(ckpt["current_model_state"]["net.0.weight"], training)
+    assert int(ckpt["averaging_state"]["n_averaged"]) == 8
+    # both batches of that validation ran on the average, the one after the save included
+    assert [torch.equal(w, average) for w in module.validated[-2:]] == [True, True]
+
+
+def test_outside_fit_a_checkpoint_is_read_and_written_as_lightning(tmp_path):
+    """``validate(ckpt_path=...)`` keeps no average: a warning (as Lightning's), the module
+    holds the checkpoint's state_dict (the average), and a checkpoint saved then has no
+    averaging entries."""
+    fit(Ours(decay=0.9), 2, save_dir=tmp_path)
+    ckpt_path = tmp_path / "epoch=1-step=8.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    for i, (cls, says) in enumerate([(Theirs, "outside the 'fit' stage"), (Ours, "during fit")]):
+        module = Regressor()
+        trainer = pl.Trainer(
+            accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[cls(decay=0.9)],
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.validate(module, loader(16), ckpt_path=ckpt_path, verbose=False)
+        for name, t in ckpt["state_dict"].items():
+            assert torch.equal(module.state_dict()[name], t), (cls, name)
+        assert any(says in str(w.message) for w in caught), (cls, [str(w.message) for w in caught])
+        trainer.save_checkpoint(tmp_path / f"after-{i}.ckpt")
+        saved = torch.load(tmp_path / f"after-{i}.ckpt", weights_only=False)
+        assert "averaging_state" not in saved and "current_model_state" not in saved, cls
+        assert saved["state_dict"]["net.0.weight"].equal(ckpt["state_dict"]["net.0.weight"])
+
+
+def test_resuming_from_a_checkpoint_without_averaging_warns_and_starts_there(tmp_path):
+    """A checkpoint written without weight averaging: a warning (as Lightning's), and the
+    average starts from its weights, as Lightning's does."""
+    module = Regressor()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader(), loader(16))
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    outs = []
+    for cls, says in ((Theirs, "not created with WeightAveraging"), (Ours, "not written with")):
+        callback, recorder = cls(decay=0.9), Recorder()
+        module = Regressor()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[recorder, callback],
+        )  # fmt: skip
+        with pytest.warns(UserWarning, match=says):
+            trainer.fit(module, loader(), loader(16), ckpt_path=tmp_path / "plain.ckpt")
+        count = callback._average_model.n_averaged if cls is Theirs else callback.ema.step
+        assert int(count) == 4  # the 4 steps of epoch 1, the first copying
+        outs.append(module.state_dict())
+    assert rounding_ratio(outs[0], outs[1]) <= 2 * ROUNDING_EPS

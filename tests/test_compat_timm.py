@@ -59,6 +59,16 @@ CASES = {
         torch.bfloat16,
     ),
     "bf16_no_buffers": ({"decay": 0.9, "exclude_buffers": True}, torch.bfloat16),
+    # a float32 EMA of a bfloat16 model: foreach (timm's mul_/add_) unless device= is a str,
+    # which never equals the model's torch.device, so timm turns foreach off (cast, lerp_)
+    "bf16_fp32_shadow_device_str": (
+        {"decay": 0.9, "dtype": torch.float32, "device": "cpu"},
+        torch.bfloat16,
+    ),
+    "bf16_fp32_shadow_device_obj": (
+        {"decay": 0.9, "dtype": torch.float32, "device": torch.device("cpu")},
+        torch.bfloat16,
+    ),
 }
 
 
@@ -547,3 +557,85 @@ def test_deit_ema_lines_bit_identical_and_resume_restores_the_ema(tmp_path, capl
         )
     assert "Failed to find state_dict_ema" in caplog.text
     assert not torch.equal(theirs.ema[0].weight, expected["0.weight"])  # its EMA restarted
+
+
+class Tensors(nn.Module):
+    """Bare bfloat16 parameters of the given sizes, in order (no forward: the EMA only
+    reads the state dict)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.ps = nn.ParameterList(
+            nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16)) for n in sizes
+        )
+
+
+#: Sizes around timm's batch limit of 2**22 elements: the first alone (over the limit),
+#: the next two exactly at it (one batch), the last two together just over it.
+SR_SIZES = [2**22 + 1, 3, 2**22 - 3, 1, 2]
+SR_BATCHES = {True: [2**22 + 1, 2**22, 3], False: SR_SIZES}  # foreach: batched; else per tensor
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "foreach"),
+    [
+        ({}, True),
+        ({"foreach": False}, False),
+        ({"device": "cpu"}, False),  # a str device: timm turns foreach off
+        ({"device": torch.device("cpu")}, True),
+    ],
+    ids=["foreach", "loop", "device_str", "device_obj"],
+)
+def test_stochastic_rounding_draws_in_timms_batches(monkeypatch, kwargs, foreach):
+    """The random bits of stochastic rounding are drawn in the float32 batches timm forms
+    (whole tensors, at most 2**22 elements, or one tensor at a time without foreach): on
+    a CPU the stream is the same however it is cut, on CUDA each draw starts at a new
+    offset, so the numbers follow the batches only when the batches are timm's."""
+    nets = [Tensors(SR_SIZES), Tensors(SR_SIZES)]
+    theirs = model_ema.ModelEmaV3(nets[0], decay=0.5, **kwargs)
+    ours = compat.ModelEmaV3(nets[1], decay=0.5, **kwargs)
+    draws: list[list[int]] = [[], []]
+    real = torch.randint
+
+    def randint(*args, **kw):
+        draws[which].append(args[2].numel() if isinstance(args[2], torch.Size) else args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "randint", randint)
+    for step in range(1, 3):
+        for net in nets:
+            with torch.no_grad():
+                for i, p in enumerate(net.parameters()):
+                    p.add_(0.01 * (i + step))
+        which = 0
+        theirs.update(nets[0], step=step)
+        which = 1
+        ours.update(nets[1], step=step)
+    assert draws[0] == SR_BATCHES[foreach] * 2
+    assert draws[1] == draws[0]
+    assert_same(theirs.state_dict(), ours.state_dict())
+
+
+def test_skip_nonfinite_where_the_refusal_says_it_runs():
+    """The refusal names dtype= with foreach=False: that EMA runs on the engine, so it
+    takes skip_nonfinite, and its numbers are timm's."""
+    kwargs = {"decay": 0.9, "dtype": torch.float32}
+    with pytest.raises(EMAValueError, match="foreach=False"):
+        compat.ModelEmaV3(make_net(torch.bfloat16), skip_nonfinite=True, **kwargs)
+    nets = [make_net(torch.bfloat16), make_net(torch.bfloat16)]
+    theirs = model_ema.ModelEmaV3(nets[0], foreach=False, **kwargs)
+    ours = compat.ModelEmaV3(nets[1], foreach=False, skip_nonfinite=True, **kwargs)
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    for step in range(1, 4):
+        for net, opt in zip(nets, opts, strict=True):
+            torch.manual_seed(step)
+            train_step(net, opt, torch.bfloat16)
+        theirs.update(nets[0], step=step)
+        ours.update(nets[1], step=step)
+    assert_same(theirs.state_dict(), ours.state_dict())
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with torch.no_grad():
+        nets[1][0].weight[0, 0] = float("nan")
+    ours.update(nets[1], step=4)
+    assert_same(before, ours.state_dict())  # skipped

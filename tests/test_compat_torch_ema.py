@@ -231,3 +231,168 @@ def test_a_plain_ema_written_in_torch_emas_form_continues_in_torch_ema():
         assert ours.get_current_decay() == min(0.99, (1 + n) / (10 + n))
     for p, s in zip(ours.ema_model.parameters(), theirs.shadow_params, strict=True):
         assert (p - s).abs().max().item() <= 4 * torch.finfo(s.dtype).eps * s.abs().max().item()
+
+
+MOVES = {
+    "dtype": {"dtype": torch.float64},
+    "device": {"device": "cpu"},
+    "device_and_dtype": {"device": torch.device("cpu"), "dtype": torch.float32},
+    "nothing": {},
+}
+
+
+@pytest.mark.parametrize("use_num_updates", [True, False])
+@pytest.mark.parametrize("move", list(MOVES))
+def test_to_keeps_the_count_and_the_next_decays_are_torch_emas(move, use_num_updates):
+    """``.to()`` moves the shadow; the warm-up goes on where it was (``num_updates`` kept),
+    so the decays after it are torch_ema's, read exactly as in `decay_probe`."""
+    seen = {}
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p = torch.zeros(1, dtype=torch.float64)
+        ema = cls([p], decay=0.99, use_num_updates=use_num_updates)
+        for i in range(5):
+            p.fill_(float(i))
+            ema.update()
+        ema.to(**MOVES[move])
+        assert ema.num_updates == (5 if use_num_updates else None)
+        decays = []
+        for _ in range(3):
+            ema.shadow_params[0].zero_()
+            p.fill_(1.0)
+            ema.update()
+            decays.append(1.0 - ema.shadow_params[0].item())
+        assert ema.num_updates == (8 if use_num_updates else None)
+        assert ema.shadow_params[0].dtype == MOVES[move].get("dtype", torch.float64)
+        seen[cls] = decays
+    theirs, ours = seen.values()
+    assert ours == theirs
+    if use_num_updates:
+        assert round(theirs[0], 6) == round(7 / 16, 6)  # update 6: (1 + 6) / (10 + 6)
+
+
+def test_to_moves_the_stored_tensors_and_keeps_integer_dtypes_as_torch_ema():
+    dtypes = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        params = [torch.zeros(3), torch.arange(3)]  # torch_ema takes any tensors
+        ema = cls(params, decay=0.9)
+        ema.store()
+        ema.to(dtype=torch.float64)
+        dtypes.append(
+            ([s.dtype for s in ema.shadow_params], [c.dtype for c in ema.collected_params])
+        )
+        ema.restore()  # the stored values go back into the parameters, cast to theirs
+        assert [p.dtype for p in params] == [torch.float32, torch.int64]
+    assert dtypes[0] == dtypes[1] == ([torch.float64, torch.int64], [torch.float64, torch.int64])
+
+
+def test_update_with_other_parameters_keeps_the_count():
+    """``update(parameters)`` with other tensors (documented: paired with from then on)
+    continues the warm-up: the decay is torch_ema's for the same call."""
+    seen = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p, q = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        ema = cls([p], decay=0.99)
+        for _ in range(4):
+            ema.update()
+        ema.shadow_params[0].zero_()
+        q.fill_(1.0)
+        ema.update([q])
+        seen.append((ema.num_updates, 1.0 - ema.shadow_params[0].item()))
+    assert seen[0] == seen[1]
+    assert seen[1][0] == 5 and round(seen[1][1], 12) == round(6 / 15, 12)  # update 5
+
+
+def test_methods_take_other_parameters_as_torch_ema():
+    outs = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p, other = torch.full((2,), 3.0), torch.full((2,), 7.0)
+        ema = cls([p], decay=0.5)
+        ema.copy_to([other])  # into the tensors given, not the tracked ones
+        assert torch.equal(other, torch.full((2,), 3.0)) and torch.equal(p, other)
+        other.fill_(9.0)
+        ema.store([other])
+        other.fill_(0.0)
+        ema.restore([other])
+        outs.append((p.clone(), other.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    assert torch.equal(outs[1][1], torch.full((2,), 9.0))
+
+
+def test_average_parameters_restores_the_weights_when_the_block_raises():
+    net = make_net()
+    ours = ExponentialMovingAverage(net.parameters(), decay=0.5)
+    raw = [p.clone() for p in net.parameters()]
+    with torch.no_grad():
+        for s in ours.shadow_params:
+            s.add_(1.0)
+    inside = []
+
+    def evaluate() -> None:
+        with ours.average_parameters():
+            inside.append(net[0].weight.clone())
+            raise RuntimeError("in the block")
+
+    with pytest.raises(RuntimeError, match="in the block"):
+        evaluate()
+    assert torch.equal(inside[0], ours.shadow_params[0])  # the block saw the average
+    assert all(torch.equal(a, b) for a, b in zip(raw, net.parameters(), strict=True))
+
+
+def test_loading_a_state_without_stored_tensors_clears_them_as_torch_ema():
+    restored = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p = torch.zeros(2)
+        ema = cls([p], decay=0.9)
+        ema.store()
+        source = cls([torch.ones(2)], decay=0.8)
+        ema.load_state_dict(source.state_dict())  # collected_params None
+        assert ema.collected_params is None
+        with pytest.raises((ValueError, RuntimeError), match="store"):
+            ema.restore()
+        restored.append(ema.decay)
+    assert restored == [0.8, 0.8]
+
+
+def test_loaded_stored_tensors_take_the_parameters_dtype_as_torch_ema():
+    source = torch.zeros(2, dtype=torch.float64)  # torch_ema holds weak references
+    state = torch_ema.ExponentialMovingAverage([source], 0.9)
+    state.store()
+    dtypes = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p = torch.zeros(2)
+        ema = cls([p], decay=0.5)
+        ema.load_state_dict(state.state_dict())
+        dtypes.append(ema.collected_params[0].dtype)
+        assert ema.collected_params[0] is not state.collected_params[0]
+    assert dtypes == [torch.float32, torch.float32]
+
+
+def test_signature_defaults_and_decay_bounds_are_torch_emas():
+    import inspect
+
+    for method in ("__init__", "update", "copy_to", "store", "restore", "to", "load_state_dict"):
+        theirs = inspect.signature(getattr(torch_ema.ExponentialMovingAverage, method)).parameters
+        ours = inspect.signature(getattr(ExponentialMovingAverage, method)).parameters
+        assert [(n, p.default) for n, p in theirs.items()] == [
+            (n, p.default) for n, p in ours.items() if p.kind is not p.KEYWORD_ONLY
+        ], method
+    assert inspect.signature(ExponentialMovingAverage).parameters["skip_nonfinite"].default is False
+    for decay in (0.0, 1.0):  # both ends accepted, as torch_ema
+        assert ExponentialMovingAverage([torch.zeros(1)], decay=decay).decay == decay
+        torch_ema.ExponentialMovingAverage([torch.zeros(1)], decay=decay)
+    for decay in (-0.01, 1.01):
+        for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+            with pytest.raises(ValueError, match=r"(?i)decay"):
+                cls([torch.zeros(1)], decay=decay)
+
+
+def test_a_nonfinite_update_goes_through_by_default_as_in_torch_ema():
+    shadows = []
+    for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):
+        p = torch.zeros(2)
+        ema = cls([p], decay=0.9)
+        p[0] = float("nan")
+        ema.update()
+        shadows.append(ema.shadow_params[0].clone())
+    assert torch.equal(shadows[0].isnan(), shadows[1].isnan())
+    assert shadows[1].isnan().tolist() == [True, False]

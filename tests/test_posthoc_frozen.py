@@ -479,3 +479,150 @@ def test_store_frozen_once_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(EMATypeError, match="store_frozen_once"):
         PostHocEMA(lora(), checkpoint_folder=tmp_path / "x", store_frozen_once=1, **KW)  # type: ignore[arg-type]
     assert not (tmp_path / "x").exists()  # refused before anything was made
+
+
+# -- the digest: names, dtypes, shapes and bytes of every tensor, one-element ones included --
+
+
+def _digest_pair(change: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two sets of tensors that a side file could hold and that differ only by ``change``."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    one = {"w": w, "s": torch.tensor(1.0), "v": torch.tensor([1.0])}
+    other = dict(one)
+    if change == "reshaped":  # the same bytes in another shape
+        other["w"] = w.reshape(4, 3)
+    elif change == "flattened":
+        other["w"] = w.reshape(-1)
+    elif change == "zero_dim_value":
+        other["s"] = torch.tensor(2.0)
+    elif change == "one_element_value":
+        other["v"] = torch.tensor([2.0])
+    elif change == "one_element_shape":  # () and (1,): one element, the same bytes
+        other["s"] = torch.tensor([1.0])
+    elif change == "dtype":  # the same bytes read as another dtype
+        other["w"] = w.view(torch.int32)
+    elif change == "renamed":
+        other["x"] = other.pop("w")
+    return one, other
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "reshaped",
+        "flattened",
+        "zero_dim_value",
+        "one_element_value",
+        "one_element_shape",
+        "dtype",
+        "renamed",
+    ],
+)
+def test_the_digest_tells_apart_any_change_of_a_tensor(change: str) -> None:
+    one, other = _digest_pair(change)
+    assert frozen_module.tensor_digest(one, None) == frozen_module.tensor_digest(dict(one), None)
+    assert frozen_module.tensor_digest(one, None) != frozen_module.tensor_digest(other, None)
+    # and in the snapshot dtype (floating tensors cast first)
+    half = frozen_module.tensor_digest(one, torch.float16)
+    assert half != frozen_module.tensor_digest(other, torch.float16)
+
+
+def _copy_folder(source: Path, folder: Path) -> Path:
+    folder.mkdir()
+    for p in source.glob("*.safetensors"):
+        (folder / p.name).write_bytes(p.read_bytes())
+    return folder
+
+
+def _rewrite_side_file(side: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Write ``side`` again with its tensors changed by ``change`` and its header (the
+    digest it records included) kept, as a bad copy or an edit would leave it."""
+    import safetensors.torch
+
+    with SafetensorsFile(side) as f:
+        tensors = {n: f.get(n).clone() for n in f.keys()}  # noqa: SIM118
+        header = dict(f.metadata)
+    change(tensors)
+    side.unlink()
+    safetensors.torch.save_file(tensors, str(side), metadata=header)
+
+
+def _assert_refused(folder: Path, side: Path) -> None:
+    snaps = list_snapshots(folder)  # the header still names the digest: listed
+    assert snaps and all(s.frozen == (side,) for s in snaps)
+    with pytest.raises(EMAStateError, match="is damaged: the SHA-256 of its tensors"):
+        frozen_module.check_side_file(side)
+    with pytest.raises(EMAStateError, match="is damaged"):
+        synthesize_state_dict_of(snaps)
+    with pytest.raises(EMAStateError, match="is damaged"):
+        synth(folder, 0.1)
+
+
+def test_a_side_file_holding_the_same_bytes_in_another_shape_is_refused(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    folder = _copy_folder(pair[0], tmp_path / "copy")
+    (side,) = side_files(folder)
+    frozen_module.check_side_file(side)  # the copy itself is fine
+
+    def reshape(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["base.weight"] = tensors["base.weight"].reshape(16, 64).contiguous()
+
+    _rewrite_side_file(side, reshape)
+    with SafetensorsFile(side) as f:
+        assert f.shape("base.weight") == (16, 64)
+    _assert_refused(folder, side)
+
+
+class LoraScale(Lora):
+    """`Lora` with a frozen one-element scale applied to the base's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.adapter(torch.tanh(self.scale * self.base(x)))
+
+
+def lora_scale() -> LoraScale:
+    torch.manual_seed(0)
+    return LoraScale()
+
+
+def test_a_side_file_with_a_changed_one_element_tensor_is_refused(tmp_path: Path) -> None:
+    net = lora_scale()
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path / "run", **KW)
+    train(net, [ema], range(8))
+    ema.release_folder()
+    (side,) = side_files(tmp_path / "run")
+    with SafetensorsFile(side) as f:
+        assert set(f.keys()) == {*FROZEN, "scale"} and f.get("scale").shape == ()
+    frozen_module.check_side_file(side)
+
+    def rescale(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["scale"] = tensors["scale"] * 2
+
+    _rewrite_side_file(side, rescale)
+    _assert_refused(tmp_path / "run", side)
+
+
+def test_a_one_element_frozen_value_changed_in_place_gets_a_new_side_file(tmp_path: Path):
+    net = lora_scale()
+    once = PostHocEMA(net, checkpoint_folder=tmp_path / "once", **KW)
+    every = PostHocEMA(net, checkpoint_folder=tmp_path / "every", store_frozen_once=False, **KW)
+
+    def rescale(i: int) -> None:
+        if i == 6:  # through .data: only the digest sees it
+            net.scale.data.fill_(2.0)
+
+    train(net, [once, every], range(16), rescale)
+    sides = side_files(tmp_path / "once")
+    assert len(sides) == 2
+    latest = max(list_snapshots(tmp_path / "once"), key=lambda s: s.step)
+    with SafetensorsFile(latest.frozen[0]) as f:
+        assert float(f.get("scale")) == 2.0  # never the old value
+    for sigma_rel, step in [(0.1, None), (0.2, 8), (0.05, 4)]:
+        got = synth(tmp_path / "once", sigma_rel, step)
+        assert_same(got, synth(tmp_path / "every", sigma_rel, step))
