@@ -79,7 +79,10 @@ class EMAWeightAveraging(pl.Callback):
       and averaged (``share_frozen``): the same values, no memory;
     * ``device="cpu"`` for a GPU module keeps the average in pinned CPU memory and
       averages on a background thread (emakit's ``device=``), where Lightning copies
-      every weight to the CPU and averages there in the training loop.
+      every weight to the CPU and averages there in the training loop;
+    * a checkpoint saved during validation holds the training weights in
+      ``current_model_state`` and the average in ``state_dict``, as at any other time;
+      Lightning 2.6's own callback writes the two swapped there.
 
     Args:
         device: where the average lives. Default None: the module's device.
