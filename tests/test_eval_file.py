@@ -76,6 +76,15 @@ def errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("Error")]
 
 
+def runner() -> CliRunner:
+    """A runner keeping stderr apart from stdout (click >= 8.2 always does; before it,
+    ``mix_stderr=False``, which click 8.2 removed, asks for it)."""
+    try:
+        return CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        return CliRunner()
+
+
 # What the review wrote into downloaded folders (issue 38), and what else a file may hold.
 ATTACKS: dict[str, Any] = {
     "imports the folder's package": {
@@ -180,6 +189,10 @@ def test_refusals_name_the_entry_and_the_fix(tmp_path: Path) -> None:
     path.write_text('{"eval": "x", "eval": "y"}')
     with pytest.raises(EMAStateError, match="'eval' appears more than once"):
         read_eval_file(path)
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        path.write_text(f'{{"eval": "{DEMO}", "kwargs": {{"test_fraction": {constant}}}}}')
+        with pytest.raises(EMAStateError, match=f": {constant} is not a number JSON allows$"):
+            read_eval_file(path)
     path.write_text(json.dumps({"eval": "a" * 1000}))
     with pytest.raises(EMAStateError) as info:
         read_eval_file(path)
@@ -210,6 +223,10 @@ def test_the_registry_entry_binds_the_files_keywords(tmp_path: Path) -> None:
         "eval": DEMO,
         "kwargs": {"seed": 7, "test_fraction": 0.25},
     }
+    assert (tmp_path / EVAL_FILE_NAME).read_text() == (  # for a reader: indented, one key a line
+        f'{{\n  "eval": "{DEMO}",\n  "kwargs": {{\n    "seed": 7,\n    "test_fraction": 0.25\n'
+        f"  }}\n}}\n"
+    )
     name, score = read_eval_file(tmp_path / EVAL_FILE_NAME)
     assert name == DEMO and isinstance(score, functools.partial)
     assert score.func is held_out_loss and score.keywords == {"seed": 7, "test_fraction": 0.25}
@@ -260,13 +277,17 @@ def test_sweep_scores_with_the_registry_entry(run_folder: Path, monkeypatch) -> 
     entry = dataclasses.replace(EVALUATIONS[DEMO], load=lambda: fake)
     monkeypatch.setattr(evaluations, "EVALUATIONS", MappingProxyType({DEMO: entry}))
     write_eval_file(run_folder, DEMO, seed=3, test_fraction=0.5)
+    monkeypatch.chdir(run_folder)
     try:
-        result = sweep(run_folder / "posthoc-snapshots", cwd=run_folder)
+        args = [str(run_folder / "posthoc-snapshots"), "--sigma-rel", "0.1"]
+        result = runner().invoke(sweep_cmd, args)
     finally:
         (run_folder / EVAL_FILE_NAME).unlink()
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.stderr
     assert calls == [{"seed": 3, "test_fraction": 0.5}]
-    assert f"scoring with {DEMO} from {run_folder / EVAL_FILE_NAME}" in result.output
+    note = f"Note: scoring with {DEMO} from {run_folder / EVAL_FILE_NAME}\n"
+    assert note in result.stderr and "Note" not in result.stdout  # stdout: the results alone
+    assert "best: sigma_rel=0.1" in result.stdout
 
 
 def _reachable_names() -> set[str]:
@@ -349,3 +370,37 @@ def test_held_out_loss_is_the_demos_score(tmp_path: Path) -> None:
     write_eval_file(tmp_path, DEMO, seed=0, test_fraction=0.3)
     _, score = read_eval_file(tmp_path / EVAL_FILE_NAME)
     assert score(state) == held_out_loss(state, seed=0, test_fraction=0.3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("score", "expected module:function, got 'score'"),
+        (":score", "expected module:function, got ':score'"),
+        ("sweep_probe:", "expected module:function, got 'sweep_probe:'"),
+        ("sweep_probe:score:x", "'sweep_probe' has no function 'score:x'"),  # the first colon
+        ("sweep_probe:missing", "'sweep_probe' has no function 'missing'"),
+        (
+            "emakit_no_such_module:score",
+            "cannot import 'emakit_no_such_module': No module named 'emakit_no_such_module'",
+        ),
+    ],
+)
+def test_a_bad_eval_option_is_a_usage_error_naming_the_option(
+    spec: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--eval`` that names no function: click's usage error for the option (exit code 2,
+    the usage and one line on stderr), before the folder is read."""
+    (tmp_path / "sweep_probe.py").write_text("def score(sd):\n    return 0.5\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --eval appends the current folder
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = runner().invoke(
+            sweep_cmd, ["missing-folder", "--sigma-rel", "0.1", "--eval", spec]
+        )
+    finally:
+        sys.modules.pop("sweep_probe", None)
+    assert result.exit_code == 2, (result.exception, result.stderr)
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[-1] == f"Error: Invalid value for '--eval': {says}"
+    assert result.stderr.startswith("Usage: sweep [OPTIONS] FOLDER\n")
