@@ -240,8 +240,8 @@ def build(root: Path) -> None:
             {"inp.weight": ((3, 2), (2, 0), w[2:]), "gate": ((1, 2), None, None),
              "running_mean": ((2,), None, None)},
         ])  # fmt: skip
-    # rank 0 stores nothing of "gate" (inspect shows it in the dtype of rank 0's first
-    # tensor); a set whose rank 0 stores nothing at all (shown as float32)
+    # rank 0 stores nothing of "gate" (inspect shows it in the dtype of rank 1's block); a
+    # set whose rank 0 stores nothing at all
     write_shards(sharded, 4, 0.28, 1, [
         {"inp.weight": ((3, 2), (0, 0), w[:2]), "gate": ((1, 2), None, None),
          "running_mean": ((2,), (0,), mean)},
@@ -253,6 +253,15 @@ def build(root: Path) -> None:
     write_shards(empty_rank, 2, 0.05, 0, [
         {"gate": ((1, 2), None, None)},
         {"gate": ((1, 2), (0, 0), torch.ones(1, 2))},
+    ])  # fmt: skip
+
+    # rank 0 stores an integer buffer and nothing of a bfloat16 tensor: each tensor is shown
+    # in the dtype of the file that stores it
+    mixed = root / "sharded-dtypes"
+    mixed.mkdir()
+    write_shards(mixed, 2, 0.05, 0, [
+        {"count": ((2,), (0,), torch.zeros(2, dtype=torch.int64)), "gate": ((1, 2), None, None)},
+        {"count": ((2,), None, None), "gate": ((1, 2), (0, 0), torch.ones(1, 2).bfloat16())},
     ])  # fmt: skip
 
     # folders without snapshots: another file only; snapshots with a damaged header
@@ -338,6 +347,7 @@ CASES: dict[str, tuple[list[str], bool]] = {
     ),
     "sharded": (["sharded"], False),
     "sharded_rank_0_empty": (["sharded-rank-0-empty"], False),
+    "sharded_dtypes_by_rank": (["sharded-dtypes"], False),
     "folder_without_snapshots": (["nothing"], False),
     "folder_of_damaged_headers": (["damaged-headers"], False),
     # safetensors files

@@ -610,13 +610,20 @@ def _describe(
 
 
 def _snapshot_rows(info: SnapshotInfo) -> list[Row]:
-    """A snapshot's tensors (its frozen ones too) with their global shapes, from its first
-    file (rank 0's for a sharded snapshot: its layout has every tensor)."""
-    for f, layout in snapshot_sources(info):
-        dtypes = {n: f.dtype(n) for n in f.keys()}  # noqa: SIM118 - a reader is not a dict
-        some = next(iter(dtypes.values()), torch.float32)  # for what rank 0 stores none of
-        return [_row(n, dtypes.get(n, some), shape) for n, (shape, _) in layout.items()]
-    return []  # pragma: no cover - a snapshot has a file
+    """A snapshot's tensors (its frozen ones too) with their global shapes (rank 0's layout
+    has every tensor) and dtypes, each from a file that stores a block of it: rank 0's
+    first, the other ranks' only for what rank 0 stores none of. A tensor no file stores
+    (every block empty) shows rank 0's first dtype, or float32."""
+    layout: Mapping[str, Any] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for f, rank_layout in snapshot_sources(info):
+        layout = layout or rank_layout
+        for n in f.keys():  # noqa: SIM118 - a reader is not a dict
+            dtypes.setdefault(n, f.dtype(n))
+        if set(layout) <= set(dtypes):
+            break
+    some = next(iter(dtypes.values()), torch.float32)
+    return [_row(n, dtypes.get(n, some), shape) for n, (shape, _) in layout.items()]
 
 
 def _inspect_folder(folder: Path, legacy: LegacyProfiles | None, run: str | None) -> None:
