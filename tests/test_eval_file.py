@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 import pkgutil
+import re
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -197,6 +198,39 @@ def test_refusals_name_the_entry_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(EMAStateError) as info:
         read_eval_file(path)
     assert len(str(info.value)) < 400  # a long value is cut, the message stays one line
+    structure = {
+        json.dumps({"eval": DEMO, "kwargs": [1]}): r'"kwargs" must be a JSON object, got \[1\]$',
+        "[7]": r'it must hold a JSON object with "eval", got \[7\]$',
+        json.dumps({"eval": DEMO, "x": 1}): r"the key 'x' is not one of \['eval', 'kwargs'\]$",
+        json.dumps({"kwargs": {}}): 'it has no "eval" naming the evaluation$',
+    }
+    for text, says in structure.items():
+        path.write_text(text)
+        with pytest.raises(EMAStateError, match=f"^{re.escape(str(path))} is not a usable "):
+            read_eval_file(path)
+        with pytest.raises(EMAStateError, match=says):
+            read_eval_file(path)
+
+
+@pytest.mark.parametrize(("length", "cut"), [(80, False), (81, True)])
+def test_values_up_to_80_characters_are_shown_whole(tmp_path: Path, length: int, cut: bool):
+    path = tmp_path / EVAL_FILE_NAME
+    value = "a" * (length - 2)  # its repr: length characters
+    path.write_text(json.dumps({"eval": value}))
+    with pytest.raises(EMAStateError) as info:
+        read_eval_file(path)
+    shown = repr(value)[:77] + "..." if cut else repr(value)
+    assert f'"eval" is {shown}, which is not one of' in str(info.value)
+
+
+def test_a_file_of_exactly_the_size_limit_is_read(tmp_path: Path) -> None:
+    path = tmp_path / EVAL_FILE_NAME
+    text = json.dumps({"eval": DEMO})
+    path.write_text(text + " " * (MAX_EVAL_FILE_BYTES - len(text)))
+    assert read_eval_file(path)[0] == DEMO
+    path.write_text(text + " " * (MAX_EVAL_FILE_BYTES - len(text) + 1))
+    with pytest.raises(EMAStateError, match=f"it is larger than {MAX_EVAL_FILE_BYTES} bytes$"):
+        read_eval_file(path)
 
 
 def test_a_fifo_or_a_folder_named_like_the_file_is_refused(run_folder: Path) -> None:
