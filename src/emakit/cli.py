@@ -124,7 +124,10 @@ for _name, _short_help in _LAZY_COMMANDS.items():
     is_flag=True,
     help="Do not write demo.png (matplotlib is then not needed); an old one in --out is removed.",
 )
-def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) -> None:
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def demo(
+    out: Path | None, steps: int, seed: int, beta: float, no_plot: bool, progress: bool
+) -> None:
     """Train a small convnet on scikit-learn's digits with noisy SGD, online vs EMA.
 
     The digits ship inside scikit-learn: nothing is downloaded. Training shows a
@@ -145,7 +148,9 @@ def demo(out: Path | None, steps: int, seed: int, beta: float, no_plot: bool) ->
     if out is None:
         out = new_output_dir()
     try:
-        run_demo(out, steps=steps, seed=seed, beta=beta, plot=not no_plot)
+        run_demo(
+            out, steps=steps, seed=seed, beta=beta, plot=not no_plot, progress=progress, report=True
+        )
     except NotADirectoryError as e:
         raise click.BadParameter(str(e), param_hint="'--out'") from None
     except OSError as e:

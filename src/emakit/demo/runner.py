@@ -56,7 +56,9 @@ __all__ = [
 SUMMARY_NAME = "summary.json"
 PLOT_NAME = "demo.png"
 POSTHOC_DIR = "posthoc-snapshots"
-INSTALL_HINT = 'pip install scikit-learn matplotlib rich (in a clone of emakit: pip install -e ".[demo]")'
+INSTALL_HINT = (
+    'pip install scikit-learn matplotlib rich (in a clone of emakit: pip install -e ".[demo]")'
+)
 
 
 class DemoDependencyError(ImportError):
@@ -116,6 +118,7 @@ def run_demo(
     *,
     plot: bool = True,
     progress: bool = True,
+    report: bool | None = None,
     console: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
@@ -135,8 +138,9 @@ def run_demo(
             Default 0.
         beta: ceiling of the EMA decay, in [0, 1]. Default 0.995.
         plot: write ``demo.png``. Default True.
-        progress: show a progress bar and print the final table on ``console``.
-            Default True.
+        progress: show a progress bar on ``console``. Default True.
+        report: print the final table and the files written on ``console``. Default
+            None: as ``progress``.
         console: a ``rich.console.Console`` for the output. Default None: a new one.
         **overrides: any other field of `DemoSettings` (e.g. ``lr=0.05``).
 
@@ -252,7 +256,7 @@ def run_demo(
     else:
         (out / EVAL_FILE_NAME).unlink(missing_ok=True)  # it would score an older run
 
-    if progress:
+    if progress if report is None else report:
         console.print(
             results_table(final, title=f"emakit demo: {settings.steps} steps, seed {settings.seed}")
         )

@@ -495,6 +495,7 @@ def load_function(
     show_default=True,
     help="Lengths synthesized per pass over the snapshots (one model in memory each).",
 )
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar (on stderr).")
 @folder_options
 def sweep_cmd(
     folder: Path,
@@ -504,6 +505,7 @@ def sweep_cmd(
     step: int | None,
     maximize: bool,
     lengths_per_pass: int,
+    progress: bool,
     run: str | None,
     **legacy: Any,
 ) -> None:
@@ -521,17 +523,20 @@ def sweep_cmd(
     """
     try:
         folder, profiles = open_folder(folder, **legacy)
-        result = sweep(
-            folder,
-            evaluate or folder_evaluation(folder),
-            sigma_rel,
-            step=step,
-            mode="max" if maximize else "min",
-            lengths_per_pass=lengths_per_pass,
-            run=run,
-            legacy=profiles,
-            plot=plot,
-        )
+        scorer = evaluate or folder_evaluation(folder)
+        with progress_bar(progress, unit="lengths") as start:
+            result = sweep(
+                folder,
+                scorer,
+                sigma_rel,
+                step=step,
+                mode="max" if maximize else "min",
+                lengths_per_pass=lengths_per_pass,
+                run=run,
+                legacy=profiles,
+                plot=plot,
+                progress=start("sweep", len(sigma_rel)),
+            )
     except (EMAError, OSError) as e:
         raise fail(e) from e
     click.echo(result.table())
@@ -925,6 +930,7 @@ def convert_cmd(folder: Path, out: Path, to: str, run: str | None, force: bool) 
         emakit convert --to ema-pytorch ./post-hoc-ema ./ema-pytorch-checkpoints
     """
     try:
+        folder, _ = open_folder(folder)  # a demo's run folder: its snapshot subfolder
         paths = to_ema_pytorch(folder, out, run=run, force=force)
     except (EMAError, OSError) as e:
         raise fail(e) from e

@@ -114,9 +114,7 @@ class SweepResult:
             matplotlib.use("Agg")
             from matplotlib.figure import Figure
         except ImportError as e:  # pragma: no cover - matplotlib is in the test environment
-            raise EMATypeError(
-                "SweepResult.plot needs matplotlib: pip install matplotlib"
-            ) from e
+            raise EMATypeError("SweepResult.plot needs matplotlib: pip install matplotlib") from e
         fig = Figure(figsize=(6, 4), layout="constrained")
         ax = fig.subplots()
         xs, ys = zip(*self.pairs, strict=True) if self.pairs else ((), ())
@@ -205,6 +203,7 @@ def run_sweep(
     snapshots: Callable[[], list[SnapshotInfo]],
     scorer: Scorer,
     evaluate: Callable[..., Any],
+    progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """The sweep of [`sweep()`][emakit.posthoc.synthesis.sweep.sweep] and
     [`PostHocEMA.sweep()`][emakit.PostHocEMA.sweep]: check the arguments, list the snapshots
@@ -212,7 +211,8 @@ def run_sweep(
     that scores a reconstruction and the keywords of its passes (see
     [`region_args()`][emakit.posthoc.synthesis.plan.region_args]); each pass reads every
     snapshot once for ``lengths_per_pass`` lengths. Each score must be a real number; the
-    error for one that is not names ``evaluate`` (the user's function)."""
+    error for one that is not names ``evaluate`` (the user's function). ``progress(done,
+    total)`` is called after each length is scored."""
     if isinstance(sigma_rels, str):
         sigma_rels = sweep_lengths(sigma_rels)
     if isinstance(sigma_rels, bytes) or not isinstance(sigma_rels, Sequence):
@@ -237,6 +237,8 @@ def run_sweep(
             state, states[i] = states[i], {}  # each length dropped once scored
             scores.append(_score(score(state), name))
             del state
+            if progress is not None:
+                progress(len(scores), len(plans))
     tracked = tuple(sorted({round(s.sigma_rel, 12) for s in plans[0].snapshots}))
     result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode)
     if plot is not None:
@@ -255,6 +257,7 @@ def sweep(
     run: str | None = None,
     legacy: LegacyProfiles | None = None,
     plot: str | os.PathLike[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SweepResult:
     """Synthesize the EMA at each of ``sigma_rels`` from a snapshot folder and score it.
 
@@ -276,6 +279,8 @@ def sweep(
         run: the run to use (see [`plan_synthesis()`][emakit.posthoc.plan_synthesis]).
         legacy: the profiles of ema-pytorch files in the folder.
         plot: write the plot here (see [`SweepResult.plot()`][emakit.posthoc.synthesis.sweep.SweepResult.plot]). Default None: no plot.
+        progress: called as ``progress(done, total)`` after each length is scored (a
+            progress bar). Default None.
 
     Returns:
         A [`SweepResult`][emakit.posthoc.synthesis.sweep.SweepResult]: the ``(sigma_rel, score)`` pairs in order, and ``.best``.
@@ -300,4 +305,5 @@ def sweep(
         snapshots=lambda: pick_snapshots(folder, legacy, run),
         scorer=lambda: (evaluate, {}),
         evaluate=evaluate,
+        progress=progress,
     )
