@@ -105,3 +105,38 @@ def test_demo_without_a_bar_still_reports(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "training" not in result.output  # the bar's label
     assert "wrote" in result.output and (tmp_path / "d" / "summary.json").is_file()
+
+
+def test_inspect_shows_the_checkpoints_own_step_beside_the_emas(tmp_path: Path) -> None:
+    """docs/resume.md compares a checkpoint's ``"step"`` with its EMA's: both are shown."""
+    from emakit import EMA
+
+    net = torch.nn.Linear(2, 2)
+    ema = EMA(net, update_after_step=0, update_every=1)
+    for _ in range(3):
+        ema.update()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": net.state_dict(), "ema": ema.state_dict(), "step": 120}, path)
+    result = invoke("inspect", str(path))
+    assert result.exit_code == 0, result.output
+    assert "EMA state_dict at ['ema'] of a checkpoint dict; the checkpoint's own step 120" in (
+        result.output
+    )
+    assert "  step: 3" in result.output
+    torch.save({"ema": ema.state_dict(), "epoch": torch.tensor(4), "step": 1.5}, path)
+    assert "the checkpoint's own epoch 4:" in invoke("inspect", str(path)).output
+
+
+def test_inspect_invents_no_version_for_an_ema_pytorch_state(tmp_path: Path) -> None:
+    from ema_pytorch import EMA as PeerEMA
+
+    from emakit import EMA
+
+    net = torch.nn.Linear(2, 2)
+    peer = PeerEMA(net, update_after_step=0, update_every=1)
+    peer.update()
+    torch.save(peer.state_dict(), tmp_path / "peer.pt")
+    shown = invoke("inspect", str(tmp_path / "peer.pt")).output
+    assert "version" not in shown and "  step: 1" in shown
+    torch.save(EMA(net).state_dict(), tmp_path / "ours.pt")  # emakit's layout version
+    assert "  version: 2" in invoke("inspect", str(tmp_path / "ours.pt")).output

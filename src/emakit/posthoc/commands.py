@@ -776,8 +776,22 @@ def _ema_state_in(obj: Any) -> tuple[str | None, Any]:
         where = f"EMA state_dict at {found[0][0]} of a checkpoint dict"
         if len(found) > 1:
             where += f" (more at {', '.join(p for p, _ in found[1:])})"
+        own = [f"{k} {_counter(obj[k])}" for k in CHECKPOINT_COUNTERS if _counter(obj.get(k))]
+        if own:  # the training loop's count, to compare with the EMA's (docs/resume.md)
+            where += f"; the checkpoint's own {', '.join(own)}"
         return where, found[0][1]
     return None, obj
+
+
+#: The counters a training checkpoint keeps beside its EMA state, shown by ``inspect``.
+CHECKPOINT_COUNTERS = ("step", "global_step", "epoch", "updates", "num_updates")
+
+
+def _counter(value: Any) -> str:
+    """A whole number (an int, or a one-element integer tensor) as text; '' otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else ""
 
 
 def _is_ema_state(obj: Any) -> bool:
@@ -830,7 +844,9 @@ def _inspect_torch(path: Path) -> None:
         return
     tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
     shown = [(k, tensors[k].tolist()) for k in COUNTERS if k in tensors]
-    shown += sorted((getattr(state, "_metadata", None) or {}).get("", {}).items())
+    metadata = (getattr(state, "_metadata", None) or {}).get("", {})
+    # emakit writes its layout version (2 and up) there; torch's own 1 is no emakit version
+    shown += sorted((k, v) for k, v in metadata.items() if (k, v) != ("version", 1))
     for key, value in shown:  # the counters, then emakit's extras (layout, run, skips...)
         click.echo(f"  {key}: {value}")
     if where is None:
