@@ -49,6 +49,11 @@ CHECK = (
     f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import _peers; "
     "_peers.allow_timm(); import timm.utils, timm.models; print(timm.__version__)"
 )
+#: ``import torchvision`` as a person using ``.peers/`` outside the tests would run it.
+PLAIN_CHECK = (
+    f"import sys; sys.path.append({str(PEERS)!r}); import torchvision.ops; "
+    "print(torchvision.__version__)"
+)
 ULTRALYTICS_CHECK = (
     f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import _peers; "
     "_peers.allow_timm(); import ultralytics.engine.trainer, polars; print(ultralytics.__version__)"
@@ -103,6 +108,17 @@ def main() -> int:
         f"install_peers: timm {check.stdout.strip()} with torchvision {tv_version} in "
         f"{PEERS.relative_to(ROOT)}/ beside torch {torch_version}"
     )
+    plain = subprocess.run([sys.executable, "-c", PLAIN_CHECK], capture_output=True, text=True)
+    if plain.returncode != 0:
+        why = (plain.stderr.strip().splitlines() or ["?"])[-1]
+        print(
+            f"install_peers: note: this torchvision does not load on its own beside torch "
+            f"{torch_version} ({why}): the test suite defines the operators it lacks "
+            f"(tests/_peers.py), so timm's tests run and none skip for it, but outside the "
+            f"tests `import torchvision` from {PEERS.relative_to(ROOT)}/ fails; install a "
+            f"torch and torchvision made for each other to use it there",
+            flush=True,
+        )
     # Ultralytics (tests/test_compat_ultralytics.py) beside them, also --no-deps: its own
     # requirements would pull opencv-python (a GUI build that needs libGL; the test extra has
     # opencv-python-headless) and another torchvision. Its trainer writes results.csv with
