@@ -33,7 +33,7 @@ from .._lazy import lazy_attributes
 
 # The names each module exports, imported on first access.
 _MODULES = {
-    "report": ("TABLE_ROWS", "plot_history", "results_table", "summary_metrics"),
+    "report": ("TABLE_ROWS", "history_figure", "plot_history", "results_table", "summary_metrics"),
     "runner": (
         "INSTALL_HINT",
         "PLOT_NAME",

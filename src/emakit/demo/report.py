@@ -14,7 +14,7 @@ from typing import Any
 
 from .settings import MODEL_LABELS, DemoSettings
 
-__all__ = ["TABLE_ROWS", "plot_history", "results_table", "summary_metrics"]
+__all__ = ["TABLE_ROWS", "history_figure", "plot_history", "results_table", "summary_metrics"]
 
 
 def summary_metrics(final: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -71,15 +71,35 @@ def results_table(final: Mapping[str, Mapping[str, float]], title: str | None = 
     return table
 
 
-def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings) -> bytes:
-    """Render the PNG: held-out accuracy of each model over training, and the EMA decay.
+def plot_history(
+    history: Mapping[str, Sequence[float]],
+    settings: DemoSettings,
+    final: Mapping[str, Mapping[str, float]] | None = None,
+) -> bytes:
+    """Render the PNG of `history_figure()`.
+
+    Returns:
+        The PNG file's bytes.
+    """
+    buf = io.BytesIO()
+    history_figure(history, settings, final).savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def history_figure(
+    history: Mapping[str, Sequence[float]],
+    settings: DemoSettings,
+    final: Mapping[str, Mapping[str, float]] | None = None,
+) -> Any:
+    """The picture of a run (a matplotlib ``Figure``): held-out accuracy of each model over
+    training, every evaluation inside the axes, with the post-hoc EMA (synthesized once,
+    after training) as a star at the last step; and the EMA decay.
 
     Args:
         history: the ``history`` returned by `train()`.
         settings: the run's settings (for titles).
-
-    Returns:
-        The PNG file's bytes.
+        final: the final metrics per model (``train()["final"]``), for the models
+            evaluated only after training. Default None: none drawn.
     """
     import matplotlib
 
@@ -93,15 +113,24 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
         # Until update_after_step the EMA is a plain copy of the model.
         ax.axvspan(0, warm, color="0.9", zorder=0, label="EMA copies (warm-up)")
         ax.grid(alpha=0.3)
+    shown: list[float] = []  # every accuracy drawn, so that the axes hold them all
+    last = history["step"][-1] if history["step"] else settings.steps
     for key, label in MODEL_LABELS.items():
-        if f"{key}_accuracy" not in history:
-            continue  # evaluated once, after training (the post-hoc EMA)
-        acc_ax.plot(
-            history["step"],
-            [100 * a for a in history[f"{key}_accuracy"]],
-            label=label,
-            linewidth=2 if key != "online" else 1.2,
-        )
+        if f"{key}_accuracy" in history:
+            values = [100 * a for a in history[f"{key}_accuracy"]]
+            acc_ax.plot(
+                history["step"], values, label=label, linewidth=2 if key != "online" else 1.2
+            )
+        elif final is not None and "accuracy" in final.get(key, {}):
+            # evaluated once, after training (the post-hoc EMA): a star at the last step
+            values = [100 * final[key]["accuracy"]]
+            acc_ax.plot(
+                [last], values, "*", markersize=14, color="tab:red", zorder=5,
+                label=f"{label} (synthesized after training)",
+            )  # fmt: skip
+        else:
+            continue
+        shown += values
     acc_ax.set(
         xlabel="optimizer step",
         ylabel="held-out accuracy (%)",
@@ -109,14 +138,8 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
         f"{settings.batch_size},\n{settings.label_noise:.0%} label noise), seed {settings.seed}",
     )
     acc_ax.legend(loc="lower right")
-    n_eval = len(history["step"])
-    if n_eval:
-        tail = [
-            100 * a
-            for key in MODEL_LABELS
-            for a in history.get(f"{key}_accuracy", [])[n_eval // 4 :]
-        ]
-        acc_ax.set_ylim(max(0.0, min(tail) - 3), 100.5)
+    if shown:
+        acc_ax.set_ylim(max(0.0, min(shown) - 3), 100.5)
 
     # A logit axis spreads 0.9, 0.99, 0.999 evenly; the warm-up's zero decay is masked.
     steps = list(range(1, len(history["decay"]) + 1))
@@ -138,6 +161,4 @@ def plot_history(history: Mapping[str, Sequence[float]], settings: DemoSettings)
         f"{settings.beta:g},\nupdate_after_step {warm}, update_every {settings.update_every}",
     )
     decay_ax.legend(loc="lower right")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return buf.getvalue()
+    return fig

@@ -241,7 +241,7 @@ def run_demo(
     }
     # Each file goes to a temporary file in ``out`` first, then os.replace (emakit._files.atomic).
     if plot:
-        atomic_write_bytes(out / PLOT_NAME, plot_history(result["history"], settings))
+        atomic_write_bytes(out / PLOT_NAME, plot_history(result["history"], settings, final))
     else:
         # A plot left by an earlier run would no longer match summary.json.
         (out / PLOT_NAME).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ stored tensor; each length is evaluated, then dropped, before the next batch.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -27,6 +28,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
+from ..._files.atomic import atomic_path
 from ..._validate import integer
 from ...errors import EMATypeError, EMAValueError
 from ..math import check_sigma_rel
@@ -55,12 +57,15 @@ class SweepResult:
         step: the step the EMAs were synthesized at.
         tracked: the ``sigma_rel`` of the profiles the snapshots were taken with.
         mode: ``"min"`` (lower scores are better: a loss, FID) or ``"max"`` (accuracy).
+        score_name: what the scores are (the scoring function's name), for the plot.
+            Default ``"score"``.
     """
 
     pairs: tuple[tuple[float, float], ...]
     step: int
     tracked: tuple[float, ...]
     mode: Literal["min", "max"] = "min"
+    score_name: str = "score"
 
     def __iter__(self) -> Iterator[tuple[float, float]]:
         return iter(self.pairs)
@@ -100,13 +105,12 @@ class SweepResult:
             lines.append(f"{s:9.4f}  {v:.6g}" + ("  <- best" if s == best else ""))
         return "\n".join(lines)
 
-    def plot(self, path: str | os.PathLike[str], *, ylabel: str = "score") -> Path:
-        """Write the score against ``sigma_rel`` as a PNG, the tracked profiles marked
-        (vertical lines) and the best length starred. Needs matplotlib (the ``demo``
-        extra: ``pip install matplotlib``).
+    def figure(self, *, ylabel: str | None = None) -> Any:
+        """The plot as a matplotlib ``Figure``: the score against ``sigma_rel``, the tracked
+        profiles marked (vertical lines) and the best length starred. Needs matplotlib.
 
-        Returns:
-            ``path`` as a `Path`.
+        Args:
+            ylabel: the y-axis label. Default None: `score_name` and which way is better.
         """
         try:
             import matplotlib
@@ -115,6 +119,7 @@ class SweepResult:
             from matplotlib.figure import Figure
         except ImportError as e:  # pragma: no cover - matplotlib is in the test environment
             raise EMATypeError("SweepResult.plot needs matplotlib: pip install matplotlib") from e
+        better = "lower" if self.mode == "min" else "higher"
         fig = Figure(figsize=(6, 4), layout="constrained")
         ax = fig.subplots()
         xs, ys = zip(*self.pairs, strict=True) if self.pairs else ((), ())
@@ -130,13 +135,27 @@ class SweepResult:
             )
         ax.set(
             xlabel="EMA length sigma_rel",
-            ylabel=ylabel,
+            ylabel=ylabel if ylabel is not None else f"{self.score_name} ({better} is better)",
             title=f"post-hoc EMA sweep at step {self.step}",
         )
         ax.legend()
-        out = Path(path)
-        fig.savefig(out, dpi=100)
-        return out
+        return fig
+
+    def plot(self, path: str | os.PathLike[str], *, ylabel: str | None = None) -> Path:
+        """Write `figure()` as a PNG, atomically (a failed write leaves the previous file).
+        Needs matplotlib (the ``demo`` extra: ``pip install matplotlib``).
+
+        Args:
+            path: the PNG file.
+            ylabel: the y-axis label. Default None: `score_name` and which way is better.
+
+        Returns:
+            ``path`` as a `Path`.
+        """
+        fig = self.figure(ylabel=ylabel)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+        return Path(path)
 
 
 def sweep_lengths(spec: str) -> list[float]:
@@ -166,7 +185,10 @@ def sweep_lengths(spec: str) -> list[float]:
 
 
 def _function_name(fn: object) -> str:
-    """``module.qualname`` of a function, for messages (its ``repr`` when it has none)."""
+    """``module.qualname`` of a function (of a ``functools.partial``'s function), for
+    messages and plots (its ``repr`` when it has none)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     name = getattr(fn, "__qualname__", None)
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if isinstance(name, str) and module else repr(fn)
@@ -240,7 +262,7 @@ def run_sweep(
             if progress is not None:
                 progress(len(scores), len(plans))
     tracked = tuple(sorted({round(s.sigma_rel, 12) for s in plans[0].snapshots}))
-    result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode)
+    result = SweepResult(tuple(zip(srs, scores, strict=True)), plans[0].step, tracked, mode, name)
     if plot is not None:
         result.plot(plot)
     return result
