@@ -211,9 +211,10 @@ def test_a_frozen_value_changed_in_place_lags_as_ema_pytorch_or_is_refused_when_
     ema.load_state_dict(state)  # the EMA's own value again: owned, averaged from here
     ema.update()
     assert "0.weight" not in shared(ema, net) and "0.bias" in shared(ema, net)
-    assert torch.equal(ema.ema_model[0].weight, state["ema_model.0.weight"].lerp(
-        net[0].weight, 1 - ema.get_current_decay()
-    ))
+    assert torch.equal(
+        ema.ema_model[0].weight,
+        state["ema_model.0.weight"].lerp(net[0].weight, 1 - ema.get_current_decay()),
+    )
 
 
 def _replace_data(net: nn.Module) -> None:

@@ -1,6 +1,8 @@
-"""EMA of a PEFT LoRA model (a config-built GPT-2, nothing downloaded): the frozen base is
-shared, only the adapters are copied and averaged; swap() around generate(); the EMA of the
-adapters alone exported as PEFT's save_pretrained writes it."""
+"""EMA of a PEFT LoRA model (a config-built GPT-2, nothing downloaded): with
+``share_frozen=True`` the frozen base is shared, only the adapters are copied and averaged
+(by default the base is copied too); swap() around generate(); the EMA of the adapters
+alone exported as PEFT's save_pretrained writes it; peft's merges never move the EMA's
+output (copied base) or are refused by name (shared base)."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def nbytes(tensors: Any) -> int:
 
 def test_only_the_adapters_are_copied_and_averaged():
     model = lora_model()
-    ema = EMA(model, **KW)
+    ema = EMA(model, share_frozen=True, **KW)
     online = dict(model.named_parameters())
     trainable = {n for n, p in online.items() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)

@@ -198,7 +198,9 @@ class FrozenShare:
                 f"default), which keeps its own copy of the base weights"
             )
         moved = list(map(_version, self._versioned))
-        written = [p for p, v, was in zip(self.pairs, moved, self._versions) if v != was]
+        written = [
+            p for p, v, was in zip(self.pairs, moved, self._versions, strict=True) if v != was
+        ]
         if written:
             names = few([p.name for p in written])
             if any(p.online.requires_grad for p in written):

@@ -56,7 +56,9 @@ __all__ = [
 SUMMARY_NAME = "summary.json"
 PLOT_NAME = "demo.png"
 POSTHOC_DIR = "posthoc-snapshots"
-INSTALL_HINT = 'pip install scikit-learn matplotlib rich (in a clone of emakit: pip install -e ".[demo]")'
+INSTALL_HINT = (
+    'pip install scikit-learn matplotlib rich (in a clone of emakit: pip install -e ".[demo]")'
+)
 
 
 class DemoDependencyError(ImportError):

@@ -114,9 +114,7 @@ class SweepResult:
             matplotlib.use("Agg")
             from matplotlib.figure import Figure
         except ImportError as e:  # pragma: no cover - matplotlib is in the test environment
-            raise EMATypeError(
-                "SweepResult.plot needs matplotlib: pip install matplotlib"
-            ) from e
+            raise EMATypeError("SweepResult.plot needs matplotlib: pip install matplotlib") from e
         fig = Figure(figsize=(6, 4), layout="constrained")
         ax = fig.subplots()
         xs, ys = zip(*self.pairs, strict=True) if self.pairs else ((), ())
