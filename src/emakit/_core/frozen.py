@@ -113,6 +113,29 @@ def _versioned(t: Tensor) -> Tensor:
     return shard_identity(t) if is_dtensor(t) else t  # type: ignore[return-value]
 
 
+#: Elements per step of `fingerprint()` (its int64 scratch: 8 bytes each).
+_PRINT_CHUNK = 1 << 22
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: Tensor) -> Tensor:
+    """Two int64 sums of ``t``'s bits, the second weighted by position (wrapping), on
+    ``t``'s device: the same for the same values; after a write that changes them, the
+    same only by a chance of about one in 2**64. Computed when a shared weight is first
+    watched and when its version counter moved, to tell a write that put the same values
+    back (another EMA's in-place ``swap()``, a load of equal values) from a change."""
+    with torch.no_grad():
+        flat = t.detach().reshape(-1)
+        bits = flat.view(_BITS.get(flat.element_size(), torch.uint8))
+        sums = torch.zeros(2, dtype=torch.int64, device=t.device)
+        for start in range(0, bits.numel(), _PRINT_CHUNK):
+            piece = bits[start : start + _PRINT_CHUNK].to(torch.int64)
+            place = torch.arange(start + 1, start + 1 + piece.numel(), device=t.device)
+            sums[0] += piece.sum()
+            sums[1] += (piece * place).sum()
+        return sums
+
+
 def _peft_layers(modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """peft's tuner layers (a ``merged_adapters`` list) that nothing is merged into yet."""
     return [
@@ -137,6 +160,7 @@ class FrozenShare:
         self._online: list[Tensor] = []
         self._versioned: list[Tensor] = []
         self._versions: list[int] = []
+        self._prints: dict[int, tuple[int, Tensor]] = {}  # id -> (version, fingerprint)
         self._layers: list[tuple[str, nn.Module]] = []
         self._layer_objects: list[nn.Module] = []
 
@@ -156,6 +180,11 @@ class FrozenShare:
         self._online = [p.online for p in self.pairs]
         self._versioned = list(map(_versioned, self._online))
         self._versions = list(map(_version, self._versioned))
+        prints = self._prints
+        self._prints = {}
+        for t, v in zip(self._versioned, self._versions, strict=True):
+            known = prints.get(id(t))
+            self._prints[id(t)] = known if known and known[0] == v else (v, fingerprint(t))
         self._layers = []
         if self.pairs:
             for where, m in (("model", self._model), ("ema_model", self._root)):
@@ -168,6 +197,8 @@ class FrozenShare:
         """Take the current version counters as the shared values' own (after a load into
         the EMA, which wrote equal values or un-shared the others first)."""
         self._versions = list(map(_version, self._versioned))
+        for t, v in zip(self._versioned, self._versions, strict=True):
+            self._prints[id(t)] = (v, self._prints[id(t)][1])
 
     def changed(self) -> bool:
         """Whether a shared weight was unfrozen, written in place or merged into by peft
@@ -197,10 +228,14 @@ class FrozenShare:
                 f"EMA of the merged model), or build the EMA with share_frozen=False (the "
                 f"default), which keeps its own copy of the base weights"
             )
-        moved = list(map(_version, self._versioned))
-        written = [
-            p for p, v, was in zip(self.pairs, moved, self._versions, strict=True) if v != was
-        ]
+        written = []
+        for i, (p, t) in enumerate(zip(self.pairs, self._versioned, strict=True)):
+            if t._version != self._versions[i]:  # written: to the same values again?
+                if torch.equal(fingerprint(t), self._prints[id(t)][1]):
+                    self._versions[i] = t._version
+                    self._prints[id(t)] = (t._version, self._prints[id(t)][1])
+                else:
+                    written.append(p)
         if written:
             names = few([p.name for p in written])
             if any(p.online.requires_grad for p in written):
