@@ -152,8 +152,8 @@ def test_a_shared_weight_unfrozen_and_trained_unseen_is_refused_naming_the_fix(h
         assert torch.equal(own[k], before["ema_model." + k]), k
 
 
-@pytest.mark.parametrize("share_frozen", [True, False])
-def test_a_frozen_weight_in_a_parameter_list_unfrozen_and_trained(share_frozen: bool):
+@pytest.mark.parametrize("share_frozen", [None, False, True], ids=["default", "False", "True"])
+def test_a_frozen_weight_in_a_parameter_list_unfrozen_and_trained(share_frozen: bool | None):
     """A frozen weight that no module's forward registers (an ``nn.ParameterList`` used by
     its parent) and is unfrozen later: copied, the EMA equals ema-pytorch's; shared, the
     next update is refused by name (before, it averaged the trained weight silently)."""
@@ -171,7 +171,7 @@ def test_a_frozen_weight_in_a_parameter_list_unfrozen_and_trained(share_frozen: 
     net = Net()
     net.scales.requires_grad_(False)
     ref_net = copy.deepcopy(net)
-    ema = EMA(net, share_frozen=share_frozen, **KW)
+    ema = EMA(net, **({} if share_frozen is None else {"share_frozen": share_frozen}), **KW)
     ref = ema_pytorch.EMA(ref_net, **KW)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref_net)]
     for i in range(8):
