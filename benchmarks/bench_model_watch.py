@@ -12,8 +12,9 @@ reversed on every other repeat, as in ``bench_update.py``), CPU time of this thr
   default path, ``torch._foreach_lerp_``/``_foreach_copy_`` replaced by no-ops): the
   default (each update compares copies of the tracked modules' registry dicts with the
   live ones), ``watch_model=True`` (the registries replaced by a counting dict subclass:
-  one integer compare), the older emakit (``--before``: the same subclass, always on), and
-  the registry comparison alone. Beside them, the machine's load: ``sum(range(10**4))``
+  one integer compare), the older emakit (``--before``: the same subclass, always on), the
+  registry comparison alone, and ema-pytorch's update (its per-tensor ``lerp_`` on these
+  4 x 4 tensors is mostly host time too). Beside them, the machine's load: ``sum(range(10**4))``
   timed in the same rounds (about 50 µs on an idle core of this class; divide by it to
   compare runs on a loaded machine).
 * **a torch.compile'd forward** (``backend="eager"``, a chain of ``N`` ``Linear(16, 16)``
@@ -61,12 +62,16 @@ def host_time(args: argparse.Namespace, before: ModuleType | None) -> None:
 
     kernels = ("copy_each", "lerp_same")
     saved = torch._foreach_lerp_, torch._foreach_copy_, [getattr(FOREACH, k) for k in kernels]
+    try:
+        import ema_pytorch as peer
+    except ImportError:
+        peer = None
     print("\nhost time of one averaging update(), kernels stubbed, N x Linear(4, 4), CPU µs")
     print(
-        "| modules | default | watch_model=True | before | the comparison alone | load: "
-        "sum(range(10**4)) | default / calibration |"
+        "| modules | default | watch_model=True | before | the comparison alone | ema-pytorch "
+        "(its own lerp_) | load: sum(range(10**4)) | default / calibration |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     try:
         torch._foreach_lerp_ = torch._foreach_copy_ = noop  # type: ignore[assignment]
         for k in kernels:
@@ -91,12 +96,21 @@ def host_time(args: argparse.Namespace, before: ModuleType | None) -> None:
                 old = before.EMA(nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)]), **KW)
                 old.update()
                 fns["before"] = old.update
+            if peer is not None:  # its per-tensor lerp_ on 4 x 4 tensors: mostly host time
+                theirs = peer.EMA(
+                    nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)]),
+                    include_online_model=False,
+                    **KW,
+                )
+                theirs.update()
+                fns["ema-pytorch"] = theirs.update
             timings = B.time_side_by_side(fns, repeats=args.repeats, sample_s=0.02, warmup=3)
             med = {k: t.summary()["cpu_median_us"] for k, t in timings.items()}
             old_us = f"{med['before']:.1f}" if "before" in med else "-"
+            peer_us = f"{med['ema-pytorch']:,.0f}" if "ema-pytorch" in med else "-"
             print(
                 f"| {n:,} | {med['default']:.1f} | {med['watch_model=True']:.1f} | {old_us} "
-                f"| {med['comparison']:.1f} | {med['calibration']:.1f} "
+                f"| {med['comparison']:.1f} | {peer_us} | {med['calibration']:.1f} "
                 f"| {med['default'] / med['calibration']:.3f} |"
             )
     finally:

@@ -86,7 +86,7 @@ class Registries:
 
     def __init__(self, roots: Iterable[nn.Module]) -> None:
         self.live: list[dict] = []  # compared with `copies` in one C-level comparison
-        self.empty: list[dict] = []  # empty dicts: their sizes (cheaper than a comparison)
+        self.empty: list[dict] = []  # empty dicts: their truth values (cheaper than a comparison)
         self.odd: list[dict] = []  # dicts checked value by value, and by size
         seen: set[int] = set()
         for index, root in enumerate(roots):
@@ -114,16 +114,17 @@ class Registries:
         self.values = list(map(dict.__getitem__, self.holders, self.keys))
 
     def changed(self) -> bool:
-        """Whether a registry of the modules changed since they were copied."""
-        if any(map(len, self.empty)):
+        """Whether a registry of the modules changed since they were copied (what
+        `Guards.check()` runs inline, one Python call less per update)."""
+        if any(self.empty) or (self.odd and self.odd_changed()):
             return True
         try:
-            if self.copies != self.live:
-                return True
+            return self.copies != self.live
         except Exception:  # a replaced tensor's ``==`` has no truth value: changed
             return True
-        if not self.odd:
-            return False
+
+    def odd_changed(self) -> bool:
+        """Whether a dict checked value by value changed (size or identity)."""
         return list(map(len, self.odd)) != self.sizes or not all(
             map(is_, map(dict.get, self.holders, self.keys), self.values)
         )
@@ -269,8 +270,15 @@ class Guards:
         if changes is not None:
             if changes.count != self.seen:
                 return "check"
-        elif self.registries.changed():
-            return "check"
+        else:  # Registries.changed(), inline
+            r = self.registries
+            if any(r.empty) or (r.odd and r.odd_changed()):
+                return "check"
+            try:
+                if r.copies != r.live:
+                    return "check"
+            except Exception:  # a replaced tensor's ``==`` has no truth value: changed
+                return "check"
         if self.frozen is not None and self.frozen():
             return "stale"
         for container, key, t in self.slots:
