@@ -84,6 +84,7 @@ def shares(p: TensorPair) -> bool:
         s, o = local_tensor(s), local_tensor(o)
     return (
         s.numel() > 0
+        and s.device.type != "meta"  # (every meta tensor's data_ptr() is 0: none is shared)
         and s.dtype == o.dtype
         and s.data_ptr() == o.data_ptr()
         and s.stride() == o.stride()
