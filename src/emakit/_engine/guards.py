@@ -17,7 +17,9 @@ it tracks (the online model and the EMA copy), never by changing them: their cla
   comparison call the old value's ``==``, which for the values kept in the copies can
   only say "different" or raise (a tensor of several elements, or none, has no truth
   value; a module compares by identity): either way the owner pairs again, and keeps the
-  plan if the pairs are its own (``"check"``). The dicts holding a value whose ``==`` could
+  plan if the pairs are its own (``"check"``). (That ``==`` runs once per change, on the
+  first replaced tensor: an element-wise compare, on its device, whose result is then
+  refused a truth value; should it fail to allocate, that too says "changed".) The dicts holding a value whose ``==`` could
   call another object equal (a one-element tensor, a tensor subclass, a module defining
   ``__eq__``) are checked by the identity of each value and their sizes instead.
   ``torch.func.functional_call`` puts the model's own tensors back: nothing to re-pair.
