@@ -12,8 +12,9 @@ it tracks (the online model and the EMA copy), never by changing them: their cla
   keeps a copy of every registry dict of every tracked module, holding the same objects.
   Each update compares the copies with the live dicts in one C-level comparison
   (``copies == live``): Python compares two dicts by size, then key by key, each value by
-  identity first, so an unchanged model never leaves C (about 15 ns per dict on an idle
-  core: 36 µs for a model of 2,000 modules, both sides). A replaced value makes the
+  identity first, so an unchanged model never leaves C; empty dicts are checked by their
+  truth value. For a model of 2,000 modules and its EMA that is about 0.1 ms per update on
+  an idle core (``benchmarks/bench_model_watch.py``, BENCHMARKS.md). A replaced value makes the
   comparison call the old value's ``==``, which for the values kept in the copies can
   only say "different" or raise (a tensor of several elements, or none, has no truth
   value; a module compares by identity): either way the owner pairs again, and keeps the
