@@ -387,3 +387,20 @@ def test_a_tensor_of_the_ema_model_replaced_is_followed():
     weight = 1.0 - ema.get_current_decay()
     expected = torch.zeros_like(net[0].weight).lerp(net[0].weight.detach(), weight)
     assert torch.equal(ema.ema_model[0].weight, expected)
+
+
+@pytest.mark.parametrize("use_foreach", PATHS, ids=PATH_IDS)
+def test_to_empty_then_new_values_is_followed(use_foreach):
+    """``to_empty()`` gives the parameters new storage (the same objects) and replaces the
+    buffers: the next update averages the new values, as ema-pytorch's would."""
+    net, ema = build(use_foreach, False, "sync")
+    ema.update()
+    ref = Reference(net)
+    ref.shadow = {k: v.clone() for k, v in ema.ema_model.state_dict().items()}
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        for i, t in enumerate(net.state_dict().values()):
+            t.fill_(i + 1)
+    ema.update()
+    ref.update(net, ema.get_current_decay())
+    ref.assert_matches(ema, "after to_empty()")
