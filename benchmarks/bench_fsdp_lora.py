@@ -1,5 +1,5 @@
 """EMA of an FSDP2-sharded PEFT LoRA model: memory and update time per rank, with the frozen
-base's shards shared (``share_frozen=True``, the default) or copied (``share_frozen=False``).
+base's shards shared (``share_frozen=True``) or copied (``share_frozen=False``, the default).
 
 Usage: python benchmarks/bench_fsdp_lora.py [--repeats R] [--layers L] [--world W]
 
@@ -79,20 +79,20 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     fully_shard(model, mesh=mesh)
     kw = {"beta": 0.999, "update_after_step": 0, "update_every": 1}
     t0 = time.perf_counter()
-    shared = EMA(model, **kw)
+    shared = EMA(model, share_frozen=True, **kw)
     build_shared = time.perf_counter() - t0
     t0 = time.perf_counter()
-    copied = EMA(model, share_frozen=False, **kw)
+    copied = EMA(model, **kw)
     build_copied = time.perf_counter() - t0
     trainable = [local_tensor(p) for p in model.parameters() if p.requires_grad]
     floor_shadows = [t.clone() for t in trainable]
     rows: dict[str, tuple[int | None, Callable[[], Any], float | None]] = {
-        "emakit EMA, share_frozen=True (default)": (
+        "emakit EMA, share_frozen=True": (
             extra_bytes(model, shared.ema_model),
             shared.update,
             build_shared,
         ),
-        "emakit EMA, share_frozen=False": (
+        "emakit EMA, share_frozen=False (default)": (
             extra_bytes(model, copied.ema_model),
             copied.update,
             build_copied,

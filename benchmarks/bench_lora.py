@@ -13,21 +13,22 @@ process, interleaved round-robin; the median per call is reported.
 * **update** is one averaging ``update()`` (``update_every=1``, after the warm-up), and for
   TRL's ``BEMACallback`` one ``_update_bema_weights`` (what its ``on_step_end`` does on an
   update step); the floor is a bare ``torch._foreach_lerp_`` over the trainable tensors.
-* **unfreeze hooks**: what emakit's frozen-weight watch adds to each forward (one
-  forward pre-hook on each module that registers a shared frozen weight, which looks
-  whether one now requires grad): the hooks' calls alone, and a forward with and without
-  them, interleaved.
+* **frozen check** (``share_frozen=True``): what reading the shared frozen weights'
+  ``requires_grad`` flags, version counters and peft's merge flags costs before each
+  update and read (`FrozenShare.changed()`, timed alone); nothing is attached to the model,
+  so a forward costs what it costs without an EMA.
 * **fixed cost** (also alone with ``--fixed-cost-only``): one averaging ``update()``
   against a bare ``torch._foreach_lerp_`` over the EMA's *own* adapter tensors (the same
   memory), thread CPU time, ``--rounds`` alternated rounds of 50 calls each; and the
   update with its kernel stubbed out (the host time around it), with three of its parts
-  timed alone: the watch of the shared frozen weights' storages (also between two bare
-  kernels, as updates meet it), the rule's decay and ``Action``, entering and leaving
+  timed alone (``share_frozen=True``): the watch of the shared frozen weights' storages
+  (also between two bare kernels, as updates meet it), the rule's decay and ``Action``, entering and leaving
   inference mode. Median and minimum ratio.
 * **post-hoc snapshots** (``--snapshots N``, also alone with ``--snapshots-only``): a
   ``PostHocEMA`` of two profiles writes ``N`` snapshot steps (float16) with the frozen base
-  stored once (the default), stored in every snapshot (``store_frozen_once=False``) and
-  copied by the EMA (``share_frozen=False``, ema-pytorch's behaviour); the bytes on disk
+  shared (``share_frozen=True``) and stored once, shared and stored in every snapshot
+  (``store_frozen_once=False``), and copied by the EMA (the default, ema-pytorch's
+  behaviour); the bytes on disk
   of the first step, of each later one, the median ``checkpoint()`` time, which
   includes the digest of the frozen base at every step (its change detection), and one
   ``synthesize_state_dict(sigma_rel=0.1)`` from the folder, which includes reading and
@@ -48,7 +49,6 @@ from typing import Any
 import torch
 
 from emakit import BEMA, EMA
-from emakit._core.frozen import UnfreezeHook
 
 
 def gpt2(layers: int) -> Any:
@@ -126,21 +126,21 @@ def main() -> None:
     kw = {"beta": 0.999, "update_after_step": 0, "update_every": 1}
     rows: dict[str, tuple[int | None, Callable[[], Any] | None, str]] = {}
 
-    ema = EMA(model, **kw)
-    rows["emakit EMA (frozen base shared)"] = (
+    ema = EMA(model, share_frozen=True, **kw)
+    rows["emakit EMA, share_frozen=True (frozen base shared)"] = (
         extra_bytes(model, [*ema.ema_model.parameters(), *ema.ema_model.buffers()]),
         ema.update,
         "",
     )
-    copied = EMA(model, share_frozen=False, **kw)
-    rows["emakit EMA, share_frozen=False"] = (
+    copied = EMA(model, **kw)
+    rows["emakit EMA, default (frozen base copied)"] = (
         extra_bytes(model, [*copied.ema_model.parameters(), *copied.ema_model.buffers()]),
         copied.update,
         "",
     )
-    bema = BEMA(model, update_freq=1)
+    bema = BEMA(model, update_freq=1, share_frozen=True)
     bema_state = [*bema.state_dict(keep_vars=True).values()]
-    rows["emakit BEMA (update_freq=1)"] = (
+    rows["emakit BEMA (update_freq=1, share_frozen=True)"] = (
         extra_bytes(model, [t for t in bema_state if isinstance(t, torch.Tensor)]),
         bema.update,
         "",
@@ -190,7 +190,7 @@ def main() -> None:
         ts = "-" if t is None else f"{t:.0f}"
         ratio = "-" if t is None else f"{t / floor:.2f}x"
         print(f"| {name} | {mem} | {ts} | {ratio} | {note} |")
-    hook_costs(model, args.repeats)
+    frozen_check_cost(ema, args.repeats)
     fixed_cost(model, args.rounds)
     if args.snapshots > 0:
         snapshot_costs(model, args.snapshots)
@@ -200,7 +200,7 @@ def fixed_cost(model: Any, rounds: int, calls: int = 50) -> None:
     """``update()`` against the bare kernel over the EMA's own tensors, and stubbed."""
     from emakit._engine.paths import FOREACH, no_autograd  # FOREACH: the kernel it was built with
 
-    ema = EMA(model, beta=0.999, update_after_step=0, update_every=1)
+    ema = EMA(model, beta=0.999, update_after_step=0, update_every=1, share_frozen=True)
     for _ in range(5):
         ema.update()
     plan = ema.tracker.plan()
@@ -284,9 +284,12 @@ def snapshot_costs(model: Any, steps: int) -> None:
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     kinds = {
-        "frozen base stored once (default)": {},
-        "store_frozen_once=False": {"store_frozen_once": False},
-        "share_frozen=False (ema-pytorch's)": {"share_frozen": False},
+        "share_frozen=True, frozen base stored once": {"share_frozen": True},
+        "share_frozen=True, store_frozen_once=False": {
+            "share_frozen": True,
+            "store_frozen_once": False,
+        },
+        "default: frozen base copied (ema-pytorch's)": {},
     }
     mib = 2**20
     print(f"\npost-hoc snapshots: 2 profiles, float16, {steps} snapshot steps")
@@ -344,41 +347,14 @@ def trl_on(model: Any, trl: Any) -> str:
     return "runs"
 
 
-def hook_costs(model: Any, repeats: int) -> None:
-    hooks = [
-        (m, key, h)
-        for m in model.modules()
-        for key, h in m._forward_pre_hooks.items()
-        if isinstance(h, UnfreezeHook)
-    ]
-    owners = len({id(m) for m, _, _ in hooks})
-    alone = statistics.median(
-        median_us(lambda: [h(m, ()) for m, _, h in hooks], 50) for _ in range(repeats)
-    )
-    ids = torch.randint(0, 2048, (1, 32), generator=torch.Generator().manual_seed(0))
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(input_ids=ids)
-
-    def without() -> None:
-        for m, key, _ in hooks:
-            del m._forward_pre_hooks[key]
-        try:
-            forward()
-        finally:
-            for m, key, h in hooks:
-                m._forward_pre_hooks[key] = h
-
-    with_hooks, no_hooks = [], []
-    for _ in range(repeats):
-        with_hooks.append(median_us(forward, 5))
-        no_hooks.append(median_us(without, 5))
-    a, b = statistics.median(with_hooks), statistics.median(no_hooks)
+def frozen_check_cost(ema: EMA, repeats: int) -> None:
+    """The check of the shared frozen weights before each update and read, timed alone."""
+    frozen = ema._source.frozen  # type: ignore[union-attr]
+    each = statistics.median(median_us(frozen.changed, 200) for _ in range(repeats))
     print(
-        f"\nunfreeze hooks (all live EMAs above): {len(hooks)} hooks on {owners} modules, "
-        f"{alone:.1f} µs per forward for their calls alone; a forward {a:.0f} µs with them, "
-        f"{b:.0f} µs without ({a / b:.3f}x); update() checks nothing for unfreezing"
+        f"\nfrozen check (share_frozen=True): {len(frozen.pairs)} shared weights, "
+        f"{len(frozen._layer_objects)} peft layers: {each:.1f} µs per update or read; "
+        f"nothing is attached to the model (a forward costs what it costs without an EMA)"
     )
 
 

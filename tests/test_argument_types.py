@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ema_pytorch import EMA as PeerEMA
+from ema_pytorch import EMA as PeerEMA  # noqa: N811 - the peer's class, by its role
 
 from emakit import EMA, schedules
 from emakit.compat.diffusers import EMAModel

@@ -234,7 +234,7 @@ def test_picklable_and_deepcopyable():
 def test_frozen_weights_are_shared_or_held_and_thaw():
     model = net()
     model[0].requires_grad_(False)
-    shared = BEMA(model, update_freq=1)
+    shared = BEMA(model, update_freq=1, share_frozen=True)
     assert shared.ema_model[0].weight.data_ptr() == model[0].weight.data_ptr()
     held = BEMA(model, update_freq=1, ema_dtype=torch.float64)  # a wider copy: not shareable
     for bema in (shared, held):
@@ -243,6 +243,7 @@ def test_frozen_weights_are_shared_or_held_and_thaw():
     for t in range(1, 4):
         if t == 3:
             model[0].requires_grad_(True)  # trained again from here on
+            shared.ema_model  # noqa: B018 - a read before the next step sees the thaw
         train_step(model, opt, t)
         shared.update()
         held.update()

@@ -49,7 +49,10 @@ from emakit.posthoc.snapshots.frozen import is_side_file
 pytestmark = pytest.mark.filterwarnings("ignore:post-hoc EMA.*only roughly:UserWarning")
 
 SIGMAS = (0.05, 0.28)
-KW: dict[str, Any] = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4)
+#: share_frozen=True: the frozen base is shared, so the snapshots store it once in a side file.
+KW: dict[str, Any] = dict(
+    sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4, share_frozen=True
+)
 
 
 class Lora(nn.Module):

@@ -1,6 +1,9 @@
-"""Frozen weights cost nothing: shared with the online model, not copied or averaged,
-bit-identical to the real ema-pytorch through frozen/unfreeze sequences, copy-on-write for
-every write into the EMA."""
+"""Frozen weights: copied and averaged by default (ema-pytorch's way); with
+``share_frozen=True`` they cost nothing: shared with the online model, not copied or
+averaged, bit-identical to the real ema-pytorch through frozen/unfreeze sequences (an
+unfreezing seen before the next write), copy-on-write for every write into the EMA, and a
+write into a shared weight that the EMA cannot follow refused by name. Nothing is attached
+to the model either way."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from emakit import EMA, KarrasEMA, MultiEMA, load_ema_weights, save_ema_weights
+from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA, load_ema_weights, save_ema_weights
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
 
 KW = {"beta": 0.9, "update_after_step": 2, "update_every": 1, "include_online_model": False}
+#: Frozen weights shared with the model (the default copies them).
+SHARE = {"share_frozen": True}
 
 
 def make_net() -> nn.Module:
@@ -52,13 +57,20 @@ def assert_same_as_reference(ema: EMA, ref: object, where: object) -> None:
 
 def test_frozen_parameters_are_shared_not_copied():
     net = make_net()
-    ema = EMA(net, **KW)
+    ema = EMA(net, **SHARE, **KW)
     assert shared(ema, net) == ["0.weight", "0.bias", "2.weight"]
     plan_names = {p.name for p in ema.tracker.plan().pairs}
     assert plan_names == {"2.bias", "4.weight", "4.bias"}  # nothing else is updated
     copied = EMA(net, share_frozen=False, **KW)
     assert shared(copied, net) == []
     assert set(ema.state_dict()) == set(copied.state_dict())  # ema-pytorch's keys, frozen too
+
+
+def test_frozen_parameters_are_copied_by_default():
+    net = make_net()
+    ema = EMA(net, **KW)
+    assert shared(ema, net) == []
+    assert len(ema.tracker.plan().pairs) == 6  # averaged as ema-pytorch averages them
 
 
 def _unfreeze_in_optimizer(net: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -87,6 +99,9 @@ UNFREEZE: dict[str, Callable] = {
 @pytest.mark.parametrize("share_frozen", [True, False])
 @pytest.mark.parametrize("how", list(UNFREEZE))
 def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool):
+    """Copied frozen weights follow any unfreezing. Shared ones follow it when the EMA is
+    read (here ``ema(x)``, an evaluation) between the unfreezing and the next step: the
+    read gives them their own storage first (nothing on the model watches the forward)."""
     net = make_net()
     ref_net = copy.deepcopy(net)
     ema = EMA(net, share_frozen=share_frozen, **KW)
@@ -102,6 +117,7 @@ def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool
         if i == 5:
             opt = UNFREEZE[how](net, opt)
             ref_opt = UNFREEZE[how](ref_net, ref_opt)
+            ema(batch(99))  # a read: a shared weight now unfrozen gets its own copy
         step(net, opt, i)
         step(ref_net, ref_opt, i)
         ema.update()
@@ -110,20 +126,95 @@ def test_unfreezing_matches_ema_pytorch_bit_for_bit(how: str, share_frozen: bool
     assert len(shared(ema, net)) < 3  # the unfrozen weights got their own storage
 
 
-def test_a_frozen_value_changed_in_place_is_seen_at_once_unless_copied():
+@pytest.mark.parametrize("how", list(UNFREEZE))
+def test_a_shared_weight_unfrozen_and_trained_unseen_is_refused_naming_the_fix(how: str):
+    """Trained before the EMA was read again, a shared weight's EMA value (the model's
+    storage) is gone: update(), ema(x), swap() and state_dict() refuse, naming the weight,
+    the cause and ``share_frozen=False``; nothing was averaged."""
     net = make_net()
-    ema, copied = EMA(net, **KW), EMA(net, share_frozen=False, **KW)
+    ema = EMA(net, **SHARE, **KW)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    for i in range(3):
+        step(net, opt, i)
+        ema.update()
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    opt = UNFREEZE[how](net, opt)
+    if how == "in-optimizer":  # this optimizer holds the trainable weights only
+        opt.add_param_group({"params": list(net[0].parameters())})
+    step(net, opt, 3)
+    name = "2.weight" if how == "new-param-group" else "0.weight"
+    for read in (ema.update, lambda: ema(batch(0)), lambda: ema.swap().enter(), ema.state_dict):
+        with pytest.raises(EMAStateError, match=rf"{name}.*unfrozen.*share_frozen=False"):
+            read()
+    assert ema.tracker.step == 3  # the refused update counted nothing
+    own = ema._modules["ema_model"].state_dict()  # past the check: nothing was averaged
+    for k in ("2.bias", "4.weight", "4.bias"):
+        assert torch.equal(own[k], before["ema_model." + k]), k
+
+
+@pytest.mark.parametrize("share_frozen", [None, False, True], ids=["default", "False", "True"])
+def test_a_frozen_weight_in_a_parameter_list_unfrozen_and_trained(share_frozen: bool | None):
+    """A frozen weight that no module's forward registers (an ``nn.ParameterList`` used by
+    its parent) and is unfrozen later: copied, the EMA equals ema-pytorch's; shared, the
+    next update is refused by name (before, it averaged the trained weight silently)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scales = nn.ParameterList([nn.Parameter(torch.ones(4)) for _ in range(2)])
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x * self.scales[0] + self.scales[1])
+
+    torch.manual_seed(0)
+    net = Net()
+    net.scales.requires_grad_(False)
+    ref_net = copy.deepcopy(net)
+    ema = EMA(net, **({} if share_frozen is None else {"share_frozen": share_frozen}), **KW)
+    ref = ema_pytorch.EMA(ref_net, **KW)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref_net)]
+    for i in range(8):
+        if i == 3:
+            net.scales.requires_grad_(True)
+            ref_net.scales.requires_grad_(True)
+        for model, opt in zip((net, ref_net), opts, strict=True):
+            step(model, opt, i)
+        if share_frozen and i == 3:
+            with pytest.raises(EMAStateError, match=r"scales\.0.*share_frozen=False"):
+                ema.update()
+            return
+        ema.update()
+        ref.update()
+        assert_same_as_reference(ema, ref, i)
+
+
+def test_a_frozen_value_changed_in_place_lags_as_ema_pytorch_or_is_refused_when_shared():
+    """New values written into a frozen weight: copied (the default), the EMA lags as
+    ema-pytorch's does; shared, the EMA's value was that storage, so it refuses (before,
+    it took the new value at once), until a load sets the EMA's own value."""
+    net = make_net()
+    ema, copied = EMA(net, **SHARE, **KW), EMA(net, share_frozen=False, **KW)
     ref = ema_pytorch.EMA(net, **KW)
     for e in (ema, copied, ref):
         for _ in range(4):
             e.update()
+    state = copy.deepcopy(ema.state_dict())  # (its frozen tensors are the model's storage)
     with torch.no_grad():
         net[0].weight.add_(1.0)  # new base weights loaded into the frozen layer
-    for e in (ema, copied, ref):
+    for e in (copied, ref):
         e.update()
-    assert torch.equal(ema.ema_model[0].weight, net[0].weight)  # shared: at once
     assert torch.equal(copied.ema_model[0].weight, ref.ema_model[0].weight)  # lags alike
     assert not torch.equal(copied.ema_model[0].weight, net[0].weight)
+    with pytest.raises(EMAStateError, match=r"0\.weight.*written in place.*share_frozen=False"):
+        ema.update()
+    ema.load_state_dict(state)  # the EMA's own value again: owned, averaged from here
+    ema.update()
+    assert "0.weight" not in shared(ema, net) and "0.bias" in shared(ema, net)
+    assert torch.equal(
+        ema.ema_model[0].weight,
+        state["ema_model.0.weight"].lerp(net[0].weight, 1 - ema.get_current_decay()),
+    )
 
 
 def _replace_data(net: nn.Module) -> None:
@@ -139,7 +230,7 @@ def _assign_load(net: nn.Module) -> None:
 def test_a_frozen_weight_whose_storage_is_replaced_is_averaged_from_then_on(replace):
     net = make_net()
     ref_net = copy.deepcopy(net)
-    ema = EMA(net, **KW)
+    ema = EMA(net, **SHARE, **KW)
     ref = ema_pytorch.EMA(ref_net, **KW)
     for i in range(8):
         if i == 4:
@@ -157,8 +248,8 @@ def test_ema_kinds_sharing_a_replaced_storage_each_average_their_own_copy():
     net = make_net()
     ref_net = copy.deepcopy(net)
     betas = (0.5, 0.9)
-    emas = [EMA(net, **{**KW, "beta": b}) for b in betas]
-    multi = MultiEMA(net, betas=betas, update_after_step=2, update_every=1)
+    emas = [EMA(net, **SHARE, **{**KW, "beta": b}) for b in betas]
+    multi = MultiEMA(net, betas=betas, update_after_step=2, update_every=1, **SHARE)
     refs = [ema_pytorch.EMA(ref_net, **{**KW, "beta": b}) for b in betas]
     for i in range(8):
         if i == 4:
@@ -182,7 +273,7 @@ def _state_with_other_frozen_values(ema: EMA) -> dict:
 def test_load_state_dict_copies_on_write():
     net = make_net()
     before = net[0].weight.detach().clone()
-    ema = EMA(net, **KW)
+    ema = EMA(net, **SHARE, **KW)
     ref = ema_pytorch.EMA(copy.deepcopy(net), **KW)
     state = _state_with_other_frozen_values(ema)
     ema.load_state_dict(state)
@@ -202,8 +293,8 @@ def test_load_ema_weights_copies_on_write(tmp_path: Path):
     other = make_net()
     with torch.no_grad():
         other[0].weight.mul_(2)
-    path = save_ema_weights(EMA(other, **KW), tmp_path / "w.safetensors")
-    ema = EMA(net, **KW)
+    path = save_ema_weights(EMA(other, **SHARE, **KW), tmp_path / "w.safetensors")
+    ema = EMA(net, **SHARE, **KW)
     load_ema_weights(ema, path)
     assert torch.equal(net[0].weight, before)
     assert torch.equal(ema.ema_model[0].weight, 2 * before)
@@ -211,7 +302,7 @@ def test_load_ema_weights_copies_on_write(tmp_path: Path):
 
 def test_loading_equal_values_keeps_sharing():
     net = make_net()
-    ema = EMA(net, **KW)
+    ema = EMA(net, **SHARE, **KW)
     buffer = io.BytesIO()
     torch.save(ema.state_dict(), buffer)
     buffer.seek(0)
@@ -222,7 +313,7 @@ def test_loading_equal_values_keeps_sharing():
 def test_swap_forward_and_copies_leave_the_model_alone():
     net = make_net()
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
-    ema = EMA(net, **KW)
+    ema = EMA(net, **SHARE, **KW)
     reference = EMA(net, share_frozen=False, **KW)
     for i in range(6):
         step(net, opt, i)
@@ -244,7 +335,7 @@ def test_swap_forward_and_copies_leave_the_model_alone():
 
 def test_moving_the_ema_never_moves_the_model():
     net = make_net()
-    ema = EMA(net, coerce_dtype=True, **KW)
+    ema = EMA(net, coerce_dtype=True, **SHARE, **KW)
     ema.double()  # the EMA's own copy of its shared weights: copy-on-write
     assert all(p.dtype == torch.float32 for p in net.parameters())
     assert shared(ema, net) == []
@@ -255,9 +346,14 @@ def test_moving_the_ema_never_moves_the_model():
 def test_every_kind_shares():
     net = make_net()
     multi = MultiEMA(
-        net, betas=(0.9, 0.99), update_after_step=0, update_every=1, include_online_model=False
+        net,
+        betas=(0.9, 0.99),
+        update_after_step=0,
+        update_every=1,
+        include_online_model=False,
+        **SHARE,
     )
-    karras = KarrasEMA(net, sigma_rel=0.1, update_every=1)
+    karras = KarrasEMA(net, sigma_rel=0.1, update_every=1, **SHARE)
     assert all(len(shared(e, net)) == 3 for e in multi)
     assert len(shared(karras, net)) == 3
     copied = [

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
-from emakit import EMA, EMATypeError
+from emakit import EMA, EMAStateError, EMATypeError
+from emakit._core.forward import eval_call
 from emakit._core.sharding import adopt_shard, fsdp_layout
 from emakit._dist.dtensor import local_tensor, shard_identity, torch_version
 
@@ -229,21 +230,28 @@ def fsdp_worker(rank: int, out: Path) -> dict:
     # load_state_dict(..., assign=True) (its reset_sharded_param post-hook) as the storage
     # it all-gathers from: the copy's forward reads the model's frozen storage.
     frozen = shard(tower()).requires_grad_(False)
-    sharing = EMA(frozen, **EMA_KW)
-    weight, copied = frozen.block[0].weight, sharing.ema_model.block[0].weight
+    sharing = EMA(frozen, share_frozen=True, **EMA_KW)
+    copy_model = sharing.ema_model
+    weight, copied = frozen.block[0].weight, copy_model.block[0].weight
     before = sharing(x)
     with torch.no_grad():
         local_tensor(weight).mul_(2.0)  # 16 rows over 4 ranks: an unpadded shard
         want = plain(full(frozen))(x)
+    try:  # the EMA refuses to read a shared weight written in place (issue 39) ...
+        sharing(x)
+        res["refused"] = False
+    except EMAStateError:
+        res["refused"] = True
+    # ... so FSDP2's reading of the adopted shard is checked on the copy itself
     res["adopted"] = (
         local_tensor(copied).data_ptr() == local_tensor(weight).data_ptr(),
-        (sharing(x) - want).abs().max().item(),
+        (eval_call(copy_model, copy_model, (x,), {}) - want).abs().max().item(),
         (before - want).abs().max().item(),
     )
     # After FSDP2's lazy init (a forward ran), the same route adopts a new shard at once
     # (what un-sharing does): a clone holding the old values gives the old output back.
-    adopt_shard(sharing.ema_model, copied, local_tensor(copied).clone().mul_(0.5))
-    res["readopted"] = (sharing(x) - before).abs().max().item()
+    adopt_shard(copy_model, copied, local_tensor(copied).clone().mul_(0.5))
+    res["readopted"] = (eval_call(copy_model, copy_model, (x,), {}) - before).abs().max().item()
 
     # FSDP2 re-creates a model's shards in place (same DTensors) on to_empty(): the guard
     # (DTensor's inner tensor, by identity) sees it and the next update reads the new ones.
@@ -334,6 +342,7 @@ def test_torch_internals_emakit_reads_are_where_it_expects(fsdp_results: list[di
         assert r["identity"] and r["alias"] and r["alias_grad_mode"]
         aliases, error, stale = r["adopted"]  # an in-place change of the model's frozen
         assert aliases and error <= 1e-6 and stale > 1e-3  # shard is in the copy's forward
+        assert r["refused"]  # which the EMA itself refuses to read (share_frozen=True)
         assert r["readopted"] <= 1e-6
 
 
@@ -424,16 +433,21 @@ def mesh_worker(rank: int, out: Path) -> dict:
     frozen = tower().requires_grad_(False)
     fully_shard(frozen.block, mesh=hsdp)
     fully_shard(frozen, mesh=hsdp)
-    sharing = EMA(frozen, **EMA_KW)
+    sharing = EMA(frozen, share_frozen=True, **EMA_KW)
     online = dict(frozen.named_parameters())
     res["hsdp_shared"] = sorted(
         n
         for n, q in sharing.ema_model.named_parameters()
         if local_tensor(q).data_ptr() == local_tensor(online[n]).data_ptr()
     )
+    copy_model = sharing.ema_model
     with torch.no_grad():
-        local_tensor(frozen.inp.weight).mul_(2.0)
-        res["hsdp_frozen"] = (sharing(x), plain(full(frozen))(x))
+        local_tensor(frozen.inp.weight).mul_(2.0)  # (which the EMA itself refuses to read:
+        # checked on the copy, the way FSDP2 reads an adopted shard)
+        res["hsdp_frozen"] = (
+            eval_call(copy_model, copy_model, (x,), {}),
+            plain(full(frozen))(x),
+        )
 
     # FSDP + tensor parallelism: refused by name for a copy; a factory works.
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -5,11 +5,14 @@ not pad, a DTensor whose local shard *is* the model's (FSDP2 all-gathers from it
 reference everywhere is the same EMA built with ``share_frozen=False``, which copies and
 averages every shard as ema-pytorch would, and must agree bit for bit:
 
+The EMAs under test are built with ``share_frozen=True`` (the default copies frozen weights).
+
 * sharing: the shard aliases the online one, the plan leaves it out, the EMA's memory is
   the trained (and the padded frozen) shards only;
 * N updates, ``ema(x)``, ``swap()``, ``state_dict()`` keys and values: equal to the reference;
-* unfreezing mid-run: the next optimizer step un-shares, training moves the weight, the EMA
-  averages it and still equals the reference;
+* unfreezing mid-run: a read of the EMA before the next step un-shares, training moves the
+  weight, the EMA averages it and still equals the reference;
+* new values written into a shared shard in place: the next update is refused by name;
 * loads (``load_state_dict``, ``load_sharded_ema``) that change a frozen value give the EMA
   its own shard first and never write into the model; equal values keep the sharing;
 * an uneven frozen parameter (3 rows over 2 ranks: rank 1's shard is padded) is owned and
@@ -31,7 +34,7 @@ from torch import nn
 
 from _launch import DIST_MARKS, FSDP2_MARK, run_ranks
 from _models import gathered
-from emakit import BEMA, EMA, KarrasEMA, MultiEMA, PostHocEMA
+from emakit import BEMA, EMA, EMAStateError, KarrasEMA, MultiEMA, PostHocEMA
 from emakit._core.sharding import adopt_shard
 from emakit._dist.dtensor import local_tensor
 from emakit.distributed import load_sharded_ema, save_sharded_ema
@@ -39,6 +42,8 @@ from emakit.distributed import load_sharded_ema, save_sharded_ema
 pytestmark = [*DIST_MARKS, FSDP2_MARK, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 KW: dict[str, Any] = dict(beta=0.9, update_after_step=0, update_every=1)
+#: The EMAs under test share frozen shards (the default copies them, as the references do).
+SHARE: dict[str, Any] = dict(share_frozen=True)
 STEPS = 3
 
 
@@ -145,11 +150,11 @@ def worker(rank: int, out: Path) -> dict:
     res: dict[str, Any] = {}
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(99))
     net = lora_like(mesh)
-    ema, ref = EMA(net, **KW), EMA(net, share_frozen=False, **KW)
-    guarded = EMA(net, skip_nonfinite=True, **KW)  # its agreement: one all-reduce per update
-    karras = KarrasEMA(net, sigma_rel=0.1, update_every=1)
-    bema = BEMA(net, update_freq=1)
-    multi = MultiEMA(net, betas=(0.9, 0.99), update_after_step=0, update_every=1)
+    ema, ref = EMA(net, **SHARE, **KW), EMA(net, share_frozen=False, **KW)
+    guarded = EMA(net, skip_nonfinite=True, **SHARE, **KW)  # one all-reduce per update
+    karras = KarrasEMA(net, sigma_rel=0.1, update_every=1, **SHARE)
+    bema = BEMA(net, update_freq=1, **SHARE)
+    multi = MultiEMA(net, betas=(0.9, 0.99), update_after_step=0, update_every=1, **SHARE)
     multi_ref = [
         EMA(net, beta=b, share_frozen=False, update_after_step=0, update_every=1)
         for b in (0.9, 0.99)
@@ -183,17 +188,19 @@ def worker(rank: int, out: Path) -> dict:
     res["copied"] = (equal(weights(ema), weights(ref)), shared(ema, net))
     before = {n: local_tensor(p).clone() for n, p in net.named_parameters()}
 
-    # A save, then new base weights in the model (in place: the shared EMA sees them at
-    # once), then the old state loaded back: the EMA owns the loaded base, the model keeps
-    # its new one.
+    # A save, then new base weights in the model (in place: the shared EMA refuses to go
+    # on, its value was that storage), then the old state loaded back: the EMA owns the
+    # loaded base, the model keeps its new one.
     folder = out / "dcp"
     save_sharded_ema(ema, folder)
     saved = weights(ema)
     with torch.no_grad():
         local_tensor(net.base.weight).add_(1.0)
-    res["seen_at_once"] = torch.equal(
-        local_tensor(ema.ema_model.base.weight), local_tensor(net.base.weight)
-    )
+    try:
+        ema.update()
+        res["written_refused"] = ""
+    except EMAStateError as e:
+        res["written_refused"] = str(e)
     new_base = local_tensor(net.base.weight).clone()
     load_sharded_ema(ema, folder)
     res["dcp_loaded"] = equal(weights(ema), saved)
@@ -204,7 +211,7 @@ def worker(rank: int, out: Path) -> dict:
 
     # load_state_dict of the reference's state (equal values): sharing kept; then of a
     # state whose frozen bias differs: the EMA owns it, the model is untouched.
-    fresh = EMA(net, **KW)
+    fresh = EMA(net, **SHARE, **KW)
     fresh.load_state_dict(ref.state_dict())
     res["equal_load"] = (equal(weights(fresh), weights(ref)), shared(fresh, net))
     state = ref.state_dict()
@@ -218,8 +225,10 @@ def worker(rank: int, out: Path) -> dict:
         shared(fresh, net),
     )
 
-    # Unfreezing mid-run: the next step un-shares base.*, training moves it, the EMA averages.
+    # Unfreezing mid-run: a read before the next step un-shares base.*, training moves it,
+    # the EMA averages.
     net.base.requires_grad_(True)
+    ema(x)
     run([ema, ref], net, torch.optim.SGD(net.parameters(), lr=0.2), rank, STEPS)
     res["unfrozen"] = (equal(weights(ema), weights(ref)), shared(ema, net))
     res["base_moved"] = not torch.equal(local_tensor(net.base.weight), before["base.weight"])
@@ -230,7 +239,7 @@ def worker(rank: int, out: Path) -> dict:
 
     # Tied frozen weights (an embedding and its output layer): shared in both places.
     tied = Tied(mesh)
-    tied_ema, tied_ref = EMA(tied, **KW), EMA(tied, share_frozen=False, **KW)
+    tied_ema, tied_ref = EMA(tied, **SHARE, **KW), EMA(tied, share_frozen=False, **KW)
     ids = torch.tensor([[1, 5, 9]])
     res["tied"] = (
         shared(tied_ema, tied),
@@ -246,7 +255,7 @@ def worker(rank: int, out: Path) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(base, mesh=mesh)
-    lone = EMA(base, skip_nonfinite=True, **KW)
+    lone = EMA(base, skip_nonfinite=True, **SHARE, **KW)
     lone.update()
     state = lone.state_dict()
     state["ema_model.weight"] = state["ema_model.weight"].clone()
@@ -280,7 +289,9 @@ def posthoc_part(rank: int, out: Path, mesh: Any) -> dict[str, float] | None:
     twin = LoRALike()
     twin.base.requires_grad_(False)
     twin.odd.requires_grad_(False)
-    kw: dict[str, Any] = dict(sigma_rels=(0.05, 0.28), update_every=1, checkpoint_every_num_steps=3)
+    kw: dict[str, Any] = dict(
+        sigma_rels=(0.05, 0.28), update_every=1, checkpoint_every_num_steps=3, **SHARE
+    )
     ema = PostHocEMA(net, checkpoint_folder=out / "posthoc", **kw)
     ref = PostHocEMA(twin, checkpoint_folder=out / "posthoc-ref", **kw)
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.2)
@@ -336,7 +347,9 @@ def test_unfreezing_unshares_and_averages_bit_for_bit(results: list[dict]) -> No
 
 def test_loads_copy_on_write_and_never_write_into_the_model(results: list[dict]) -> None:
     for r in results:
-        assert r["seen_at_once"]  # a frozen value changed in place: the shared EMA sees it
+        # a frozen value changed in place: the shared EMA refuses (before: took it at once)
+        assert "written in place" in r["written_refused"], r["written_refused"]
+        assert "share_frozen=False" in r["written_refused"]
         assert r["dcp_loaded"] and r["dcp_model_kept"]
         assert r["dcp_shared"] == ["base.bias"]  # the loaded base.weight differs: owned
         same, still_shared = r["equal_load"]

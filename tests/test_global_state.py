@@ -1,6 +1,8 @@
 """emakit changes only the objects it is handed: after ``import emakit`` and after building
 and using every EMA kind, torch's classes and global hook registries are what they were;
-what it attaches to the tracked modules leaves them picklable and loadable without emakit."""
+by default it attaches nothing to the tracked modules (tests/test_untouched_model.py holds
+that in detail), and what ``watch_model=True`` attaches leaves them picklable and loadable
+without emakit."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ _SCRIPT = textwrap.dedent(
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-    net[0].requires_grad_(False)  # a frozen weight: shared with the EMA, watched
+    net[0].requires_grad_(False)  # a frozen weight (copied by default)
     folder = tempfile.mkdtemp()
     kinds = [
         EMA(net, update_after_step=0, update_every=1),
@@ -117,11 +119,17 @@ def _frozen_net() -> nn.Module:
     return net
 
 
-def test_a_watched_model_saved_whole_loads_where_emakit_is_not_installed(tmp_path):
+#: The settings that attach anything to the model: ``watch_model=True`` (its registry dicts
+#: become a counting subclass), with frozen weights shared; by default nothing is attached.
+WATCHED = {"watch_model": True, "share_frozen": True}
+
+
+@pytest.mark.parametrize("kw", [{}, WATCHED], ids=["default", "watch_model"])
+def test_a_tracked_model_saved_whole_loads_where_emakit_is_not_installed(tmp_path, kw):
     net = _frozen_net()
-    ema = EMA(net, update_after_step=0, update_every=1)
+    ema = EMA(net, update_after_step=0, update_every=1, **kw)
     ema.update()
-    assert any(len(m._forward_pre_hooks) for m in net.modules())  # the unfreeze hook
+    assert not any(len(m._forward_pre_hooks) for m in net.modules())  # no hook, ever
     x = torch.randn(3, 4)
     net.eval()
     expected = net(x)
@@ -142,9 +150,9 @@ def test_a_watched_model_saved_whole_loads_where_emakit_is_not_installed(tmp_pat
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
 
 
-def test_copies_of_a_watched_model_are_plain_and_inert():
+def test_copies_of_a_watched_model_are_plain():
     net = _frozen_net()
-    ema = EMA(net, update_after_step=0, update_every=1)
+    ema = EMA(net, update_after_step=0, update_every=1, **WATCHED)
     ema.update()
     for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
         assert {
@@ -153,33 +161,39 @@ def test_copies_of_a_watched_model_are_plain_and_inert():
             for r in ("_parameters", "_buffers", "_modules")
         } == {dict}
         clone[0].requires_grad_(True)
-        clone(torch.randn(2, 4))  # the copied hook does nothing
+        clone(torch.randn(2, 4))
     assert [p.data_ptr() for p in ema.ema_model[0].parameters()] == [
         p.data_ptr() for p in net[0].parameters()
     ]  # the EMA still shares the original's frozen weights
-    other = EMA(net, update_after_step=0, update_every=1)  # copies net, hooks and all
+    other = EMA(net, update_after_step=0, update_every=1)  # copies net
     assert not any(len(m._forward_pre_hooks) for m in other.ema_model.modules())
 
 
-def test_the_hooks_go_with_the_ema():
+def test_nothing_is_attached_to_the_model_even_when_sharing_frozen_weights():
+    """The hooks that watched shared frozen weights are gone (round 4): the EMA reads the
+    weights' flags and version counters before each read instead."""
     net = _frozen_net()
-    ema = EMA(net, update_after_step=0, update_every=1)
+    hooks = [dict(m._forward_pre_hooks) for m in net.modules()]
+    ema = EMA(net, update_after_step=0, update_every=1, share_frozen=True)
     ema.update()
-    assert sum(len(m._forward_pre_hooks) for m in net.modules()) == 1
+    assert [dict(m._forward_pre_hooks) for m in net.modules()] == hooks == [{}] * len(hooks)
     del ema
     gc.collect()
     assert sum(len(m._forward_pre_hooks) for m in net.modules()) == 0
 
 
-def test_no_frozen_weight_no_hook_and_a_model_of_other_emas_untouched():
+def test_registries_stay_plain_unless_watch_model_and_other_models_are_untouched():
     torch.manual_seed(0)
-    net, elsewhere = nn.Linear(4, 4), nn.Linear(4, 4)
+    net, watched, elsewhere = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    plain = type(nn.Linear(1, 1)._parameters)  # dict; OrderedDict on torch 2.4
     ema = EMA(net)
     assert not net._forward_pre_hooks
-    plain = type(nn.Linear(1, 1)._parameters)  # dict; OrderedDict on torch 2.4
+    assert type(net._parameters) is plain  # read, never altered
+    assert type(ema.ema_model._parameters) is plain
+    opted = EMA(watched, watch_model=True)
     assert type(elsewhere._parameters) is plain  # nothing but the tracked modules is watched
-    assert type(net._parameters) is not dict
-    assert type(ema.ema_model._parameters) is not dict
+    assert type(watched._parameters) is not plain  # the documented opt-in alters the model
+    assert type(opted.ema_model._parameters) is not plain
 
 
 ema_pytorch = pytest.importorskip("ema_pytorch")

@@ -1,6 +1,8 @@
-"""EMA of a PEFT LoRA model (a config-built GPT-2, nothing downloaded): the frozen base is
-shared, only the adapters are copied and averaged; swap() around generate(); the EMA of the
-adapters alone exported as PEFT's save_pretrained writes it."""
+"""EMA of a PEFT LoRA model (a config-built GPT-2, nothing downloaded): with
+``share_frozen=True`` the frozen base is shared, only the adapters are copied and averaged
+(by default the base is copied too); swap() around generate(); the EMA of the adapters
+alone exported as PEFT's save_pretrained writes it; peft's merges never move the EMA's
+output (copied base) or are refused by name (shared base)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ peft = need("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from emakit import BEMA, EMA  # noqa: E402
+from emakit import BEMA, EMA, EMAStateError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 VOCAB = 64
@@ -56,7 +58,7 @@ def nbytes(tensors: Any) -> int:
 
 def test_only_the_adapters_are_copied_and_averaged():
     model = lora_model()
-    ema = EMA(model, **KW)
+    ema = EMA(model, share_frozen=True, **KW)
     online = dict(model.named_parameters())
     trainable = {n for n, p in online.items() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -108,3 +110,58 @@ def test_export_of_the_adapters_alone(tmp_path: Path, kind: str):
     for name, p in reloaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(p, dict(ema.ema_model.named_parameters())[name]), name
+
+
+# -- issue 39: peft's merges write the adapters into the base weights in place ---------------
+
+
+def test_merge_adapter_never_moves_the_output_of_an_ema_that_copies_the_base():
+    """The default copies the frozen base: peft's ``merge_adapter()`` (the model's adapters
+    added into its base weights, through ``.data``) leaves the EMA's output where it was.
+    Before, the base was shared and the EMA applied both deltas."""
+    model = lora_model()
+    ema = EMA(model, **KW)
+    train(model, ema)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = ema(input_ids=prompt).logits
+        model.merge_adapter()
+        merged = ema(input_ids=prompt).logits
+        model.unmerge_adapter()
+    assert torch.equal(merged, before)
+    merged_model = model.merge_and_unload()  # irreversible: the LoRA layers leave the model
+    with torch.no_grad():
+        assert torch.equal(ema(input_ids=prompt).logits, before)
+    with pytest.raises(EMAStateError, match="lora_A"):  # the model no longer pairs
+        ema.update()
+    assert merged_model is not None
+
+
+def test_merge_adapter_is_refused_by_an_ema_that_shares_the_base_until_unmerged():
+    model = lora_model()
+    ema = EMA(model, share_frozen=True, **KW)
+    train(model, ema)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = ema(input_ids=prompt).logits
+    step = int(ema.step)
+    model.merge_adapter()
+    reads = {
+        "ema(x)": lambda: ema(input_ids=prompt),
+        "update()": ema.update,
+        "swap()": lambda: ema.swap().enter(),
+        "state_dict()": ema.state_dict,
+        "ema_model": lambda: ema.ema_model,
+    }
+    for what, read in reads.items():
+        with pytest.raises(EMAStateError, match=r"merge_adapter.*unmerge_adapter\(\)") as e:
+            read()
+        assert "share_frozen=False" in str(e.value), what
+    assert int(ema.step) == step  # the refused update counted nothing
+    model.unmerge_adapter()
+    with torch.no_grad():  # the base is back (up to the rounding of adding and subtracting)
+        torch.testing.assert_close(ema(input_ids=prompt).logits, before)
+    ema.update()
+    model.merge_and_unload()
+    with pytest.raises(EMAStateError, match="unmerge_adapter"):
+        ema(input_ids=prompt)

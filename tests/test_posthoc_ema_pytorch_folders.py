@@ -394,6 +394,7 @@ def test_frozen_weights_and_emakit_reads_the_converted_folder_back(tmp_path: Pat
         checkpoint_every_num_steps=10,
         checkpoint_folder=src,
         checkpoint_dtype=torch.float32,
+        share_frozen=True,  # (copied by default: no side file then)
     )
     for t in range(120):
         with torch.no_grad():

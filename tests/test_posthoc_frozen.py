@@ -1,12 +1,13 @@
 """Post-hoc snapshots store frozen weights once (issue 21, point 1): a LoRA-like model
 (a frozen base, a small trainable head) whose snapshots refer to a side file holding the
 base, compared with snapshots that store every tensor (``store_frozen_once=False``) and
-with an EMA that copies frozen weights (``share_frozen=False``) of the same run.
+with an EMA that copies frozen weights (``share_frozen=False``, the default) of the same
+run; the EMAs under test share them (``share_frozen=True``).
 
 What is checked: the frozen bytes appear once on disk; synthesis, the sweep and ``emakit
 synthesize`` give what the reference gives; a frozen value changed in place (through
 ``.data``, which bumps no version counter) gets a new side file and synthesis follows it;
-unfreezing mid-run; removal keeps every side file still referred to; a full disk and a
+unfreezing mid-run (seen at a read before the next step); removal keeps every side file still referred to; a full disk and a
 SIGKILL during the side-file write leave the previous snapshots usable; resume and a second
 run in the folder; damaged, missing and replaced side files.
 """
@@ -38,7 +39,11 @@ from emakit.posthoc.snapshots.folder import collect_frozen_files
 from emakit.posthoc.snapshots.frozen import is_side_file
 
 SIGMAS = (0.05, 0.28)
-KW: dict[str, Any] = dict(sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4)
+#: ``share_frozen=True``: the frozen base is shared with the model (copied by default), which
+#: is what lets the snapshots store it once.
+KW: dict[str, Any] = dict(
+    sigma_rels=SIGMAS, update_every=1, checkpoint_every_num_steps=4, share_frozen=True
+)
 
 
 class Lora(nn.Module):
@@ -117,7 +122,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pair")
     net = lora()
     once = PostHocEMA(net, checkpoint_folder=root / "once", **KW)
-    copied = PostHocEMA(net, checkpoint_folder=root / "copied", share_frozen=False, **KW)
+    copied = PostHocEMA(net, checkpoint_folder=root / "copied", **{**KW, "share_frozen": False})
     train(net, [once, copied], range(16))
     return root / "once", root / "copied"
 
@@ -252,11 +257,12 @@ def test_a_frozen_value_changed_in_place_gets_a_new_side_file(tmp_path: Path) ->
 def test_unfreezing_mid_run_stores_the_weight_in_the_snapshots(tmp_path: Path) -> None:
     net = lora()
     once = PostHocEMA(net, checkpoint_folder=tmp_path / "once", **KW)
-    copied = PostHocEMA(net, checkpoint_folder=tmp_path / "copied", share_frozen=False, **KW)
+    copied = PostHocEMA(net, checkpoint_folder=tmp_path / "copied", **{**KW, "share_frozen": False})
 
     def unfreeze(i: int) -> None:
         if i == 6:
             net.base.weight.requires_grad_(True)
+            once(torch.zeros(1, 32))  # a read before the next step sees the unfreezing
 
     train(net, [once, copied], range(16), unfreeze)
     late = [s for s in list_snapshots(tmp_path / "once") if s.step > 6]
@@ -271,7 +277,7 @@ def test_a_replaced_frozen_storage_is_averaged_and_stored_in_the_snapshots(tmp_p
     net = lora()
     kw = {**KW, "sigma_rels": (0.1, 0.25)}
     once = PostHocEMA(net, checkpoint_folder=tmp_path / "once", **kw)
-    copied = PostHocEMA(net, checkpoint_folder=tmp_path / "copied", share_frozen=False, **kw)
+    copied = PostHocEMA(net, checkpoint_folder=tmp_path / "copied", **{**kw, "share_frozen": False})
 
     def replace(i: int) -> None:
         if i == 6:  # new storage: no longer the EMA's, which averages it as ema-pytorch
@@ -334,7 +340,7 @@ def test_collection_leaves_other_runs_files_alone(tmp_path: Path) -> None:
 
 def test_a_resumed_run_refers_to_the_same_side_file(tmp_path: Path) -> None:
     net = lora()
-    ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", share_frozen=False, **KW)
+    ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", **{**KW, "share_frozen": False})
     ema = PostHocEMA(net, checkpoint_folder=tmp_path / "run", **KW)
     train(net, [ema, ref], range(8))
     state, net_state = ema.state_dict(), {k: v.clone() for k, v in net.state_dict().items()}
@@ -469,8 +475,8 @@ def test_karras_ema_takes_share_frozen() -> None:
     from emakit import KarrasEMA
 
     net = lora()
-    shared = KarrasEMA(net, sigma_rel=0.1, update_every=1)
-    copied = KarrasEMA(net, sigma_rel=0.1, update_every=1, share_frozen=False)
+    shared = KarrasEMA(net, sigma_rel=0.1, update_every=1, share_frozen=True)
+    copied = KarrasEMA(net, sigma_rel=0.1, update_every=1)  # the default copies
     assert shared.shared_names() == FROZEN and copied.shared_names() == frozenset()
     assert copied.ema_model.base.weight.data_ptr() != net.base.weight.data_ptr()
 

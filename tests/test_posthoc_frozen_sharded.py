@@ -26,11 +26,14 @@ from emakit.posthoc.snapshots.shards import ShardEntry, set_frozen_names
 
 pytestmark = [*DIST_MARKS, FSDP2_MARK]
 
+#: share_frozen=True: the frozen base is shared (copied by default), so the snapshots store
+#: it in side files.
 KW: dict[str, Any] = dict(
     sigma_rels=(0.05, 0.28),
     update_every=1,
     checkpoint_every_num_steps=3,
     checkpoint_dtype=torch.float32,
+    share_frozen=True,
 )
 
 
@@ -63,7 +66,9 @@ def ranks(rank: int, out: Path) -> dict[str, Any]:
     for i in range(9):
         with torch.no_grad():
             if i == 5:
-                model.base.bias.add_(0.5)  # a new frozen value: a new side file
+                # a new frozen value: a new side file (written through .data, which the
+                # EMA does not see; a visible in-place write is refused, test_frozen.py)
+                model.base.bias.data.add_(0.5)
             for p in model.head.parameters():  # a training step, the same on every rank
                 noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
                 p.add_(distribute_tensor(noise, mesh, [Shard(0)]))
@@ -93,7 +98,8 @@ def fsdp_part(rank: int, out: Path, mesh: Any) -> dict[str, Any]:
     for i in range(9):
         if i == 5:
             with torch.no_grad():
-                model.base.bias.to_local().add_(0.5)  # each rank changes its shard in place
+                # each rank changes its shard in place (through .data, as above)
+                model.base.bias.to_local().data.add_(0.5)
         loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
         opt.zero_grad()
         loss.backward()

@@ -134,6 +134,10 @@ class BEMA(EMA):
         allow_different_devices: keyword-only, as for [`EMA`][emakit.EMA].
         forward_method_names: keyword-only, as for [`EMA`][emakit.EMA].
         include_online_model: keyword-only, as for [`EMA`][emakit.EMA].
+        share_frozen: keyword-only; frozen weights shared with the model instead of
+            copied (no ``theta0`` or EMA copy of them), as for [`EMA`][emakit.EMA].
+            Default False.
+        watch_model: keyword-only, as for [`EMA`][emakit.EMA]. Default False.
 
     Attributes:
         rule: the [`BEMARule`][emakit.decay.BEMARule] (its settings: ``rule.update_freq``,
@@ -172,6 +176,8 @@ class BEMA(EMA):
         allow_different_devices: bool = False,
         forward_method_names: Sequence[str] = (),
         include_online_model: bool = False,
+        share_frozen: bool = False,
+        watch_model: bool = False,
     ) -> None:
         rule = bema_rule(
             update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
@@ -190,6 +196,8 @@ class BEMA(EMA):
             ema_dtype=ema_dtype,
             device=device,
             async_update=async_update,
+            share_frozen=share_frozen,
+            watch_model=watch_model,
         )
         self.rule = self.tracker.rule = rule
         #: ``theta0`` of every corrected tensor, by name (the plain EMA is the EMA model's).

@@ -144,8 +144,8 @@ def _group(kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
 def _checked(ema: object, timeout_s: object) -> tuple[EMA, float]:
     """The EMA of a sharded save or load (its EMA model built if lazy) and its timeout."""
     ema = check_ema(ema)
-    if ema.ema_model is None:
-        ema.init_ema()
+    if ema.kind == "module" and ema._modules.get("ema_model") is None:  # (no read: a load
+        ema.init_ema()  # may set shared frozen weights that the read would refuse)
     return ema, check.real("timeout_s", timeout_s, low=0.0, low_open=True)
 
 
@@ -330,7 +330,12 @@ def load_sharded_ema(
         current = f"v-{agreed:016x}" if agreed else None
     target = folder if current is None else folder / current
     reader = kwargs.pop("storage_reader", None) or _dcp.SafeReader(target)
-    state = ema.state_dict(include_online_model=False)
+    # the EMA's own tensors to load into (keep_vars: past the check of shared frozen
+    # weights, which a load may be setting), detached as DCP loads into plain tensors
+    state = ema.state_dict(keep_vars=True, include_online_model=False)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[key] = value.detach()
     _unalias(state, ema.model)
     try:
         dcp.load(state, checkpoint_id=target, storage_reader=reader, **kwargs)

@@ -107,7 +107,10 @@ def copy_model(
             continue
         empty = torch.empty(0, dtype=t.dtype, device=t.device)
         if type(t) is nn.Parameter and id(t) in share:
-            memo[id(t)] = nn.Parameter(t.detach(), requires_grad=False)
+            # ``.data``: the same storage under a version counter of its own, so that the
+            # EMA's writes (loads, un-shared updates) never move the model's (which the
+            # check of shared weights reads, see emakit._core.frozen)
+            memo[id(t)] = nn.Parameter(t.data, requires_grad=False)
         elif type(t) is nn.Parameter:
             memo[id(t)] = nn.Parameter(empty, requires_grad=False)
         elif type(t) is Tensor:

@@ -20,7 +20,7 @@ from .._dist.dtensor import check_fsdp2_torch
 from .._engine.guards import Changes, watch_modules
 from .._engine.pairs import TensorPair, Tracked, pair_tensors
 from ..errors import EMATypeError, EMAValueError
-from .frozen import FrozenShare, drop_unfreeze_hooks, shared_parameters, shares
+from .frozen import FrozenShare, shared_parameters, shares
 from .shadow import copy_model, layout_shadow, module_tensors
 from .tree import leaves, tree_copy
 
@@ -54,6 +54,12 @@ class _Source:
         """Called before ``state_dict`` is copied into the EMA (a module's shares frozen
         weights: see `ModuleSource.before_load()`)."""
 
+    def after_load(self) -> None:
+        """Called after a state was copied into the EMA (see `ModuleSource.after_load()`)."""
+
+    def before_read(self) -> None:
+        """Called before the EMA is read (see `ModuleSource.before_read()`)."""
+
     def shadow_dtype(self, t: Tensor) -> torch.dtype | None:
         """The shadow dtype of ``t`` (None: its own). ``ema_dtype`` only ever widens: a
         float64 buffer stays float64 under ``ema_dtype=torch.float32``."""
@@ -73,12 +79,14 @@ class ModuleSource(_Source):
         group_patterns: fnmatch patterns of decay groups 1, 2, ... (first match wins).
         move_to_online: move the EMA to the model's device when they differ.
         share_frozen: share frozen parameters with the model (``EMA(share_frozen=True)``).
+        watch_model: watch the modules' registries through `WatchedDict`s, which alters
+            the model (``EMA(watch_model=True)``, see `emakit._engine.guards`).
         on_unshare: called when a shared weight gets its own storage (the plan is stale).
         partition: keep only this rank's slice of each parameter (``EMA(partition=True)``).
         ema_dtype, cast, other_devices, device: see [`EMA`][emakit.EMA].
         frozen: the shared frozen weights and their watch (see `emakit._core.frozen`).
-        changes: registrations on the online and EMA models' modules (see
-            `emakit._engine.guards`).
+        changes: with ``watch_model``, the registrations on the online and EMA models'
+            modules (see `emakit._engine.guards`).
     """
 
     kind = "module"
@@ -88,6 +96,7 @@ class ModuleSource(_Source):
     group_patterns: Sequence[str] = ()
     move_to_online: bool = False
     share_frozen: bool = False
+    watch_model: bool = False
     on_unshare: Callable[[], None] = lambda: None
     partition: bool = False
 
@@ -97,8 +106,23 @@ class ModuleSource(_Source):
 
     def before_load(self, state_dict: Mapping[str, Any], prefix: str) -> None:
         """Copy-on-write: give every shared frozen weight whose value the load would change
-        its own storage first (see `emakit._core.frozen`)."""
+        (in the EMA under ``prefix``, or in the model under ``online_model.``) its own
+        storage first (see `emakit._core.frozen`)."""
         self.frozen.unshare_changed(state_dict, prefix)
+        if prefix.endswith("ema_model."):
+            self.frozen.unshare_changed(state_dict, prefix[: -len("ema_model.")] + "online_model.")
+
+    def after_load(self) -> None:
+        """The shared weights' version counters, moved by the load, are the EMA's again."""
+        self.frozen.rebase()
+
+    def before_read(self) -> None:
+        """Settle the shared frozen weights (un-share the unfrozen ones, refuse a written or
+        merged one: `emakit._core.frozen`). Costs a few C-level reads; nothing without
+        shared weights."""
+        frozen = self.frozen
+        if frozen.pairs and frozen.changed():
+            frozen.settle()
 
     def tracked(self, name: str) -> bool:
         """Whether ``name`` is tracked (not ignored)."""
@@ -142,7 +166,6 @@ class ModuleSource(_Source):
                     tracked=tracked,
                     shared=shared_parameters(model, self._shareable) if self.share_frozen else (),
                 )
-                drop_unfreeze_hooks(model, ema_model)  # another EMA's, copied with the model
         for p in ema_model.parameters():
             p.requires_grad_(False)
         pairs = self.pair(model, ema_model, placeholders=fresh)
@@ -163,9 +186,11 @@ class ModuleSource(_Source):
     def pair(
         self, model: nn.Module, ema_model: nn.Module, *, placeholders: bool = False
     ) -> list[TensorPair]:
-        """The pairs of ``model`` and ``ema_model``, by name, validated (their modules
-        watched for registrations first, see `emakit._engine.guards.watch_modules`)."""
-        watch_modules((model, ema_model), self.changes)
+        """The pairs of ``model`` and ``ema_model``, by name, validated (with
+        ``watch_model``, their modules watched for registrations first, see
+        `emakit._engine.guards.watch_modules`)."""
+        if self.watch_model:
+            watch_modules((model, ema_model), self.changes)
         online, oslots, buffers = module_tensors(model, self.ignored)
         online, oslots = partition_tensors(online, oslots, replicated=self.partition)
         shadow, sslots, _ = module_tensors(ema_model, self.ignored)
@@ -185,9 +210,14 @@ class ModuleSource(_Source):
 
     def pairs(self, model: nn.Module, ema_model: nn.Module) -> Tracked:
         """`pair()`, after moving the EMA to the model's device if asked and needed,
-        with the changes of both models' modules (what the plan's guards watch), without
-        the shared frozen weights (which need no work; they are watched, see
-        `emakit._core.frozen`)."""
+        with both models (whose registries the plan's guards compare), without the shared
+        frozen weights (which need no work; they are checked, see `emakit._core.frozen`).
+
+        Raises:
+            EMAStateError: the model no longer pairs, or a shared frozen weight was written
+                or merged into (`emakit._core.frozen.FrozenShare.settle()`).
+        """
+        self.before_read()
         pairs = self.pair(model, ema_model)
         if self.move_to_online and pairs and pairs[0].online.device != pairs[0].shadow.device:
             pairs = self.move_ema(model, ema_model, pairs[0].online.device)
@@ -195,7 +225,13 @@ class ModuleSource(_Source):
             pairs = self.pair(model, ema_model)
         shared = [p for p in pairs if shares(p)]
         self.frozen.watch(shared, ema_model, model)
-        return Tracked(tuple(p for p in pairs if not shares(p)), self.changes, tuple(shared))
+        return Tracked(
+            tuple(p for p in pairs if not shares(p)),
+            (model, ema_model),
+            tuple(shared),
+            self.changes if self.watch_model else None,
+            self.frozen.changed,
+        )
 
     def move_ema(
         self, model: nn.Module, ema_model: nn.Module, device: torch.device

@@ -20,8 +20,8 @@ from ..errors import EMAStateError, EMATypeError
 from .guards import Changes
 
 #: Where a tensor is registered: ``(container, key, id(module))``, e.g.
-#: ``(module._parameters, "weight", id(module))``. Where the container is not a watched
-#: registry (a DTensor's, a DeepSpeed partition's), the plan checks
+#: ``(module._parameters, "weight", id(module))``. Where the container is not a registry
+#: the plan compares whole (a DTensor's, a DeepSpeed partition's), the plan checks
 #: ``container.get(key) is tensor`` on every update (see `emakit._engine.guards`).
 Slot = tuple[Mapping[str, Any], str, int]
 
@@ -50,26 +50,32 @@ class TensorPair:
 
 @dataclass(frozen=True)
 class Tracked:
-    """What an EMA tracks, as one value: its pairs and the changes of the modules they live in.
+    """What an EMA tracks, as one value: its pairs and the modules they live in.
 
     Built by the owner (an EMA's source) whenever the plan must be built, and passed
     explicitly to the plan and its staleness guards (`emakit._engine.guards`).
 
     Attributes:
         pairs: the pairs, in the order the shadow is laid out.
-        changes: the `Changes` counter of the online and EMA models' watched modules
-            (`emakit._engine.guards.watch_modules`); a registration or a ``del`` on any
-            of them makes the plan compare the live pairs again. None for a pytree
-            (nothing registers on one).
+        roots: the online and EMA models, whose modules' registries the plan compares
+            with its copies on every update (a registration or a ``del`` on any of them
+            makes the plan compare the live pairs again). Empty for a pytree (nothing
+            registers on one).
         shared: the pairs left out of ``pairs`` because the shadow is the online storage
             (frozen weights, see `emakit._core.frozen`): no work, but a sharded EMA's
             agreement between ranks still counts them, so that every rank agrees alike
             whichever of them it shares. Default: none.
+        changes: with ``watch_model=True``, the `Changes` counter of the watched modules
+            (`emakit._engine.guards.watch_modules`), checked instead of the registries.
+        frozen: the owner's check of its shared frozen weights (True when one was
+            unfrozen, written or merged into), run on every update; None without any.
     """
 
     pairs: tuple[TensorPair, ...]
-    changes: Changes | None = None
+    roots: tuple[Any, ...] = ()
     shared: tuple[TensorPair, ...] = ()
+    changes: Changes | None = None
+    frozen: Callable[[], bool] | None = None
 
     @classmethod
     def of(cls, pairs: Sequence[TensorPair] | Tracked) -> Tracked:

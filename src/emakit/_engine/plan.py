@@ -74,7 +74,9 @@ class Plan:
         self.guards = Guards(
             [w for p in self.pairs for w in ((p.online_slot, p.online), (p.shadow_slot, p.shadow))],
             [p.online for p in self.shared if is_dtensor(p.online)],
+            tracked.roots,
             tracked.changes,
+            tracked.frozen if self.shared else None,
         )
         self.groups: list[Group] = build_groups(
             self.pairs,
@@ -117,7 +119,7 @@ class Plan:
 
     def same_pairs(self, tracked: Tracked | Sequence[TensorPair]) -> bool:
         """Whether ``tracked``'s pairs are the plan's own: same names, tensors and roles. If
-        so, the plan is fresh again until the next registration on the watched modules."""
+        so, the plan is fresh again until the next registration on the tracked modules."""
         same = _identity(Tracked.of(tracked).pairs) == _identity(self.pairs)
         if same:
             self.guards.accept()

@@ -75,8 +75,6 @@ class EMAWeightAveraging(pl.Callback):
       against ``lerp_``, which rounds the last bit differently now and then);
     * integer buffers (BatchNorm's ``num_batches_tracked``) are copied from the module;
       Lightning averages them in float and truncates the result back into the integer;
-    * frozen parameters (``requires_grad=False``) are shared with the module, not copied
-      and averaged (``share_frozen``): the same values, no memory;
     * ``device="cpu"`` for a GPU module keeps the average in pinned CPU memory and
       averages on a background thread (emakit's ``device=``), where Lightning copies
       every weight to the CPU and averages there in the training loop;

@@ -73,6 +73,7 @@ class EMAKeywords(TypedDict, total=False):
     async_update: bool | None
     stream: bool
     share_frozen: bool
+    watch_model: bool
     # ema_class=BEMA: BEMA's own keywords (the others above apply to it as well)
     update_freq: int
     ema_power: float

@@ -181,7 +181,9 @@ class KarrasEMA(EMA):
         async_update: keyword-only; average on a background thread, as for
             [`EMA`][emakit.EMA]. Default None.
         share_frozen: keyword-only; frozen parameters shared with the model rather than
-            copied, as for [`EMA`][emakit.EMA]. Default True.
+            copied, as for [`EMA`][emakit.EMA]. Default False.
+        watch_model: keyword-only; watch the model's registries through a dict subclass
+            (alters the model), as for [`EMA`][emakit.EMA]. Default False.
         partition: keyword-only; keep only this rank's slice of every parameter of a
             model replicated over the ranks, as for [`EMA`][emakit.EMA] (a DeepSpeed
             ZeRO-3 model is partitioned anyway). Default False.
@@ -220,8 +222,9 @@ class KarrasEMA(EMA):
         skip_nonfinite: bool = False,
         device: torch.device | str | None = None,
         async_update: bool | None = None,
-        share_frozen: bool = True,
+        share_frozen: bool = False,
         partition: bool = False,
+        watch_model: bool = False,
     ) -> None:
         self.sigma_rel, self.gamma = resolve_profile(sigma_rel, gamma)
         boolean("frozen", frozen)
@@ -243,6 +246,7 @@ class KarrasEMA(EMA):
             async_update=async_update,
             share_frozen=share_frozen,
             partition=partition,
+            watch_model=watch_model,
         )
         self.frozen = frozen
         self.t_from_step = False  # see _load_own_state

@@ -135,7 +135,7 @@ class PostHocEMA(nn.Module):
             letters, digits, ``.``, ``_``, ``-``), kept across ``load_state_dict``
             resumes. Default None: a fresh random id (see [`emakit.posthoc.snapshots.folder`][emakit.posthoc.snapshots.folder]).
         store_frozen_once: keyword-only; frozen weights shared with the model
-            (``share_frozen=True``, the default) are written once per distinct value, into
+            (``share_frozen=True``; copied by default) are written once per distinct value, into
             a side file that the snapshots refer to (see
             [`emakit.posthoc.snapshots.frozen`][emakit.posthoc.snapshots.frozen]), instead of into every
             snapshot; synthesis gives the same weights. ``False`` writes every tensor into
@@ -144,7 +144,7 @@ class PostHocEMA(nn.Module):
             ``param_or_buffer_names_no_ema``, ``ignore_names``, ``ignore_startswith_names``,
             ``allow_different_devices``, ``move_ema_to_online_device``, ``use_foreach``,
             ``ema_dtype``, ``skip_nonfinite``, ``device``, ``async_update``,
-            ``share_frozen``, ``partition``.
+            ``share_frozen``, ``partition``, ``watch_model``.
 
     Example:
         >>> net = torch.nn.Linear(4, 4)

@@ -1,7 +1,7 @@
 """Frozen weights stored once: the side files of post-hoc snapshots.
 
-A [`PostHocEMA`][emakit.PostHocEMA] shares its frozen weights (``requires_grad=False``: a
-LoRA base, a frozen encoder) with the model (``share_frozen=True``, the default, see
+A [`PostHocEMA`][emakit.PostHocEMA] built with ``share_frozen=True`` shares its frozen
+weights (``requires_grad=False``: a LoRA base, a frozen encoder) with the model (see
 `emakit._core.frozen`). Their values then change only when the user changes them, so a
 snapshot need not store them again: each snapshot file leaves its shared tensors out and
 names the **side file** that holds them, one per distinct value, in the snapshot folder::
