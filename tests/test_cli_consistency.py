@@ -128,12 +128,12 @@ def test_inspect_shows_the_checkpoints_own_step_beside_the_emas(tmp_path: Path) 
 
 
 def test_inspect_invents_no_version_for_an_ema_pytorch_state(tmp_path: Path) -> None:
-    from ema_pytorch import EMA as PeerEMA
+    import ema_pytorch
 
     from emakit import EMA
 
     net = torch.nn.Linear(2, 2)
-    peer = PeerEMA(net, update_after_step=0, update_every=1)
+    peer = ema_pytorch.EMA(net, update_after_step=0, update_every=1)
     peer.update()
     torch.save(peer.state_dict(), tmp_path / "peer.pt")
     shown = invoke("inspect", str(tmp_path / "peer.pt")).output
