@@ -25,6 +25,7 @@ from peers import allow_timm
 
 
 def resnet18() -> nn.Module:
+    allow_timm()  # torchvision from .peers/ beside a CPU torch, as the tests load it
     import torchvision
 
     torch.manual_seed(0)
