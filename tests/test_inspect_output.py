@@ -25,10 +25,12 @@ What would differ between machines is pinned or normalized:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import struct
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,6 +90,11 @@ class Tagger(nn.Module):
 def seven_layers() -> nn.Sequential:
     """14 tensors: more than inspect lists (12)."""
     return filled(nn.Sequential(*[nn.Linear(2, 2) for _ in range(7)]))
+
+
+def six_layers() -> nn.Sequential:
+    """12 tensors: as many as inspect lists."""
+    return filled(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]))
 
 
 def ema_state(model: nn.Module, steps: int = 3) -> dict[str, torch.Tensor]:
@@ -185,9 +192,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def build(root: Path) -> None:
     """Every fixture, under ``root``."""
 
-    # a PostHocEMA folder: 2 profiles, 3 steps, a side file, and a file of the user's
+    # a PostHocEMA folder: 2 profiles, 3 steps, a side file (the frozen base is shared, so
+    # stored once: share_frozen=True; copied by default), and a file of the user's
     snaps = root / "snapshots"
-    write_snapshots_of(Tagger(), snaps, range(2, 7, 2), sigma_rels=(0.05, 0.28), run_id="golden")
+    write_snapshots_of(
+        Tagger(), snaps, range(2, 7, 2), sigma_rels=(0.05, 0.28), run_id="golden", share_frozen=True
+    )
     (snaps / "notes.txt").write_text("not a snapshot\n")
 
     # the same, its side file damaged (the last byte of its tensors flipped)
@@ -211,6 +221,15 @@ def build(root: Path) -> None:
     write_ema_pytorch_files(root / "ema-pytorch", 3, range(10, 71, 10))
     shutil.copytree(root / "ema-pytorch", root / "ema-pytorch-20")
     (root / "ema-pytorch-20" / legacy_filename(2, 70)).unlink()
+    # ema-pytorch's files holding a tensor of a dtype safetensors has no code for
+    complex128 = root / "ema-pytorch-complex128"
+    complex128.mkdir()
+    tensors = {
+        "w": torch.ones(2, dtype=torch.float16),
+        "phase": torch.ones(2, dtype=torch.complex128),
+    }
+    for step in (10, 20):
+        torch.save(legacy_state(tensors, step), complex128 / legacy_filename(0, step))
 
     # ema-pytorch's files, then emakit's snapshots of the same profiles (a resumed run)
     resumed = root / "resumed"
@@ -287,6 +306,9 @@ def build(root: Path) -> None:
     ema = EMA(seven_layers(), beta=0.9, update_after_step=0)
     ema.update()
     save_ema_weights(ema, files / "ema.safetensors")
+    twelve = EMA(six_layers(), beta=0.9, update_after_step=0)
+    twelve.update()
+    save_ema_weights(twelve, files / "ema-12.safetensors")
     with open(files / "plain.safetensors", "wb") as f:
         write_safetensors(f, {"w": torch.ones(2, 3), "n": torch.tensor([1, 2])}, {})
     with open(files / "damaged-header.safetensors", "wb") as f:
@@ -315,6 +337,7 @@ def build(root: Path) -> None:
     torch.save(filled(nn.Linear(2, 1)).state_dict(prefix="net."), files / "prefixed-state.pt")
     torch.save({"a": torch.ones(3)}, files / "old-format.pt", _use_new_zipfile_serialization=False)
     torch.save([1, 2, 3], files / "3.1200.pt")
+    torch.save({"epoch": 3, "best": 0.25}, files / "counters.pt")
     # files that are no checkpoint
     (files / "summary.json").write_text('{"loss": 0.5}\n')
     (files / "list.json").write_text("[1, 2]\n")
@@ -337,6 +360,10 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "runs_unknown_picked": (["runs", "--run", "third"], False),
     "ema_pytorch_folder": (["ema-pytorch"], False),
     "ema_pytorch_folder_of_20": (["ema-pytorch-20"], False),
+    "ema_pytorch_folder_of_complex128": (
+        ["ema-pytorch-complex128", "--legacy-sigma-rels", "0.05", "--legacy-update-every", "10"],
+        True,
+    ),
     "ema_pytorch_folder_with_profiles": (
         ["ema-pytorch", "--legacy-sigma-rels", "0.05,0.15,0.28", "--legacy-update-every", "10"],
         True,
@@ -363,6 +390,7 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "side_file": (["snapshots/frozen-*.safetensors"], False),
     "side_file_damaged": (["damaged-side-file/frozen-*.safetensors"], False),
     "exported_weights": (["files/ema.safetensors"], False),
+    "exported_weights_of_12_tensors": (["files/ema-12.safetensors"], False),
     "safetensors_without_metadata": (["files/plain.safetensors"], False),
     "safetensors_damaged_emakit_header": (["files/damaged-header.safetensors"], False),
     # torch files
@@ -375,6 +403,7 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "state_dict_with_prefix": (["files/prefixed-state.pt"], True),
     "torch_legacy_serialization": (["files/old-format.pt"], True),
     "named_like_ema_pytorch": (["files/3.1200.pt"], True),
+    "torch_dict_without_tensors": (["files/counters.pt"], True),
     # no checkpoint
     "missing_file": (["files/missing.pt"], False),
     "demo_summary_json": (["files/summary.json"], False),
@@ -443,3 +472,45 @@ def test_inspect_prints_the_expected_text(root: Path, case: str) -> None:
 def test_every_expected_text_has_its_case() -> None:
     """No expected text is left over from a renamed or removed case."""
     assert sorted(p.stem for p in GOLDEN.glob("*.txt")) == sorted(CASES)
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+
+def write_safetensors_of_size(path: Path, size: int) -> None:
+    """A safetensors file of exactly ``size`` bytes: one uint8 tensor filling it after the
+    header, its bytes left a hole (zeros) so that a GiB costs no disk."""
+    n = size - 8
+    while True:  # the header's length depends on the tensor's, which depends on it
+        header = json.dumps({"x": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
+        header += " " * (-len(header) % 8)
+        if 8 + len(header) + n == size:
+            break
+        n = size - 8 - len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(size)
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"),
+    [
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (1024**2, "1.0 MiB"),
+        (5 * 1024**2 // 2, "2.5 MiB"),
+        (1024**3, "1.0 GiB"),
+        (3 * 1024**3 // 2, "1.5 GiB"),
+    ],
+)
+def test_a_size_is_shown_in_the_next_unit_from_exactly_1024(
+    tmp_path: Path, size: int, shown: str
+) -> None:
+    """Bytes as a whole number below 1024, then KiB, MiB, GiB with one decimal."""
+    path = tmp_path / "weights.safetensors"
+    write_safetensors_of_size(path, size)
+    assert path.stat().st_size == size
+    result = runner().invoke(inspect_cmd, [str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == f"safetensors file {path} ({shown}), format (none)"
