@@ -259,11 +259,6 @@ def test_a_folder_holding_one_snapshot_folder_is_read_there_said_on_stderr(train
     assert result.stderr == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without --eval, sweep looks for the folder's emakit-eval.json before it "
-    "checks the folder, and asks for --eval where the folder does not exist",
-)
 @pytest.mark.parametrize(
     "legacy", [[], ["--legacy-sigma-rels", "0.05", "--legacy-update-every", "1"]]
 )

@@ -64,6 +64,7 @@ from .snapshots.folder import (
     LOCK_NAME,
     check_output,
     describe_runs,
+    existing_folder,
     find_snapshot_folder,
     list_legacy_files,
     list_snapshots,
@@ -165,7 +166,7 @@ def open_folder(
     None without the options)``: ``folder``, or its one snapshot subfolder (a demo run's),
     said so. Where ema-pytorch's files alone cannot say which tensors are buffers, the
     guess is said too."""
-    found = find_snapshot_folder(folder)
+    found = existing_folder(find_snapshot_folder(folder))  # a mistyped folder said first
     if found != folder:
         click.echo(f"Note: {folder} holds no snapshots itself; using {found}", err=True)
     sigma_rels, gammas, update_every = legacy_sigma_rels, legacy_gammas, legacy_update_every

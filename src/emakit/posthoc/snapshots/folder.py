@@ -82,6 +82,7 @@ __all__ = [
     "check_run_id",
     "collect_frozen_files",
     "describe_runs",
+    "existing_folder",
     "find_snapshot_folder",
     "first_write_warnings",
     "list_legacy_files",
@@ -97,8 +98,13 @@ __all__ = [
 LOCK_NAME = ".emakit-posthoc.lock"
 
 
-def _existing_folder(folder: object) -> Path:
-    """``folder`` if it is an existing folder, or an error saying what it is."""
+def existing_folder(folder: object) -> Path:
+    """``folder`` if it is an existing folder, or an error saying what it is.
+
+    Raises:
+        EMAFileNotFoundError: it does not exist.
+        EMAValueError: it is not a folder.
+    """
     root = as_path("folder", folder)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -122,7 +128,7 @@ def list_legacy_files(folder: str | os.PathLike[str]) -> list[LegacyFile]:
         EMAValueError: ``folder`` is not a folder.
     """
     found = []
-    for path in _existing_folder(folder).iterdir():
+    for path in existing_folder(folder).iterdir():
         m = LEGACY_NAME.match(path.name)
         if m and path.is_file():
             found.append(LegacyFile(path, int(m.group(1)), int(m.group(2))))
@@ -241,7 +247,7 @@ def skipped_files(folder: str | os.PathLike[str]) -> list[str]:
         EMAValueError: ``folder`` is not a folder.
     """
     try:
-        return _read_folder(_existing_folder(folder))[2]
+        return _read_folder(existing_folder(folder))[2]
     except EMAStateError as e:  # a malformed header: that is why
         return [str(e)]
 
@@ -275,7 +281,7 @@ def list_snapshots(
             is malformed (naming the file and the field); an ema-pytorch file's profile
             index is out of range of ``legacy.gammas``.
     """
-    root = _existing_folder(folder)
+    root = existing_folder(folder)
     found, shards, skipped = _read_folder(root)
     for why in skipped:
         warnings.warn(why, PostHocWarning, stacklevel=2)
@@ -427,7 +433,7 @@ def collect_frozen_files(
             ``"../x"``); ``shard`` is not ``(rank, world)``.
         EMATypeError: ``folder`` is not a path, or ``run`` is not a str.
     """
-    root = _existing_folder(folder)
+    root = existing_folder(folder)
     if run is not None:
         check_run_id("run", run)
     part = _check_shard(shard)
