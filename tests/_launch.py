@@ -6,17 +6,22 @@ worker that raises, dies or hangs fails the test with its traceback. ``fn(rank, 
 returns a picklable result per rank. With ``barrier=False`` the ranks skip the final
 barrier (for jobs that leave the process group unusable on purpose, e.g. a collective
 that only some ranks called).
+
+Inside a rank, ``store_waits()`` records the waits of emakit's arrival check, and
+``wait_for_rank_zero(name)`` orders the ranks through the process group's store: what the
+tests assert and wait on instead of durations and sleeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +142,61 @@ def run_ranks(
         None if r in died else torch.load(out / f"result-{r}.pt", weights_only=False)
         for r in range(world)
     ]
+
+
+@contextlib.contextmanager
+def store_waits() -> Iterator[list[tuple[float, bool]]]:
+    """Within the block, every wait of emakit's arrival check on the process group's store
+    (``emakit._dist.arrival``), recorded in order as ``(its bound in seconds, whether the
+    awaited keys came)``; call it in a rank.
+
+    What a test asserts instead of a duration: a check that gave up waited once, with the
+    bound it was given (``[(timeout_s, False)]``: torch's store waited that long, no longer),
+    and a rank that learned at once that it came late did not wait at all (``[]``).
+    """
+    from emakit._dist import collectives
+
+    waits: list[tuple[float, bool]] = []
+    real = collectives.default_store
+
+    class Recording:
+        def __init__(self, store: Any) -> None:
+            self._store = store
+
+        def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+            try:
+                self._store.wait(keys, timeout)
+            except RuntimeError:
+                waits.append((timeout.total_seconds(), False))
+                raise
+            waits.append((timeout.total_seconds(), True))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._store, name)
+
+    def recording() -> Any:
+        store = real()
+        return None if store is None else Recording(store)
+
+    collectives.default_store = recording  # type: ignore[assignment]
+    try:
+        yield waits
+    finally:
+        collectives.default_store = real
+
+
+def wait_for_rank_zero(name: str) -> None:
+    """Order the ranks through the process group's store, for jobs whose collectives are
+    broken on purpose (no ``dist.barrier()`` at hand): the other ranks block here until rank
+    0 comes here (each at most the store's timeout, ``PG_TIMEOUT_S``), and rank 0 leaves only
+    once every other rank has passed, since the store lives in rank 0's process."""
+    from emakit._dist.arrival import default_store
+
+    store = default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        store.set(f"tests/{name}", b"")
+        store.wait([f"tests/{name}/{r}" for r in range(1, world)])
+    else:
+        store.wait([f"tests/{name}"])
+        store.set(f"tests/{name}/{rank}", b"")

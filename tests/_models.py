@@ -1,4 +1,4 @@
-"""Model builders and a reference EMA step shared by the tests.
+"""Model builders, the training loops and a reference EMA step shared by the tests.
 
 A plain module rather than ``conftest.py``, so that test files can ``from _models import
 ...``: ``tests/`` has no ``__init__.py``, so pytest puts it on ``sys.path`` (and
@@ -12,8 +12,8 @@ the same weights. Parameter and buffer names are part of the contract: tests ref
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,139 @@ class LayerNormMLP(nn.Module):
 
 def layernorm_mlp(seed: int | None = 0) -> LayerNormMLP:
     return seeded(LayerNormMLP, seed)
+
+
+def two_linear(seed: int | None = 0) -> nn.Sequential:
+    """``Linear(3, 4) -> Linear(4, 2)`` (names ``0.weight``, ``1.bias``, ...)."""
+    return seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), seed)
+
+
+def frozen_base(seed: int | None = 0) -> nn.Sequential:
+    """``Linear(3, 3) -> Linear(3, 2)`` with the first Linear frozen (a frozen base)."""
+
+    def build() -> nn.Sequential:
+        net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        net[0].requires_grad_(False)
+        return net
+
+    return seeded(build, seed)
+
+
+def float16_overflow_linear() -> nn.Linear:
+    """A ``Linear(4, 2)`` whose ``weight[0, 1]`` is 1e5, above float16's largest 65504."""
+    net = nn.Linear(4, 2)
+    with torch.no_grad():
+        net.weight[0, 1] = 1e5
+    return net
+
+
+class TinyLora(nn.Module):
+    """A frozen base (``base``, 16 -> 16) and a trainable adapter (``adapter``, 16 -> 2):
+    with `TINY_LORA_POSTHOC` its snapshots store the base once, in a side file. Trained
+    with ``train(net, [ema], steps, **TINY_LORA_SGD)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.adapter = nn.Linear(16, 2)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapter(torch.tanh(self.base(x)))
+
+
+#: `PostHocEMA` keywords of a `TinyLora` run: two profiles, snapshots every 4 steps, and
+#: ``share_frozen=True``: the frozen base is shared, so the snapshots store it once in a side
+#: file.
+TINY_LORA_POSTHOC: dict[str, Any] = dict(
+    sigma_rels=(0.05, 0.28), update_every=1, checkpoint_every_num_steps=4, share_frozen=True
+)
+#: `train()`'s keywords for `TinyLora`: 8 x 16 batches, lr 0.2, step ``i``'s batch drawn
+#: from a generator seeded with ``i``.
+TINY_LORA_SGD: dict[str, Any] = dict(batch=(8, 16), lr=0.2, seed=lambda i: i)
+
+
+# -- training loops --------------------------------------------------------------------------
+
+
+def train(
+    net: nn.Module,
+    emas: Iterable[Any] = (),
+    steps: int | Iterable[int] = 1,
+    *,
+    batch: tuple[int, ...] = (8, 4),
+    lr: float = 0.1,
+    seed: int | Callable[[int], int] = 0,
+    opt: torch.optim.Optimizer | None = None,
+    loss: Callable[[nn.Module, torch.Generator], torch.Tensor] | None = None,
+    at: Callable[[int], None] | None = None,
+    then: Callable[[int], None] | None = None,
+) -> None:
+    """Optimizer steps on ``net``, each followed by every EMA's ``update()``.
+
+    For each ``i`` of ``steps`` (``range(steps)`` for an int): ``at(i)``; gradients
+    cleared; ``loss(net, g).backward()``, by default ``net(x).pow(2).mean()`` for
+    ``x = torch.randn(*batch, generator=g)``; ``opt.step()``; gradients cleared; ``then(i)``;
+    ``e.update()`` for each of ``emas``, in order. ``g`` is one generator seeded with
+    ``seed`` for the whole call, or, for a callable ``seed``, a fresh one seeded with
+    ``seed(i)`` at each step. ``opt`` defaults to plain SGD at ``lr`` over the parameters
+    that require gradients when the step begins (plain SGD keeps no state: a parameter that
+    ``at`` freezes or unfreezes is simply left out or taken in).
+    """
+    emas = list(emas)
+    one = torch.Generator().manual_seed(seed) if isinstance(seed, int) else None
+    for i in range(steps) if isinstance(steps, int) else steps:
+        if at is not None:
+            at(i)
+        g = one if one is not None else torch.Generator().manual_seed(seed(i))  # type: ignore[operator]
+        step_opt = opt
+        if step_opt is None:
+            step_opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
+        step_opt.zero_grad()
+        if loss is None:
+            net(torch.randn(*batch, generator=g)).pow(2).mean().backward()
+        else:
+            loss(net, g).backward()
+        step_opt.step()
+        step_opt.zero_grad()
+        if then is not None:
+            then(i)
+        for e in emas:
+            e.update()
+
+
+def walk(
+    net: nn.Module, emas: Iterable[Any] = (), steps: int = 1, *, seed: int = 0, scale: float = 1.0
+) -> None:
+    """A random walk of the weights: each step adds ``scale`` times standard normal noise
+    (one generator seeded with ``seed``) to every parameter, then calls every EMA's
+    ``update()``."""
+    emas = list(emas)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=g), alpha=scale)
+        for e in emas:
+            e.update()
+
+
+def step_weights(net: nn.Module, k: int) -> None:
+    """Move every weight by a deterministic amount (an optimizer step): parameter ``i``
+    (counted from 0) by ``0.1 * (k + 1) * (i + 1)``."""
+    with torch.no_grad():
+        for i, p in enumerate(net.parameters()):
+            p.add_(0.1 * (k + 1) * (i + 1))
+
+
+def ema_weights(ema: Any) -> dict[str, torch.Tensor]:
+    """A clone of every tensor of ``ema.ema_model``'s state dict."""
+    return {k: v.clone() for k, v in ema.ema_model.state_dict().items()}
+
+
+def same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``a`` and ``b`` hold the same names and equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # -- the reference EMA -----------------------------------------------------------------------

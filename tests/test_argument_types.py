@@ -8,25 +8,17 @@ import numpy as np
 import pytest
 import torch
 from ema_pytorch import EMA as PeerEMA  # noqa: N811 - the peer's class, by its role
+from torch import nn
 
 from emakit import EMA, schedules
 from emakit.compat.diffusers import EMAModel
 from emakit.compat.swa_utils import get_ema_multi_avg_fn
 from emakit.compat.timm import ModelEmaV3
 from emakit.compat.torch_ema import ExponentialMovingAverage
-from emakit.errors import EMATypeError
+from emakit.errors import EMATypeError, EMAValueError
 
 REALS = [np.float32(0.75), np.float64(0.75), torch.tensor(0.75), torch.tensor(0.75).double()]
 INTEGERS = [np.int64(3), np.int32(3), np.uint8(3), torch.tensor(3)]
-
-
-def train(ema, net: torch.nn.Module, steps: int = 12) -> None:
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        with torch.no_grad():
-            for p in net.parameters():
-                p.add_(torch.randn(p.shape, generator=g))
-        ema.update()
 
 
 @pytest.mark.parametrize("beta", REALS, ids=repr)
@@ -77,3 +69,12 @@ def test_bools_vectors_and_text_are_refused(bad) -> None:
         EMA(net, update_every=bad)
     with pytest.raises(EMATypeError, match="update_every must be an int"):
         EMA(net, update_every=torch.tensor(3.0))
+
+
+@pytest.mark.parametrize(
+    "key", ["update_every", "update_after_step", "update_model_with_ema_every"]
+)
+def test_counts_beyond_the_int64_counters_are_refused(key):
+    with pytest.raises(EMAValueError, match=rf"{key} must be <= {2**63 - 1}.*int64"):
+        EMA(nn.Linear(2, 2), **{key: 2**70})
+    EMA(nn.Linear(2, 2), **{key: 2**63 - 1})

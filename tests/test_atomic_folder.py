@@ -266,11 +266,11 @@ def test_stale_leftovers_go_and_a_missing_folder_comes_back(tmp_path):
 
 
 CHILD = """
-import fcntl, os, sys, time
+import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("locked", flush=True)
-time.sleep(60)
+sys.stdin.read()  # holds the lock until killed (or its parent is gone)
 """
 
 
@@ -282,7 +282,12 @@ def test_a_live_staging_folder_is_kept(tmp_path):
     out.rename(tmp_path / "gone")
     live_old = stale_leftover(out, OLD_PREFIX, {"config.json": b"1"})
     children = [
-        subprocess.Popen([sys.executable, "-c", CHILD, str(p)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(p)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for p in (live, live_old)
     ]
     try:

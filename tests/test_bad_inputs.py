@@ -31,6 +31,7 @@ from emakit import (
     EMAStateError,
     EMATypeError,
     EMAValueError,
+    PostHocEMA,
     schedules,
 )
 from emakit.checkpoint import (
@@ -567,3 +568,15 @@ def test_torch_file_of_the_wrong_kind(ctx):
     with pytest.raises(EMAStateError) as info:
         load_foreign_state(ctx.ema, pickled)
     assert str(pickled) in str(info.value)
+
+
+def test_a_checkpoint_folder_that_is_a_regular_file_is_refused(tmp_path: Path):
+    from emakit.distributed import save_sharded_ema
+
+    file = tmp_path / "taken"
+    file.write_text("not a folder")
+    with pytest.raises(EMAValueError, match=r"checkpoint_folder must be a folder.*regular file"):
+        PostHocEMA(nn.Linear(2, 2), checkpoint_folder=file)
+    with pytest.raises(EMAValueError, match="checkpoint_id must be a folder"):
+        save_sharded_ema(EMA(nn.Linear(2, 2)), file)
+    assert file.read_text() == "not a folder"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import struct
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -18,7 +20,8 @@ from torch import nn
 
 import emakit
 from _frameworks import need
-from emakit import EMA, EMAPytree, EMAStateError
+from _models import float16_overflow_linear, train
+from emakit import EMA, EMAPytree, EMAStateError, EMAValueError
 from emakit._files import atomic as io_mod
 from emakit.checkpoint import (
     WEIGHTS_FORMAT,
@@ -46,17 +49,13 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def train(net: nn.Module, steps: int, after_step=None, seed: int = 1) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        idx = torch.randint(0, 5, (4, 7), generator=gen)
-        net(idx).pow(2).mean().backward()
-        with torch.no_grad():  # plain SGD, lr 0.1
-            for p in net.parameters():
-                p.add_(p.grad, alpha=-0.1)
-                p.grad = None
-        if after_step is not None:
-            after_step()
+def token_loss(net: nn.Module, g: torch.Generator) -> torch.Tensor:
+    """`Net`'s loss on a batch of 4 x 7 token ids (vocabulary 5) drawn from ``g``."""
+    return net(torch.randint(0, 5, (4, 7), generator=g)).pow(2).mean()
+
+
+#: `train()`'s keywords for `Net` (plain SGD at lr 0.1 on `token_loss`).
+TOKENS: dict[str, Any] = dict(loss=token_loss, seed=1)
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -78,7 +77,7 @@ def quiet_load(*args, **kwargs):
 def test_export_loads_straight_into_the_model_class(tmp_path):
     net = Net()
     ema = EMA(net, beta=0.9, update_after_step=0, update_every=1)
-    train(net, 5, ema.update)
+    train(net, [ema], 5, **TOKENS)
     path = save_ema_weights(ema, tmp_path / "ema.safetensors")
     assert path == tmp_path / "ema.safetensors"
     fresh = Net(seed=7)
@@ -92,7 +91,7 @@ def test_export_loads_straight_into_the_model_class(tmp_path):
 def test_export_header_metadata(tmp_path):
     net = Net()
     ema = EMA(net, beta=0.99, update_after_step=2, update_every=3, power=0.75, min_value=0.1)
-    train(net, 11, ema.update)
+    train(net, [ema], 11, **TOKENS)
     path = save_ema_weights(ema, tmp_path / "ema.safetensors", metadata={"run": "abc"})
     with safetensors.safe_open(str(path), "pt") as f:
         meta = f.metadata()
@@ -176,7 +175,7 @@ def test_export_dtype_casts_floats_only(tmp_path):
 def test_load_round_trip_keeps_shadow_dtype_and_step(tmp_path):
     net = Net().to(torch.bfloat16)
     ema = EMA(net, ema_dtype=torch.float32, beta=0.9, update_after_step=1, update_every=2)
-    train(net, 9, ema.update)
+    train(net, [ema], 9, **TOKENS)
     path = save_ema_weights(ema, tmp_path / "ema.safetensors")
     fresh_net = Net(seed=3).to(torch.bfloat16)
     fresh = EMA(fresh_net, ema_dtype=torch.float32, beta=0.9, update_after_step=1, update_every=2)
@@ -196,21 +195,21 @@ def test_weights_and_step_resume_exactly(tmp_path):
     kw = dict(beta=0.95, update_after_step=2, update_every=2)
     net_a = Net()
     ema_a = EMA(net_a, **kw)
-    train(net_a, 8, ema_a.update)
+    train(net_a, [ema_a], 8, **TOKENS)
     path = save_ema_weights(ema_a, tmp_path / "ema.safetensors")
     net_b = Net(seed=5)
     net_b.load_state_dict(net_a.state_dict())
     ema_b = EMA(net_b, **kw)
     load_ema_weights(ema_b, path)
-    train(net_a, 7, ema_a.update, seed=9)
-    train(net_b, 7, ema_b.update, seed=9)
+    train(net_a, [ema_a], 7, loss=token_loss, seed=9)
+    train(net_b, [ema_b], 7, loss=token_loss, seed=9)
     assert_same(ema_b.ema_model.state_dict(), ema_a.ema_model.state_dict())
 
 
 def test_load_without_restoring_step_marks_initted(tmp_path):
     net = Net()
     ema = EMA(net, beta=0.9, update_after_step=0, update_every=1)
-    train(net, 3, ema.update)
+    train(net, [ema], 3, **TOKENS)
     path = save_ema_weights(ema, tmp_path / "ema.safetensors")
     fresh = EMA(Net(seed=2))
     load_ema_weights(fresh, path, restore_step=False)
@@ -329,7 +328,7 @@ def test_ema_pytorch(tmp_path, include_online_model):
         update_every=2,
         include_online_model=include_online_model,
     )
-    train(net, 9, theirs.update)
+    train(net, [theirs], 9, **TOKENS)
     sd = theirs.state_dict()
     assert any(k.startswith("online_model.") for k in sd) == include_online_model
     assert detect_format(sd) == "ema_pytorch"
@@ -342,8 +341,8 @@ def test_ema_pytorch(tmp_path, include_online_model):
     again = emakit_ema(beta=0.9, update_after_step=2, update_every=2, use_foreach=False)
     again.model.load_state_dict(net.state_dict())
     load_foreign_state(again, tmp_path / "ema.pt")
-    train(net, 4, theirs.update, seed=3)
-    train(again.model, 4, again.update, seed=3)
+    train(net, [theirs], 4, loss=token_loss, seed=3)
+    train(again.model, [again], 4, loss=token_loss, seed=3)
     for k, v in theirs.ema_model.state_dict().items():
         if v.is_floating_point():  # ema-pytorch never updates integer buffers; emakit copies them
             assert torch.allclose(again.ema_model.state_dict()[k], v, atol=1e-6), k
@@ -354,7 +353,7 @@ def test_timm_training_checkpoint_file(tmp_path):
     net = Net()
     model_ema = timm_utils.ModelEmaV3(net, decay=0.9)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    train(net, 6, lambda: model_ema.update(net))
+    train(net, (), 6, then=lambda i: model_ema.update(net), **TOKENS)
     saver = timm_utils.CheckpointSaver(
         net, opt, model_ema=model_ema, checkpoint_dir=str(tmp_path), recovery_dir=str(tmp_path)
     )
@@ -374,7 +373,7 @@ def test_timm_model_ema_state_dict(version):
     timm_utils = pytest.importorskip("timm.utils")
     net = Net()
     model_ema = getattr(timm_utils, version)(net, decay=0.8)
-    train(net, 4, lambda: model_ema.update(net))
+    train(net, (), 4, then=lambda i: model_ema.update(net), **TOKENS)
     sd = model_ema.state_dict()
     assert all(k.startswith("module.") for k in sd)
     ours = emakit_ema()
@@ -391,7 +390,7 @@ def test_torch_ema():
     torch_ema = pytest.importorskip("torch_ema")
     net = Net()
     theirs = torch_ema.ExponentialMovingAverage(net.parameters(), decay=0.9)
-    train(net, 5, theirs.update)
+    train(net, [theirs], 5, **TOKENS)
     sd = theirs.state_dict()
     assert detect_format(sd) == "torch_ema"
     ours = emakit_ema()
@@ -431,7 +430,7 @@ def test_averaged_model(tmp_path, use_buffers):
 
     net = Net()
     theirs = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
-    train(net, 6, lambda: theirs.update_parameters(net))
+    train(net, (), 6, then=lambda i: theirs.update_parameters(net), **TOKENS)
     sd = theirs.state_dict()
     assert detect_format(sd) == "averaged_model"
     torch.save(sd, tmp_path / "swa.pt")
@@ -445,7 +444,7 @@ def test_diffusers_ema_model(tmp_path):
     EMAModel = need("diffusers.training_utils").EMAModel
     net = Net()
     theirs = EMAModel(net.parameters(), decay=0.9, use_ema_warmup=True, power=0.75)
-    train(net, 7, lambda: theirs.step(net.parameters()))
+    train(net, (), 7, then=lambda i: theirs.step(net.parameters()), **TOKENS)
     sd = theirs.state_dict()
     assert detect_format(sd) == "diffusers"
     torch.save(sd, tmp_path / "ema.pt")
@@ -460,7 +459,7 @@ def test_diffusers_ema_model(tmp_path):
 
 def test_emakit_and_plain_state_dicts(tmp_path):
     src = EMA(Net(), beta=0.9, update_after_step=0, update_every=1)
-    train(src.model, 3, src.update)
+    train(src.model, [src], 3, **TOKENS)
     ours = emakit_ema()
     assert load_foreign_state(ours, src.state_dict()) == "emakit"
     assert_same(ours.ema_model.state_dict(), src.ema_model.state_dict())
@@ -597,10 +596,10 @@ def test_step_overrides_the_count_of_emakit_and_ema_pytorch_states(tmp_path, ste
     left as it was."""
     ema_pytorch = pytest.importorskip("ema_pytorch")
     src = EMA(Net(), beta=0.9, update_after_step=0, update_every=1)
-    train(src.model, 3, src.update)
+    train(src.model, [src], 3, **TOKENS)
     net = Net()
     theirs = ema_pytorch.EMA(net, beta=0.9, update_after_step=0, update_every=1)
-    train(net, 5, theirs.update)
+    train(net, [theirs], 5, **TOKENS)
     path = save_ema_weights(src, tmp_path / "ema.safetensors")  # its header: step 3
     for state, fmt, count, weights in [
         (src.state_dict(), "emakit", 3, src.ema_model.state_dict()),
@@ -618,3 +617,29 @@ def test_step_overrides_the_count_of_emakit_and_ema_pytorch_states(tmp_path, ste
             assert int(state["step"]) == count  # not written into the caller's dict
         ours.update()  # the next update goes on from the step given
         assert int(ours.step) == step + 1
+
+
+# -- export and load checks (from the fault reproducers) ---------------------------------------
+
+
+def test_a_lossy_float16_export_raises_naming_the_tensor_and_magnitude(tmp_path: Path):
+    ema = EMA(float16_overflow_linear())
+    dest = tmp_path / "ema.safetensors"
+    with pytest.raises(EMAValueError, match=r"'weight'.*100000.*65504"):
+        save_ema_weights(ema, dest, dtype=torch.float16)
+    assert not dest.exists()
+    save_ema_weights(ema, dest, dtype=torch.bfloat16)  # float32's range: fine
+    save_ema_weights(EMA(nn.Linear(4, 2)), tmp_path / "small.safetensors", dtype=torch.float16)
+
+
+def test_load_ema_weights_strict_false_names_the_extra_and_missing_tensors(tmp_path: Path):
+    import safetensors.torch
+
+    from emakit.checkpoint import load_ema_weights
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"weight": torch.ones(2, 3), "stray.bias": torch.ones(2)}, path)
+    ema = EMA(nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match=r"1 name\(s\).*stray\.bias.*1 tensor\(s\).*bias"):
+        load_ema_weights(ema, path, strict=False)
+    assert torch.equal(ema.ema_model.weight, torch.ones(2, 3))

@@ -1,4 +1,5 @@
-"""The ``emakit`` command line: help texts, --version, bad options, ``python -m emakit``."""
+"""The ``emakit`` command line: help texts, --version, bad options (list options with an empty
+item included), ``python -m emakit``."""
 
 from __future__ import annotations
 
@@ -273,3 +274,18 @@ def test_a_folder_with_several_snapshot_subfolders_is_ambiguous(tmp_path: Path) 
     assert str(tmp_path / "b") in result.output
     (tmp_path / "b" / "nothing").mkdir()
     assert find_snapshot_folder(tmp_path / "b" / "nothing") == tmp_path / "b" / "nothing"
+
+
+@pytest.mark.parametrize("value", ["0.1,,0.2", "0.1,", ",0.1", " , "])
+@pytest.mark.parametrize("option", ["--sigma-rel", "--gamma", "--legacy-sigma-rels"])
+def test_a_list_option_with_an_empty_item_is_refused(
+    tiny_lora_folder: Path, tmp_path: Path, value: str, option: str
+):
+    from emakit.posthoc.commands import synthesize as synthesize_cmd
+
+    args = [str(tiny_lora_folder), "--out", str(tmp_path / "o.safetensors"), option, value]
+    if option == "--legacy-sigma-rels":
+        args += ["--sigma-rel", "0.1", "--legacy-update-every", "1"]
+    got = CliRunner().invoke(synthesize_cmd, args)
+    assert got.exit_code == 2 and "is empty" in got.output, got.output
+    assert not (tmp_path / "o.safetensors").exists()

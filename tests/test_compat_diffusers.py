@@ -42,15 +42,10 @@ Theirs = training_utils.EMAModel
 #: Per tensor, |ours - theirs| stays within this many float32 epsilons of the tensor's
 #: largest |weight| (diffusers' two paths differ from each other by as much).
 ROUNDING_EPS = 4
-pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated.*:FutureWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*deprecated.*:FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def mlp(seed: int = 0) -> nn.Module:

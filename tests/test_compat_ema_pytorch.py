@@ -29,14 +29,7 @@ if importlib.metadata.version("ema-pytorch") != "0.8.3":  # pragma: no cover
     pytest.skip("these tests pin ema-pytorch 0.8.3", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The models here are tiny: intra-op threads only add synchronisation overhead (which
-    # dominates badly on a loaded 2-core machine). Restored afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ test_dcp_crash.py).
 DCP's own reader unpickles ``.metadata`` with ``pickle`` and loads entries stored as
 pickled bytes with ``torch.load(weights_only=False)``; each test here plants a file that
 would create a canary file if it were unpickled, and checks that loading raises an
-``EMAStateError`` and the canary never appears.
+``EMAStateError`` and the canary never appears; the ``.metadata`` allow-list is tried
+against each gadget one at a time (issue 30). A truncated data file is named.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -209,3 +212,119 @@ def test_python_3_13_pathlib_local_names_resolve(
     ema = make_ema(0.0)
     load_sharded_ema(ema, folder)
     assert all(bool((p == 7).all()) for p in ema.ema_model.parameters())
+
+
+def test_a_garbled_distcp_file_is_named(tmp_path: Path):
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    save_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)
+    (data,) = tmp_path.rglob("*.distcp")
+    data.write_bytes(data.read_bytes()[:10])  # truncated
+    with pytest.raises(EMAStateError, match=rf"data file .*{data.name}.*truncated or damaged"):
+        load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)
+
+
+# -- the metadata allow-list, one gadget at a time (issue 30) ----------------------------------
+
+
+def _global(module: str, name: str) -> bytes:
+    """Pickle opcodes pushing ``module.name`` (STACK_GLOBAL: dotted names work)."""
+    out = b""
+    for text in (module, name):
+        raw = text.encode()
+        out += b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+    return out + b"\x93"  # STACK_GLOBAL
+
+
+def _call(module: str, name: str, *args: Any) -> bytes:
+    """A protocol-4 pickle that calls ``module.name(*args)`` when loaded."""
+    body = _global(module, name) + pickle.dumps(tuple(args), protocol=4)[2:-1] + b"R"
+    return b"\x80\x04" + body + b"."
+
+
+GADGETS = [
+    ("torch", "save"),
+    ("torch", "load"),
+    ("torch", "from_file"),
+    ("torch", "set_default_dtype"),
+    ("torch", "Tensor"),
+    ("torch", "nn"),
+    ("torch.serialization", "load"),
+    ("torch.serialization", "_load"),
+    ("torch.jit", "load"),
+    ("torch._C", "_set_grad_enabled"),
+    ("os", "system"),
+    ("posix", "system"),
+    ("subprocess", "Popen"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("builtins", "open"),
+    ("pathlib", "Path.write_text"),
+    ("pathlib", "Path.unlink"),
+    ("pathlib", "PosixPath.write_bytes"),
+    ("pathlib", "Path.__new__"),
+    ("pathlib._local", "Path.write_text"),
+    ("pathlib", "os"),
+    ("shutil", "rmtree"),
+    ("collections", "OrderedDict.fromkeys"),
+    ("torch.distributed.checkpoint.metadata", "field"),
+    ("torch.distributed.checkpoint.metadata", "torch"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
+    ("torch.distributed.checkpoint.metadata", "Metadata.__setattr__"),
+]
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch.distributed.checkpoint")
+    from emakit.distributed import save_sharded_ema
+
+    folder = tmp_path_factory.mktemp("dcp") / "ckpt"
+    save_sharded_ema(EMA(nn.Linear(3, 4)), folder)
+    return folder
+
+
+@pytest.mark.parametrize(("module", "name"), GADGETS, ids=[f"{m}.{n}" for m, n in GADGETS])
+def test_a_metadata_file_naming_a_gadget_is_refused_not_run(
+    dcp_folder: Path, tmp_path: Path, module: str, name: str
+):
+    from emakit.distributed import load_sharded_ema
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dcp_folder, folder)
+    canary = tmp_path / "canary"
+    (metadata,) = folder.rglob(".metadata")
+    metadata.write_bytes(_call(module, name, str(canary)))
+    ema = EMA(nn.Linear(3, 4))
+    with torch.no_grad():
+        ema.ema_model.weight.fill_(7.0)
+    with pytest.raises(EMAStateError, match=f"refers to {module}.{name}, which is not part of"):
+        load_sharded_ema(ema, folder)
+    assert not canary.exists()
+    assert bool((ema.ema_model.weight == 7).all())  # nothing loaded
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_gadget_pickles_would_run_if_unpickled(tmp_path: Path):
+    """The payloads above are live: plain pickle runs them (so refusing them means
+    something)."""
+    canary = tmp_path / "canary"
+    pickle.loads(_call("torch", "save", {}, str(canary)))
+    assert canary.exists()
+    made = tmp_path / "made"
+    pickle.loads(_call("pathlib", "Path.mkdir", pickle.loads(_call("pathlib", "Path", str(made)))))
+    assert made.is_dir()
+
+
+def test_a_genuine_metadata_file_still_loads(dcp_folder: Path, tmp_path: Path):
+    from emakit.distributed import load_sharded_ema
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dcp_folder, folder)
+    ema = EMA(nn.Linear(3, 4))
+    with torch.no_grad():
+        ema.ema_model.weight.fill_(7.0)
+    load_sharded_ema(ema, folder)
+    assert not bool((ema.ema_model.weight == 7).all())

@@ -128,6 +128,29 @@ def test_disk_full_while_saving_ema_weights_names_the_file(
     assert str(path) in str(info.value) and path.read_bytes() == before
 
 
+def test_a_full_disk_during_save_sharded_ema_names_enospc_and_removes_the_partial_folder(
+    tmp_path: Path, monkeypatch
+):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from emakit import EMARuntimeError
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    ema = EMA(nn.Linear(3, 2))
+    save_sharded_ema(ema, tmp_path)
+    (previous,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
+
+    def full(*args, **kwargs):  # what torch's zip writer raises on a full disk
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(EMARuntimeError, match=rf"ENOSPC.*{tmp_path}.*partial version folder"):
+        save_sharded_ema(ema, tmp_path)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [previous]  # no partial
+    load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)  # the previous one is still current
+
+
 # -- names that are not UTF-8 ----------------------------------------------------------------
 
 NOT_UTF8 = os.fsdecode(b"run-\xff\xfe")
@@ -212,6 +235,38 @@ def test_loaders_refuse_a_fifo(tmp_path: Path) -> None:
     for load in (load_ema_weights, load_foreign_state):
         with pytest.raises(EMAValueError, match="FIFO"):
             bounded(lambda load=load: load(EMA(nn.Linear(2, 2)), fifo))
+
+
+def test_a_fifo_as_the_sharded_pointer_file_is_refused_not_waited_on(tmp_path: Path):
+    import os
+    import threading
+
+    from emakit.distributed import load_sharded_ema, save_sharded_ema
+
+    ema = EMA(nn.Linear(3, 2))
+    save_sharded_ema(ema, tmp_path)
+    pointer = tmp_path / "emakit-sharded.json"
+    pointer.unlink()
+    os.mkfifo(pointer)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_sharded_ema(EMA(nn.Linear(3, 2)), tmp_path)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    if worker.is_alive():  # the hang this replaces: unblock the reader, then fail
+        with open(pointer, "wb"):
+            pass
+        worker.join(timeout=10)
+        pytest.fail("load_sharded_ema waited on a FIFO")
+    (error,) = outcome
+    assert isinstance(error, EMAError) and "FIFO" in str(error), error
 
 
 # -- malformed headers: one line, no traceback ------------------------------------------------

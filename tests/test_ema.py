@@ -15,7 +15,7 @@ from torch import nn
 
 import emakit
 from _models import conv_bn_classifier
-from emakit import EMA, EMAError, EMAPytree, EMARuntimeError, EMAStateError
+from emakit import EMA, EMAError, EMAPytree, EMARuntimeError, EMAStateError, EMAValueError
 
 make_net = partial(conv_bn_classifier, image_size=8, out_features=5, dropout=0.5)
 
@@ -212,6 +212,16 @@ def test_lazy_init():
     assert torch.equal(ema.ema_model[0].weight, net[0].weight)
     with pytest.raises(emakit.EMAValueError, match="lazy_init_ema"):
         EMA(net, ema_model=make_net(), lazy_init_ema=True)
+
+
+def test_an_uninitialized_lazy_module_is_refused_with_the_fix():
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(EMAValueError, match=r"0\.weight.*forward.*lazy_init_ema=True"):
+        EMA(model)
+    ema = EMA(model, lazy_init_ema=True)  # the way out it names
+    model(torch.zeros(1, 2))
+    ema.update()
+    assert ema.ema_model[0].weight.shape == (3, 2)
 
 
 def test_forward_method_names():

@@ -9,7 +9,7 @@ a by-hand reference (``RefEMA``) that walks the live model on every call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,13 +32,7 @@ PATHS = [False, True, None]
 PATH_IDS = ["loop", "foreach", "flat"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add synchronisation overhead. Restored afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- models and helpers ---------------------------------------------------------------------

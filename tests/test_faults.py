@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -58,9 +59,11 @@ def save_both(ema: EMA, folder: Path, save_id: int) -> None:
     atomic_write(folder / "state.pt", lambda f: torch.save(state, f))
 
 
-def saver(ema: EMA, folder: Path, first_id: int, done: mp.Value) -> None:  # the child
+def saver(ema: EMA, folder: Path, first_id: int, done: mp.Value, started: Any) -> None:
+    """The child: saves until it is killed; ``started`` is set before the first save."""
     torch.set_num_threads(1)  # after fork, as DataLoader workers do
-    done.value = first_id - 1  # started: the parent times its kill from here
+    done.value = first_id - 1
+    started.set()  # the parent times its kill from here
     save_id = first_id
     while True:
         save_both(ema, folder, save_id)
@@ -108,16 +111,16 @@ def test_sigkill_mid_save_leaves_one_complete_save(tmp_path):
         # lock=False: a child killed while holding a Value's lock would leave the parent
         # blocked forever on its next read; an aligned 8-byte store/load needs no lock.
         done = ctx.Value("q", -1, lock=False)
+        # set once, before any save: the child is never killed while it holds the lock
+        started = ctx.Event()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
-            child = ctx.Process(target=saver, args=(ema, tmp_path, rounds * 1000, done))
+            child = ctx.Process(target=saver, args=(ema, tmp_path, rounds * 1000, done, started))
             child.start()
         # Kill somewhere in the first few saves (during a write, a rename or between saves),
-        # timed from the moment the child reports it started, not from the fork.
-        wait_until = time.monotonic() + 60
-        while done.value < rounds * 1000 - 1 and time.monotonic() < wait_until:
-            time.sleep(0.0005)
-        assert done.value >= rounds * 1000 - 1, "the saving child never started"
+        # timed from the moment the child reports it started, not from the fork. The random
+        # delay is what picks the moment: it is the thing under test, not a wait.
+        assert started.wait(60), "the saving child never started"
         time.sleep(rng.uniform(0.0, 4 * one_save))
         os.kill(child.pid, signal.SIGKILL)
         child.join()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from _models import ema_weights, frozen_base, same_tensors, step_weights
 from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA, load_ema_weights, save_ema_weights
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
@@ -377,3 +378,30 @@ def test_every_kind_shares():
         a, b = e.state_dict(), c.state_dict()
         for k in b:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_a_frozen_weight_viewed_with_other_strides_is_not_shared():
+    """Planted bug: ``shares()`` comparing only the data pointer, so a frozen weight
+    re-pointed at a transposed view of its own storage (``p.data = p.data.t()``: the same
+    address, other strides) still counted as shared when the EMA paired again (here
+    because another parameter was replaced, as ``load_state_dict(assign=True)`` does): the
+    EMA kept the old view and never averaged toward the new value. It must match
+    ``share_frozen=False`` bit for bit."""
+
+    def run(share: bool) -> dict[str, torch.Tensor]:
+        net = frozen_base()
+        ema = EMA(net, beta=0.5, update_after_step=0, update_every=1, share_frozen=share)
+        for k in range(2):
+            step_weights(net[1], k)
+            ema.update()
+        w = net[0].weight
+        w.data = w.data.t()  # the same storage, seen transposed
+        net[1].weight = nn.Parameter(net[1].weight.detach().clone())  # the EMA pairs again
+        for k in range(3):
+            step_weights(net[1], k)
+            ema.update()
+        return ema_weights(ema)
+
+    shared, copied = run(True), run(False)
+    assert not torch.equal(copied["0.weight"], frozen_base()[0].weight)  # it moved
+    assert same_tensors(shared, copied)

@@ -1,4 +1,7 @@
-"""Atomic writes (emakit._files.atomic): replace-or-nothing, permissions, and stale temporary files."""
+"""Atomic writes (emakit._files.atomic): replace-or-nothing, permissions, and stale temporary
+files; and the saves built on them (``save_checkpoint``, ``save_ema_weights``, snapshots): the
+data and then its folder synced around the rename, the old file kept on failure, a killed
+save's temporary file removed by the next save."""
 
 from __future__ import annotations
 
@@ -10,10 +13,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+import _peers
+from _models import TINY_LORA_POSTHOC, TINY_LORA_SGD, TinyLora, train
+from emakit import EMA, PostHocEMA
 from emakit._files import atomic as _io
 from emakit._files.atomic import (
     TEMP_PREFIX,
@@ -23,6 +31,7 @@ from emakit._files.atomic import (
     atomic_write_bytes,
     remove_stale_temps,
 )
+from emakit.checkpoint import save_checkpoint, save_ema_weights
 
 IO_FILE = Path(_io.__file__)
 posix_only = pytest.mark.skipif(_io.fcntl is None, reason="needs POSIX flock")
@@ -40,7 +49,7 @@ def fake_temp(folder: Path, dest: str = "ckpt.pt") -> Path:
 
 # Loads _io.py on its own (it imports nothing from emakit), so children start fast.
 CHILD_PRELUDE = f"""
-import importlib.util, sys, time
+import importlib.util, sys
 spec = importlib.util.spec_from_file_location("emakit_io", {str(IO_FILE)!r})
 io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)
 """
@@ -173,10 +182,12 @@ import fcntl, os
 fd = os.open({str(held)!r}, os.O_RDWR)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("locked", flush=True)
-time.sleep(60)
+sys.stdin.read()  # holds the lock until killed
 """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "locked"
         assert remove_stale_temps(tmp_path) == []
@@ -223,10 +234,12 @@ with io.atomic_path({str(dest)!r}) as tmp:
         f.write(b"half")
         f.flush()
         print("writing", flush=True)
-        time.sleep(60)
+        sys.stdin.read()  # stops here, mid-write, until killed
 """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline().strip() == "writing"
     child.send_signal(signal.SIGKILL)
     child.wait()
@@ -241,3 +254,163 @@ with io.atomic_path({str(dest)!r}) as tmp:
 
 def test_remove_stale_temps_never_raises(tmp_path):
     assert remove_stale_temps(tmp_path / "missing") == []
+
+
+# -- saves through emakit's API: fsync, failures, killed saves ----------------------------------
+
+
+KILLED_SAVE = """
+import os, signal, sys, time
+import torch
+from emakit import EMA
+from emakit._files import safetensors_file
+from emakit.checkpoint import save_ema_weights
+
+real = safetensors_file.write_tensor
+def write_and_die(f, t, dtype=None):
+    real(f, t, dtype)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+import emakit._files.export as export
+export.write_tensor = write_and_die
+save_ema_weights(EMA(torch.nn.Linear(64, 64)), sys.argv[1])
+"""
+
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()  # holds the lock until killed (or its parent is gone)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX only")
+def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tmp_path: Path):
+    dest = tmp_path / "ema.safetensors"
+    save_ema_weights(EMA(nn.Linear(64, 64)), dest)
+    before = dest.read_bytes()
+    env = {**os.environ, "PYTHONPATH": _peers.child_pythonpath()}
+    child = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(dest)], env=env)
+    assert child.returncode == -signal.SIGKILL
+    (left,) = [p for p in tmp_path.iterdir() if ".emakit-tmp-" in p.name]
+    assert dest.read_bytes() == before  # the previous file is whole
+    # a concurrent writer's temporary file (its lock held by a live process) is not stale
+    live = tmp_path / ".other.safetensors.emakit-tmp-0000abcd"
+    live.write_bytes(b"in flight")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(live)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"locked"
+        save_ema_weights(EMA(nn.Linear(64, 64)), dest)
+        assert not left.exists()  # the killed save's: removed
+        assert live.read_bytes() == b"in flight"  # the live one: kept
+        other = tmp_path / ".notes.txt"  # not emakit's: never touched
+        other.write_text("mine")
+        save_ema_weights(EMA(nn.Linear(64, 64)), dest)
+        assert other.exists() and live.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Record each fsync (the inode and kind of what it flushed) and each rename."""
+    events: list[tuple[str, Any]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_ino, "dir" if os.path.stat.S_ISDIR(st.st_mode) else "file")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append(("replace", os.stat(src).st_ino))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def _check_synced(events: list[tuple[str, Any]], files: list[Path]) -> None:
+    replaced = [ino for kind, ino in events if kind == "replace"]
+    for path in files:
+        ino = path.stat().st_ino
+        assert ino in replaced, path
+        at = next(i for i, (kind, v) in enumerate(events) if kind == "replace" and v == ino)
+        assert ("fsync", (ino, "file")) in events[:at], f"{path} renamed before its data was synced"
+        folder = os.stat(path.parent).st_ino
+        assert ("fsync", (folder, "dir")) in events[at + 1 :], f"{path.parent} not synced after"
+
+
+def test_every_atomic_write_fsyncs_the_file_then_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    torch.manual_seed(0)
+    net = TinyLora()
+    events = _fsyncs(monkeypatch)
+    save_checkpoint({"x": torch.zeros(2)}, tmp_path / "c.pt")
+    _check_synced(events, [tmp_path / "c.pt"])
+    events.clear()
+    save_ema_weights(EMA(nn.Linear(3, 3)), tmp_path / "w" / "ema.safetensors")
+    _check_synced(events, [tmp_path / "w" / "ema.safetensors"])
+    events.clear()
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path / "snaps", **TINY_LORA_POSTHOC)
+    train(net, [ema], range(4), **TINY_LORA_SGD)  # one step's set: a side file and two snapshots
+    written = sorted((tmp_path / "snaps").glob("*.safetensors"))
+    assert len(written) == 3
+    _check_synced(events, written)
+
+
+def test_save_checkpoint_is_torch_save_and_leaves_the_old_file_on_failure(tmp_path, monkeypatch):
+    import os
+
+    import emakit
+    from emakit import EMAWriteError
+
+    net = nn.Linear(3, 2)
+    ema = EMA(net)
+    path = tmp_path / "ckpt.pt"
+    assert emakit.save_checkpoint({"ema": ema.state_dict(), "step": 1}, path) == path
+    old = path.read_bytes()
+    back = torch.load(path, weights_only=True)
+    assert back["step"] == 1 and set(back["ema"]) == set(ema.state_dict())
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(EMAWriteError, match="No space left"):
+        emakit.save_checkpoint({"ema": ema.state_dict(), "step": 2}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == old  # the previous checkpoint, intact
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary left
+
+
+def test_atomic_writes_fsync_the_file_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    import emakit
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    emakit.save_checkpoint({"x": torch.zeros(2)}, tmp_path / "c.pt")
+    assert "replace" in calls
+    first_replace = calls.index("replace")
+    assert "fsync" in calls[:first_replace]  # the data is on disk before it is renamed
+    assert "fsync" in calls[first_replace + 1 :]  # and the folder after

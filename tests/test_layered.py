@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import emakit
+from _models import ema_weights, step_weights, two_linear
 from emakit import EMA
 from emakit.schedules import inverse_gamma_float32
 
@@ -184,3 +185,29 @@ def test_schedule_overrides_beta_and_pickles():
         ema.ema_model.head.weight, pickle.loads(pickle.dumps(ema)).model.head.weight
     )
     assert repr(schedules.inverse_gamma(beta=0.9)).startswith("inverse_gamma(beta=0.9")
+
+
+def test_a_decay_groups_floor_is_capped_at_the_groups_beta():
+    """Planted bug: a decay group's warm-up floored at ``min_value`` itself rather than at
+    ``min(min_value, group beta)``, so a group whose beta is below ``min_value`` averaged
+    with decay ``min_value`` (or the EMA refused to build). The group's decay is its beta
+    from the first averaging call on, and the weights follow it."""
+    net = two_linear()
+    ema = EMA(
+        net, beta=0.99, min_value=0.6, update_after_step=0, update_every=1,
+        decay_groups={"1.*": 0.3},
+    )  # fmt: skip
+    ema.update()  # the initializing copy
+    for k in range(4):
+        before = ema_weights(ema)
+        step_weights(net, k)
+        ema.update()
+        decays = ema.current_decays()
+        assert decays["1.*"] == pytest.approx(0.3)
+        assert decays["default"] >= 0.6  # the default group keeps its floor
+        online = dict(net.state_dict())
+        for name in ("1.weight", "1.bias"):
+            want = before[name].lerp(online[name], 1 - 0.3)
+            torch.testing.assert_close(ema_weights(ema)[name], want, rtol=0, atol=1e-6)
+        want = before["0.weight"].lerp(online["0.weight"], 1 - decays["default"])
+        torch.testing.assert_close(ema_weights(ema)["0.weight"], want, rtol=0, atol=1e-6)

@@ -255,6 +255,28 @@ def test_replaced_parameter_object_is_followed(use_foreach):
         assert torch.equal(net[0].weight, expected)
 
 
+def test_buffers_replaced_by_module_apply_are_tracked():
+    """Planted bug: the registry watch counting only new keys (a registration), so a buffer
+    that ``Module._apply`` replaces under its existing key (``.to()``, ``.float()`` on a
+    buffer of another dtype, here a clone) left the EMA averaging the old, orphaned buffer.
+    Parameters are untouched here (same objects, same storage), so only the buffer watch
+    can notice."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ema = EMA(net, beta=0.5, update_after_step=0, update_every=1)
+    ema.update()
+    ema.update()
+    old = net[1].running_mean
+    net._apply(lambda t: t if isinstance(t, nn.Parameter) else t.clone())
+    assert net[1].running_mean is not old and net[0].weight.data_ptr() != 0
+    net[1].running_mean.fill_(4.0)
+    before = ema.ema_model[1].running_mean.clone()
+    ema.update()
+    decay = ema.get_current_decay()
+    want = before * decay + 4.0 * (1 - decay)
+    torch.testing.assert_close(ema.ema_model[1].running_mean, want, rtol=0, atol=1e-6)
+
+
 # -- item 9: skip_nonfinite with empty tensors, and in MultiEMA ------------------------------
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import _models
 import emakit
 from _models import bn_mlp
 from emakit import EMA, MultiEMA
@@ -16,15 +17,8 @@ from emakit import EMA, MultiEMA
 make_net = partial(bn_mlp, 4, 8, 3, relu=True)
 
 
-def train(net: nn.Module, updaters: list, steps: int = 25) -> None:
-    gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(steps):
-        net(torch.randn(16, 4, generator=gen)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        for u in updaters:
-            u.update()
+#: ``train(net, updaters, steps=25)``: SGD steps, each followed by every updater's ``update()``.
+train = partial(_models.train, steps=25, batch=(16, 4), seed=1)
 
 
 @pytest.mark.parametrize("gather_below", [0, 1 << 30])

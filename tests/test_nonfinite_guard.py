@@ -11,10 +11,12 @@ warning comes when the count is read.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
 
+import _models
 import emakit
 import emakit._engine.finite as finite
 from _models import bn_mlp
@@ -81,21 +83,26 @@ def test_guarded_kernels_leave_every_bit_when_false(chunk, monkeypatch):
     assert ints.tolist() == [0, 0, 0, 0] and bools.tolist() == [False, True]
 
 
-def train(net: torch.nn.Module, emas: list[EMA], calls: int, nan_at: set[int] = frozenset()):
-    g = torch.Generator().manual_seed(3)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for call in range(1, calls + 1):
-        net(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        saved = net[0].weight[0, 0].item()
-        if call in nan_at:
-            with torch.no_grad():
-                net[0].weight[0, 0] = float("nan")
-        for e in emas:
+#: ``train(net, emas, calls)``: SGD steps, each followed by every EMA's ``update()``.
+train = partial(_models.train, batch=(8, 4), seed=3)
+
+
+class NaNWhileUpdating:
+    """For `train`'s list of EMAs: updates ``emas`` with ``net[0].weight[0, 0]`` NaN, then
+    puts the weight back, so that only the EMAs see the NaN."""
+
+    def __init__(self, net: torch.nn.Module, *emas: EMA) -> None:
+        self.net, self.emas = net, emas
+
+    def update(self) -> None:
+        weight = self.net[0].weight
+        saved = weight[0, 0].item()
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+        for e in self.emas:
             e.update()
         with torch.no_grad():
-            net[0].weight[0, 0] = saved
+            weight[0, 0] = saved
 
 
 @pytest.mark.parametrize("ema_dtype", [None, torch.float64])
@@ -107,12 +114,12 @@ def test_guarded_ema_equals_the_unguarded_one_bit_for_bit(use_foreach, ema_dtype
     kw = dict(beta=0.9, update_after_step=2, update_every=1, use_foreach=use_foreach)
     guarded = EMA(net, skip_nonfinite=True, ema_dtype=ema_dtype, **kw)
     plain = EMA(net, ema_dtype=ema_dtype, **{**kw, "use_foreach": False})  # the reference loop
-    train(net, [guarded, plain], calls=8)
+    train(net, [guarded, plain], 8)
     for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     assert guarded.num_skipped_nonfinite == 0
     before = {k: v.clone() for k, v in guarded.ema_model.state_dict().items()}
-    train(net, [guarded], calls=2, nan_at={1, 2})
+    train(net, [NaNWhileUpdating(net, guarded)], 2)
     for k, v in guarded.ema_model.state_dict().items():
         assert torch.equal(v, before[k]), k
     with pytest.warns(RuntimeWarning, match="skipped an EMA update at step 9"):
@@ -210,10 +217,10 @@ def test_the_guard_follows_parameter_data_swaps(use_foreach, flatten, chunk, mon
     kw = dict(beta=0.9, update_after_step=0, update_every=1, use_foreach=use_foreach)
     guarded = EMA(net, skip_nonfinite=True, **kw)
     plain = EMA(net, **{**kw, "use_foreach": False})
-    train(net, [guarded, plain], calls=3)
+    train(net, [guarded, plain], 3)
     with torch.no_grad():
         net[0].weight.data = net[0].weight.data * 2 + 1  # a new storage, same shape
-    train(net, [guarded, plain], calls=3)
+    train(net, [guarded, plain], 3)
     for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     net[0].weight.data = torch.zeros(3, 4)
@@ -230,13 +237,13 @@ def test_a_model_larger_than_the_scratch_is_guarded_batch_by_batch(use_foreach, 
     kw = dict(beta=0.9, update_after_step=1, update_every=1, use_foreach=use_foreach)
     guarded = EMA(net, skip_nonfinite=True, **kw)
     plain = EMA(net, **{**kw, "use_foreach": False})
-    train(net, [guarded, plain], calls=5)
+    train(net, [guarded, plain], 5)
     batches = [b for lerp, _ in guarded.tracker.plan().guarded().kernels for b in lerp.batches]
     assert len(batches) > 4 and not any(b.alone for b in batches)
     for (k, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     before = {k: v.clone() for k, v in guarded.ema_model.state_dict().items()}
-    train(net, [guarded], calls=1, nan_at={1})
+    train(net, [NaNWhileUpdating(net, guarded)], 1)
     for k, v in guarded.ema_model.state_dict().items():
         assert torch.equal(v, before[k]), k
     with pytest.warns(RuntimeWarning, match="skipped an EMA update"):

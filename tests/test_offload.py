@@ -9,8 +9,8 @@ from functools import partial
 
 import pytest
 import torch
-from torch import nn
 
+import _models
 import emakit
 from _models import bn_mlp
 from emakit import EMA
@@ -20,15 +20,8 @@ from emakit._engine.runners import ThreadRunner
 make_net = partial(bn_mlp, 6, 16, 3, relu=True)
 
 
-def train(net: nn.Module, emas: list[EMA], steps: int = 20) -> None:
-    gen = torch.Generator().manual_seed(3)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(steps):
-        net(torch.randn(8, 6, generator=gen)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        for e in emas:
-            e.update()
+#: ``train(net, emas, steps=20)``: SGD steps, each followed by every EMA's ``update()``.
+train = partial(_models.train, steps=20, batch=(8, 6), seed=3)
 
 
 @pytest.mark.parametrize("flatten", [False, True])

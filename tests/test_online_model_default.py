@@ -15,6 +15,7 @@ import torch.distributed.checkpoint
 from torch import nn
 
 from _models import bn_mlp as _bn_mlp
+from _models import frozen_base
 from emakit import EMA, EMAStateError, MultiEMA, PostHocEMA
 from emakit.checkpoint import save_ema_weights
 from emakit.distributed import load_sharded_ema, save_sharded_ema
@@ -151,3 +152,38 @@ def test_half_converts_the_model_only_when_it_is_held_and_updates_then_need_coer
     coerced.half()
     coerced.update()  # the float32 model averaged into the float16 EMA
     assert {p.dtype for p in net.parameters()} == {torch.float32}
+
+
+# -- half() converts the online model it holds (issue 30, item 18) ---------------------------
+
+
+def test_half_converts_the_online_model_with_include_online_model_as_ema_pytorch():
+    """docs/finetuning.md said ``ema.half()`` never converts the model. With the default
+    ``include_online_model=True`` the model is a child of the EMA and is converted, as
+    ema-pytorch's is; with ``include_online_model=False`` the model (and the frozen weight
+    it shares with the EMA) is left as it was."""
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    peer_net = frozen_base()
+    ema_pytorch.EMA(peer_net).half()
+    assert peer_net[1].weight.dtype == torch.float16  # the peer converts the model
+
+    net = frozen_base()
+    EMA(net).half()
+    assert {p.dtype for p in net.parameters()} == {torch.float16}
+
+    net = frozen_base()
+    base = net[0].weight.detach().clone()
+    ema = EMA(net, include_online_model=False, update_after_step=0, update_every=1)
+    ema.update()
+    ema.half()
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    assert torch.equal(net[0].weight, base)
+    assert {p.dtype for p in ema.ema_model.parameters()} == {torch.float16}
+
+
+def test_the_finetuning_doc_says_half_converts_the_online_model():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "finetuning.md").read_text().split())
+    assert "never the model" not in text
+    assert "include_online_model=False" in text

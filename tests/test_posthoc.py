@@ -13,6 +13,7 @@ import math
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _models import power_ema, rel_err
+from _models import float16_overflow_linear, power_ema, rel_err, train
 from emakit import (
     EMAError,
     EMAFileNotFoundError,
@@ -39,9 +40,12 @@ from emakit.posthoc import (
     sigma_rel_to_gamma,
     synthesize_state_dict,
 )
+from emakit.posthoc.math import COND_LIMIT, solve_weights
 from emakit.posthoc.snapshots import format as reading_module
 from emakit.posthoc.snapshots import format as snapshots_module
 from emakit.posthoc.synthesis import plan as synthesis_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = 4000  # training steps of the smooth trajectory
 EVERY = 200  # snapshot interval
@@ -83,16 +87,6 @@ def drive(ema: object, theta: torch.Tensor, net: nn.Linear, steps: int | None = 
 
 def linear() -> nn.Linear:
     return nn.Linear(8, 8, bias=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tensors here are tiny: one intra-op thread is fastest, and it keeps these tests
-    quick on a busy 2-core machine (OpenMP threads spin when oversubscribed)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +255,22 @@ def test_duplicate_snapshots_fall_back_to_least_squares_with_a_warning():
     assert sum(sol.weights) == pytest.approx(1.0, abs=1e-12)
 
 
+def test_an_ill_conditioned_snapshot_set_falls_back_to_least_squares():
+    """Near-duplicate snapshots (no exact duplicate) make the normal equations singular to
+    working precision: the solve must switch to least squares (with a warning), and the
+    near-duplicates together carry the weight the one snapshot would."""
+    ts = [500.0, 1000.0, 1000.0 * (1 - 1e-13), 1000.0 * (1 - 2e-13)]
+    gammas = [6.94, 16.97, 16.97, 16.97]
+    with pytest.warns(PostHocWarning, match="ill-conditioned"):
+        sol = solve_weights(ts, gammas, 1000.0, 10.0)
+    assert sol.method == "lstsq" and sol.cond > COND_LIMIT
+    assert math.isclose(sum(sol.weights), 1.0, abs_tol=1e-12)
+    well = solve_weights([500.0, 1000.0], [6.94, 16.97], 1000.0, 10.0)
+    assert well.method == "solve"
+    assert math.isclose(sum(sol.weights[1:]), well.weights[1], abs_tol=1e-9)
+    assert math.isclose(sol.residual, well.residual, rel_tol=1e-6)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     snaps=st.lists(
@@ -385,16 +395,10 @@ def bn_net() -> nn.Module:
     return net
 
 
-def train(net: nn.Module, ema: PostHocEMA, steps: int, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    for _ in range(steps):
-        net(torch.randn(16, 4, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            net.counter.add_(1000)
-        ema.update()
+def bn_sgd(net: nn.Module) -> dict[str, Any]:
+    """`train()`'s keywords for `bn_net`: 16 x 4 batches, lr 0.05, and ``counter`` moved by
+    1000 before each update."""
+    return dict(batch=(16, 4), lr=0.05, then=lambda i: net.counter.add_(1000))
 
 
 def test_each_profile_owns_its_ema_copy(tmp_path: Path):
@@ -411,7 +415,7 @@ def test_each_profile_owns_its_ema_copy(tmp_path: Path):
     assert len({id(m) for m in models}) == 2 and all(m is not template for m in models)
     ptrs = [m[0].weight.data_ptr() for m in models]
     assert len(set(ptrs)) == 2
-    train(net, ema, 30)
+    train(net, [ema], 30, **bn_sgd(net))
     assert not torch.equal(models[0][0].weight, models[1][0].weight)
 
 
@@ -424,7 +428,7 @@ def test_snapshot_files_carry_their_metadata_and_readable_names(tmp_path: Path):
         checkpoint_every_num_steps=10,
         checkpoint_folder=tmp_path,
     )
-    train(net, ema, 20)
+    train(net, [ema], 20, **bn_sgd(net))
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert names == [
         "step-000000010_sigma_rel-0.05_gamma-16.9722.safetensors",
@@ -449,7 +453,7 @@ def test_snapshot_files_carry_their_metadata_and_readable_names(tmp_path: Path):
 def test_integer_buffers_round_trip_exactly(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, update_every=5, checkpoint_every_num_steps=35, checkpoint_folder=tmp_path)
-    train(net, ema, 70)
+    train(net, [ema], 70, **bn_sgd(net))
     assert int(net.counter) == 70_000
     snap = list_snapshots(tmp_path)[-1]
     from safetensors.torch import load_file
@@ -473,7 +477,7 @@ def test_ema_pytorch_casts_integer_buffers_to_float16(tmp_path: Path):
         checkpoint_every_num_steps=70,
         checkpoint_folder=tmp_path / "theirs",
     )
-    train(net, theirs, 70)  # type: ignore[arg-type]
+    train(net, [theirs], 70, **bn_sgd(net))
     state = torch.load(tmp_path / "theirs" / "0.70.pt", weights_only=True)
     assert torch.isinf(state["ema_model.counter"])
 
@@ -481,7 +485,7 @@ def test_ema_pytorch_casts_integer_buffers_to_float16(tmp_path: Path):
 def test_snapshots_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     net = bn_net()
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
-    train(net, ema, 5)
+    train(net, [ema], 5, **bn_sgd(net))
     first = ema.checkpoint()
     before = {p: p.read_bytes() for p in first}
 
@@ -503,7 +507,7 @@ def test_snapshots_are_written_atomically(tmp_path: Path, monkeypatch: pytest.Mo
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     net = bn_net()
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
-    train(net, ema, 5)
+    train(net, [ema], 5, **bn_sgd(net))
     monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
@@ -516,7 +520,7 @@ def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_unrelated_files_in_the_folder_are_ignored(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, update_every=2, checkpoint_every_num_steps=10, checkpoint_folder=tmp_path)
-    train(net, ema, 30)
+    train(net, [ema], 30, **bn_sgd(net))
     from safetensors.torch import save_file
 
     (tmp_path / "notes.txt").write_text("run notes")
@@ -543,7 +547,7 @@ def test_resumed_run_continues_the_same_folder(tmp_path: Path):
         checkpoint_folder=tmp_path / "a",
         checkpoint_dtype=torch.float32,
     )
-    train(net_a, a, 40)
+    train(net_a, [a], 40, **bn_sgd(net_a))
     # Interrupted at step 20, resumed from its state into a new process/object.
     net_b = bn_net()
     b = PostHocEMA(
@@ -593,13 +597,13 @@ def test_resumed_run_continues_the_same_folder(tmp_path: Path):
 def test_resume_warns_about_snapshots_from_an_abandoned_future(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, checkpoint_every_num_steps=10, checkpoint_folder=tmp_path)
-    train(net, ema, 10)
+    train(net, [ema], 10, **bn_sgd(net))
     state = ema.state_dict()
-    train(net, ema, 20)  # snapshots at 20 and 30
+    train(net, [ema], 20, **bn_sgd(net))  # snapshots at 20 and 30
     again = PostHocEMA(net, checkpoint_every_num_steps=10, checkpoint_folder=tmp_path)
     again.load_state_dict(state)
     with pytest.warns(PostHocWarning, match="after step 20"):
-        train(net, again, 10)
+        train(net, [again], 10, **bn_sgd(net))
     plan = plan_synthesis(tmp_path, sigma_rel=0.05, step=20)
     assert max(s.step for s in plan.snapshots) == 20
 
@@ -607,7 +611,7 @@ def test_resume_warns_about_snapshots_from_an_abandoned_future(tmp_path: Path):
 def test_posthoc_state_is_versioned_and_checks_profiles(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
-    train(net, ema, 7)
+    train(net, [ema], 7, **bn_sgd(net))
     state = ema.state_dict()
     assert state._metadata[""]["version"] == 2 and "version" not in state
     assert state._metadata[""]["gammas"] == list(ema.gammas)
@@ -638,7 +642,7 @@ def test_a_state_of_other_profiles_is_refused_naming_both_and_the_fix(tmp_path: 
     ]:
         net = bn_net()
         ema = PostHocEMA(net, checkpoint_folder=tmp_path / "a", **saved_with, **kw)
-        train(net, ema, 3)
+        train(net, [ema], 3, **bn_sgd(net))
         state = ema.state_dict()
         loader = PostHocEMA(bn_net(), checkpoint_folder=tmp_path / "b", **other, **kw)
         with pytest.raises(EMAStateError) as err:
@@ -672,7 +676,7 @@ def test_posthoc_loads_an_ema_pytorch_state(tmp_path: Path):
         checkpoint_every_num_steps="manual",
         checkpoint_folder=tmp_path / "theirs",
     )
-    train(net, theirs, 12)  # type: ignore[arg-type]
+    train(net, [theirs], 12, **bn_sgd(net))
     ours = PostHocEMA(
         net,
         sigma_rels=(0.05, 0.28),
@@ -794,7 +798,7 @@ def test_buffers_come_from_the_latest_snapshot(tmp_path: Path):
         checkpoint_folder=tmp_path,
         checkpoint_dtype=torch.float32,
     )
-    train(net, ema, 30)
+    train(net, [ema], 30, **bn_sgd(net))
     with pytest.warns(PostHocWarning, match="last usable snapshot is at step 20"):
         plan = plan_synthesis(tmp_path, sigma_rel=0.1, step=25)
     assert plan.buffers_from.step == 20 and plan.buffers_from.sigma_rel == 0.05  # closest gamma
@@ -890,6 +894,19 @@ def test_snapshot_dtype_overflow_warns(tmp_path: Path):
         ema.checkpoint()
 
 
+def test_synthesis_from_overflowed_float16_snapshots_raises_naming_them(tmp_path: Path):
+    net = float16_overflow_linear()
+    ema = PostHocEMA(
+        net, sigma_rels=(0.05, 0.28), checkpoint_every_num_steps=2, checkpoint_folder=tmp_path
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the snapshot-time warning about float16
+        for _ in range(6):
+            ema.update()
+        with pytest.raises(EMAStateError, match=r"not finite.*'weight'.*step-"):
+            ema.synthesize_ema_model(sigma_rel=0.1)
+
+
 def test_snapshot_from_a_newer_emakit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     net = linear()
     ema = PostHocEMA(net, checkpoint_every_num_steps="manual", checkpoint_folder=tmp_path)
@@ -912,7 +929,7 @@ def test_poor_reconstruction_warns(runs: dict):
 def test_snapshots_of_another_model_are_refused(tmp_path: Path):
     net = bn_net()
     ema = PostHocEMA(net, update_every=1, checkpoint_every_num_steps=5, checkpoint_folder=tmp_path)
-    train(net, ema, 10)
+    train(net, [ema], 10, **bn_sgd(net))
     ema.release_folder()  # a later run of the same id (a resume) writes another model
     other = PostHocEMA(
         linear(),

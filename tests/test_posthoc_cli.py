@@ -14,19 +14,13 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from _models import bn_mlp
+from _models import bn_mlp, train
 from emakit.errors import EMAValueError
 from emakit.posthoc import PostHocEMA, plan_synthesis
 from emakit.posthoc.commands import fail, inspect_cmd, sweep_cmd, synthesize
 from emakit.posthoc.snapshots.legacy import legacy_filename, legacy_state
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 make_net = partial(bn_mlp, 4, 8, 2)
@@ -53,13 +47,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[PostHocEMA, Path]
         checkpoint_folder=folder,
         checkpoint_dtype=torch.float32,
     )
-    g = torch.Generator().manual_seed(0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    for _ in range(200):
-        net(torch.randn(16, 4, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        ema.update()
+    train(net, [ema], 200, batch=(16, 4), lr=0.05, seed=0)
     (folder / "notes.txt").write_text("unrelated")
     return ema, folder
 

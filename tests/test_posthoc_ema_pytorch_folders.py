@@ -37,12 +37,7 @@ from emakit.posthoc.commands import convert_cmd
 ema_pytorch = pytest.importorskip("ema_pytorch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a trajectory and its exact power-function EMA -------------------------------------------

@@ -9,17 +9,24 @@ synthesize`` give what the reference gives; a frozen value changed in place (thr
 ``.data``, which bumps no version counter) gets a new side file and synthesis follows it;
 unfreezing mid-run (seen at a read before the next step); removal keeps every side file still referred to; a full disk and a
 SIGKILL during the side-file write leave the previous snapshots usable; resume and a second
-run in the folder; damaged, missing and replaced side files.
+run in the folder; damaged, missing and replaced side files. A side file's bytes are checked
+against the SHA-256 its snapshots record (a damaged one is written again by the next
+snapshot); an output never replaces a file the snapshots are made of; ``collect_frozen_files``
+checks its arguments and keeps every side file an unreadable snapshot may refer to; the
+errors name the side file and the snapshot (issue 30, items 3, 4, 10 and 15).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import struct
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +35,15 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from emakit import EMAError, PostHocEMA
+from _headers import rewrite_metadata
+from _models import TINY_LORA_SGD, TinyLora, train
+from emakit import EMA, EMAError, PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
-from emakit.errors import EMAStateError, EMATypeError
-from emakit.posthoc import PostHocWarning, list_snapshots, synthesize_state_dict
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.checkpoint import load_ema_weights, save_ema_weights
+from emakit.errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
+from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize, synthesize_state_dict
+from emakit.posthoc.commands import inspect_cmd
+from emakit.posthoc.commands import synthesize as synthesize_cmd
 from emakit.posthoc.snapshots import format as snapshots_module
 from emakit.posthoc.snapshots import frozen as frozen_module
 from emakit.posthoc.snapshots.folder import collect_frozen_files
@@ -70,24 +81,9 @@ def lora() -> Lora:
     return Lora()
 
 
-def train(
-    net: nn.Module,
-    emas: Sequence[PostHocEMA],
-    steps: range,
-    at: Callable[[int], None] = lambda i: None,
-) -> None:
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.2)
-    for i in steps:
-        at(i)
-        if len(opt.param_groups[0]["params"]) != sum(p.requires_grad for p in net.parameters()):
-            opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.2)
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
-        opt.zero_grad()
-        net(x).pow(2).mean().backward()
-        opt.step()
-        for e in emas:
-            e.update()
+#: `train()`'s keywords for `Lora`: 8 x 32 batches, lr 0.2, step ``i``'s batch drawn from a
+#: generator seeded with ``i``.
+LORA_SGD: dict[str, Any] = dict(batch=(8, 32), lr=0.2, seed=lambda i: i)
 
 
 def side_files(folder: Path) -> list[Path]:
@@ -123,7 +119,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     net = lora()
     once = PostHocEMA(net, checkpoint_folder=root / "once", **KW)
     copied = PostHocEMA(net, checkpoint_folder=root / "copied", **{**KW, "share_frozen": False})
-    train(net, [once, copied], range(16))
+    train(net, [once, copied], range(16), **LORA_SGD)
     return root / "once", root / "copied"
 
 
@@ -195,7 +191,7 @@ def test_the_sweep_and_the_cli_equal_the_copying_ema(pair: tuple[Path, Path], tm
     for folder in pair:
         out = tmp_path / f"{folder.name}.safetensors"
         result = CliRunner().invoke(
-            synthesize, [str(folder), "--sigma-rel", "0.15", "--out", str(out), "--no-progress"]
+            synthesize_cmd, [str(folder), "--sigma-rel", "0.15", "--out", str(out), "--no-progress"]
         )
         assert result.exit_code == 0, result.output
         with SafetensorsFile(out) as f:
@@ -239,7 +235,7 @@ def test_a_frozen_value_changed_in_place_gets_a_new_side_file(tmp_path: Path) ->
         if i == 6:  # through .data: no version counter sees it, the digest does
             net.base.weight.data.copy_(new_base)
 
-    train(net, [once, every], range(16), load_new_base)
+    train(net, [once, every], range(16), at=load_new_base, **LORA_SGD)
     sides = side_files(tmp_path / "once")
     assert len(sides) == 2
     snaps = list_snapshots(tmp_path / "once")
@@ -264,7 +260,7 @@ def test_unfreezing_mid_run_stores_the_weight_in_the_snapshots(tmp_path: Path) -
             net.base.weight.requires_grad_(True)
             once(torch.zeros(1, 32))  # a read before the next step sees the unfreezing
 
-    train(net, [once, copied], range(16), unfreeze)
+    train(net, [once, copied], range(16), at=unfreeze, **LORA_SGD)
     late = [s for s in list_snapshots(tmp_path / "once") if s.step > 6]
     assert late and all(s.frozen_names == {"base.bias"} for s in late)
     assert len(side_files(tmp_path / "once")) == 2  # the base, then the bias alone
@@ -283,7 +279,7 @@ def test_a_replaced_frozen_storage_is_averaged_and_stored_in_the_snapshots(tmp_p
         if i == 6:  # new storage: no longer the EMA's, which averages it as ema-pytorch
             net.base.weight.data = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
 
-    train(net, [once, copied], range(16), replace)
+    train(net, [once, copied], range(16), at=replace, **LORA_SGD)
     late = [s for s in list_snapshots(tmp_path / "once") if s.step > 6]
     assert late and all(s.frozen_names == {"base.bias"} for s in late)
     for step in (None, 8, 4):
@@ -298,7 +294,7 @@ def test_removal_keeps_every_side_file_still_referred_to(tmp_path: Path) -> None
         if i == 10:
             net.base.bias.data.add_(1.0)
 
-    train(net, [ema], range(16), change)  # the old base: steps 4, 8; the new: 12, 16
+    train(net, [ema], range(16), at=change, **LORA_SGD)  # the old base: steps 4, 8; the new: 12, 16
     old, new = side_files(tmp_path)
     by_step = {s.step: s for s in list_snapshots(tmp_path)}
     assert by_step[4].frozen[0] == by_step[8].frozen[0] != by_step[12].frozen[0]
@@ -309,7 +305,7 @@ def test_removal_keeps_every_side_file_still_referred_to(tmp_path: Path) -> None
     assert old.exists()
     for p in tmp_path.glob("step-000000008_*"):
         p.unlink()
-    train(net, [ema], range(16, 20))  # the next snapshot collects it
+    train(net, [ema], range(16, 20), **LORA_SGD)  # the next snapshot collects it
     assert not old.exists() and new.exists()
     assert all(s.frozen == (new,) for s in list_snapshots(tmp_path))
     assert set(synth(tmp_path, 0.1)) == set(lora().state_dict())  # still readable
@@ -318,19 +314,19 @@ def test_removal_keeps_every_side_file_still_referred_to(tmp_path: Path) -> None
 def test_collection_leaves_other_runs_files_alone(tmp_path: Path) -> None:
     net = lora()
     first = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="first", **KW)
-    train(net, [first], range(8))
+    train(net, [first], range(8), **LORA_SGD)
     first.release_folder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PostHocWarning)  # another run's snapshots there
         second = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="second", **KW)
-        train(net, [second], range(8, 16))
+        train(net, [second], range(8, 16), **LORA_SGD)
     names = sorted(p.name for p in side_files(tmp_path))
     assert len(names) == 2
     assert {n.split(".run-")[1].split(".")[0] for n in names} == {"first", "second"}
     for p in tmp_path.glob("step-*"):
         if "run-second" not in p.name and int(p.name[5:14]) <= 8:
             p.unlink()  # every snapshot of the first run
-    train(net, [second], range(16, 20))
+    train(net, [second], range(16, 20), **LORA_SGD)
     kept = [p.name for p in side_files(tmp_path)]
     assert any(".run-first." in n for n in kept)  # not the second run's to remove
     assert collect_frozen_files(tmp_path, "first")  # its own run may
@@ -342,7 +338,7 @@ def test_a_resumed_run_refers_to_the_same_side_file(tmp_path: Path) -> None:
     net = lora()
     ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", **{**KW, "share_frozen": False})
     ema = PostHocEMA(net, checkpoint_folder=tmp_path / "run", **KW)
-    train(net, [ema, ref], range(8))
+    train(net, [ema, ref], range(8), **LORA_SGD)
     state, net_state = ema.state_dict(), {k: v.clone() for k, v in net.state_dict().items()}
     ema.release_folder()
     del ema
@@ -352,8 +348,8 @@ def test_a_resumed_run_refers_to_the_same_side_file(tmp_path: Path) -> None:
     resumed.load_state_dict(state)
     ref_net = ref.model
     ref_net.load_state_dict(net_state)
-    train(net2, [resumed], range(8, 16))
-    train(ref_net, [ref], range(8, 16))
+    train(net2, [resumed], range(8, 16), **LORA_SGD)
+    train(ref_net, [ref], range(8, 16), **LORA_SGD)
     assert len(side_files(tmp_path / "run")) == 1
     assert_same(synth(tmp_path / "run", 0.15), synth(tmp_path / "ref", 0.15))
 
@@ -363,7 +359,7 @@ def test_a_full_disk_during_the_side_file_write_keeps_the_previous_set(
 ) -> None:
     net = lora()
     ema = PostHocEMA(net, checkpoint_folder=tmp_path, **KW)
-    train(net, [ema], range(4))
+    train(net, [ema], range(4), **LORA_SGD)
     before = {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")}
     real = snapshots_module.write_safetensors
 
@@ -376,7 +372,7 @@ def test_a_full_disk_during_the_side_file_write_keeps_the_previous_set(
     monkeypatch.setattr(snapshots_module, "write_safetensors", full)
     net.base.bias.data.add_(1.0)  # a new frozen value: step 8 needs a new side file
     with pytest.raises(EMAError) as info:
-        train(net, [ema], range(4, 8))
+        train(net, [ema], range(4, 8), **LORA_SGD)
     assert info.value.errno == errno.ENOSPC  # type: ignore[attr-defined]
     assert {p.name: p.read_bytes() for p in tmp_path.glob("*.safetensors")} == before
     assert not [p for p in tmp_path.iterdir() if "emakit-tmp" in p.name]
@@ -390,7 +386,7 @@ def _killed_during_side_file(folder: Path) -> None:  # in a forked child
     torch.set_num_threads(1)  # no OpenMP pool after fork
     net = lora()
     ema = PostHocEMA(net, checkpoint_folder=folder, run_id="killed", **KW)
-    train(net, [ema], range(4))
+    train(net, [ema], range(4), **LORA_SGD)
     real = snapshots_module.write_safetensors
 
     def killed(f: Any, tensors: Any, header: Any, dtype: Any = None) -> None:
@@ -402,7 +398,7 @@ def _killed_during_side_file(folder: Path) -> None:  # in a forked child
 
     snapshots_module.write_safetensors = killed
     net.base.bias.data.add_(1.0)
-    train(net, [ema], range(4, 8))
+    train(net, [ema], range(4, 8), **LORA_SGD)
     os._exit(3)  # not reached
 
 
@@ -424,12 +420,12 @@ def test_a_sigkill_during_the_side_file_write_leaves_the_previous_set_usable(
     assert {s.step for s in snaps} == {4} and len(side_files(tmp_path)) == 1
     net = lora()
     ref = PostHocEMA(net, checkpoint_folder=tmp_path / "ref", store_frozen_once=False, **KW)
-    train(net, [ref], range(4))
+    train(net, [ref], range(4), **LORA_SGD)
     assert_same(synth(tmp_path, 0.15, run="killed"), synth(tmp_path / "ref", 0.15))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PostHocWarning)
         again = PostHocEMA(net, checkpoint_folder=tmp_path, run_id="killed", **KW)
-        train(net, [again], range(4, 8))  # the next write removes the leftover
+        train(net, [again], range(4, 8), **LORA_SGD)  # the next write removes the leftover
     assert not [p for p in tmp_path.iterdir() if "emakit-tmp" in p.name]
 
 
@@ -600,7 +596,7 @@ def lora_scale() -> LoraScale:
 def test_a_side_file_with_a_changed_one_element_tensor_is_refused(tmp_path: Path) -> None:
     net = lora_scale()
     ema = PostHocEMA(net, checkpoint_folder=tmp_path / "run", **KW)
-    train(net, [ema], range(8))
+    train(net, [ema], range(8), **LORA_SGD)
     ema.release_folder()
     (side,) = side_files(tmp_path / "run")
     with SafetensorsFile(side) as f:
@@ -623,7 +619,7 @@ def test_a_one_element_frozen_value_changed_in_place_gets_a_new_side_file(tmp_pa
         if i == 6:  # through .data: only the digest sees it
             net.scale.data.fill_(2.0)
 
-    train(net, [once, every], range(16), rescale)
+    train(net, [once, every], range(16), at=rescale, **LORA_SGD)
     sides = side_files(tmp_path / "once")
     assert len(sides) == 2
     latest = max(list_snapshots(tmp_path / "once"), key=lambda s: s.step)
@@ -632,3 +628,266 @@ def test_a_one_element_frozen_value_changed_in_place_gets_a_new_side_file(tmp_pa
     for sigma_rel, step in [(0.1, None), (0.2, 8), (0.05, 4)]:
         got = synth(tmp_path / "once", sigma_rel, step)
         assert_same(got, synth(tmp_path / "every", sigma_rel, step))
+
+
+# -- a side file's bytes are checked against its SHA-256 -------------------------------------
+
+
+def side_file(folder: Path) -> Path:
+    """The folder's one side file."""
+    (side,) = side_files(folder)
+    return side
+
+
+def quiet(fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` with post-hoc warnings (few snapshots: a rough fit) ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        return fn(*args, **kw)
+
+
+def quiet_synthesize(folder: Path, **kw: Any) -> dict[str, torch.Tensor]:
+    return quiet(synthesize, folder, **kw)
+
+
+def data_start(path: Path) -> int:
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8 + n
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_side_file_with_a_changed_byte_is_refused_naming_it(tiny_lora_folder: Path, where: str):
+    side = side_file(tiny_lora_folder)
+    start, end = data_start(side), side.stat().st_size
+    offset = {"first": start, "middle": (start + end) // 2, "last": end - 1}[where]
+    flip(side, offset)
+    snaps = list_snapshots(tiny_lora_folder)  # the header is intact: the snapshots are still listed
+    assert snaps
+    with pytest.raises(EMAStateError) as e:
+        quiet_synthesize(tiny_lora_folder, sigma_rel=0.1)
+    text = str(e.value)
+    assert side.name in text and "SHA-256" in text and "damaged" in text
+    digest = json.loads(side.read_bytes()[8 : data_start(side)])["__metadata__"]["digest"]
+    assert digest in text  # the digest its snapshots record, and the one found
+    assert any(s.path.name in text for s in snaps)  # and a snapshot that refers to it
+    with pytest.raises(EMAStateError, match="SHA-256"):
+        quiet(sweep, tiny_lora_folder, lambda state: 0.0, [0.1])
+    ema = EMA(TinyLora())
+    with pytest.raises(EMAStateError, match=f"{side.name}.*SHA-256"):
+        load_ema_weights(ema, snaps[-1].path)
+    for target in (tiny_lora_folder, snaps[-1].path, side):
+        out = CliRunner().invoke(inspect_cmd, [str(target)])
+        assert out.exit_code == 1 and "SHA-256" in out.output, out.output
+        assert "Traceback" not in out.output
+
+
+def test_an_intact_side_file_reads_as_before(tiny_lora_folder: Path, tiny_lora_run: Path):
+    """The check costs a read: it must not change what is read."""
+    got = quiet_synthesize(tiny_lora_folder, sigma_rel=0.1)
+    snaps = list_snapshots(tiny_lora_folder)
+    ema = EMA(TinyLora())
+    load_ema_weights(ema, snaps[-1].path)
+    assert torch.equal(ema.ema_model.base.weight, got["base.weight"].to(torch.float16).float())
+    out = CliRunner().invoke(inspect_cmd, [str(tiny_lora_folder)])
+    assert out.exit_code == 0 and "SHA-256 checked" in out.output, out.output
+
+
+def test_a_damaged_side_file_is_written_again_by_the_next_snapshot(tmp_path: Path):
+    """The writer never points new snapshots at a side file whose bytes do not hash to
+    their digest: it writes the file again (from the model's intact weights), which heals
+    the earlier snapshots too (same digest, same bytes)."""
+    folder = tmp_path / "snaps"
+    torch.manual_seed(0)
+    net = TinyLora()
+    ema = PostHocEMA(net, checkpoint_folder=folder, **KW)
+    train(net, [ema], range(8), **TINY_LORA_SGD)
+    side = side_file(folder)
+    good = side.read_bytes()
+    flip(side, data_start(side) + 5)
+    train(net, [ema], range(8, 12), **TINY_LORA_SGD)
+    assert side_file(folder) == side and side.read_bytes() == good
+    assert set(quiet_synthesize(folder, sigma_rel=0.1)) == set(TinyLora().state_dict())
+
+
+# -- an output never replaces a file the snapshots are made of ---------------------------------
+
+
+def damage_header(path: Path) -> None:
+    """One byte of the JSON header changed: the file cannot be read any more."""
+    data = bytearray(path.read_bytes())
+    data[9] = ord("!")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["path", "hard link", "symlink"])
+def test_out_over_a_side_file_is_refused(tiny_lora_folder: Path, tmp_path: Path, how: str):
+    side = side_file(tiny_lora_folder)
+    before = side.read_bytes()
+    out = side
+    if how == "hard link":
+        out = tmp_path / "elsewhere.safetensors"
+        os.link(side, out)
+    elif how == "symlink":
+        out = tmp_path / "elsewhere.safetensors"
+        out.symlink_to(side)
+    got = CliRunner().invoke(
+        synthesize_cmd, [str(tiny_lora_folder), "--sigma-rel", "0.1", "--out", str(out), "--force"]
+    )
+    assert got.exit_code == 1 and "input snapshot" in got.output, got.output
+    assert side.read_bytes() == before
+    with pytest.raises(EMAValueError, match="input snapshots"):
+        sweep(tiny_lora_folder, lambda state: 0.0, [0.1], plot=out)
+    assert side.read_bytes() == before
+
+
+def test_out_over_any_file_of_a_damaged_snapshot_is_refused(tiny_lora_folder: Path):
+    """A snapshot that cannot be listed (a damaged header) and its side file are files of
+    the snapshots all the same; so is a side file nothing refers to yet."""
+    snaps = list_snapshots(tiny_lora_folder)
+    damaged, side = snaps[0].path, side_file(tiny_lora_folder)
+    damage_header(damaged)
+    orphan = tiny_lora_folder / ("frozen-" + "0" * 32 + ".run-other.safetensors")
+    shutil.copy(side, orphan)
+    for target in (damaged, side, orphan):
+        got = CliRunner().invoke(
+            synthesize_cmd,
+            [str(tiny_lora_folder), "--sigma-rel", "0.1", "--out", str(target), "--force"],
+        )
+        assert got.exit_code == 1 and "input snapshot" in got.output, (target, got.output)
+    plain = tiny_lora_folder / "ema.safetensors"  # a previous output may be replaced with --force
+    for _ in range(2):
+        got = CliRunner().invoke(
+            synthesize_cmd,
+            [str(tiny_lora_folder), "--sigma-rel", "0.1", "--out", str(plain), "--force"],
+        )
+        assert got.exit_code == 0, got.output
+
+
+# -- collect_frozen_files: its arguments; an unreadable snapshot keeps every side file ---------
+
+
+def test_collect_frozen_files_checks_its_arguments(tiny_lora_folder: Path, tmp_path: Path):
+    with pytest.raises(EMAFileNotFoundError, match="does not exist"):
+        collect_frozen_files(tmp_path / "nonexistent")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(EMAValueError, match="is not a folder"):
+        collect_frozen_files(a_file)
+    for run in ("../x", "a/b", "..", "", "x" * 65):
+        with pytest.raises(EMAValueError, match="run must be"):
+            collect_frozen_files(tiny_lora_folder, run)
+    with pytest.raises(EMATypeError, match="run must be a str"):
+        collect_frozen_files(tiny_lora_folder, 3)  # type: ignore[arg-type]
+    for shard in ((2, 2), (-1, 2), (0,), [0, 2], (0.0, 2)):
+        with pytest.raises(EMAValueError, match="shard must be"):
+            collect_frozen_files(tiny_lora_folder, None, shard)  # type: ignore[arg-type]
+    assert side_file(tiny_lora_folder).exists()
+
+
+def test_an_unreadable_snapshot_keeps_every_side_file(tiny_lora_folder: Path):
+    """A snapshot with one damaged header byte may refer to any side file: none is
+    removed, whatever else refers to it; once it is gone, collection resumes."""
+    side = side_file(tiny_lora_folder)
+    snaps = list_snapshots(tiny_lora_folder)
+    run = snaps[0].run
+    keep = snaps[0].path
+    damage_header(keep)
+    for s in snaps[1:]:
+        for p in s.files:
+            p.unlink()  # every readable snapshot gone: only the damaged one refers to it
+    with pytest.warns(PostHocWarning, match=f"kept 1 frozen weights file.*{keep.name}"):
+        assert collect_frozen_files(tiny_lora_folder, run) == []
+    assert side.exists()
+    with pytest.warns(PostHocWarning, match="kept"):
+        assert collect_frozen_files(tiny_lora_folder) == []
+    keep.unlink()
+    assert collect_frozen_files(tiny_lora_folder, run) == [side]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"format": "emakit.posthoc.snapshoT"},  # almost a snapshot
+        {"frozen_file": "frozen-0123.run-x.safetensors"},  # a malformed reference
+        {"frozen_fi1e": "x"},  # a misspelt key
+    ],
+)
+def test_a_damaged_reference_keeps_every_side_file(tiny_lora_folder: Path, change: dict[str, str]):
+    side = side_file(tiny_lora_folder)
+    snaps = list_snapshots(tiny_lora_folder)
+    rewrite_metadata(snaps[0].path, **change)
+    if "frozen_fi1e" in change:
+        raw = snaps[0].path.read_bytes()
+        snaps[0].path.write_bytes(raw.replace(b'"frozen_file"', b'"frozen_fiLe"', 1))
+    for s in snaps[1:]:
+        for p in s.files:
+            p.unlink()
+    with pytest.warns(PostHocWarning, match="kept"):
+        assert collect_frozen_files(tiny_lora_folder, snaps[0].run) == []
+    assert side.exists()
+
+
+def test_the_clean_up_after_each_checkpoint_keeps_a_damaged_snapshots_side_file(tmp_path: Path):
+    """The writer's clean-up is the same function: a new side file (a new base value)
+    never makes it remove the old one while a damaged snapshot may refer to it."""
+    folder = tmp_path / "snaps"
+    torch.manual_seed(0)
+    net = TinyLora()
+    ema = PostHocEMA(net, checkpoint_folder=folder, **KW)
+    train(net, [ema], range(8), **TINY_LORA_SGD)
+    (old,) = [p for p in folder.iterdir() if is_side_file(p.name)]
+    steps4 = sorted(folder.glob("step-000000004_*"))
+    damage_header(steps4[0])
+    for p in [*steps4[1:], *folder.glob("step-000000008_*")]:
+        p.unlink()
+    net.base.bias.data.add_(1.0)  # a new value: the next snapshot writes a new side file
+    with pytest.warns(PostHocWarning, match="kept 1 frozen weights file"):
+        train(net, [ema], range(8, 12), **TINY_LORA_SGD)
+    assert old.exists()
+    assert len([p for p in folder.iterdir() if is_side_file(p.name)]) == 2
+
+
+# -- the errors name the side file and the snapshot -------------------------------------------
+
+
+def test_snapshots_copied_without_their_side_file_name_it(tiny_lora_folder: Path, tmp_path: Path):
+    side = side_file(tiny_lora_folder)
+    side.unlink()
+    with pytest.raises(EMAStateError) as e:
+        quiet_synthesize(tiny_lora_folder, sigma_rel=0.1)
+    text = str(e.value)
+    assert side.name in text and "does not exist" in text and "step-" in text
+    assert "call checkpoint() first" not in text
+    out = CliRunner().invoke(inspect_cmd, [str(tiny_lora_folder)])
+    assert out.exit_code == 1 and side.name in out.output, out.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "dangling", "another file"])
+def test_a_broken_side_file_is_named_with_its_snapshot(
+    tiny_lora_folder: Path, tmp_path: Path, damage: str
+):
+    side = side_file(tiny_lora_folder)
+    if damage == "truncated":
+        side.write_bytes(side.read_bytes()[:-7])
+    elif damage == "dangling":
+        target = tmp_path / "moved.safetensors"
+        side.rename(target)
+        side.symlink_to(target)
+        target.unlink()
+    else:
+        save_ema_weights(EMA(nn.Linear(2, 2)), side)
+    with pytest.raises(EMAStateError) as e:
+        quiet_synthesize(tiny_lora_folder, sigma_rel=0.1)
+    text = str(e.value)
+    assert side.name in text and "step-" in text, text
+    out = CliRunner().invoke(
+        synthesize_cmd,
+        [str(tiny_lora_folder), "--sigma-rel", "0.1", "--out", str(tmp_path / "o.pt")],
+    )
+    assert out.exit_code == 1 and side.name in out.output and "step-" in out.output

@@ -39,12 +39,7 @@ EVERY = 10  # snapshot interval
 SIGMA_RELS = (0.05, 0.28)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a smooth trajectory and its float64 ground truth ---------------------------------------

@@ -1,10 +1,12 @@
 """The post-hoc sweep (issue 23, item 3): many lengths in one pass over the snapshots,
 checked against one ``synthesize_ema_model`` per length; the folder API and the
-``emakit sweep`` command."""
+``emakit sweep`` command; scores that are all NaN or not numbers (issue 30, item 8)."""
 
 from __future__ import annotations
 
 import collections
+import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from _models import seeded
-from emakit import EMAValueError, PostHocEMA
+from emakit import EMATypeError, EMAValueError, PostHocEMA
 from emakit.cli import main
 from emakit.posthoc import (
     PostHocWarning,
@@ -25,6 +27,7 @@ from emakit.posthoc import (
     synthesize,
     synthesize_state_dict,
 )
+from emakit.posthoc.commands import sweep_cmd
 from emakit.posthoc.snapshots import format as reading_module
 
 LENGTHS = [0.07, 0.1, 0.15, 0.2, 0.25]
@@ -172,3 +175,65 @@ def test_sweep_command(
     assert got.output.count("<- best") == 1 and (tmp_path / "s.png").exists()
     bad = CliRunner().invoke(main, [*args, "--eval", "sweep_eval:nothing"])
     assert bad.exit_code == 2 and "has no function 'nothing'" in bad.output
+
+
+# -- the scores: all NaN, or not numbers (issue 30, item 8) -----------------------------------
+
+
+def test_a_sweep_whose_scores_are_all_nan_says_so(tiny_lora_folder: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        result = sweep(tiny_lora_folder, lambda state: float("nan"), [0.1, 0.2])
+    with pytest.raises(EMAValueError, match="every score of the sweep is NaN"):
+        _ = result.best
+    assert "<- best" not in result.table()
+    partial = type(result)(((0.1, math.nan), (0.2, 3.0)), 16, (0.05,), "min")
+    assert partial.best == (0.2, 3.0)  # a NaN never wins over a number
+
+
+def write_eval(tmp_path: Path, body: str) -> None:
+    (tmp_path / "scores_eval.py").write_text(f"def score(state):\n    return {body}\n")
+    sys.modules.pop("scores_eval", None)
+
+
+def test_the_sweep_command_with_nan_scores_is_a_clear_error(
+    tiny_lora_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --eval appends the current folder
+    write_eval(tmp_path, "float('nan')")
+    got = CliRunner().invoke(
+        sweep_cmd, [str(tiny_lora_folder), "--sigma-rel", "0.1,0.2", "--eval", "scores_eval:score"]
+    )
+    assert got.exit_code == 1 and "every score of the sweep is NaN" in got.output, got.output
+    assert "best: sigma_rel" not in got.output and "Traceback" not in got.output
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [("'0.5'", "'0.5'"), ("None", "None"), ("[1.0]", "[1.0]"), ("1j", "1j"), ("True", "True")],
+)
+def test_an_eval_returning_a_non_number_names_the_function_and_the_value(
+    tiny_lora_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, shown: str
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --eval appends the current folder
+    write_eval(tmp_path, body)
+    got = CliRunner().invoke(
+        sweep_cmd, [str(tiny_lora_folder), "--sigma-rel", "0.1", "--eval", "scores_eval:score"]
+    )
+    assert got.exit_code == 1, got.output
+    assert "scores_eval.score must return a number" in got.output and shown in got.output
+    assert "Traceback" not in got.output
+
+
+def test_an_eval_may_return_numbers_of_any_kind(tiny_lora_folder: Path):
+    import numpy as np
+
+    for value, want in ((np.float32(2.5), 2.5), (torch.tensor([1.5]), 1.5), (3, 3.0)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PostHocWarning)
+            result = sweep(tiny_lora_folder, lambda state, v=value: v, [0.1])
+        assert result.pairs == ((0.1, want),)
+    with pytest.raises(EMATypeError, match=r"must return a number.*tensor"):
+        sweep(tiny_lora_folder, lambda state: torch.ones(2), [0.1])

@@ -5,12 +5,16 @@ after the folder's last snapshot is refused."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from _models import TINY_LORA_POSTHOC, TINY_LORA_SGD, TinyLora, train
 from emakit import EMAValueError, PostHocEMA, PostHocWarning
-from emakit.posthoc import plan_synthesis
+from emakit.posthoc import plan_synthesis, sweep
+from emakit.posthoc.commands import synthesize as synthesize_cmd
 
 
 def run(folder, steps: int, every: int) -> None:
@@ -79,3 +83,46 @@ def test_a_good_fit_does_not_warn(tmp_path):
         warnings.simplefilter("error", PostHocWarning)
         plan = plan_synthesis(tmp_path, sigma_rel=0.15)
     assert plan.solution.residual < 0.05
+
+
+@pytest.mark.parametrize("step", [17, 3000, 99999])
+def test_a_step_after_the_last_snapshot_is_refused_naming_it(tiny_lora_folder: Path, step: int):
+    with pytest.raises(EMAValueError, match=rf"step={step} is after the last snapshot \(step 16\)"):
+        plan_synthesis(tiny_lora_folder, sigma_rel=0.1, step=step)
+    got = CliRunner().invoke(
+        synthesize_cmd,
+        [
+            str(tiny_lora_folder),
+            "--sigma-rel",
+            "0.1",
+            "--step",
+            str(step),
+            "--out",
+            str(tiny_lora_folder / "o.pt"),
+        ],
+    )
+    assert got.exit_code == 1 and "after the last snapshot" in got.output, got.output
+    assert (
+        "(step 16)" in got.output
+        and "[4, 16]" in got.output
+        and not (tiny_lora_folder / "o.pt").exists()
+    )
+    with pytest.raises(EMAValueError, match="after the last snapshot"):
+        sweep(tiny_lora_folder, lambda state: 0.0, [0.1], step=step)
+
+
+def test_a_step_between_snapshots_or_at_the_last_is_used(tiny_lora_folder: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PostHocWarning)
+        assert plan_synthesis(tiny_lora_folder, sigma_rel=0.1, step=16).step == 16
+        between = plan_synthesis(tiny_lora_folder, sigma_rel=0.1, step=14)
+    assert between.step == 14 and max(s.step for s in between.snapshots) == 12
+
+
+def test_posthoc_ema_synthesis_follows_the_same_rule(tmp_path: Path):
+    torch.manual_seed(0)
+    net = TinyLora()
+    ema = PostHocEMA(net, checkpoint_folder=tmp_path / "s", **TINY_LORA_POSTHOC)
+    train(net, [ema], range(18), **TINY_LORA_SGD)  # snapshots at 4..16; the EMA is at step 18
+    with pytest.raises(EMAValueError, match=r"after the last snapshot \(step 16\)"):
+        ema.synthesize_ema_model(sigma_rel=0.1, step=18)

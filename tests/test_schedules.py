@@ -288,6 +288,16 @@ def test_ema_decay_is_the_clamped_schedule(
     assert d == 0.0 or min_value <= d <= 1.0
 
 
+@pytest.mark.parametrize("value", ["0.9", b"x", True, object()])
+def test_a_schedule_returning_a_non_number_raises_an_ema_error(value):
+    from emakit import EMATypeError
+
+    ema = EMA(nn.Linear(2, 2), schedule=lambda t: value, update_after_step=0, update_every=1)
+    ema.update()  # the first call copies
+    with pytest.raises(EMATypeError, match=r"schedule .* returned .* a float in \[0, 1\]"):
+        ema.update()
+
+
 # -- half-life: the same time constant in optimizer steps whatever update_every ------------
 
 

@@ -1,7 +1,8 @@
 """Snapshot folders shared by runs (issue 14, item 5): each PostHocEMA run has an id written
 into every snapshot and kept across resumes; a run holds a lock on its folder while it
 writes; synthesis and ``inspect`` refuse a folder of several runs unless one is picked; a
-snapshot changed between planning and reading is detected when read."""
+snapshot changed between planning and reading is detected when read; a second run in a
+folder keeps the first run's snapshots."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from torch import nn
 
-from _models import bn_mlp
+from _models import bn_mlp, walk
 from emakit import EMARuntimeError, EMAStateError, PostHocEMA, PostHocWarning
 from emakit.posthoc import plan_synthesis
 from emakit.posthoc.commands import inspect_cmd, synthesize
@@ -27,7 +29,9 @@ from emakit.posthoc.snapshots.format import read_snapshot_info, write_snapshot
 STEPS = 12
 
 
-def train(folder: Path, seed: int, steps: int = STEPS, **kw: object) -> PostHocEMA:
+def trained_run(folder: Path, seed: int, steps: int = STEPS, **kw: object) -> PostHocEMA:
+    """A PostHocEMA run in ``folder``: ``steps`` updates of a random walk of `bn_mlp`'s
+    weights, snapshots every 4 steps."""
     net = bn_mlp(4, 8, 2, seed=seed)
     ema = PostHocEMA(
         net,
@@ -37,12 +41,7 @@ def train(folder: Path, seed: int, steps: int = STEPS, **kw: object) -> PostHocE
         checkpoint_dtype=torch.float32,
         **kw,
     )
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        with torch.no_grad():
-            for p in net.parameters():
-                p.add_(torch.randn(p.shape, generator=g), alpha=0.1)
-        ema.update()
+    walk(net, [ema], steps, seed=seed, scale=0.1)
     return ema
 
 
@@ -51,7 +50,7 @@ def weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_every_snapshot_records_the_run_and_a_resume_keeps_it(tmp_path: Path) -> None:
-    ema = train(tmp_path, seed=0, steps=8)
+    ema = trained_run(tmp_path, seed=0, steps=8)
     assert {s.run for s in list_snapshots(tmp_path)} == {ema.run_id}
     path = tmp_path / "state.pt"
     torch.save(ema.state_dict(), path)
@@ -74,7 +73,7 @@ def test_every_snapshot_records_the_run_and_a_resume_keeps_it(tmp_path: Path) ->
 
 
 def test_a_resume_from_a_state_without_run_id_continues_the_folders_run(tmp_path: Path) -> None:
-    ema = train(tmp_path, seed=0, steps=8)
+    ema = trained_run(tmp_path, seed=0, steps=8)
     state = dict(ema.state_dict())  # a rebuilt dict: torch's metadata is gone
     ema.release_folder()
     resumed = PostHocEMA(
@@ -90,12 +89,12 @@ def test_a_resume_from_a_state_without_run_id_continues_the_folders_run(tmp_path
 
 def test_a_folder_of_two_runs_is_refused_unless_one_is_picked(tmp_path: Path) -> None:
     shared, alone = tmp_path / "shared", tmp_path / "alone"
-    first = train(shared, seed=0)
+    first = trained_run(shared, seed=0)
     first.release_folder()
     other = {"sigma_rels": (0.06, 0.25)}  # other file names: nothing is overwritten
-    train(alone, seed=1, **other)
+    trained_run(alone, seed=1, **other)
     with pytest.warns(PostHocWarning, match="other run"):
-        second = train(shared, seed=1, **other)  # a second experiment in the same folder
+        second = trained_run(shared, seed=1, **other)  # a second experiment in the same folder
     with pytest.raises(EMAStateError, match="2 runs") as info:
         plan_synthesis(shared, sigma_rel=0.1)
     assert first.run_id in str(info.value) and second.run_id in str(info.value)
@@ -111,11 +110,11 @@ def test_a_folder_of_two_runs_is_refused_unless_one_is_picked(tmp_path: Path) ->
 
 
 def test_the_cli_refuses_a_folder_of_two_runs_unless_one_is_picked(tmp_path: Path) -> None:
-    first = train(tmp_path, seed=0)
+    first = trained_run(tmp_path, seed=0)
     first.release_folder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PostHocWarning)
-        second = train(tmp_path, seed=1, sigma_rels=(0.06, 0.25))
+        second = trained_run(tmp_path, seed=1, sigma_rels=(0.06, 0.25))
     out = tmp_path / "out.safetensors"
     args = [str(tmp_path), "--sigma-rel", "0.1", "--out", str(out), "--no-progress"]
     result = CliRunner().invoke(synthesize, args)
@@ -130,11 +129,11 @@ def test_the_cli_refuses_a_folder_of_two_runs_unless_one_is_picked(tmp_path: Pat
 
 
 def test_a_second_run_may_not_write_while_the_first_holds_the_folder(tmp_path: Path) -> None:
-    first = train(tmp_path, seed=0, steps=4)
+    first = trained_run(tmp_path, seed=0, steps=4)
     with pytest.raises(EMARuntimeError, match=first.run_id):
-        train(tmp_path, seed=1, steps=4)
+        trained_run(tmp_path, seed=1, steps=4)
     first.release_folder()
-    train(tmp_path, seed=2, steps=4)  # free again
+    trained_run(tmp_path, seed=2, steps=4)  # free again
     # The same run (a resumed object in the same process) shares it.
     state = first.state_dict()
     again = PostHocEMA(
@@ -148,7 +147,7 @@ def test_a_second_run_may_not_write_while_the_first_holds_the_folder(tmp_path: P
 
 
 def hold_the_folder(folder: Path, conn) -> None:  # a child: the other experiment
-    ema = train(folder, seed=0, steps=4)
+    ema = trained_run(folder, seed=0, steps=4)
     conn.send(ema.run_id)
     conn.recv()  # blocks until the parent kills it
 
@@ -168,17 +167,17 @@ def test_the_lock_holds_across_processes_and_dies_with_its_holder(tmp_path: Path
         assert parent_end.poll(60), "the child never took the lock"
         holder = parent_end.recv()
         with pytest.raises(EMARuntimeError, match=f"{holder}.*process {child.pid}"):
-            train(tmp_path, seed=1, steps=4)
+            trained_run(tmp_path, seed=1, steps=4)
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PostHocWarning)  # the killed run's snapshots
-        train(tmp_path, seed=1, steps=4)  # the lock died with the process
+        trained_run(tmp_path, seed=1, steps=4)  # the lock died with the process
 
 
 def test_a_snapshot_changed_after_planning_is_detected(tmp_path: Path) -> None:
-    train(tmp_path, seed=0)
+    trained_run(tmp_path, seed=0)
     plan = plan_synthesis(tmp_path, sigma_rel=0.1)
     victim = plan.snapshots[1]
     info = read_snapshot_info(victim.path)
@@ -203,7 +202,7 @@ def test_a_snapshot_changed_after_planning_is_detected(tmp_path: Path) -> None:
 
 
 def test_releasing_the_folder_removes_the_lock_file(tmp_path: Path) -> None:
-    ema = train(tmp_path, seed=0, steps=4)
+    ema = trained_run(tmp_path, seed=0, steps=4)
     assert (tmp_path / ".emakit-posthoc.lock").exists()
     ema.release_folder()
     assert not (tmp_path / ".emakit-posthoc.lock").exists()
@@ -212,3 +211,33 @@ def test_releasing_the_folder_removes_the_lock_file(tmp_path: Path) -> None:
     del ema
     gc.collect()  # garbage-collected: released
     assert not (tmp_path / ".emakit-posthoc.lock").exists()
+
+
+def test_a_second_run_in_the_same_folder_keeps_the_first_runs_snapshots(tmp_path: Path):
+    from emakit.posthoc import list_snapshots
+
+    def run(seed: int) -> PostHocEMA:
+        net = nn.Linear(3, 2)
+        torch.manual_seed(seed)
+        ema = PostHocEMA(
+            net, sigma_rels=(0.05, 0.28), checkpoint_every_num_steps=2, checkpoint_folder=tmp_path
+        )
+        for _ in range(8):
+            with torch.no_grad():
+                net.weight.add_(torch.randn(2, 3))
+            ema.update()
+        ema.release_folder()
+        return ema
+
+    first = run(0)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("step-*")}
+    assert len(before) == 8  # 4 steps x 2 profiles
+    with pytest.warns(Warning, match="theirs are kept"):
+        second = run(1)
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data, name  # run 1's, untouched
+    runs = {s.run for s in list_snapshots(tmp_path)}
+    assert runs == {first.run_id, second.run_id}
+    assert len(list(tmp_path.glob(f"*_run-{second.run_id}.safetensors"))) == 8
+    synth = second.synthesize_ema_model(sigma_rel=0.1)  # its own run's snapshots
+    assert torch.isfinite(synth.ema_model.weight).all()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import _models
 from _models import bn_mlp
 from emakit import EMA, STATE_VERSION, EMAStateError, KarrasEMA, PostHocEMA
 
@@ -27,14 +28,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 make_net = partial(bn_mlp, 3, 4, 2, seed=123)
 
 
-def train(net: nn.Module, update, steps: int = 5, seed: int = 0) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(steps):
-        net(torch.randn(8, 3, generator=gen)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        update()
+#: ``train(net, emas, steps=5)``: SGD steps, each followed by every EMA's ``update()``.
+train = partial(_models.train, steps=5, batch=(8, 3), seed=0)
 
 
 def roundtrip(state: dict) -> dict:
@@ -132,7 +127,7 @@ def test_metadata_survives_torch_save_and_restores_the_extras():
     fresh.load_state_dict(state)
     assert fresh.num_skipped_nonfinite == 1 and int(fresh.step) == 2
     karras = KarrasEMA(net, gamma=5.0, update_every=3)
-    train(net, karras.update, steps=8)
+    train(net, [karras], steps=8)
     karras.catch_up()  # t no longer follows from step alone
     kstate = roundtrip(karras.state_dict())
     assert set(kstate) == {"initted", "step", *(f"ema_model.{k}" for k in net.state_dict())}
@@ -170,7 +165,7 @@ def test_inference_loader_strips_prefix_and_counters():
     strictly into the model class."""
     net = make_net()
     ema = EMA(net, update_after_step=0, update_every=1)
-    train(net, ema.update)
+    train(net, [ema])
     state = {
         k.removeprefix("ema_model."): v
         for k, v in ema.state_dict().items()
@@ -186,7 +181,7 @@ def test_inference_loader_strips_prefix_and_counters():
 def test_emakit_state_loads_into_ema_pytorch(ours_online, theirs_online):
     net = make_net()
     ema = EMA(net, update_after_step=1, update_every=1, include_online_model=ours_online)
-    train(net, ema.update, steps=6)
+    train(net, [ema], steps=6)
     theirs = ema_pytorch.EMA(copy.deepcopy(net), include_online_model=theirs_online)
     result = theirs.load_state_dict(ema.state_dict(), strict=ours_online == theirs_online)
     # Only ema-pytorch's own online_model.* keys can differ, by its include_online_model.
@@ -203,7 +198,7 @@ def test_emakit_state_loads_into_ema_pytorch(ours_online, theirs_online):
 def test_ema_pytorch_state_loads_into_emakit_and_continues_bit_identically():
     net = make_net()
     theirs = ema_pytorch.EMA(copy.deepcopy(net), beta=0.9, update_after_step=2, update_every=1)
-    train(theirs.online_model, theirs.update)
+    train(theirs.online_model, [theirs])
     ours = EMA(copy.deepcopy(theirs.online_model), beta=0.9, update_after_step=2, update_every=1)
     ours.load_state_dict(theirs.state_dict())
     assert int(ours.step) == int(theirs.step.item())

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import emakit
-from _models import bn_mlp
+from _models import bn_mlp, ema_weights, same_tensors, two_linear
 from emakit import EMA, EMAStateError, KarrasEMA, MultiEMA
 
 
@@ -106,6 +107,30 @@ def test_failed_loads_of_karras_and_multi_ema_leave_them_as_they_were():
         multi.load_state_dict(state)
     for e, b in zip(multi, befores, strict=True):
         assert_unchanged(e, b)
+
+
+def test_a_strict_load_refuses_an_extra_online_model_key():
+    """Planted bug: every ``online_model.*`` key counted as one the EMA owns, so the check
+    that runs before anything is loaded let an extra ``online_model.<name>`` (a state of
+    another model) through: torch's own strict check then raised only after it had copied
+    every tensor, and the EMA and the model were left holding the refused state. With
+    ``include_online_model=True`` the online model's keys are the EMA's own, paired
+    strictly: an extra one is refused by name and nothing is loaded; ``strict=False``
+    loads the rest. (With ``include_online_model=False``, ema-pytorch's
+    ``online_model.*`` are accepted and ignored, as documented.)"""
+    net = two_linear()
+    ema = EMA(net, update_after_step=0, update_every=1)
+    ema.update()
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in ema.state_dict().items()}
+    state["online_model.2.weight"] = torch.zeros(2, 2)
+    before, online = ema_weights(ema), {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(EMAStateError, match=r"nothing was loaded.*online_model\.2\.weight"):
+        ema.load_state_dict(state)
+    assert same_tensors(ema_weights(ema), before) and same_tensors(dict(net.state_dict()), online)
+    ema.load_state_dict(state, strict=False)
+    assert torch.equal(ema.ema_model[0].weight, before["0.weight"] + 1)
+    lean = EMA(two_linear(), include_online_model=False)
+    lean.load_state_dict(state)  # ignored, as for ema-pytorch's states
 
 
 # -- item 10: writes inside swap() -----------------------------------------------------------
@@ -215,7 +240,26 @@ def test_failed_posthoc_load_leaves_every_profile_as_it_was(tmp_path):
         assert_unchanged(p, b)
 
 
-# -- round 3: swaps of two EMAs, a swap failing halfway, a load failing inside torch -------
+@pytest.mark.parametrize("in_place", [False, True])
+def test_writes_into_the_model_inside_swap_land_in_the_ema(in_place):
+    """A train-mode forward inside ``swap()`` updates BatchNorm's running statistics of the
+    EMA (by reference directly, with ``in_place=True`` through the write-back), and the
+    model's own statistics come back on exit; swap()'s docstring says so."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ema = EMA(net, beta=0.5, update_after_step=0, update_every=1)
+    own = net[1].running_mean.clone()
+    shadow = ema.ema_model[1].running_mean.clone()
+    with ema.swap(in_place=in_place):
+        net.train()
+        net(torch.randn(8, 3) + 3.0)
+    assert not torch.equal(ema.ema_model[1].running_mean, shadow)
+    assert torch.equal(net[1].running_mean, own)
+    doc = " ".join((EMA.swap.__doc__ or "").split())
+    assert "land in the EMA weights" in doc
+
+
+# -- swaps of two EMAs, a swap failing halfway, a load failing inside torch ----------------
 
 
 def test_swaps_of_two_emas_exited_out_of_order_are_refused_and_recoverable():

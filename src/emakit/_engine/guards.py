@@ -150,10 +150,12 @@ class WatchedDict(dict):
 
     Storing the object already stored under a key (``self.step += 1`` on a buffer) is no
     change. Reading costs what a ``dict`` costs: no read method is overridden. Pickled and
-    deep-copied as a plain ``dict``, so saved or copied models carry nothing of emakit.
+    deep-copied as the dict class it replaced (``plain``: ``dict``, or torch 2.4's
+    ``OrderedDict``), so saved or copied models carry nothing of emakit.
     """
 
-    __slots__ = ("watchers",)
+    __slots__ = ("plain", "watchers")
+    plain: type[dict[str, Any]]
     watchers: weakref.WeakSet[Changes]
 
     def _changed(self) -> None:
@@ -197,7 +199,7 @@ class WatchedDict(dict):
         return self
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (dict, (dict(self),))  # pickled and deep-copied as a plain dict
+        return (self.plain, (dict(self),))  # pickled and deep-copied as the dict it replaced
 
 
 #: The registry dicts a `WatchedDict` replaces: torch 2.4 keeps them in OrderedDicts.
@@ -221,6 +223,7 @@ def watch_modules(roots: tuple[nn.Module, ...], changes: Changes) -> None:
                     and not (registry == "_parameters" and any(map(is_dtensor, d.values())))
                 ):
                     watched = WatchedDict(d)
+                    watched.plain = type(d)
                     watched.watchers = weakref.WeakSet((changes,))
                     state[registry] = watched
 
