@@ -2,10 +2,13 @@
 
 Every error emakit raises on bad input derives from [`EMAError`][emakit.errors.EMAError], and also from
 the builtin that fits (``ValueError``, ``TypeError`` or ``RuntimeError``), so callers can
-catch either. Messages echo the offending value and say how to fix it.
+catch either. Messages echo the offending value and say how to fix it. Warnings raised
+deep inside emakit point at the user's line with `user_stacklevel()`.
 """
 
 from __future__ import annotations
+
+import sys
 
 __all__ = [
     "EMAError",
@@ -15,6 +18,7 @@ __all__ = [
     "EMATypeError",
     "EMAValueError",
     "EMAWriteError",
+    "user_stacklevel",
 ]
 
 
@@ -53,3 +57,14 @@ class EMAWriteError(EMAError, OSError):
     names the file. emakit's writes are atomic, so the file (or, for post-hoc snapshots,
     the step's whole set of files) is left as it was before the write.
     """
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that points at the first caller outside
+    emakit: the user's ``ema.update()`` or ``checkpoint()`` line, however deep inside emakit
+    the warning is raised (a fixed level would point at emakit's own code from some paths,
+    and Python shows a warning once per place it points at)."""
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: level 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("emakit."):
+        frame, level = frame.f_back, level + 1
+    return level

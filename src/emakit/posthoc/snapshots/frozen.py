@@ -82,7 +82,7 @@ from torch import Tensor
 
 from ..._files.safetensors_file import SafetensorsFile
 from ..._version import __version__
-from ...errors import EMAError, EMAStateError
+from ...errors import EMAError, EMAStateError, user_stacklevel
 from ..math import PostHocWarning
 from .shards import header_names, malformed, shard_suffix
 
@@ -141,7 +141,7 @@ def snapshot_tensors(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> 
             f"post-hoc EMA snapshot: values of {overflow[:5]} overflow {dtype} and were "
             f"stored as inf; use checkpoint_dtype=torch.float32 or torch.bfloat16",
             PostHocWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return out
 
