@@ -68,7 +68,7 @@ def test_timm_last_pth_tar_with_its_argparse_namespace(tmp_path):
     ).save_checkpoint(epoch=0, metric=1.0)
     path = tmp_path / "last.pth.tar"
     assert isinstance(torch.load(path, weights_only=False)["args"], argparse.Namespace)
-    allowed = torch.serialization.get_safe_globals()
+    assert argparse.Namespace not in torch.serialization.get_safe_globals()
 
     ours = EMA(
         net,
@@ -77,7 +77,8 @@ def test_timm_last_pth_tar_with_its_argparse_namespace(tmp_path):
         update_every=1,
     )
     assert load_foreign_state(ours, path, step=num_updates) == "timm"  # train.py's count
-    assert torch.serialization.get_safe_globals() == allowed  # nothing left process-wide
+    # nothing left process-wide (torch registers its own classes as its modules load)
+    assert argparse.Namespace not in torch.serialization.get_safe_globals()
     for k, v in theirs.module.state_dict().items():
         assert torch.equal(ours.ema_model.state_dict()[k], v), k
     sgd_step(net, opt, num_updates)

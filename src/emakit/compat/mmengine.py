@@ -43,6 +43,7 @@ from .._engine.plan import Plan
 from ..decay import COPY, Action
 from ..ema import EMA, unwrap_model
 from ..errors import EMAStateError, EMATypeError, EMAValueError
+from .averaged_module import AveragedModule, HostCount, version_of
 
 __all__ = [
     "MODELS",
@@ -57,7 +58,7 @@ __all__ = [
 SCOPE = "emakit"
 
 
-class BaseAveragedModel(nn.Module):
+class BaseAveragedModel(AveragedModule):
     """mmengine's ``BaseAveragedModel``: a copy of a model (``.module``) whose weights are
     averaged by ``update_parameters(model)``.
 
@@ -110,9 +111,7 @@ class BaseAveragedModel(nn.Module):
     #: The class's own `avg_func`, which `_planned_average` computes on emakit's engine;
     #: None where there is none (a subclass overriding `avg_func` runs mmengine's loop).
     _planned_for: ClassVar[Callable[..., None] | None] = None
-    _count: int  # steps on the host
-    _seen: tuple[Tensor | None, int]  # the steps buffer and its version matching _count
-    _engine: EMA | None  # the engine EMA over .module (kept out of the module tree)
+    _count: HostCount  # steps on the host
     _lists: tuple[Plan, list[Tensor], list[Tensor], bool] | None  # see _averaged()
 
     def __init__(
@@ -136,11 +135,10 @@ class BaseAveragedModel(nn.Module):
         if device is not None:
             self.module = self.module.to(device)
         self.register_buffer("steps", torch.tensor(0, dtype=torch.long, device=device))
-        self.__dict__.update(_count=0, _seen=_UNREAD, _engine=None, _lists=None)
+        self.__dict__.update(_count=HostCount(), _lists=None)
 
     def __getstate__(self) -> dict[str, Any]:
-        # the engine holds the online model: a copy builds its own at its next update
-        return {**self.__dict__, "_engine": None, "_seen": _UNREAD, "_lists": None}
+        return {**super().__getstate__(), "_lists": None}  # the lists hold the online model
 
     @property
     def avg_parameters(self) -> dict[str, Tensor]:
@@ -155,15 +153,13 @@ class BaseAveragedModel(nn.Module):
         count before this update; subclasses define it."""
         raise NotImplementedError(f"{type(self).__name__} must define avg_func()")
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``.module``."""
-        return self.module(*args, **kwargs)
-
     # -- the update ---------------------------------------------------------------------
 
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
         """Copy ``model`` (first call) or average it in (every ``interval`` calls)."""
+        buffer = self.steps
+        version = version_of(buffer)
         n = self._host_steps()
         tracker = self._engine_for(model).tracker
         tracker.set_counters(step=n + 1)
@@ -177,9 +173,8 @@ class BaseAveragedModel(nn.Module):
                 self._call_avg_func(tracker.plan())
         elif not self.update_buffers:
             tracker.plan().copy_unaveraged()  # the buffers
-        buffer = self.steps
         buffer += 1  # on its device: no host sync
-        self.__dict__.update(_count=n + 1, _seen=(buffer, _version(buffer)))
+        self._count.advanced(buffer, version)
 
     def _runs_planned(self) -> bool:
         """Whether averaging runs the class's own `avg_func` on the engine: not when a
@@ -218,17 +213,15 @@ class BaseAveragedModel(nn.Module):
 
     def _host_steps(self) -> int:
         """``steps`` as a host int, read back only when it was written or replaced."""
-        buffer = self.steps
-        seen, seen_version = self._seen
-        if buffer is not seen or _version(buffer) != seen_version:
-            count = int(buffer)  # the one host read
-            if count < 0:
-                raise EMAValueError(
-                    f"steps must be >= 0, got steps={count}; fill it with 0 "
-                    f"(ema.steps.zero_()) to copy the model at the next update"
-                )
-            self.__dict__.update(_count=count, _seen=(buffer, _version(buffer)))
-        return self._count
+        buffer, count = self.steps, self._count
+        if count.changed(buffer):
+            count.read(buffer)
+        if count.value < 0:
+            raise EMAValueError(
+                f"steps must be >= 0, got steps={count.value}; fill it with 0 "
+                f"(ema.steps.zero_()) to copy the model at the next update"
+            )
+        return count.value
 
     def _engine_for(self, model: nn.Module) -> EMA:
         """The engine EMA of ``model`` into ``.module`` (built again for another model)."""
@@ -246,12 +239,9 @@ class BaseAveragedModel(nn.Module):
         else:
             roles = {"param_or_buffer_names_no_ema": {k for k, _ in online.named_buffers()}}
         try:
-            engine = EMA(
+            return self.attach_engine(
                 online,
-                ema_model=self.module,
-                update_after_step=0,
-                update_every=1,
-                include_online_model=False,
+                self._count.value,
                 allow_different_devices=True,
                 share_frozen=False,  # mmengine averages every weight, trained or not
                 **roles,
@@ -262,9 +252,6 @@ class BaseAveragedModel(nn.Module):
                 f"built from, or one with the same tensor names (ema_model below is "
                 f".module): {e}"
             ) from None
-        engine.tracker.reset(self._count)
-        self.__dict__["_engine"] = engine
-        return engine
 
     def _copy_held(self, model: nn.Module) -> None:
         """Copy the integer entries of the state dict (``update_buffers=True``: the
@@ -275,11 +262,6 @@ class BaseAveragedModel(nn.Module):
         for name, value in unwrap_model(model).state_dict().items():
             if not value.is_floating_point():
                 mine[name].copy_(value)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        if self._engine is not None:
-            self._engine.tracker.invalidate()  # .to()/.cuda() replace storages: plan again
-        return super()._apply(fn, recurse)
 
 
 class ExponentialMovingAverage(BaseAveragedModel):
@@ -448,16 +430,6 @@ class StochasticWeightAverage(BaseAveragedModel):
             torch._foreach_add_(shadows, differences, alpha=1 / float(n // self.interval + 1))
         if not self.update_buffers:
             plan.copy_unaveraged()
-
-
-#: `BaseAveragedModel._seen` before its first read: no buffer matches it
-_UNREAD: tuple[Tensor | None, int] = (None, 0)
-
-
-def _version(t: Tensor) -> int:
-    """``t``'s version counter, which every in-place write moves (a loaded state dict
-    included); -1 for an inference tensor, which has none, so that it is read each time."""
-    return -1 if t.is_inference() else t._version
 
 
 def _register() -> Any:

@@ -21,6 +21,7 @@ from .. import _validate as check
 from ..decay import COPY, Action
 from ..ema import EMA, unwrap_model
 from ..errors import EMAValueError
+from .averaged_module import AveragedModule, HostCount, version_of
 
 __all__ = ["AveragedModel", "get_ema_avg_fn", "get_ema_multi_avg_fn"]
 
@@ -87,7 +88,7 @@ def get_ema_avg_fn(decay: float = 0.999) -> AvgFn:
     return _EMAAvgFn(check.real("decay", decay, low=0.0, high=1.0))
 
 
-class AveragedModel(nn.Module):
+class AveragedModel(AveragedModule):
     """torch's ``AveragedModel``: SWA (an equal average) or an EMA of a model (``.module``).
 
     The first `update_parameters()` copies the model; update ``k + 1`` after that is
@@ -137,9 +138,7 @@ class AveragedModel(nn.Module):
     """
 
     n_averaged: Tensor
-    _count: int  # n_averaged on the host
-    _seen: tuple[Tensor | None, int]  # the n_averaged buffer and its version matching _count
-    _engine: EMA | None  # the engine EMA over .module (kept out of the module tree)
+    _count: HostCount  # n_averaged on the host
 
     def __init__(
         self,
@@ -161,17 +160,7 @@ class AveragedModel(nn.Module):
         self.avg_fn = avg_fn
         self.multi_avg_fn = multi_avg_fn
         self.use_buffers = check.boolean("use_buffers", use_buffers)
-        self.__dict__["_count"] = 0
-        self.__dict__["_seen"] = _UNREAD
-        self.__dict__["_engine"] = None
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # a copied or unpickled n_averaged has a new version counter: read it at the next update
-        super().__setstate__({**state, "_seen": _UNREAD})
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``.module``."""
-        return self.module(*args, **kwargs)
+        self.__dict__["_count"] = HostCount()
 
     def _weight(self, n: int) -> float | None:
         """The lerp weight of an update after ``n`` averaged, or None for a user function."""
@@ -184,32 +173,25 @@ class AveragedModel(nn.Module):
         engine = self._engine
         if engine is None or unwrap_model(model) is not engine.model:
             buffers = {n for n, _ in model.named_buffers()}
-            engine = EMA(
+            engine = self.attach_engine(
                 model,
-                ema_model=self.module,
-                update_after_step=0,
-                update_every=1,
-                include_online_model=False,
+                self._count.value,
                 allow_different_devices=True,
                 param_or_buffer_names_no_ema=() if self.use_buffers else buffers,
                 share_frozen=False,
             )
-            engine.tracker.reset(self._count)
-            self.__dict__["_engine"] = engine
         return engine
 
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
         """Average ``model`` in: the first call copies it (see the class docstring)."""
-        buffer = self.n_averaged
-        version = _version(buffer)
-        seen, seen_version = self._seen
-        if buffer is not seen or version != seen_version:  # written or replaced since
-            n = int(buffer)  # the one host read
-            self.__dict__["_count"] = n
+        buffer, count = self.n_averaged, self._count
+        version = version_of(buffer)
+        if count.changed(buffer):  # written or replaced since
+            count.read(buffer)
             if self._engine is not None:
-                self._engine.tracker.reset(n)
-        n = self._count
+                self._engine.tracker.reset(count.value)
+        n = count.value
         if n < 0:
             raise EMAValueError(
                 f"n_averaged must be >= 0, got n_averaged={n}; "
@@ -223,9 +205,7 @@ class AveragedModel(nn.Module):
         else:
             self._call_user_fn(model, n)
         self.n_averaged += 1  # on its device: no host sync
-        self.__dict__["_count"] = n + 1
-        # the version our += leaves when nothing else wrote the buffer during this call
-        self.__dict__["_seen"] = (buffer, version + 1)
+        count.advanced(buffer, version)
 
     def _call_user_fn(self, model: nn.Module, n: int) -> None:
         """torch's update with the user's ``avg_fn``/``multi_avg_fn``."""
@@ -253,19 +233,3 @@ class AveragedModel(nn.Module):
         if not self.use_buffers:
             for b, mb in zip(self.module.buffers(), model.buffers(), strict=True):
                 b.detach().copy_(mb.detach().to(b.device))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        if self._engine is not None:
-            self._engine.tracker.invalidate()  # .to()/.cuda() replace storages: plan again
-        return super()._apply(fn, recurse)
-
-
-#: `AveragedModel._seen` before its first read: no buffer matches it
-_UNREAD: tuple[Tensor | None, int] = (None, 0)
-
-
-def _version(t: Tensor) -> int:
-    """``t``'s version counter, which every in-place write moves (a loaded state dict
-    included); -1 for an inference tensor, which has none: that never equals a version
-    seen after an update (>= 0), so such a count is read at every update, as torch does."""
-    return -1 if t.is_inference() else t._version

@@ -34,6 +34,7 @@ from ..decay import Action
 from ..ema import EMA, unwrap_model
 from ..errors import EMAStateError, EMAValueError
 from ..foreign import read_training_checkpoint
+from .averaged_module import AveragedModule
 
 __all__ = ["ModelEma", "ModelEmaV2", "ModelEmaV3"]
 
@@ -89,7 +90,7 @@ def _stochastic_round_lerp_(
             ema[i].copy_(part.view(ema[i].shape))
 
 
-class ModelEmaV3(nn.Module):
+class ModelEmaV3(AveragedModule):
     """timm's ``ModelEmaV3``: an EMA of a model's parameters and buffers (``.module``).
 
     Build it after moving the model to its device (and before wrapping it in DDP), call
@@ -157,8 +158,6 @@ class ModelEmaV3(nn.Module):
         ['module.bias', 'module.weight']
     """
 
-    _engine: EMA  # the engine EMA over .module (kept out of the module tree)
-
     def __init__(
         self,
         model: nn.Module,
@@ -207,7 +206,7 @@ class ModelEmaV3(nn.Module):
         self._sr_generator.manual_seed(stochastic_rounding_seed)
         self._build(model)
 
-    def _build(self, model: nn.Module) -> None:
+    def _build(self, model: nn.Module) -> EMA:
         """Pair the EMA copy with ``model`` and choose how updates run."""
         ema_values, model_values = _paired_values(self.module, model)
         floating = [
@@ -225,25 +224,20 @@ class ModelEmaV3(nn.Module):
                 "foreach=False, or leave skip_nonfinite=False"
             )
         buffers = {n for n, b in model.named_buffers() if b.is_floating_point()}
-        engine = EMA(
+        return self.attach_engine(
             model,
-            ema_model=self.module,
-            update_after_step=0,
-            update_every=1,
-            include_online_model=False,
+            0,  # initialized: the copy is the starting average
             allow_different_devices=self.device is not None,
             coerce_dtype=self.dtype is not None,
             param_or_buffer_names_no_ema=buffers if self.exclude_buffers else (),
             skip_nonfinite=self.skip_nonfinite,
         )
-        engine.tracker.reset(0)  # initialized: the copy above is the starting average
-        self.__dict__["_engine"] = engine  # not a child: the state dict stays module.*
 
     def _engine_for(self, model: nn.Module) -> EMA:
-        model = unwrap_model(model)
-        if model is not self._engine.model:
-            self._build(model)
-        return self._engine
+        model, engine = unwrap_model(model), self._engine
+        if engine is None or model is not engine.model:
+            engine = self._build(model)
+        return engine
 
     def get_decay(self, step: int | None = None) -> float:
         """The decay of an update at ``step`` (see the formula in the class docstring)."""
@@ -323,14 +317,6 @@ class ModelEmaV3(nn.Module):
                 e.copy_(m.to(device=self.device))
         else:
             engine.copy_params_from_model_to_ema()
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``.module`` (in the mode it is in: ``ModelEmaV3`` puts it in eval mode)."""
-        return self.module(*args, **kwargs)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        self._engine.tracker.invalidate()  # .to()/.cuda() replace storages: plan again
-        return super()._apply(fn, recurse)
 
 
 def _averaging_copy(model: nn.Module, device: torch.device | str | None) -> nn.Module:
