@@ -73,9 +73,9 @@ def test_every_folder_command_takes_the_run_folder_and_the_snapshot_folder(
 def test_every_long_command_takes_no_progress(name: str) -> None:
     command = main.get_command(None, name)  # type: ignore[arg-type]
     if name not in ("demo", "bench"):  # the lazy commands: their module's object
-        from emakit.posthoc.commands import COMMANDS
+        from emakit.cli import lazy_command
 
-        command = COMMANDS[name]
+        command = lazy_command(name)
     flags = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
     assert {"--progress", "--no-progress"} <= flags, name
     assert "--no-progress" in invoke(name, "--help").output

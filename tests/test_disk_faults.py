@@ -33,7 +33,8 @@ from torch import nn
 from _models import bn_mlp
 from emakit import EMA, EMAError, EMAValueError, PostHocEMA
 from emakit.checkpoint import load_ema_weights, save_ema_weights
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.inspection import inspect_cmd
+from emakit.posthoc.commands import synthesize
 from emakit.posthoc.snapshots import format as snapshots_module
 
 JOIN_S = 30  # the bound on anything that could block

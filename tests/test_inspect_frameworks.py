@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from _frameworks import need
-from emakit.posthoc.commands import inspect_cmd
+from emakit.inspection import inspect_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 KW = {"beta": 0.9, "update_after_step": 0, "update_every": 1}

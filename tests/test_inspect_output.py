@@ -45,7 +45,7 @@ import emakit
 from emakit import EMA, PostHocEMA
 from emakit._files.safetensors_file import write_safetensors
 from emakit.checkpoint import save_ema_weights
-from emakit.posthoc.commands import inspect_cmd
+from emakit.inspection import inspect_cmd
 from emakit.posthoc.math import sigma_rel_to_gamma
 from emakit.posthoc.snapshots.format import (
     SnapshotInfo,
@@ -58,7 +58,7 @@ from emakit.posthoc.snapshots.shards import Block, shard_header
 
 GOLDEN = Path(__file__).parent / "fixtures" / "inspect"
 REGENERATE = os.environ.get("EMAKIT_REGENERATE") == "1"
-#: A file size as inspect prints it (`emakit.posthoc.commands._size`).
+#: A file size as inspect prints it (`emakit.inspection._size`).
 SIZE = re.compile(r"\b\d+(?:\.\d)? (?:B|KiB|MiB|GiB)\b")
 
 

@@ -16,8 +16,8 @@ from _models import TinyLora
 from emakit import EMA, EMAError
 from emakit.checkpoint import load_ema_weights
 from emakit.errors import EMAStateError
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import list_snapshots
-from emakit.posthoc.commands import inspect_cmd
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

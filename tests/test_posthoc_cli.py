@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 
 from _models import bn_mlp, train
 from emakit.errors import EMAValueError
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import PostHocEMA, plan_synthesis
-from emakit.posthoc.commands import fail, inspect_cmd, sweep_cmd, synthesize
+from emakit.posthoc.command_line import fail
+from emakit.posthoc.commands import sweep_cmd, synthesize
 from emakit.posthoc.snapshots.legacy import legacy_filename, legacy_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -29,8 +29,9 @@ from _launch import run_ranks
 from _models import seeded
 from emakit import EMAStateError, EMATypeError, PostHocEMA
 from emakit._files.atomic import TEMP_PREFIX
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize_state_dict
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.commands import synthesize
 from emakit.posthoc.snapshots.shards import Block, align, flat_range, parse_layout
 
 WORLD = 2

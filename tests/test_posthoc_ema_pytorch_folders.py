@@ -32,7 +32,7 @@ from emakit.posthoc import (
     synthesize,
     to_ema_pytorch,
 )
-from emakit.posthoc.commands import convert_cmd
+from emakit.posthoc.convert import convert_cmd
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
 

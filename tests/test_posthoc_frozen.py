@@ -41,8 +41,8 @@ from emakit import EMA, EMAError, PostHocEMA
 from emakit._files.safetensors_file import SafetensorsFile
 from emakit.checkpoint import load_ema_weights, save_ema_weights
 from emakit.errors import EMAFileNotFoundError, EMAStateError, EMATypeError, EMAValueError
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import PostHocWarning, list_snapshots, sweep, synthesize, synthesize_state_dict
-from emakit.posthoc.commands import inspect_cmd
 from emakit.posthoc.commands import synthesize as synthesize_cmd
 from emakit.posthoc.snapshots import format as snapshots_module
 from emakit.posthoc.snapshots import frozen as frozen_module

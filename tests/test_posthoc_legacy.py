@@ -21,6 +21,7 @@ from torch import nn
 
 from _models import power_ema, rel_err
 from emakit import EMAStateError, EMAValueError
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import (
     LegacyProfiles,
     PostHocEMA,
@@ -30,7 +31,7 @@ from emakit.posthoc import (
     plan_synthesis,
     sigma_rel_to_gamma,
 )
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.commands import synthesize
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
 

@@ -21,8 +21,9 @@ from torch import nn
 
 from _models import bn_mlp, walk
 from emakit import EMARuntimeError, EMAStateError, PostHocEMA, PostHocWarning
+from emakit.inspection import inspect_cmd
 from emakit.posthoc import plan_synthesis
-from emakit.posthoc.commands import inspect_cmd, synthesize
+from emakit.posthoc.commands import synthesize
 from emakit.posthoc.snapshots.folder import list_snapshots
 from emakit.posthoc.snapshots.format import read_snapshot_info, write_snapshot
 

@@ -1,8 +1,9 @@
 """The ``emakit`` command line.
 
 ``emakit`` is a click group: a subcommand is one ``@main.command()`` function here, or
-one entry of ``_LAZY_COMMANDS`` for a command of `emakit.posthoc.commands`, which imports
-torch (``synthesize``, ``sweep``, ``inspect`` and ``convert``). This module imports only click and
+one entry of ``_LAZY_COMMANDS`` for a command of a module that imports torch
+(``synthesize`` and ``sweep`` of `emakit.posthoc.commands`, ``inspect`` of
+`emakit.inspection`, ``convert`` of `emakit.posthoc.convert`). This module imports only click and
 torch-free parts of emakit: torch, the extras (scikit-learn, matplotlib, rich) and the
 post-hoc commands are imported when a command runs, so ``emakit --help`` and
 ``--version`` answer in about the time Python and click take to start, and a missing extra
@@ -29,17 +30,41 @@ import click
 from ._version import __version__
 from .demo.settings import DEFAULTS
 
-__all__ = ["main"]
+__all__ = ["lazy_command", "main"]
 
-#: The commands of `emakit.posthoc.commands` (a module that imports torch), imported only
-#: when one runs: name -> the short help ``emakit --help`` lists (a test checks that it is
-#: the command's own).
+#: The commands of modules that import torch, imported only when one runs: name ->
+#: (module, attribute, the short help ``emakit --help`` lists; a test checks that it is the
+#: command's own).
 _LAZY_COMMANDS = {
-    "inspect": "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
-    "synthesize": "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
-    "sweep": "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
-    "convert": "Write a post-hoc snapshot FOLDER as another tool's snapshot folder OUT.",
+    "inspect": (
+        "emakit.inspection",
+        "inspect_cmd",
+        "Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.",
+    ),
+    "synthesize": (
+        "emakit.posthoc.commands",
+        "synthesize",
+        "Reconstruct EMA weights of any length from a post-hoc snapshot FOLDER.",
+    ),
+    "sweep": (
+        "emakit.posthoc.commands",
+        "sweep_cmd",
+        "Choose the EMA length by a sweep over a post-hoc snapshot FOLDER.",
+    ),
+    "convert": (
+        "emakit.posthoc.convert",
+        "convert_cmd",
+        "Write a post-hoc snapshot FOLDER as another tool's snapshot folder OUT.",
+    ),
 }
+
+
+def lazy_command(name: str) -> click.Command:
+    """The command ``name`` of ``_LAZY_COMMANDS`` (``inspect``, ``synthesize``, ``sweep``,
+    ``convert``), importing its module."""
+    module, attribute, _ = _LAZY_COMMANDS[name]
+    command: click.Command = getattr(importlib.import_module(module), attribute)
+    return command
 
 
 class _LazyGroup(click.Group):
@@ -51,8 +76,7 @@ class _LazyGroup(click.Group):
     ) -> tuple[str | None, click.Command | None, list[str]]:
         if args and args[0] in _LAZY_COMMANDS:
             # returned, not added: the group keeps listing the placeholder's short help
-            commands = importlib.import_module("emakit.posthoc.commands").COMMANDS
-            return args[0], commands[args[0]], args[1:]
+            return args[0], lazy_command(args[0]), args[1:]
         return super().resolve_command(ctx, args)
 
 
@@ -82,7 +106,7 @@ def main(ctx: click.Context) -> None:
     warnings.showwarning = _show_warning
 
 
-for _name, _short_help in _LAZY_COMMANDS.items():
+for _name, (_, _, _short_help) in _LAZY_COMMANDS.items():
     main.add_command(click.Command(_name, short_help=_short_help))
 
 
@@ -211,7 +235,7 @@ def bench(model: str, device: str, repeats: int, threads: int, progress: bool) -
 
     from .bench import MODELS, bench_update
     from .errors import EMAError
-    from .posthoc.commands import progress_bar
+    from .posthoc.command_line import progress_bar
 
     try:
         with progress_bar(progress, unit="rounds") as start:

@@ -16,18 +16,20 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import torch
 
 from .._files.atomic import atomic_paths
 from .._files.reading import writable_folder, write_errors
-from ..errors import EMAStateError, EMAValueError
+from ..errors import EMAError, EMAStateError, EMAValueError
+from .command_line import fail, open_folder
 from .math import PostHocWarning
 from .snapshots.folder import list_legacy_files, list_snapshots, pick_run
 from .snapshots.format import SnapshotInfo
 from .snapshots.legacy import LEGACY_NAME, legacy_filename, legacy_state
 from .synthesis.weighted_sum import weighted_sums
 
-__all__ = ["to_ema_pytorch"]
+__all__ = ["convert_cmd", "to_ema_pytorch"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,43 @@ def to_ema_pytorch(
             stacklevel=2,
         )
     return sorted(paths, key=lambda p: (int(p.stem.split(".")[1]), p.name))
+
+
+# -- emakit convert --------------------------------------------------------------------------
+
+
+@click.command("convert")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(["ema-pytorch"]),
+    help="The format to write: ema-pytorch's <profile index>.<step>.pt files.",
+)
+@click.option("--run", metavar="ID", help="The run to convert, when FOLDER holds several.")
+@click.option("--force", is_flag=True, help="Write into a non-empty OUT.")
+def convert_cmd(folder: Path, out: Path, to: str, run: str | None, force: bool) -> None:
+    """Write a post-hoc snapshot FOLDER as another tool's snapshot folder OUT.
+
+    --to ema-pytorch writes each snapshot as <profile index>.<step>.pt, which
+    ema-pytorch's PostHocEMA(..., sigma_rels=<the same, in order>,
+    checkpoint_folder=OUT).synthesize_ema_model(...) reads. FOLDER is only read; OUT must
+    be empty (or new) unless --force; the files appear all at once or not at all.
+
+    \b
+    Example:
+        emakit convert --to ema-pytorch ./post-hoc-ema ./ema-pytorch-checkpoints
+    """
+    try:
+        folder, _ = open_folder(folder)  # a demo's run folder: its snapshot subfolder
+        paths = to_ema_pytorch(folder, out, run=run, force=force)
+    except (EMAError, OSError) as e:
+        raise fail(e) from e
+    steps = sorted({int(p.stem.split(".")[1]) for p in paths})
+    click.echo(
+        f"wrote {len(paths)} ema-pytorch snapshot file(s) to {out} (steps "
+        f"{steps[0]}..{steps[-1]}); read them with ema_pytorch.PostHocEMA(model, "
+        f"sigma_rels=<the run's, in order>, checkpoint_folder={str(out)!r})"
+    )
