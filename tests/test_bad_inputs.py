@@ -7,8 +7,8 @@ builtin) and that the message names the argument (or the file) and what is wrong
 
 from __future__ import annotations
 
-import json
 import pickle
+import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import emakit
+from _headers import rewrite_metadata
 from _models import bn_mlp
 from emakit import (
     EMA,
@@ -67,13 +68,8 @@ def ctx(tmp_path: Path) -> SimpleNamespace:
 
 def edit_header(src: Path, dst: Path, **changes: str) -> Path:
     """A copy of a safetensors file with header metadata entries replaced."""
-    raw = src.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    header["__metadata__"].update(changes)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    shutil.copyfile(src, dst)
+    rewrite_metadata(dst, **changes)
     return dst
 
 
