@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .. import _validate as check
 from ..decay import Action
 from ..ema import EMA, unwrap_model
-from ..errors import EMAStateError, EMAValueError
+from ..errors import EMAStateError, EMAValueError, user_stacklevel
 from ..foreign import read_training_checkpoint
 from .averaged_module import AveragedModule
 
@@ -485,9 +485,10 @@ class ModelEma:
             EMAStateError: the file is unreadable or holds something else than tensors
                 and plain containers, or the state dict is of another model.
         """
-        source = getattr(checkpoint, "name", None) or (
-            os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "checkpoint"
-        )
+        if isinstance(checkpoint, (str, os.PathLike)):
+            source = os.fspath(checkpoint)  # the whole path (a Path's .name is its last part)
+        else:
+            source = getattr(checkpoint, "name", None) or "checkpoint"  # an open file's name
         loaded = read_training_checkpoint(checkpoint, "checkpoint file")
         if not isinstance(loaded, Mapping):
             raise EMAStateError(
@@ -503,7 +504,7 @@ class ModelEma:
                 f"{check.few([str(k) for k in loaded], 8)}): the EMA keeps the weights it "
                 f"was built from (timm's ModelEma logs the same and goes on)",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             return
         if self.ema_has_module:
