@@ -13,23 +13,86 @@ from emakit.compat.torch_ema import ExponentialMovingAverage
 from emakit.errors import EMATypeError, EMAValueError
 
 DECAYS = {
+    "timm.ModelEmaV3": lambda decay: timm.ModelEmaV3(nn.Linear(2, 2), decay=decay),
+    "timm.ModelEmaV3.min_decay": lambda decay: timm.ModelEmaV3(
+        nn.Linear(2, 2), decay=0.0, min_decay=decay
+    ),
     "timm.ModelEmaV2": lambda decay: timm.ModelEmaV2(nn.Linear(2, 2), decay=decay),
+    "timm.ModelEma": lambda decay: timm.ModelEma(nn.Linear(2, 2), decay=decay),
     "swa_utils.get_ema_avg_fn": lambda decay: swa_utils.get_ema_avg_fn(decay),
+    "swa_utils.get_ema_multi_avg_fn": lambda decay: swa_utils.get_ema_multi_avg_fn(decay),
+    "torch_ema": lambda decay: ExponentialMovingAverage([torch.zeros(1)], decay=decay),
 }
 
 
 @pytest.mark.parametrize("make", list(DECAYS))
 @pytest.mark.parametrize("decay", [-0.5, 1.5])
 def test_a_decay_outside_0_1_is_refused_naming_it(make, decay):
+    name = "min_decay" if make.endswith("min_decay") else "decay"
     with pytest.raises(EMAValueError) as caught:
         DECAYS[make](decay)
-    assert str(caught.value) == f"decay must be a finite number in [0, 1], got decay={decay}"
+    assert str(caught.value) == f"{name} must be a finite number in [0, 1], got {name}={decay}"
 
 
 @pytest.mark.parametrize("make", list(DECAYS))
 def test_both_ends_of_the_decay_are_taken(make):
+    name = "min_decay" if make.endswith("min_decay") else "decay"
     for decay in (0.0, 1.0):
-        assert DECAYS[make](decay).decay == decay
+        assert getattr(DECAYS[make](decay), name) == decay
+
+
+#: Other arguments refused, each with its message: the argument's name, the interval a
+#: number must lie in (warm-up settings exclude 0), the value.
+REFUSED = {
+    "timm.ModelEmaV3.update_after_step": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), update_after_step=-1),
+        "update_after_step must be >= 0, got update_after_step=-1",
+    ),
+    "timm.ModelEmaV3.use_warmup": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), use_warmup=1),
+        "use_warmup must be True or False, got use_warmup=1 (int)",
+    ),
+    "timm.ModelEmaV3.warmup_gamma": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), warmup_gamma=0.0),
+        "warmup_gamma must be a finite number in (0, inf), got warmup_gamma=0.0",
+    ),
+    "timm.ModelEmaV3.warmup_power_0": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), warmup_power=0.0),
+        "warmup_power must be a finite number in (0, inf), got warmup_power=0.0",
+    ),
+    "timm.ModelEmaV3.warmup_power_negative": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), warmup_power=-1.0),
+        "warmup_power must be a finite number in (0, inf), got warmup_power=-1.0",
+    ),
+    "swa_utils.AveragedModel.use_buffers": (
+        lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
+        "use_buffers must be True or False, got use_buffers=1 (int)",
+    ),
+    "torch_ema.use_num_updates": (
+        lambda: ExponentialMovingAverage([torch.zeros(1)], 0.9, use_num_updates=1),
+        "use_num_updates must be True or False, got use_num_updates=1 (int)",
+    ),
+    "torch_ema.skip_nonfinite": (
+        lambda: ExponentialMovingAverage([torch.zeros(1)], 0.9, skip_nonfinite=1),
+        "skip_nonfinite must be True or False, got skip_nonfinite=1 (int)",
+    ),
+    "torch_ema.parameters": (
+        lambda: ExponentialMovingAverage([1, 2], 0.9),
+        "parameters must be an iterable of tensors (e.g. model.parameters()), got ['int', 'int']",
+    ),
+    "torch_ema.parameters_empty": (
+        lambda: ExponentialMovingAverage([], 0.9),
+        "parameters must be an iterable of tensors (e.g. model.parameters()), got nothing",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_other_arguments_are_refused_naming_them(case):
+    call, message = REFUSED[case]
+    with pytest.raises((EMAValueError, EMATypeError)) as caught:
+        call()
+    assert str(caught.value) == message
 
 
 def test_timm_default_decays_are_timms():

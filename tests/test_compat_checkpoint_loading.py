@@ -79,6 +79,23 @@ def test_model_ema_v1_an_unreadable_file_object_is_called_a_checkpoint_file():
     )
 
 
+def test_model_ema_v1_no_ema_in_the_file_warns_listing_its_first_8_keys(tmp_path):
+    """The warning's text, checked where stack frames differ too (where it points: the
+    next test): the file, its first 8 keys and how many there are."""
+    path = tmp_path / "settings.pth"
+    torch.save({f"k{i}": i for i in range(10)}, path)
+    ema = compat_timm.ModelEma(make_net(), 0.9)
+    with pytest.warns(UserWarning, match="has no 'state_dict_ema' entry") as caught:
+        ema._load_checkpoint(str(path))
+    assert len(caught) == 1
+    keys = [f"k{i}" for i in range(8)]
+    assert str(caught[0].message) == (
+        f"{path} has no 'state_dict_ema' entry and is not a state dict (keys {keys} ... "
+        f"(10)): the EMA keeps the weights it was built from (timm's ModelEma logs the same "
+        f"and goes on)"
+    )
+
+
 @needs_plain_frames
 def test_model_ema_v1_no_ema_in_the_file_warns_at_the_callers_line_listing_8_keys(tmp_path):
     """DeiT calls ``model_ema._load_checkpoint(file)`` itself: the warning points at that

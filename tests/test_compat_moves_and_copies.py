@@ -82,6 +82,28 @@ def test_mmengine_to_float64_converts_the_average_and_goes_on_as_mmengine():
     assert_same_states(*states)
 
 
+def test_swa_utils_device_puts_the_average_and_n_averaged_there_as_torch():
+    """``device=`` moves ``.module`` and makes ``n_averaged`` there, a long, as torch's."""
+    for module in (torch_swa_utils, swa_utils):
+        averaged = module.AveragedModel(make_net(), device="meta")
+        assert averaged.n_averaged.is_meta, module
+        assert averaged.n_averaged.dtype == torch.long, module
+        assert all(t.is_meta for t in averaged.module.state_dict().values()), module
+    assert not swa_utils.AveragedModel(make_net()).n_averaged.is_meta  # no device: the CPU
+
+
+def test_swa_utils_to_empty_without_recurse_leaves_the_average_as_torch():
+    """``to_empty(recurse=False)`` converts the averaged module's own buffer
+    (``n_averaged``) and not ``.module``, as torch's."""
+    for module in (torch_swa_utils, swa_utils):
+        averaged = module.AveragedModel(make_net())
+        assert averaged.to_empty(device="meta", recurse=False) is averaged
+        assert averaged.n_averaged.is_meta, module
+        assert not any(t.is_meta for t in averaged.module.state_dict().values()), module
+    averaged.to_empty(device="meta")
+    assert all(t.is_meta for t in averaged.module.state_dict().values())
+
+
 def test_timm_device_puts_the_average_there():
     """``device=`` moves the copy (``meta``: another device without a GPU)."""
     net = make_net()
@@ -124,6 +146,76 @@ def test_timm_update_moves_the_model_to_the_averages_device_as_timm(cls):
     theirs, ours = (e.state_dict() for e in emas)
     assert all(t.device.type == "cpu" for t in ours.values())
     assert_same_states(theirs, ours)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_timm_v3_stochastic_rounding_of_a_cuda_model_as_timm(device):
+    """A bfloat16 CUDA model, its EMA on the GPU (the random bits drawn there, from the
+    EMA's generator) or on the CPU (``device="cpu"``: the model's values moved there
+    first): timm's numbers bit for bit."""
+    timm_ema = pytest.importorskip("timm.utils.model_ema")
+    emas, nets = [], []
+    for module in (timm_ema, timm):
+        net = make_net().to("cuda", torch.bfloat16)
+        emas.append(module.ModelEmaV3(net, 0.9, device=device))
+        nets.append(net)
+    for by in (0.5, -1.0, 2.0):
+        for ema, net in zip(emas, nets, strict=True):
+            moved(net, by)
+            ema.update(net)
+    theirs, ours = (e.state_dict() for e in emas)
+    expected = "cuda" if device is None else "cpu"
+    assert all(t.device.type == expected for t in ours.values())
+    assert_same_states(theirs, ours)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_swa_utils_cpu_average_of_a_cuda_model_as_torch():
+    """``device="cpu"`` for a CUDA model: the engine averages across the two devices;
+    torch's numbers bit for bit with `get_ema_multi_avg_fn`."""
+    states = []
+    for module in (torch_swa_utils, swa_utils):
+        net = make_net().cuda()
+        averaged = module.AveragedModel(
+            net, device="cpu", multi_avg_fn=module.get_ema_multi_avg_fn(0.9)
+        )
+        for by in (0.5, -1.0, 2.0):
+            moved(net, by)
+            averaged.update_parameters(net)
+        states.append(averaged.state_dict())
+    assert all(t.device.type == "cpu" for t in states[1].values())
+    assert_same_states(*states)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fn", ["avg_fn", "multi_avg_fn"])
+def test_swa_utils_user_functions_get_n_averaged_on_the_tensors_device_as_torch(fn):
+    """A CUDA model averaged without ``device=`` keeps ``n_averaged`` on the CPU; a user
+    function gets it on the device of the tensors it averages, as torch's does."""
+    seen, states = [], []
+    for module in (torch_swa_utils, swa_utils):
+        devices: list[torch.device] = []
+        seen.append(devices)
+
+        def avg_fn(averaged, current, n, devices=devices):
+            devices.append(n.device)
+            return averaged + (current - averaged) / (n + 1)
+
+        def multi_avg_fn(averaged, current, n, devices=devices):
+            devices.append(n.device)
+            torch._foreach_lerp_(averaged, current, 0.5)
+
+        net = make_net().cuda()
+        averaged = module.AveragedModel(net, **{fn: avg_fn if fn == "avg_fn" else multi_avg_fn})
+        assert averaged.n_averaged.device.type == "cpu"
+        for by in (0.5, -1.0, 2.0):
+            moved(net, by)
+            averaged.update_parameters(net)
+        states.append(averaged.state_dict())
+    assert seen[0] and all(d.type == "cuda" for d in seen[0])
+    assert seen[1] == seen[0]
+    assert_same_states(*states)
 
 
 # -- mmengine: what a copy or a saved model holds ------------------------------------------

@@ -133,6 +133,111 @@ def test_bad_arguments_and_other_models():
         averaged.update_parameters(nn.Sequential(nn.Linear(6, 8)))
 
 
+def test_a_user_multi_avg_fn_gets_n_averaged_as_torch():
+    """torch's own SWA function passed as ``multi_avg_fn``: it reads ``n_averaged``, so the
+    numbers are torch's only when it is given the count (torch's function fails on
+    integer buffers: ``use_buffers=False`` only)."""
+
+    def fns(module):
+        return {"multi_avg_fn": theirs.get_swa_multi_avg_fn()}
+
+    _, expected = run(theirs, fns)
+    _, got = run(ours, fns)
+    assert_same_states(expected, got, "torchs_swa_fn", use_buffers=False)
+    assert not torch.equal(got[-1]["module.0.weight"], got[0]["module.0.weight"])
+
+
+def shifted_net(by: float) -> nn.Module:
+    net = make_net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(by)
+    return net
+
+
+@pytest.mark.parametrize("fn", ["ema_multi", "swa", "user_lambda"])
+def test_update_with_another_model_averages_that_model_as_torch(fn):
+    """Updates alternating between two models of one structure: each update averages the
+    model it is given, as torch's does."""
+    states = []
+    for module in (theirs, ours):
+        first, second = make_net(), shifted_net(1.0)
+        averaged = module.AveragedModel(first, **FNS[fn](module))
+        for net in (first, first, second, first, second):
+            averaged.update_parameters(net)
+        states.append([{k: v.clone() for k, v in averaged.state_dict().items()}])
+    assert_same_states(*states, fn, use_buffers=False)
+    assert not torch.equal(states[1][0]["module.0.weight"], make_net()[0].weight)
+
+
+@pytest.mark.parametrize("fn", ["ema_multi", "swa"])
+def test_the_tensors_are_paired_once_per_model(fn):
+    """The engine that pairs the tensors is built at the first update and kept for the
+    next ones with the same model; another model gets its own."""
+    net = make_net()
+    averaged = ours.AveragedModel(net, **FNS[fn](ours))
+    averaged.update_parameters(net)
+    engine = averaged._engine
+    assert engine is not None and engine.model is net
+    for _ in range(2):
+        averaged.update_parameters(net)
+        assert averaged._engine is engine
+    other = shifted_net(1.0)
+    averaged.update_parameters(other)
+    assert averaged._engine is not engine and averaged._engine.model is other
+
+
+def test_a_user_function_refuses_a_model_with_other_buffers():
+    """With ``avg_fn`` and ``use_buffers=False`` the buffers are copied from the model: a
+    model with other buffers (here none) is refused rather than partly copied (torch
+    copies as many as the shorter list holds)."""
+    averaged = ours.AveragedModel(make_net(), avg_fn=ours.get_ema_avg_fn(0.9))
+    other = nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 3)
+    )
+    assert len(list(other.parameters())) == len(list(averaged.module.parameters()))
+    with pytest.raises(
+        EMAStateError,
+        match=r"not in the model \['1.num_batches_tracked', '1.running_mean', '1.running_var'\]",
+    ):
+        averaged.update_parameters(other)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [{"avg_fn": ours.get_ema_avg_fn(0.9)}, {"multi_avg_fn": ours.get_ema_multi_avg_fn(0.9)}],
+    ids=["avg_fn", "multi_avg_fn"],
+)
+def test_the_tensors_are_paired_by_name_with_every_function(fn):
+    """A model of the same shapes under other names, or of one more layer, is refused
+    naming the tensors, with a user function as with the engine's (torch zips by position:
+    it averages the renamed model, and stops at the shorter list)."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    renamed = nn.Sequential()
+    renamed.add_module("x", nn.Linear(2, 2))
+    renamed.add_module("y", nn.Linear(2, 2))
+    longer = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    for other, names in (
+        (renamed, "['x.bias', 'x.weight', 'y.bias', 'y.weight']"),
+        (longer, "['2.bias', '2.weight']"),
+    ):
+        averaged = ours.AveragedModel(net, **fn)
+        averaged.update_parameters(net)
+        before = [t.clone() for t in averaged.module.parameters()]
+        with pytest.raises(EMAStateError) as info:
+            averaged.update_parameters(other)
+        assert "does not match the model by name: missing from " in str(info.value)
+        assert names in str(info.value)
+        assert all(
+            torch.equal(a, b) for a, b in zip(before, averaged.module.parameters(), strict=True)
+        )
+    averaged = ours.AveragedModel(net, **fn)
+    wrapped = nn.parallel.DataParallel(net)  # unwrapped as the engine unwraps it
+    averaged.update_parameters(wrapped)
+    averaged.update_parameters(wrapped)
+    assert averaged.n_averaged.item() == 2
+
+
 def assign_same_version(averaged, states):
     """A new ``n_averaged`` whose version counter equals the replaced one's (only its
     identity tells them apart)."""

@@ -114,6 +114,37 @@ def test_stochastic_rounding_batches_large_tensors_as_timm_does():
     assert_same(theirs.state_dict(), ours.state_dict())
 
 
+def bf16_and_fp32_net() -> nn.Module:
+    """`make_net()` in bfloat16 but its last layer, in float32."""
+    net = make_net(torch.bfloat16)
+    net[3].float()
+    return net
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_a_model_of_bfloat16_and_float32_tensors_bit_identical(foreach):
+    """One update with both: stochastic rounding for the bfloat16 tensors, a plain
+    ``lerp_`` (one foreach lerp with ``foreach``) for the float32 ones, as timm's."""
+    nets = [bf16_and_fp32_net(), bf16_and_fp32_net()]
+    theirs = model_ema.ModelEmaV3(nets[0], decay=0.9, foreach=foreach)
+    ours = compat.ModelEmaV3(nets[1], decay=0.9, foreach=foreach)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    for step in range(1, 4):
+        for net in nets:
+            with torch.no_grad():
+                for i, p in enumerate(net.parameters()):
+                    g = torch.Generator().manual_seed(10 * step + i)
+                    p.add_(torch.randn(p.shape, generator=g).to(p.dtype))
+        theirs.update(nets[0])
+        ours.update(nets[1])
+        assert_same(theirs.state_dict(), ours.state_dict(), f"step {step}")
+    after = ours.state_dict()
+    assert after["module.3.weight"].dtype == torch.float32
+    assert after["module.0.weight"].dtype == torch.bfloat16
+    for k in ("module.0.weight", "module.3.weight"):
+        assert not torch.equal(after[k], before[k]), k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_ema_v2_bit_identical(dtype):
     nets = [make_net(dtype), make_net(dtype)]
@@ -148,6 +179,24 @@ def test_surface_matches_timm():
     ours = compat.ModelEmaV3(make_net(), use_warmup=True, decay=0.999, update_after_step=2)
     for step in [None, 0, 1, 3, 4, 10, 10**6]:
         assert ours.get_decay(step) == theirs.get_decay(step), step
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"warmup_gamma": 2.0},
+        {"warmup_gamma": 0.5, "warmup_power": 0.75, "min_decay": 0.1},
+        {"warmup_gamma": 4.0, "warmup_power": 1.0, "update_after_step": 3},
+    ],
+)
+def test_get_decay_is_timms_with_other_warmup_settings(kwargs):
+    """The warm-up's ``gamma`` divides the step, its power is the exponent: timm's decay,
+    as the same float, at every step."""
+    theirs = model_ema.ModelEmaV3(make_net(), decay=0.9999, use_warmup=True, **kwargs)
+    ours = compat.ModelEmaV3(make_net(), decay=0.9999, use_warmup=True, **kwargs)
+    decays = [ours.get_decay(step) for step in range(40)]
+    assert decays == [theirs.get_decay(step) for step in range(40)]
+    assert len(set(decays)) > 30  # a ramp, not a constant
 
 
 def test_state_dicts_load_both_ways_and_keep_updating_alike():
@@ -596,11 +645,14 @@ def test_stochastic_rounding_draws_in_timms_batches(monkeypatch, kwargs, foreach
     theirs = model_ema.ModelEmaV3(nets[0], decay=0.5, **kwargs)
     ours = compat.ModelEmaV3(nets[1], decay=0.5, **kwargs)
     draws: list[list[int]] = [[], []]
+    kinds: list[set] = [set(), set()]  # the noise's dtype and device
     real = torch.randint
 
     def randint(*args, **kw):
         draws[which].append(args[2].numel() if isinstance(args[2], torch.Size) else args[2])
-        return real(*args, **kw)
+        noise = real(*args, **kw)
+        kinds[which].add((noise.dtype, noise.device))
+        return noise
 
     monkeypatch.setattr(torch, "randint", randint)
     for step in range(1, 3):
@@ -614,6 +666,7 @@ def test_stochastic_rounding_draws_in_timms_batches(monkeypatch, kwargs, foreach
         ours.update(nets[1], step=step)
     assert draws[0] == SR_BATCHES[foreach] * 2
     assert draws[1] == draws[0]
+    assert kinds[1] == kinds[0] == {(torch.int32, torch.device("cpu"))}
     assert_same(theirs.state_dict(), ours.state_dict())
 
 

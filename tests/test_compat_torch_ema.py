@@ -386,6 +386,23 @@ def test_signature_defaults_and_decay_bounds_are_torch_emas():
                 cls([torch.zeros(1)], decay=decay)
 
 
+def test_skip_nonfinite_skips_a_nonfinite_update_also_after_to():
+    """emakit's ``skip_nonfinite=True``: an update on NaN weights leaves the shadow as it
+    was, before and after ``.to()`` (which rebuilds the averaging)."""
+    p = torch.zeros(2)
+    ema = ExponentialMovingAverage([p], decay=0.9, skip_nonfinite=True)
+    p.fill_(1.0)
+    ema.update()
+    kept = ema.shadow_params[0].clone()
+    assert not torch.equal(kept, torch.zeros(2))  # the finite update went through
+    p[0] = float("nan")
+    ema.update()
+    assert torch.equal(ema.shadow_params[0], kept)
+    ema.to(dtype=torch.float64)
+    ema.update()
+    assert torch.equal(ema.shadow_params[0], kept.double())
+
+
 def test_a_nonfinite_update_goes_through_by_default_as_in_torch_ema():
     shadows = []
     for cls in (torch_ema.ExponentialMovingAverage, ExponentialMovingAverage):

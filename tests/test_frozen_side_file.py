@@ -30,9 +30,11 @@ from emakit.posthoc.snapshots.frozen import (
     FrozenPart,
     check_side_file,
     frozen_part,
+    frozen_ref,
     frozen_tensors,
     is_side_file,
     join_frozen,
+    side_missing,
     snapshot_tensors,
     tensor_digest,
 )
@@ -227,6 +229,59 @@ def snapshot_of(part: FrozenPart) -> tuple[Path, dict[str, str]]:
     fields = part.fields(0)
     assert fields is not None
     return part.path.parent / "step-000000004_sigma_rel-0.1_gamma-1.0.safetensors", fields
+
+
+def malformed_header(path: Path, why: str) -> str:
+    return (
+        f"snapshot file {path} has a malformed header ({why}); the file is damaged or was not "
+        f"written by emakit: move it out of the folder"
+    )
+
+
+def test_a_header_naming_no_side_file_refers_to_none(tmp_path: Path):
+    part = part_of(tmp_path, {"w": torch.ones(2)})
+    snapshot, meta = snapshot_of(part)
+    ref = frozen_ref(snapshot, meta)
+    assert ref is not None
+    assert (ref.file, ref.digest, ref.names) == (part.path, part.digest, frozenset({"w"}))
+    del meta["frozen_file"]
+    assert frozen_ref(snapshot, meta) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frozen_file", "../frozen-0000.safetensors"),  # not a side file's name
+        ("frozen_file", "step-000000004.safetensors"),
+        ("frozen_digest", None),  # left out
+        ("frozen_digest", "A" * 64),  # not lowercase hex
+        ("frozen_digest", "0" * 64),  # well formed, but not the one the file is named after
+    ],
+)
+def test_a_malformed_reference_is_refused_naming_the_field(
+    tmp_path: Path, field: str, value: str | None
+):
+    part = part_of(tmp_path, {"w": torch.ones(2)})
+    snapshot, meta = snapshot_of(part)
+    meta = {k: v for k, v in {**meta, field: value}.items() if v is not None}
+    with pytest.raises(EMAStateError) as info:
+        frozen_ref(snapshot, meta)
+    assert str(info.value) == malformed_header(snapshot, f"{field}={value!r}")
+
+
+def test_the_listing_checks_each_side_file_apart(tmp_path: Path):
+    """Two snapshots of one folder naming two side files, one of them missing: only the
+    snapshot of the missing one is skipped, whichever is checked first."""
+    fine = part_of(tmp_path, {"w": torch.ones(2)})
+    write_side(fine)
+    gone = part_of(tmp_path, {"w": torch.zeros(2)})
+    assert gone.path != fine.path
+    seen: dict = {}
+    for part, why in ((fine, ""), (gone, "does not exist"), (fine, "")):
+        snapshot, meta = snapshot_of(part)
+        message = side_missing(snapshot, meta, seen)
+        assert (why in message) if why else message == "", message
+    assert sorted(seen.values()) == ["", "does not exist"]
 
 
 def test_a_snapshots_missing_side_file_is_named_with_the_snapshot(tmp_path: Path):

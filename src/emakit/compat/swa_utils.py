@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
+from .._engine.pairs import TensorPair, pair_tensors
 from ..decay import COPY, Action
 from ..ema import EMA, unwrap_model
 from ..errors import EMAValueError
@@ -208,14 +209,12 @@ class AveragedModel(AveragedModule):
         count.advanced(buffer, version)
 
     def _call_user_fn(self, model: nn.Module, n: int) -> None:
-        """torch's update with the user's ``avg_fn``/``multi_avg_fn``."""
-        if self.use_buffers:
-            mine = list(itertools.chain(self.module.parameters(), self.module.buffers()))
-            theirs = list(itertools.chain(model.parameters(), model.buffers()))
-        else:
-            mine, theirs = list(self.module.parameters()), list(model.parameters())
-        mine = [t.detach() for t in mine]
-        theirs = [t.detach().to(m.device) for t, m in zip(theirs, mine, strict=True)]
+        """torch's update with the user's ``avg_fn``/``multi_avg_fn``, over the tensors
+        paired by name (torch pairs them by position)."""
+        model = unwrap_model(model)
+        pairs = self._pairs(model, self.use_buffers)
+        mine = [p.shadow.detach() for p in pairs]
+        theirs = [p.online.detach().to(m.device) for p, m in zip(pairs, mine, strict=True)]
         if n == 0:
             for m, t in zip(mine, theirs, strict=True):
                 m.copy_(t)
@@ -231,5 +230,25 @@ class AveragedModel(AveragedModule):
             for m, t in zip(mine, theirs, strict=True):
                 m.copy_(self.avg_fn(m, t, self.n_averaged.to(m.device)))
         if not self.use_buffers:
-            for b, mb in zip(self.module.buffers(), model.buffers(), strict=True):
-                b.detach().copy_(mb.detach().to(b.device))
+            for p in self._pairs(model, buffers_only=True):
+                p.shadow.detach().copy_(p.online.detach().to(p.shadow.device))
+
+    def _pairs(
+        self, model: nn.Module, with_buffers: bool = False, buffers_only: bool = False
+    ) -> list[TensorPair]:
+        """``.module``'s tensors and ``model``'s, paired by name, strictly: the parameters
+        (and the buffers ``with_buffers``), or the buffers only."""
+
+        def named(module: nn.Module) -> dict[str, Tensor]:
+            params = () if buffers_only else module.named_parameters()
+            buffers = module.named_buffers() if with_buffers or buffers_only else ()
+            return dict(itertools.chain(params, buffers))
+
+        return pair_tensors(
+            named(model),
+            named(self.module),
+            average=lambda name, t: True,
+            cast=True,
+            other_devices=True,
+            shadow_arg="the averaged model (.module)",
+        )
