@@ -482,3 +482,64 @@ def test_a_folder_of_shards_loads_by_name(tmp_path):
     assert int(ema.step) == 3
     assert torch.equal(ema.ema_model.weight, torch.full((2, 2), 2.0))
     assert torch.equal(ema.ema_model.bias, torch.full((2,), 3.0))
+
+
+# -- a format named by the caller, its keys missing -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("obj", "fmt", "message"),
+    [
+        ([1, 2], "timm", "format='timm' needs the keys [], but the checkpoint is a list"),
+        (
+            {"epoch": 1},  # neither of timm's EMA keys: the first named
+            "timm",
+            "format='timm' needs the keys ['state_dict_ema'], but the checkpoint is a mapping "
+            "with keys ['epoch'] (1)",
+        ),
+        (
+            {"state_dict": {}},
+            "lightning",
+            "format='lightning' needs the keys ['state_dict', 'averaging_state'], but the "
+            "checkpoint is a mapping with keys ['state_dict'] (1)",
+        ),
+        (
+            {"state_dict": {}, "averaging_state": 5},
+            "lightning",
+            "the checkpoint['state_dict'] (Lightning weight averaging): averaging_state is an int",
+        ),
+        (
+            {"state_dict": {}, "averaging_state": None},
+            "lightning",
+            "the checkpoint['state_dict'] (Lightning weight averaging): averaging_state is None",
+        ),
+        (
+            {"state_dict": {}, "averaging_state": {"n_averaged": -1}},
+            "lightning",
+            "the checkpoint['state_dict'] (Lightning weight averaging): n_averaged must be a "
+            "whole number in [0, 2**53], got n_averaged=-1 (outside [0, 2**53]); the file or "
+            "state is corrupt or was not written by an EMA library",
+        ),
+    ],
+)
+def test_a_named_format_without_its_keys_is_refused_naming_them(obj, fmt, message):
+    ema = EMA(nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(ema, obj, fmt)
+    assert str(info.value) == message
+    assert all(torch.equal(v, before[k]) for k, v in ema.state_dict().items())
+
+
+def test_a_lightning_state_without_a_count_loads_without_a_step():
+    """Lightning's ``averaging_state`` may lack ``n_averaged``: the weights load, the step
+    stays where it was (with a warning that says to pass ``step=``)."""
+    net = nn.Linear(2, 2)
+    ema = EMA(nn.Linear(2, 2))
+    state = {"state_dict": net.state_dict(), "averaging_state": {}}
+    with pytest.warns(UserWarning, match="pass step= with the training step"):
+        assert load_foreign_state(ema, state, "lightning") == "lightning"
+    assert ema.step == 0
+    assert torch.equal(ema.ema_model.weight, net.weight)
+    load_foreign_state(ema, state, "lightning", step=700)
+    assert ema.step == 700

@@ -155,7 +155,10 @@ def _load_file(path: Path) -> tuple[Any, dict[str, str] | None]:
 def _describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
         return f"a mapping with keys {check.few([str(k) for k in obj], 12)}"
-    return f"a {type(obj).__name__}"
+    if obj is None:
+        return "None"
+    name = type(obj).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _read_json(path: Path) -> Any:
