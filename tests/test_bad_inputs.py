@@ -335,7 +335,7 @@ CASES = [
         "foreign-unknown-object",
         lambda c: load_foreign_state(c.ema, 42),
         EMAStateError,
-        ("a int", "accepted formats", "ema_pytorch"),
+        ("an int", "accepted formats", "ema_pytorch"),
     ),
     Case(
         "foreign-unknown-keys",
@@ -371,7 +371,7 @@ CASES = [
         "foreign-explicit-format-on-non-mapping",
         lambda c: load_foreign_state(c.ema, 7, format="timm"),
         EMAStateError,
-        ("format='timm'", "a int"),
+        ("format='timm'", "an int"),
     ),
     Case("foreign-not-ema", lambda c: load_foreign_state(None, {}), EMATypeError, ("ema",)),
     # -- engine ---------------------------------------------------------------------------
