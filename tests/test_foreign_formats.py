@@ -543,3 +543,60 @@ def test_a_lightning_state_without_a_count_loads_without_a_step():
     assert torch.equal(ema.ema_model.weight, net.weight)
     load_foreign_state(ema, state, "lightning", step=700)
     assert ema.step == 700
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (
+            {"num_updates": 1},
+            "format='torch_ema' needs the keys ['shadow_params'], but the checkpoint is a "
+            "mapping with keys ['num_updates'] (1)",
+        ),
+        (
+            {"shadow_params": [torch.zeros(2, 2), torch.zeros(2)], "num_updates": -1},
+            "the checkpoint (torch_ema): num_updates must be a whole number in [0, 2**53], got "
+            "num_updates=-1 (outside [0, 2**53]); the file or state is corrupt or was not "
+            "written by an EMA library",
+        ),
+    ],
+)
+def test_a_torch_ema_state_without_its_list_or_with_a_bad_count_is_refused(state, message):
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(EMA(nn.Linear(2, 2)), state, "torch_ema")
+    assert str(info.value) == message
+
+
+def test_a_torch_ema_state_without_a_count_loads_its_weights():
+    net = nn.Linear(2, 2)
+    ema = EMA(nn.Linear(2, 2))
+    state = {"shadow_params": [p.detach().clone() for p in net.parameters()]}
+    with pytest.warns(UserWarning, match=r"after loading the checkpoint \(torch_ema\)"):
+        assert load_foreign_state(ema, state, "torch_ema") == "torch_ema"
+    assert ema.step == 0
+    assert torch.equal(ema.ema_model.weight, net.weight)
+
+
+def test_step_and_strict_are_checked_by_name():
+    ema, state = EMA(nn.Linear(2, 2)), nn.Linear(2, 2).state_dict()
+    with pytest.raises(TypeError, match=r"^step must be an int, got step='x' \(str\)$"):
+        load_foreign_state(ema, state, step="x")
+    with pytest.raises(TypeError, match=r"^strict must be True or False, got strict='yes'"):
+        load_foreign_state(ema, state, strict="yes")
+
+
+def test_a_module_passed_is_named_by_its_class(tmp_path: Path):
+    with pytest.raises(
+        EMAStateError, match=r"^Linear\.state_dict\(\) \(state_dict\) holds weights"
+    ):
+        load_foreign_state(EMA(nn.Linear(2, 2)), nn.Linear(2, 2))
+
+
+def test_a_damaged_emakit_header_is_refused_naming_the_file(tmp_path: Path):
+    path = tmp_path / "w.safetensors"
+    save_file(nn.Linear(2, 2).state_dict(), path, {"format": "x", "format_version": "1"})
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(EMA(nn.Linear(2, 2)), path)
+    assert str(info.value).startswith(
+        f"{path}: the header has emakit's entries ['format_version'] but format='x'"
+    )
