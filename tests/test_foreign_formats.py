@@ -600,3 +600,20 @@ def test_a_damaged_emakit_header_is_refused_naming_the_file(tmp_path: Path):
     assert str(info.value).startswith(
         f"{path}: the header has emakit's entries ['format_version'] but format='x'"
     )
+
+
+def test_a_format_told_at_the_top_wins_over_a_state_nested_inside():
+    """A Lightning weight-averaging checkpoint that also keeps a torch_ema state deeper down
+    loads Lightning's average: only a checkpoint of no known format is searched."""
+    net, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    checkpoint = {
+        "state_dict": net.state_dict(),
+        "averaging_state": {"n_averaged": torch.tensor(5)},
+        "callbacks": {"x": torch_ema_state(other)},
+    }
+    ema = EMA(nn.Linear(2, 2), update_after_step=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "found the ... EMA state at" warning
+        assert load_foreign_state(ema, checkpoint) == "lightning"
+    assert torch.equal(ema.ema_model.weight, net.weight)
+    assert ema.step == 5

@@ -376,8 +376,22 @@ def test_ultralytics_last_pt_is_refused_with_the_lines_that_read_it(tmp_path, ul
     scope: dict[str, Any] = {"torch": torch, "path": path}
     exec("\n".join(lines), scope)  # what the message says to run
     state = scope["state"]
-    with pytest.raises(EMAStateError, match=r"(?s)whole DetectionModel model.*\n    state = "):
+    with pytest.raises(
+        EMAStateError, match=r"(?s)whole DetectionModel model.*\n    state = "
+    ) as info:
         load_foreign_state(EMA(make_net()), scope["ckpt"])  # the dict unpickled, passed
+    assert str(info.value).startswith(
+        "the checkpoint is an Ultralytics (YOLO) checkpoint: its 'ema' entry is a whole "
+        "DetectionModel model, not a state"
+    )
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(EMA(make_net()), state)  # the state itself, not its 'ema' entry
+    assert str(info.value) == (
+        "the checkpoint is an Ultralytics EMA state ('ema' and 'updates'): load its 'ema' "
+        "entry with the step of Ultralytics' next update (its number updates + 1; emakit's "
+        "first call copies): load_foreign_state(ema, state['ema'], step=state['updates'] + 1), "
+        "state being this dict"
+    )
     with pytest.raises(EMAStateError, match=r"Ultralytics EMA state.*step=state\['updates'\] \+ 1"):
         load_foreign_state(EMA(make_net()), state)  # the state, passed whole
 
