@@ -64,6 +64,10 @@ REFUSED = {
         lambda: timm.ModelEmaV3(nn.Linear(2, 2), warmup_power=-1.0),
         "warmup_power must be a finite number in (0, inf), got warmup_power=-1.0",
     ),
+    "timm.ModelEmaV3.exclude_buffers": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), exclude_buffers=1),
+        "exclude_buffers must be True or False, got exclude_buffers=1 (int)",
+    ),
     "swa_utils.AveragedModel.use_buffers": (
         lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
         "use_buffers must be True or False, got use_buffers=1 (int)",
@@ -79,6 +83,11 @@ REFUSED = {
     "torch_ema.parameters": (
         lambda: ExponentialMovingAverage([1, 2], 0.9),
         "parameters must be an iterable of tensors (e.g. model.parameters()), got ['int', 'int']",
+    ),
+    "torch_ema.parameters_many": (  # the first 5 types named
+        lambda: ExponentialMovingAverage([1, 2.0, "3", None, b"5", 6, 7], 0.9),
+        "parameters must be an iterable of tensors (e.g. model.parameters()), got "
+        "['int', 'float', 'str', 'NoneType', 'bytes']",
     ),
     "torch_ema.parameters_empty": (
         lambda: ExponentialMovingAverage([], 0.9),

@@ -6,8 +6,10 @@ checkpoint under the other. Also ``load_foreign_state`` on those checkpoints."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -273,10 +275,42 @@ def test_load_foreign_state_reads_lightning_checkpoints(tmp_path):
 def test_bad_arguments_raise():
     with pytest.raises(EMATypeError, match="avg_fn"):
         Ours(avg_fn=lambda a, b, n: a)
-    with pytest.raises(ValueError, match="decay"):
-        Ours(decay=1.5)
-    with pytest.raises(ValueError, match="update_every_n_steps"):
-        Ours(update_every_n_steps=-1)
+
+
+#: Each argument refused, with its message: the argument's name, what it must be, the value.
+REFUSED = [
+    ({"use_buffers": 1}, "use_buffers must be True or False, got use_buffers=1 (int)"),
+    ({"decay": -0.5}, "decay must be a finite number in [0, 1], got decay=-0.5"),
+    ({"decay": 1.5}, "decay must be a finite number in [0, 1], got decay=1.5"),
+    (
+        {"update_every_n_steps": -1},
+        "update_every_n_steps must be >= 0, got update_every_n_steps=-1",
+    ),
+    (
+        {"update_starting_at_step": -1},
+        "update_starting_at_step must be >= 0, got update_starting_at_step=-1",
+    ),
+    (
+        {"update_starting_at_epoch": -1},
+        "update_starting_at_epoch must be >= 0, got update_starting_at_epoch=-1",
+    ),
+    (
+        {"ema_dtype": torch.int64},
+        "ema_dtype must be a floating torch.dtype such as torch.float32, got ema_dtype=torch.int64",
+    ),
+    ({"skip_nonfinite": 1}, "skip_nonfinite must be True or False, got skip_nonfinite=1 (int)"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REFUSED, ids=lambda v: str(v)[:40])
+def test_each_bad_argument_is_refused_naming_it(kwargs, message):
+    with pytest.raises((TypeError, ValueError)) as caught:
+        Ours(**kwargs)
+    assert str(caught.value) == message
+
+
+def test_both_ends_of_the_decay_are_taken():
+    assert [Ours(decay=d).decay for d in (0.0, 1.0)] == [0.0, 1.0]
 
 
 def test_fit_with_an_exception_in_validation_leaves_the_training_weights():
@@ -516,3 +550,137 @@ def test_resuming_from_a_checkpoint_without_averaging_warns_and_starts_there(tmp
         assert int(count) == 4  # the 4 steps of epoch 1, the first copying
         outs.append(module.state_dict())
     assert rounding_ratio(outs[0], outs[1]) <= 2 * ROUNDING_EPS
+
+
+# -- emakit's keywords, and the EMA underneath ---------------------------------------------
+
+
+def fit_started(callback: pl.Callback, module: pl.LightningModule) -> SimpleNamespace:
+    """``callback`` set up for ``module`` as when fit starts (Lightning's builds its average
+    in ``setup``, ours in ``on_fit_start``); the Trainer stand-in, its global step at 0."""
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, state=SimpleNamespace(fn="fit"))
+    if isinstance(callback, Theirs):
+        callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    else:
+        callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    return trainer
+
+
+def test_device_and_ema_dtype_reach_the_ema():
+    """``device=`` (a str or a ``torch.device``) is where the callback's EMA keeps the
+    average, ``ema_dtype=`` the dtype it keeps it in; the module keeps its own."""
+    for device in ("cpu", torch.device("cpu")):
+        callback, module = Ours(device=device, ema_dtype=torch.float64), Regressor()
+        fit_started(callback, module)
+        assert callback.ema is not None and callback.ema.device == torch.device("cpu")
+        average = callback.ema.ema_model.state_dict().values()
+        assert {t.dtype for t in average if t.is_floating_point()} == {torch.float64}
+        assert {t.dtype for t in module.parameters()} == {torch.float32}
+    default = Ours()
+    fit_started(default, Regressor())
+    assert default.ema is not None and default.ema.device is None
+    assert {t.dtype for t in default.ema.ema_model.parameters()} == {torch.float32}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_an_int_device_is_a_cuda_index_as_in_lightning():
+    """``device=0`` keeps the average of a CPU module on ``cuda:0``, as Lightning's does."""
+    theirs, ours = Theirs(device=0), Ours(device=0)
+    fit_started(theirs, Regressor())
+    fit_started(ours, Regressor())
+    assert theirs._average_model is not None and ours.ema is not None
+    for average in (theirs._average_model.module, ours.ema.ema_model):
+        assert {t.device for t in average.state_dict().values()} == {torch.device("cuda", 0)}
+
+
+def test_an_update_with_a_nan_weight_is_taken_unless_skip_nonfinite():
+    """By default an update whose weights hold NaN puts NaN in the average, as Lightning's
+    does; with ``skip_nonfinite=True`` that update is skipped."""
+    averages = {}
+    for name, callback in (
+        ("lightning", Theirs(decay=0.5)),
+        ("default", Ours(decay=0.5)),
+        ("skip_nonfinite", Ours(decay=0.5, skip_nonfinite=True)),
+    ):
+        module = Regressor()
+        trainer = fit_started(callback, module)
+        for step in (1, 2):  # the first update copies, the second averages the NaN in
+            if step == 2:
+                with torch.no_grad():
+                    module.net[0].weight[0, 0] = float("nan")
+            trainer.global_step = step
+            callback.on_train_batch_end(trainer, module, None, None, 0)  # type: ignore[arg-type]
+        if isinstance(callback, Theirs):
+            assert callback._average_model is not None
+            averages[name] = callback._average_model.module.net[0].weight.detach().clone()
+        else:
+            assert callback.ema is not None
+            averages[name] = callback.ema.ema_model.net[0].weight.detach().clone()
+    assert averages["lightning"][0, 0].isnan() and averages["default"][0, 0].isnan()
+    assert torch.equal(averages["skip_nonfinite"], Regressor().net[0].weight)  # the copy
+
+
+def test_the_callbacks_ema_holds_the_average_and_not_the_module():
+    """``callback.ema.state_dict()`` is the average and its count: the module's weights,
+    which the Lightning checkpoint holds already, are not in it again (``online_model.*``)."""
+    callback, module = Ours(), Regressor()
+    fit_started(callback, module)
+    assert callback.ema is not None
+    expected = {"initted", "step", *(f"ema_model.{k}" for k in module.state_dict())}
+    assert set(callback.ema.state_dict()) == expected
+
+
+def test_train_end_copies_the_average_into_its_own_module_only():
+    """``on_train_end`` leaves a module it holds no average of alone: before fit started,
+    and another module than the one it averages; into its own it copies the average."""
+    module, other = Regressor(), Regressor()
+    trainer = SimpleNamespace(global_step=0, current_epoch=0)
+    Ours().on_train_end(trainer, module)  # type: ignore[arg-type]
+    assert torch.equal(module.net[0].weight, other.net[0].weight)
+    callback = Ours(decay=0.5)
+    fit_started(callback, module)
+    assert callback.ema is not None
+    callback.ema.update()  # the average: the module's weights now
+    with torch.no_grad():
+        module.net[0].weight.add_(1.0)
+        other.net[0].weight.add_(2.0)
+    before = [m.net[0].weight.detach().clone() for m in (module, other)]
+    callback.on_train_end(trainer, other)  # type: ignore[arg-type]
+    assert torch.equal(module.net[0].weight, before[0])
+    assert torch.equal(other.net[0].weight, before[1])
+    callback.on_train_end(trainer, module)  # type: ignore[arg-type]
+    assert torch.equal(module.net[0].weight, callback.ema.ema_model.net[0].weight)
+    assert not torch.equal(module.net[0].weight, before[0])
+
+
+def test_a_checkpoint_saved_before_fit_is_left_as_is_and_the_log_says_why(caplog):
+    """No average yet (saved outside fit): the checkpoint stays as the Trainer made it and
+    an info line says why, as Lightning's does."""
+    for cls in (Theirs, Ours):
+        module = Regressor()
+        checkpoint = {"state_dict": module.state_dict()}
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            cls().on_save_checkpoint(SimpleNamespace(), module, checkpoint)  # type: ignore[arg-type]
+        assert list(checkpoint) == ["state_dict"], cls
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("lightning")]
+        assert len(said) == 1, (cls, said)
+    assert said == [
+        "EMAWeightAveraging has no average of this module outside fit: the checkpoint holds "
+        "the module's weights and no averaging state"
+    ]
+
+
+def test_a_checkpoint_with_a_corrupt_averaging_state_is_refused_naming_it():
+    """``averaging_state`` that is not Lightning's mapping (a damaged file) is refused when
+    the average is loaded, naming the entry as Lightning's format holds it."""
+    module, callback = Regressor(), Ours()
+    state = module.state_dict()
+    checkpoint = {"state_dict": state, "current_model_state": state, "averaging_state": 8}
+    trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
+    callback.on_load_checkpoint(trainer, module, checkpoint)  # type: ignore[arg-type]
+    with pytest.raises(  # the wording of the type: test_foreign_formats
+        EMAStateError,
+        match=r"^the checkpoint\['state_dict'\] \(Lightning weight averaging\): averaging_state is ",
+    ):
+        callback.on_fit_start(trainer, module)  # type: ignore[arg-type]

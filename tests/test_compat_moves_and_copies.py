@@ -92,6 +92,50 @@ def test_swa_utils_device_puts_the_average_and_n_averaged_there_as_torch():
     assert not swa_utils.AveragedModel(make_net()).n_averaged.is_meta  # no device: the CPU
 
 
+def recording_functions(seen: list) -> dict:
+    """``AveragedModel`` keywords by name; the user functions record the device types of
+    what they are given: ``(averaged, current, n_averaged)``."""
+
+    def avg_fn(averaged, current, n):
+        seen.append((averaged.device.type, current.device.type, n.device.type))
+        return averaged
+
+    def multi_avg_fn(averaged, current, n):
+        for a, c in zip(averaged, current, strict=True):
+            seen.append((a.device.type, c.device.type, n.device.type))
+
+    return {
+        "swa": lambda module: {},
+        "get_ema_multi_avg_fn": lambda module: {"multi_avg_fn": module.get_ema_multi_avg_fn(0.9)},
+        "avg_fn": lambda module: {"avg_fn": avg_fn},
+        "multi_avg_fn": lambda module: {"multi_avg_fn": multi_avg_fn},
+    }
+
+
+@pytest.mark.parametrize("fn", list(recording_functions([])))
+def test_swa_utils_an_average_on_another_device_is_updated_there_as_torch(fn):
+    """``device="meta"`` for a CPU model (another device without a GPU; ``n_averaged`` put
+    back on the CPU, since a meta count cannot be read): every update runs, the engine's
+    across the two devices, and a user function gets the model's tensors moved to the
+    average's device, as torch's does."""
+    seen_by: list[list] = []
+    for module in (torch_swa_utils, swa_utils):
+        seen: list = []
+        seen_by.append(seen)
+        net = make_net()
+        averaged = module.AveragedModel(net, device="meta", **recording_functions(seen)[fn](module))
+        averaged.n_averaged = torch.tensor(0)
+        for by in (0.5, -1.0, 2.0):
+            moved(net, by)
+            averaged.update_parameters(net)
+        assert int(averaged.n_averaged) == 3, module
+        assert all(t.is_meta for t in averaged.module.state_dict().values()), module
+        assert not any(t.is_meta for t in net.state_dict().values()), module
+    assert seen_by[1] == seen_by[0]
+    if fn in ("avg_fn", "multi_avg_fn"):  # two averaging updates of the 6 parameters
+        assert seen_by[1] == [("meta", "meta", "meta")] * 12
+
+
 def test_swa_utils_to_empty_without_recurse_leaves_the_average_as_torch():
     """``to_empty(recurse=False)`` converts the averaged module's own buffer
     (``n_averaged``) and not ``.module``, as torch's."""

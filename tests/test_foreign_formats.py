@@ -617,3 +617,58 @@ def test_a_format_told_at_the_top_wins_over_a_state_nested_inside():
         assert load_foreign_state(ema, checkpoint) == "lightning"
     assert torch.equal(ema.ema_model.weight, net.weight)
     assert ema.step == 5
+
+
+def test_an_emakit_state_without_its_step_is_refused_naming_the_format():
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(EMA(nn.Linear(2, 2)), {"weight": torch.zeros(2, 2)}, "emakit")
+    assert str(info.value) == (
+        "format='emakit' needs the keys ['step'], but the checkpoint is a mapping with keys "
+        "['weight'] (1)"
+    )
+
+
+def test_an_emakit_state_loads_with_strict_false():
+    ema, other = EMA(nn.Linear(2, 2)), EMA(nn.Linear(2, 2))
+    state = {k: v for k, v in other.state_dict().items() if k != "ema_model.bias"}
+    bias = ema.ema_model.bias.clone()
+    with pytest.raises(EMAStateError):
+        load_foreign_state(ema, state, "emakit")
+    assert load_foreign_state(ema, state, "emakit", strict=False) == "emakit"
+    assert torch.equal(ema.ema_model.weight, other.ema_model.weight)
+    assert torch.equal(ema.ema_model.bias, bias)
+
+
+def test_a_lazy_ema_is_built_before_a_foreign_state_loads():
+    net = nn.Linear(2, 2)
+    ema = EMA(nn.Linear(2, 2), lazy_init_ema=True, update_after_step=0)
+    assert ema.ema_model is None
+    state = torch_ema_state(net)
+    assert load_foreign_state(ema, state) == "torch_ema"
+    assert torch.equal(ema.ema_model.weight, state["shadow_params"][0])
+
+
+def test_a_partial_load_keeps_the_ema_values_it_does_not_name():
+    """``strict=False``: what the checkpoint lacks keeps the EMA's value, not the model's
+    (the EMA model is not rebuilt from the model before a load)."""
+    model = nn.Linear(2, 2)
+    ema = EMA(model, update_after_step=0, beta=0.5)
+    ema.update()
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    ema.update()
+    bias = ema.ema_model.bias.clone()
+    assert not torch.equal(bias, model.bias)
+    weight = torch.full((2, 2), 3.0)
+    with pytest.warns(UserWarning, match=r"keep their values \['bias'\] \(1\)"):
+        load_foreign_state(ema, {"weight": weight}, "state_dict", step=9, strict=False)
+    assert torch.equal(ema.ema_model.weight, weight)
+    assert torch.equal(ema.ema_model.bias, bias)
+
+
+def test_an_entry_that_is_not_a_state_dict_is_refused_naming_it():
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(EMA(nn.Linear(2, 2)), {"state_dict_ema": 5}, "timm")
+    assert (
+        str(info.value) == "the checkpoint['state_dict_ema'] (timm) holds an int, not a state dict"
+    )
