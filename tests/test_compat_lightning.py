@@ -684,3 +684,30 @@ def test_a_checkpoint_with_a_corrupt_averaging_state_is_refused_naming_it():
         match=r"^the checkpoint\['state_dict'\] \(Lightning weight averaging\): averaging_state is ",
     ):
         callback.on_fit_start(trainer, module)  # type: ignore[arg-type]
+
+
+def test_a_save_during_validation_calls_the_hooks_with_the_trainer():
+    """A checkpoint saved while validation runs on the average puts the training weights
+    back and the average in again through the callback's hooks, with the Trainer each
+    hook is given, so that an override of them sees it."""
+    seen: list[object] = []
+
+    class Recording(Ours):
+        def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            seen.append(trainer)
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    callback, module = Recording(decay=0.5), Regressor()
+    trainer = fit_started(callback, module)
+    trainer.strategy = SimpleNamespace(lightning_module_state_dict=module.state_dict)
+    assert callback.ema is not None
+    callback.ema.update()
+    with torch.no_grad():
+        module.net[0].weight.add_(1.0)
+    training = module.net[0].weight.detach().clone()
+    callback.on_validation_epoch_start(trainer, module)  # type: ignore[arg-type]
+    checkpoint: dict[str, Any] = {"state_dict": module.state_dict()}
+    callback.on_save_checkpoint(trainer, module, checkpoint)  # type: ignore[arg-type]
+    assert seen == [trainer, trainer]
+    assert torch.equal(checkpoint["current_model_state"]["net.0.weight"], training)
+    assert torch.equal(module.net[0].weight, callback.ema.ema_model.net[0].weight)  # again

@@ -551,3 +551,62 @@ def test_mmengine_runner_with_emahook_gives_mmengines_numbers(hook, tmp_path, mo
         metrics = train(tmp_path / then, ema_type, kwargs, resume_from=str(middle))
         assert metrics == mm_metrics[CHECKPOINT_EVERY // VAL_EVERY :]
         assert_same_checkpoints(end, checkpoint(tmp_path / then, MAX_ITERS))
+
+
+@pytest.mark.parametrize("gamma", [0, -1])
+def test_momentum_annealing_refuses_a_gamma_at_or_below_0_naming_it(gamma):
+    with pytest.raises(EMAValueError) as info:
+        ours.MomentumAnnealingEMA(make_net(), gamma=gamma)
+    assert str(info.value) == (
+        f"gamma must be a finite number in (0, inf), got gamma={gamma}; e.g. gamma=100"
+    )
+    assert ours.MomentumAnnealingEMA(make_net(), gamma=0.5).gamma == 0.5  # any positive
+
+
+def test_momentum_annealing_device_puts_the_average_there_as_mmengine():
+    for module in (theirs, ours):
+        averaged = module.MomentumAnnealingEMA(make_net(), device="meta")
+        assert averaged.steps.is_meta, module
+        assert all(t.is_meta for t in averaged.module.state_dict().values()), module
+
+
+def test_a_subclass_avg_func_follows_a_replaced_parameter_as_mmengine_does():
+    """The tensors a subclass's own ``avg_func`` gets are listed once per plan: a model
+    parameter replaced by a new one between updates is the one averaged next."""
+    kwargs = {"momentum": 0.1, "gamma": 10}
+    net_a, net_b = make_net(), make_net()
+    a = exp_momentum_ema(theirs)(net_a, **kwargs)
+    b = exp_momentum_ema(ours)(net_b, **kwargs)
+    for step in range(4):
+        if step == 2:
+            for net in (net_a, net_b):
+                first = net[0]
+                first.weight = nn.Parameter(torch.full_like(first.weight, 5.0))
+        a.update_parameters(net_a)
+        b.update_parameters(net_b)
+        for k, v in a.state_dict().items():
+            assert torch.equal(v, b.state_dict()[k]), (step, k)
+
+
+def test_a_subclass_avg_func_gets_the_models_tensors_on_the_averages_device():
+    """``device="meta"`` stands for another device (``steps`` put back on the CPU, since a
+    meta count cannot be read): a subclass's ``avg_func`` gets each model tensor moved to
+    the average's device, as mmengine's loop moves it; the same calls as mmengine's."""
+    seen: dict = {}
+    for module in (theirs, ours):
+
+        class Recorded(module.ExponentialMovingAverage):
+            def avg_func(self, averaged_param, source_param, steps):
+                calls = seen.setdefault(type(self).__module__ + str(id(type(self))), [])
+                calls.append((averaged_param.device.type, source_param.device.type, int(steps)))
+                averaged_param.lerp_(source_param, 0.1)
+
+        averaged = Recorded(make_net(), device="meta")
+        averaged.steps = torch.tensor(0)
+        net = make_net()
+        for _ in range(3):
+            averaged.update_parameters(net)
+        assert all(t.is_meta for t in averaged.module.parameters())
+    peers, mine = seen.values()
+    assert mine == peers and {c[:2] for c in mine} == {("meta", "meta")}
+    assert len(mine) == 2 * len(list(make_net().parameters()))  # updates 2 and 3 average

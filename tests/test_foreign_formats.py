@@ -174,6 +174,7 @@ def test_the_unaveraged_buffers_warning_skips_ignored_prefixes():
     ema = EMA(net, update_after_step=0, ignore_startswith_names={"1."})
     found = unaveraged_buffers_warning(ema, torch_ema_state(net))
     assert "floating buffers ['2.running_mean', '2.running_var'] (2) (e.g." in str(found.message)
+    assert str(found.message).startswith("the checkpoint (torch_ema): torch_ema averages")
 
 
 @needs_plain_frames
@@ -672,3 +673,13 @@ def test_an_entry_that_is_not_a_state_dict_is_refused_naming_it():
     assert (
         str(info.value) == "the checkpoint['state_dict_ema'] (timm) holds an int, not a state dict"
     )
+
+
+@needs_plain_frames
+def test_the_warm_up_warning_points_at_the_callers_line():
+    net = net_with_norms(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_foreign_state(EMA(net), torch_ema_state(net))  # update_after_step=100
+    (found,) = [w for w in caught if "the next update() calls copy the model" in str(w.message)]
+    assert found.filename == __file__
