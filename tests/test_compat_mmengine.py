@@ -12,11 +12,13 @@ import io
 import json
 import math
 import multiprocessing
+import os
 import pickle
 import subprocess
 import sys
 import textwrap
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -610,3 +612,48 @@ def test_a_subclass_avg_func_gets_the_models_tensors_on_the_averages_device():
     peers, mine = seen.values()
     assert mine == peers and {c[:2] for c in mine} == {("meta", "meta")}
     assert len(mine) == 2 * len(list(make_net().parameters()))  # updates 2 and 3 average
+
+
+@pytest.mark.parametrize("momentum", [0, 1, 1.5])
+def test_a_momentum_outside_0_1_is_refused_saying_what_it_is(momentum):
+    with pytest.raises(EMAValueError) as info:
+        ours.ExponentialMovingAverage(make_net(), momentum=momentum)
+    assert str(info.value) == (
+        f"momentum must be a finite number in (0, 1), got momentum={momentum}; mmengine's "
+        f"momentum is the weight of the new value (1 - decay), e.g. 0.0002"
+    )
+
+
+def test_a_momentum_above_one_half_warns_at_the_callers_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours.ExponentialMovingAverage(make_net(), momentum=0.5)  # the last value taken silently
+        assert caught == []
+        ours.ExponentialMovingAverage(make_net(), momentum=0.6)
+    (found,) = caught
+    assert found.category is UserWarning
+    assert str(found.message) == (
+        "momentum=0.6 is the weight of the model's new weights in mmengine's EMA (1 - decay), "
+        "usually a small number such as 0.0002; check that this is meant"
+    )
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add stack frames
+        assert found.filename == __file__
+
+
+def test_frozen_weights_are_averaged_as_mmengine_averages_them():
+    """mmengine averages every weight, trained or not: a frozen weight that changes (here
+    through ``.data``) moves the average by the momentum, as in mmengine's class."""
+    net_a, net_b = make_net(), make_net()
+    for net in (net_a, net_b):
+        net[0].weight.requires_grad_(False)
+    a = theirs.ExponentialMovingAverage(net_a, momentum=0.25)
+    b = ours.ExponentialMovingAverage(net_b, momentum=0.25)
+    for step in range(4):
+        for net in (net_a, net_b):
+            net[0].weight.data.add_(1.0)
+            with torch.no_grad():
+                net[3].weight.add_(0.5)
+        a.update_parameters(net_a)
+        b.update_parameters(net_b)
+        for k, v in a.state_dict().items():
+            assert torch.equal(v, b.state_dict()[k]), (step, k)
