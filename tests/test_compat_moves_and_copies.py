@@ -172,6 +172,16 @@ def test_torch_ema_to_a_device_moves_the_shadow_and_the_stored_tensors():
         assert [t.dtype for t in ema.shadow_params] == [torch.float32, torch.int64], cls
 
 
+def updated_alike(emas: list, nets: list) -> tuple[dict, dict]:
+    """The state dicts of the peer's EMA and ours after three moves of their models."""
+    for by in (0.5, -1.0, 2.0):
+        for ema, net in zip(emas, nets, strict=True):
+            moved(net, by)
+            ema.update(net)
+    theirs, ours = (e.state_dict() for e in emas)
+    return theirs, ours
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("cls", ["ModelEma", "ModelEmaV2"])
 def test_timm_update_moves_the_model_to_the_averages_device_as_timm(cls):
@@ -183,11 +193,7 @@ def test_timm_update_moves_the_model_to_the_averages_device_as_timm(cls):
         net = make_net().cuda()
         emas.append(getattr(module, cls)(net, 0.9, device="cpu"))
         nets.append(net)
-    for by in (0.5, -1.0, 2.0):
-        for ema, net in zip(emas, nets, strict=True):
-            moved(net, by)
-            ema.update(net)
-    theirs, ours = (e.state_dict() for e in emas)
+    theirs, ours = updated_alike(emas, nets)
     assert all(t.device.type == "cpu" for t in ours.values())
     assert_same_states(theirs, ours)
 
@@ -204,11 +210,7 @@ def test_timm_v3_stochastic_rounding_of_a_cuda_model_as_timm(device):
         net = make_net().to("cuda", torch.bfloat16)
         emas.append(module.ModelEmaV3(net, 0.9, device=device))
         nets.append(net)
-    for by in (0.5, -1.0, 2.0):
-        for ema, net in zip(emas, nets, strict=True):
-            moved(net, by)
-            ema.update(net)
-    theirs, ours = (e.state_dict() for e in emas)
+    theirs, ours = updated_alike(emas, nets)
     expected = "cuda" if device is None else "cpu"
     assert all(t.device.type == expected for t in ours.values())
     assert_same_states(theirs, ours)
