@@ -212,7 +212,7 @@ class AveragedModel(AveragedModule):
         """torch's update with the user's ``avg_fn``/``multi_avg_fn``, over the tensors
         paired by name (torch pairs them by position)."""
         model = unwrap_model(model)
-        pairs = self._pairs(model, self.use_buffers)
+        pairs = self._pairs(model, params=True, buffers=self.use_buffers)
         mine = [p.shadow.detach() for p in pairs]
         theirs = [p.online.detach().to(m.device) for p, m in zip(pairs, mine, strict=True)]
         if n == 0:
@@ -230,19 +230,20 @@ class AveragedModel(AveragedModule):
             for m, t in zip(mine, theirs, strict=True):
                 m.copy_(self.avg_fn(m, t, self.n_averaged.to(m.device)))
         if not self.use_buffers:
-            for p in self._pairs(model, buffers_only=True):
+            for p in self._pairs(model, params=False, buffers=True):
                 p.shadow.detach().copy_(p.online.detach().to(p.shadow.device))
 
-    def _pairs(
-        self, model: nn.Module, with_buffers: bool = False, buffers_only: bool = False
-    ) -> list[TensorPair]:
-        """``.module``'s tensors and ``model``'s, paired by name, strictly: the parameters
-        (and the buffers ``with_buffers``), or the buffers only."""
+    def _pairs(self, model: nn.Module, *, params: bool, buffers: bool) -> list[TensorPair]:
+        """``.module``'s parameters and/or buffers and ``model``'s, paired by name,
+        strictly."""
 
         def named(module: nn.Module) -> dict[str, Tensor]:
-            params = () if buffers_only else module.named_parameters()
-            buffers = module.named_buffers() if with_buffers or buffers_only else ()
-            return dict(itertools.chain(params, buffers))
+            return dict(
+                itertools.chain(
+                    module.named_parameters() if params else (),
+                    module.named_buffers() if buffers else (),
+                )
+            )
 
         return pair_tensors(
             named(model),
