@@ -5,6 +5,7 @@ save's temporary file removed by the next save."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -254,6 +255,34 @@ with io.atomic_path({str(dest)!r}) as tmp:
 
 def test_remove_stale_temps_never_raises(tmp_path):
     assert remove_stale_temps(tmp_path / "missing") == []
+
+
+@posix_only
+def test_lock_entry_holds_what_the_name_names_and_refuses_a_held_lock(tmp_path, monkeypatch):
+    path = tmp_path / "entry"
+    path.write_bytes(b"first")
+    flock = _io.fcntl.flock
+    replaced = []
+
+    def replace_then_lock(fd: int, op: int) -> None:
+        if not replaced:  # another process replaces the entry between the open and the lock
+            replaced.append(True)
+            path.unlink()
+            path.write_bytes(b"second")
+        flock(fd, op)
+
+    monkeypatch.setattr(_io.fcntl, "flock", replace_then_lock)
+    fd = _io.lock_entry(path, os.O_RDWR)
+    assert fd is not None and os.pread(fd, 6, 0) == b"second"  # the new entry's lock
+    with pytest.raises(BlockingIOError):  # a second holder, even in this process
+        _io.lock_entry(path, os.O_RDWR)
+    os.close(fd)
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "no locks on this file system")
+
+    monkeypatch.setattr(_io.fcntl, "flock", no_locks)
+    assert _io.lock_entry(path, os.O_RDWR) is None
 
 
 # -- saves through emakit's API: fsync, failures, killed saves ----------------------------------

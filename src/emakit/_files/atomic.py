@@ -49,9 +49,6 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-#: Whether this platform has advisory file locks (``fcntl.flock``).
-LOCKS_AVAILABLE = fcntl is not None
-
 
 #: Marker in the names of emakit's temporary files (``.<name>.emakit-tmp-XXXXXXXX``).
 TEMP_PREFIX = ".emakit-tmp-"
@@ -68,63 +65,152 @@ _MAX_STEM = 100
 _live: set[str] = set()
 _live_lock = threading.Lock()
 
+# How a temporary file, or a staging folder, is opened to be locked (never through a link).
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_FILE_FLAGS = os.O_RDWR | _NOFOLLOW | getattr(os, "O_BINARY", 0)
+_DIR_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_DIRECTORY", 0)
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
+    """Flush the file or folder ``path`` to disk."""
+    # POSIX fsyncs a read-only descriptor (the file may be read-only); Windows needs write.
+    fd = os.open(
+        path, (os.O_RDONLY if os.name == "posix" else os.O_RDWR) | getattr(os, "O_BINARY", 0)
+    )
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 def fsync_dir(folder: Path) -> None:
     """Flush ``folder``'s entries (a rename in it) to disk; a no-op where unsupported."""
     with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(folder)
 
 
-def try_lock(fd: int) -> bool | None:
-    """Try an exclusive non-blocking lock: True held, False busy, None not supported."""
+def lock_entry(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int | None:
+    """Open ``path`` (``os.open(path, flags, mode)``) and take an exclusive ``flock`` on it.
+
+    An entry that another process removes or replaces under the name between the open and
+    the lock is let go, and the name opened again, so the lock held is on what ``path``
+    names now.
+
+    Returns:
+        A descriptor holding the lock until it is closed, or None where locks are not
+        available (this platform, or this file system), nothing held then.
+
+    Raises:
+        BlockingIOError: another process holds the lock.
+        OSError: ``path`` cannot be opened.
+    """
     if fcntl is None:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return None
-    return True
-
-
-def _make_temp(dest: Path) -> tuple[int, Path]:
-    """Create and lock a temporary file next to ``dest``.
-
-    Returns ``(fd, path)``: ``fd`` holds the lock until closed, or is -1 where locks are
-    not supported.
-    """
-    prefix = f".{dest.name[:_MAX_STEM]}{TEMP_PREFIX}"
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
-        name = os.path.join(dest.parent, prefix + secrets.token_hex(4))
-        try:  # 0o666: the umask applies, as to any new file (not tempfile's private 0o600)
-            fd = os.open(name, flags, 0o666)
+        fd = os.open(path, flags, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise
+        except OSError:  # a file system without locks
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        os.close(fd)
+    raise OSError(f"could not lock {path}")  # pragma: no cover
+
+
+def _create_locked(stem: str, folder: bool, what: str) -> tuple[int | None, str]:
+    """Create and lock a new file (a folder if ``folder``) ``stem + XXXXXXXX``: ``(fd, path)``,
+    ``fd`` holding the lock until closed (None where locks are not available). ``what`` names
+    it in the error raised when no free name is found."""
+    for _ in range(100):
+        path = stem + secrets.token_hex(4)
+        try:  # the umask applies, as to any new file or folder (not tempfile's 0o600, 0o700)
+            if folder:
+                os.mkdir(path, 0o777)
+            else:
+                Path(path).touch(0o666, exist_ok=False)
         except FileExistsError:
             continue
         with _live_lock:
-            _live.add(name)
-        # A cleaner in another process may lock and delete the file between its creation and
-        # our lock; then the name no longer points at our file, and we start over.
-        locked = try_lock(fd)
-        try:
-            ours = locked is not False and os.path.samestat(os.fstat(fd), os.stat(name))
-        except OSError:
-            ours = False
-        if ours:
-            if locked is None:
-                # Nothing to hold open for; Windows also cannot rename an open file.
-                os.close(fd)
-                fd = -1
-            return fd, Path(name)
+            _live.add(path)
+        # A cleaner in another process may lock and delete it between its creation and our
+        # lock; then we start over with a new name.
+        with contextlib.suppress(OSError):
+            return lock_entry(path, _DIR_FLAGS if folder else _FILE_FLAGS), path
+        _release(None, path)
+    raise OSError(f"could not create {what}")  # pragma: no cover
+
+
+def _release(fd: int | None, path: str) -> None:
+    """Let go of the lock ``fd`` (if any) and of ``path`` as one of this process's writes."""
+    if fd is not None:
         os.close(fd)
-        with _live_lock:
-            _live.discard(name)
-    raise OSError(f"could not create a temporary file next to {dest}")  # pragma: no cover
+    with _live_lock:
+        _live.discard(path)
+
+
+@contextlib.contextmanager
+def _lock_leftover(path: str, flags: int) -> Iterator[bool]:
+    """Hold the lock of ``path``, left by a write that may have been killed, for the block;
+    yields whether it is held (False: locks are not available here).
+
+    Raises:
+        BlockingIOError: a live write owns it (another process's, or one of this process's:
+            where locks are per process, this process's own lock would not keep it out).
+        OSError: ``path`` is gone.
+    """
+    with _live_lock:
+        if path in _live:
+            raise BlockingIOError(errno.EAGAIN, "written by this process", path)
+    fd = lock_entry(path, flags)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _leftovers(
+    folder: str | os.PathLike[str], ours: Callable[[str], object], dirs: bool
+) -> list[str]:
+    """The paths of the entries of ``folder`` whose names ``ours`` accepts: its folders if
+    ``dirs``, else its files (never symbolic links)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    kind = stat.S_ISDIR if dirs else stat.S_ISREG
+    found = []
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if ours(entry.name) and kind(entry.stat(follow_symlinks=False).st_mode):
+                found.append(entry.path)
+    return found
+
+
+def _remove_stale(paths: list[str], dirs: bool) -> list[Path]:
+    """Delete the leftovers ``paths`` (folders if ``dirs``, else files) that no live write
+    owns: those whose lock nobody holds, or, where locks are not available, older than
+    `STALE_TEMP_AGE_S`. Returns the paths deleted; never raises."""
+    flags = _DIR_FLAGS if dirs else _FILE_FLAGS
+    removed: list[Path] = []
+    now = time.time()
+    for path in paths:
+        with contextlib.suppress(OSError), _lock_leftover(path, flags) as held:
+            if held or now - os.lstat(path).st_mtime > STALE_TEMP_AGE_S:
+                # while holding the lock: no write can own it
+                if dirs:
+                    _remove_tree(path)
+                else:
+                    os.unlink(path)
+                if not os.path.lexists(path):
+                    removed.append(Path(path))
+    return removed
 
 
 def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
@@ -140,32 +226,11 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     Returns:
         The paths removed.
     """
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    now = time.time()
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            ours = entry.name.startswith(".") and TEMP_PREFIX in entry.name
-            if not ours or not entry.is_file(follow_symlinks=False):
-                continue
-            with _live_lock:
-                if entry.path in _live:
-                    continue
-            fd = os.open(entry.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                locked = try_lock(fd)
-                stale = locked is True or (
-                    locked is None and now - os.fstat(fd).st_mtime > STALE_TEMP_AGE_S
-                )
-                if stale:
-                    os.unlink(entry.path)  # while holding the lock: no writer can own it
-                    removed.append(Path(entry.path))
-            finally:
-                os.close(fd)
-    return removed
+
+    def ours(name: str) -> bool:
+        return name.startswith(".") and TEMP_PREFIX in name
+
+    return _remove_stale(_leftovers(folder, ours, dirs=False), dirs=False)
 
 
 @contextlib.contextmanager
@@ -219,16 +284,16 @@ def atomic_paths(
     dests = [Path(p) for p in paths]
     if len({os.path.abspath(d) for d in dests}) != len(dests):
         raise ValueError(f"atomic_paths needs different destinations, got {dests}")
-    made: list[tuple[int, Path]] = []
+    made: list[tuple[int | None, str]] = []
     try:
         for dest in dests:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            made.append(_make_temp(dest))
-        yield [tmp for _, tmp in made]
+            stem = os.path.join(dest.parent, f".{dest.name[:_MAX_STEM]}{TEMP_PREFIX}")
+            made.append(_create_locked(stem, False, f"a temporary file next to {dest}"))
+        yield [Path(tmp) for _, tmp in made]
         for (_, tmp), dest in zip(made, dests, strict=True):
             # Reopen by name: the writer may have replaced the inode we created.
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            _fsync(tmp)
             # The replaced file's mode (a new file keeps the umask's), only now: a read-only
             # mode set earlier would stop the writer from opening it.
             with contextlib.suppress(OSError):
@@ -242,11 +307,8 @@ def atomic_paths(
     finally:
         for fd, tmp in made:
             with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            if fd >= 0:
-                os.close(fd)  # releases the lock only once the temporary file is gone
-            with _live_lock:
-                _live.discard(str(tmp))
+                os.unlink(tmp)
+            _release(fd, tmp)  # the lock only once the temporary file is gone
     for folder in {d.parent for d in dests}:
         remove_stale_temps(folder)
 
@@ -339,47 +401,6 @@ def _folder_stem(name: str) -> str:
     return f"{raw[: _MAX_STEM - 20].decode('utf-8', 'ignore')}~{digest}"
 
 
-def _lock_folder(name: str) -> tuple[int, bool | None]:
-    """Lock the folder ``name``: ``(fd, True)`` held until ``fd`` is closed, ``(-1, False)``
-    busy (a live owner) or gone, ``(-1, None)`` locks unsupported here."""
-    if fcntl is None:
-        return -1, None
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(name, flags)
-    except OSError:
-        return -1, False
-    locked = try_lock(fd)
-    try:  # the name may have moved to another folder between the open and the lock
-        same = os.path.samestat(os.fstat(fd), os.stat(name, follow_symlinks=False))
-    except OSError:
-        same = False
-    if locked and same:
-        return fd, True
-    os.close(fd)
-    return -1, None if locked is None and same else False
-
-
-def _make_folder(parent: str, prefix: str) -> tuple[int, str]:
-    """Create and lock a new folder ``parent/prefix + XXXXXXXX``: ``(fd, path)``, ``fd``
-    holding the lock (-1 where locks are unsupported)."""
-    for _ in range(100):
-        name = os.path.join(parent, prefix + secrets.token_hex(4))
-        try:
-            os.mkdir(name, 0o777)  # the umask applies, as to any new folder (not mkdtemp's 0o700)
-        except FileExistsError:
-            continue
-        with _live_lock:
-            _live.add(name)
-        fd, held = _lock_folder(name)
-        if held is not False:
-            return fd, name
-        # Another save's cleaner took it for a leftover between mkdir and lock: start over.
-        with _live_lock:
-            _live.discard(name)
-    raise OSError(f"could not create a staging folder in {parent}")  # pragma: no cover
-
-
 def _remove_tree(path: str) -> None:
     """Delete the folder ``path``, read-only folders in it included; never raises."""
     try:
@@ -393,27 +414,17 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _leftovers(target: str) -> list[tuple[os.DirEntry[str], bool]]:
-    """The folders beside ``target`` that `atomic_folder()` saves of it left, each with
-    whether it is a replaced folder (``-old-``) rather than a staging one."""
-    stem = re.escape(f".{_folder_stem(os.path.basename(target))}")
-    pattern = re.compile(f"{stem}({re.escape(DIR_PREFIX)}|{re.escape(OLD_PREFIX)})[0-9a-f]{{8}}")
-    try:
-        entries = list(os.scandir(os.path.dirname(target)))
-    except OSError:
-        return []
-    found = []
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        with contextlib.suppress(OSError):
-            if match and entry.is_dir(follow_symlinks=False):
-                found.append((entry, match.group(1) == OLD_PREFIX))
-    return found
+def _saves_of(target: str, marker: str) -> list[str]:
+    """The folders ``.<name><marker>XXXXXXXX`` beside ``target`` that `atomic_folder()`
+    saves of it left: staging folders (`DIR_PREFIX`) or replaced ones (`OLD_PREFIX`)."""
+    stem = f".{_folder_stem(os.path.basename(target))}{marker}"
+    pattern = re.compile(re.escape(stem) + "[0-9a-f]{8}")
+    return _leftovers(os.path.dirname(target), pattern.fullmatch, dirs=True)
 
 
-def _ctime(entry: os.DirEntry[str]) -> float:
+def _ctime(path: str) -> float:
     try:
-        return entry.stat(follow_symlinks=False).st_ctime
+        return os.lstat(path).st_ctime
     except OSError:
         return 0.0
 
@@ -435,39 +446,18 @@ def remove_stale_folders(path: str | os.PathLike[str]) -> list[Path]:
         The leftovers deleted.
     """
     target = os.path.realpath(path)
-    leftovers = _leftovers(target)
+    olds = _saves_of(target, OLD_PREFIX)
     # A replaced folder goes back first (the newest, if several): it is the previous save.
-    for entry in sorted((e for e, old in leftovers if old), key=_ctime, reverse=True):
+    for old in sorted(olds, key=_ctime, reverse=True):
         if os.path.lexists(target):
             break
-        with _live_lock:
-            if entry.path in _live:
-                continue
-        fd, held = _lock_folder(entry.path)
-        with contextlib.suppress(OSError):
-            if held is not False:
-                os.rename(entry.path, target)
-                fsync_dir(Path(target).parent)
-        if fd >= 0:
-            os.close(fd)
-    removed: list[Path] = []
-    now = time.time()
-    for entry, old in leftovers:
-        with _live_lock:
-            if entry.path in _live:
-                continue
-        if old and not os.path.lexists(target):
-            continue  # a live save between its two renames: the old folder is its to restore
-        fd, held = _lock_folder(entry.path)
-        with contextlib.suppress(OSError):  # gone meanwhile (put back above, or cleaned)
-            aged = now - os.lstat(entry.path).st_mtime > STALE_TEMP_AGE_S
-            if held or (held is None and aged):
-                _remove_tree(entry.path)  # while holding the lock: no save can own it
-                if not os.path.lexists(entry.path):
-                    removed.append(Path(entry.path))
-        if fd >= 0:
-            os.close(fd)
-    return removed
+        with contextlib.suppress(OSError), _lock_leftover(old, _DIR_FLAGS):  # else live, or gone
+            os.rename(old, target)
+            fsync_dir(Path(target).parent)
+    stale = _saves_of(target, DIR_PREFIX)
+    if os.path.lexists(target):  # else the old folders belong to a live save, between renames
+        stale += olds
+    return _remove_stale(stale, dirs=True)
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -478,7 +468,7 @@ def _link_or_copy(src: str, dst: str) -> None:
     except OSError:
         shutil.copy2(src, dst, follow_symlinks=False)
         if not os.path.islink(dst):
-            _fsync_file(dst)
+            _fsync(dst)
 
 
 def _carry_entries(old: str, new: str, carry: Callable[[str, Set[str]], bool]) -> None:
@@ -501,24 +491,13 @@ def _carry_entries(old: str, new: str, carry: Callable[[str, Set[str]], bool]) -
             _link_or_copy(entry.path, dst)
 
 
-def _fsync_file(path: str) -> None:
-    # POSIX fsyncs a read-only descriptor (the file may be read-only); Windows needs write.
-    fd = os.open(
-        path, (os.O_RDONLY if os.name == "posix" else os.O_RDWR) | getattr(os, "O_BINARY", 0)
-    )
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_files(root: str) -> None:
     """Flush every regular file under ``root`` to disk."""
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
             if stat.S_ISREG(os.lstat(path).st_mode):
-                _fsync_file(path)
+                _fsync(path)
 
 
 def _publish(staging: str, target: str) -> None:
@@ -538,7 +517,9 @@ def _publish(staging: str, target: str) -> None:
     # No exchange here: two renames, with nothing at ``target`` between them. The old
     # folder waits under a locked ``-old-`` name; a save killed in that window leaves it
     # there, and the next save (remove_stale_folders) renames it back.
-    fd, _ = _lock_folder(target)  # the lock moves with the old folder to its -old- name
+    fd = None
+    with contextlib.suppress(OSError):  # the lock moves with the old folder to its -old- name
+        fd = lock_entry(target, _DIR_FLAGS)
     old = ""
     try:
         for _ in range(100):
@@ -557,10 +538,7 @@ def _publish(staging: str, target: str) -> None:
         fsync_dir(Path(parent))
         _remove_tree(old)
     finally:
-        if fd >= 0:
-            os.close(fd)
-        with _live_lock:
-            _live.discard(old)
+        _release(fd, old)
 
 
 @contextlib.contextmanager
@@ -620,7 +598,8 @@ def atomic_folder(
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     remove_stale_folders(target)
-    fd, staging = _make_folder(parent, f".{_folder_stem(os.path.basename(target))}{DIR_PREFIX}")
+    stem = os.path.join(parent, f".{_folder_stem(os.path.basename(target))}{DIR_PREFIX}")
+    fd, staging = _create_locked(stem, True, f"a staging folder in {parent}")
     try:
         yield Path(staging)
         _fsync_files(staging)
@@ -634,7 +613,4 @@ def atomic_folder(
         fsync_dir(Path(parent))
     finally:
         _remove_tree(staging)  # the failed save's files, or the old content after an exchange
-        if fd >= 0:
-            os.close(fd)
-        with _live_lock:
-            _live.discard(staging)
+        _release(fd, staging)

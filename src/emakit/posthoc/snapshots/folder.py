@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..._files.atomic import LOCKS_AVAILABLE, TEMP_PREFIX, try_lock
+from ..._files.atomic import TEMP_PREFIX, lock_entry
 from ..._files.reading import as_path, parse_json
 from ..._files.safetensors_file import SafetensorsFile, near_format
 from ...errors import (
@@ -653,25 +653,6 @@ def _release(key: str) -> None:
     os.close(fd)  # the flock goes with the descriptor
 
 
-def _lock_file(path: Path) -> int | None:
-    """A descriptor holding the flock of ``path`` (created if missing), None where the
-    file system has no locks; raises BlockingIOError while another process holds it."""
-    for _ in range(100):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        held = try_lock(fd)
-        if held is False:
-            os.close(fd)
-            raise BlockingIOError(f"{path} is locked")
-        if held is None:  # a file system without locks
-            os.close(fd)
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return fd
-        os.close(fd)  # its holder removed it as we opened it: take the new one
-    raise EMARuntimeError(f"could not lock {path}")  # pragma: no cover
-
-
 class FolderLock:
     """An exclusive lock on a snapshot folder, held by one run while it writes.
 
@@ -703,13 +684,11 @@ class FolderLock:
                     raise self._busy(f"run {holder!r} of this process")
                 _held[key] = (fd, run, holders + 1)
             else:
-                if not LOCKS_AVAILABLE:
-                    return  # no locks on this platform (no lock file either)
-                try:
-                    locked = _lock_file(self.folder / LOCK_NAME)
+                try:  # the lock file is created if missing
+                    locked = lock_entry(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
                 except BlockingIOError:
                     raise self._busy(self._holder()) from None
-                if locked is None:  # no locks on this file system: run ids keep runs apart
+                if locked is None:  # no locks here: run ids keep runs apart
                     return
                 info = {"run": run, "pid": os.getpid(), "host": socket.gethostname()}
                 with contextlib.suppress(OSError):
