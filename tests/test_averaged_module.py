@@ -92,3 +92,20 @@ def test_host_count_reads_a_written_or_replaced_buffer_only():
     assert count.changed(frozen)  # no version counter: read every time
     restored = pickle.loads(pickle.dumps(count))
     assert restored.value == 5 and restored.changed(frozen) and restored.buffer is None
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+@pytest.mark.parametrize("peer", list(BUILD))
+def test_forward_passes_positional_and_keyword_arguments_on(peer):
+    ema = BUILD[peer](_Scaled())
+    x = torch.ones(4, 3)
+    assert torch.equal(ema(x, scale=3.0), ema.module(x) * 3.0)
+    assert torch.equal(ema(x=x), ema.module(x))

@@ -203,6 +203,25 @@ def test_a_user_function_refuses_a_model_with_other_buffers():
         averaged.update_parameters(other)
 
 
+def test_a_user_function_averages_into_a_module_of_another_dtype_as_torch():
+    """``.module`` made float64 after construction: a user ``avg_fn`` gets the float64
+    average and the float32 weights, as torch gives them (no cast, no refusal)."""
+    fn = lambda a, c, n: a + (c - a) / (n + 2)  # noqa: E731
+    states = []
+    for module in (theirs, ours):
+        net = make_net()
+        averaged = module.AveragedModel(net, avg_fn=fn)
+        averaged.module.double()
+        for i in range(3):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(0.1 * (i + 1))
+            averaged.update_parameters(net)
+        states.append(averaged.state_dict())
+    assert states[1]["module.0.weight"].dtype == torch.float64
+    assert_same_states([states[0]], [states[1]], "user_lambda", use_buffers=False)
+
+
 @pytest.mark.parametrize(
     "fn",
     [{"avg_fn": ours.get_ema_avg_fn(0.9)}, {"multi_avg_fn": ours.get_ema_multi_avg_fn(0.9)}],
@@ -228,6 +247,8 @@ def test_the_tensors_are_paired_by_name_with_every_function(fn):
             averaged.update_parameters(other)
         assert "does not match the model by name: missing from " in str(info.value)
         assert names in str(info.value)
+        if "avg_fn" in fn:  # the user's function: the message names where the average is
+            assert str(info.value).startswith("the averaged model (.module) does not match")
         assert all(
             torch.equal(a, b) for a, b in zip(before, averaged.module.parameters(), strict=True)
         )
