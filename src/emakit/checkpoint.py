@@ -505,8 +505,13 @@ def load_weights(
         "initted": torch.tensor(initted),
     }
     state.update({prefix + k: v for k, v in weights.items() if k in expected})
+    load_state(ema, state, strict=False, source=source)
+
+
+def load_state(ema: EMA, state: Mapping[str, Any], *, strict: bool, source: str) -> None:
+    """``ema.load_state_dict(state, strict=strict)``, its errors naming ``source``."""
     try:
-        ema.load_state_dict(state, strict=False)
+        ema.load_state_dict(state, strict=strict)
     except EMAError as e:
         raise EMAStateError(f"{source}: {e}") from e
 

@@ -20,7 +20,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from . import _validate as check
 from ._files.reading import open_regular, parse_json, refusal_reason, torch_load
 from ._files.safetensors_file import read_safetensors
-from .checkpoint import check_ema, emakit_header, load_weights, tied_names
+from .checkpoint import check_ema, emakit_header, load_state, load_weights, tied_names
 from .ema import EMA
-from .errors import EMAError, EMAStateError, EMATypeError, EMAValueError
+from .errors import EMAStateError, EMATypeError, EMAValueError
 
 __all__ = ["FOREIGN_FORMATS", "detect_format", "load_foreign_state"]
 
@@ -209,15 +209,16 @@ def _diffusers_folder(folder: Path) -> tuple[dict[str, Tensor], int]:
             continue
         if name.endswith(".index.json"):
             return _diffusers_shards(folder, path), opt_step
-        content, _ = _load_file(path)  # safetensors, or weights_only=True
-        return _tensor_map(content, path), opt_step
+        return _read_tensors(path), opt_step
     raise EMAStateError(
         f"{folder} has a diffusers EMAModel config.json but no weights file ({found}); {expected}"
     )
 
 
-def _tensor_map(content: Any, path: Path) -> dict[str, Tensor]:
-    """``content``, read from ``path``, if it is a mapping of names to tensors."""
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    """The mapping of names to tensors that the file ``path`` of a diffusers folder holds
+    (safetensors, or read with ``weights_only=True``)."""
+    content, _ = _load_file(path)
     if not _is_tensor_map(content):
         raise EMAStateError(
             f"{path} (diffusers EMAModel folder) holds {_describe(content)}, not a mapping "
@@ -245,8 +246,7 @@ def _diffusers_shards(folder: Path, index_path: Path) -> dict[str, Tensor]:
                 f"{index_path} names the shard {shard!r}, which is not a file name inside {folder}"
             )
         path = folder / shard
-        content, _ = _load_file(path)  # safetensors, or weights_only=True
-        tensors = _tensor_map(content, path)
+        tensors = _read_tensors(path)
         missing = sorted(mapped - tensors.keys())
         if missing:
             raise EMAStateError(
@@ -393,7 +393,7 @@ def _nested_state(obj: Mapping[Any, Any], format: str, source: str) -> tuple[Any
     `_SELF_DESCRIBING` format for ``"auto"``) inside the training checkpoint ``obj``, found
     by its keys three levels down, with a warning naming where; None when there is none,
     or for a Lightning checkpoint of emakit's ``EMACallback`` (whose entry may hold only
-    part of a sharded EMA: `_refuse_lightning_without_average()` says what to do)."""
+    part of a sharded EMA: `_refuse_unknown()` says what to do)."""
     if "emakit_ema" in obj:
         return None
     found = nested_states(
@@ -417,12 +417,28 @@ def _nested_state(obj: Mapping[Any, Any], format: str, source: str) -> tuple[Any
     return state, f"{source}{path}"
 
 
-def _refuse_ultralytics(obj: Any, source: str) -> None:
-    """An Ultralytics checkpoint loaded with ``weights_only=False`` (its ``"ema"`` a whole
-    model), or its EMA state (``{"ema": state dict, "updates": n}``): say how to load it."""
-    if not isinstance(obj, Mapping) or "updates" not in obj:
-        return
-    ema = obj.get("ema")
+def _refuse_unknown(obj: Any, source: str) -> NoReturn:
+    """Refuse a checkpoint of no known format, saying what it holds. A Lightning checkpoint
+    without an average, an Ultralytics checkpoint loaded with ``weights_only=False`` (its
+    ``"ema"`` a whole model) and an Ultralytics EMA state (``{"ema": state dict, "updates":
+    n}``) are named, with the calls that load what they hold."""
+    entries = obj if isinstance(obj, Mapping) else {}
+    if "pytorch-lightning_version" in entries:
+        if "emakit_ema" in entries:
+            how = (
+                "it was written by emakit's EMACallback: resume with that callback, or load "
+                "checkpoint['emakit_ema']['ema'] with ema.load_state_dict()"
+            )
+        else:
+            how = (
+                "its state_dict holds the training weights; to start an EMA from them, pass "
+                "checkpoint['state_dict'] with step=checkpoint['global_step']"
+            )
+        raise EMAStateError(
+            f"{source} is a Lightning checkpoint without weight averaging (no "
+            f"'averaging_state' entry, as EMAWeightAveraging writes): {how}"
+        )
+    ema = entries.get("ema") if "updates" in entries else None
     if isinstance(ema, nn.Module):
         raise EMAStateError(
             f"{source} is an Ultralytics (YOLO) checkpoint: its 'ema' entry is a whole "
@@ -434,25 +450,9 @@ def _refuse_ultralytics(obj: Any, source: str) -> None:
             f"{source} is an Ultralytics EMA state ('ema' and 'updates'): load its 'ema' "
             f"entry with {_ULTRALYTICS_CALL}, state being this dict"
         )
-
-
-def _refuse_lightning_without_average(obj: Any, source: str) -> None:
-    """A Lightning checkpoint with no average in it: say what it holds and the calls."""
-    if not isinstance(obj, Mapping) or "pytorch-lightning_version" not in obj:
-        return
-    if "emakit_ema" in obj:
-        how = (
-            "it was written by emakit's EMACallback: resume with that callback, or load "
-            "checkpoint['emakit_ema']['ema'] with ema.load_state_dict()"
-        )
-    else:
-        how = (
-            "its state_dict holds the training weights; to start an EMA from them, pass "
-            "checkpoint['state_dict'] with step=checkpoint['global_step']"
-        )
     raise EMAStateError(
-        f"{source} is a Lightning checkpoint without weight averaging (no "
-        f"'averaging_state' entry, as EMAWeightAveraging writes): {how}"
+        f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
+        f"accepted formats: {', '.join(FOREIGN_FORMATS)} (pass format= to choose one)"
     )
 
 
@@ -677,12 +677,7 @@ def load_foreign_state(
                 obj, source = nested
                 fmt = _state_format(obj)
     if fmt is None:
-        _refuse_lightning_without_average(obj, source)
-        _refuse_ultralytics(obj, source)
-        raise EMAStateError(
-            f"{source} is not a checkpoint format emakit knows: found {_describe(obj)}; "
-            f"accepted formats: {', '.join(FOREIGN_FORMATS)} (pass format= to choose one)"
-        )
+        _refuse_unknown(obj, source)
     if ema.kind == "pytree" and fmt != "emakit":
         raise EMATypeError(
             f"an EMAPytree loads only emakit state dicts, got format={fmt!r} from {source}"
@@ -693,10 +688,7 @@ def load_foreign_state(
         state = dict(obj)
         if step is not None:
             state["step"] = torch.tensor(step)
-        try:
-            ema.load_state_dict(state, strict=strict)
-        except EMAError as e:
-            raise EMAStateError(f"{source} ({fmt}): {e}") from e
+        load_state(ema, state, strict=strict, source=f"{source} ({fmt})")
         return fmt
 
     if ema.ema_model is None:

@@ -381,11 +381,7 @@ def _framework_files(folder: Path) -> tuple[str, list[Path]] | None:
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
 @folder_options
-def inspect_cmd(
-    path: Path,
-    run: str | None,
-    **legacy: Any,
-) -> None:
+def inspect_cmd(path: Path, run: str | None, **legacy: Any) -> None:
     """Show what a post-hoc snapshot FOLDER or a checkpoint FILE holds.
 
     For a folder: each profile with its sigma_rel and gamma, the snapshot steps, dtype and

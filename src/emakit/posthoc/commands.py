@@ -46,12 +46,8 @@ from ..errors import EMAError
 from .command_line import fail, folder_options, numbers, open_folder, progress_bar
 from .evaluations import EVAL_FILE_NAME, find_eval_file, read_eval_file
 from .math import SIGMA_REL_MAX
-from .snapshots.folder import (
-    check_output,
-)
-from .snapshots.format import (
-    SYNTHESIZED_FORMAT,
-)
+from .snapshots.folder import check_output
+from .snapshots.format import SYNTHESIZED_FORMAT
 from .synthesis.plan import SynthesisPlan, pick_snapshots, plan_synthesis
 from .synthesis.sweep import sweep, sweep_lengths
 
