@@ -68,6 +68,22 @@ REFUSED = {
         lambda: timm.ModelEmaV3(nn.Linear(2, 2), exclude_buffers=1),
         "exclude_buffers must be True or False, got exclude_buffers=1 (int)",
     ),
+    "timm.ModelEmaV3.dtype": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), dtype=torch.int32),
+        "dtype must be a floating torch.dtype such as torch.float32, got dtype=torch.int32",
+    ),
+    "timm.ModelEmaV3.stochastic_rounding": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), stochastic_rounding=1),
+        "stochastic_rounding must be True or False, got stochastic_rounding=1 (int)",
+    ),
+    "timm.ModelEmaV3.stochastic_rounding_seed": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), stochastic_rounding_seed=1.5),
+        "stochastic_rounding_seed must be an int, got stochastic_rounding_seed=1.5 (float)",
+    ),
+    "timm.ModelEmaV3.foreach": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), foreach=1),
+        "foreach must be True or False, got foreach=1 (int)",
+    ),
     "swa_utils.AveragedModel.use_buffers": (
         lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
         "use_buffers must be True or False, got use_buffers=1 (int)",
@@ -110,6 +126,16 @@ def test_timm_default_decays_are_timms():
     assert timm.ModelEmaV2(net).decay == 0.9999
     assert timm.ModelEma(net).decay == 0.9999
     assert swa_utils.get_ema_avg_fn().decay == 0.999
+
+
+def test_timm_v3_keeps_the_settings_it_was_given():
+    """The settings stay readable as timm's attributes, the seed as an int (numpy's too)."""
+    import numpy as np
+
+    ema = timm.ModelEmaV3(nn.Linear(2, 2), device="cpu", stochastic_rounding_seed=np.int64(7))
+    assert ema.device == "cpu" and ema.stochastic_rounding_seed == 7
+    assert type(ema.stochastic_rounding_seed) is int
+    assert timm.ModelEmaV3(nn.Linear(2, 2)).stochastic_rounding_seed == 0
 
 
 def test_torch_ema_other_parameters_are_checked_naming_them():

@@ -187,7 +187,9 @@ class ModelEmaV3(AveragedModule):
         self.device = device
         self.dtype = check.floating_dtype("dtype", dtype)
         self.stochastic_rounding = check.boolean("stochastic_rounding", stochastic_rounding)
-        self.stochastic_rounding_seed = stochastic_rounding_seed
+        self.stochastic_rounding_seed = check.integer(
+            "stochastic_rounding_seed", stochastic_rounding_seed, low=-(2**63)
+        )
         self.foreach = check.boolean("foreach", foreach)
         self.exclude_buffers = check.boolean("exclude_buffers", exclude_buffers)
         self.skip_nonfinite = check.boolean("skip_nonfinite", skip_nonfinite)
@@ -203,7 +205,7 @@ class ModelEmaV3(AveragedModule):
             self.module.to(dtype=self.dtype)
         shadow = next(self.module.parameters())
         self._sr_generator = torch.Generator(device=shadow.device)
-        self._sr_generator.manual_seed(stochastic_rounding_seed)
+        self._sr_generator.manual_seed(self.stochastic_rounding_seed)
         self._build(model)
 
     def _build(self, model: nn.Module) -> EMA:
