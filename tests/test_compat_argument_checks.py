@@ -84,6 +84,14 @@ REFUSED = {
         lambda: timm.ModelEmaV3(nn.Linear(2, 2), foreach=1),
         "foreach must be True or False, got foreach=1 (int)",
     ),
+    "timm.ModelEmaV3.skip_nonfinite": (
+        lambda: timm.ModelEmaV3(nn.Linear(2, 2), skip_nonfinite=1),
+        "skip_nonfinite must be True or False, got skip_nonfinite=1 (int)",
+    ),
+    "timm.ModelEmaV3.model_without_parameters": (
+        lambda: timm.ModelEmaV3(nn.ReLU()),
+        "model has no parameters: there is nothing to average",
+    ),
     "swa_utils.AveragedModel.use_buffers": (
         lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
         "use_buffers must be True or False, got use_buffers=1 (int)",
