@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from emakit.compat import swa_utils, timm
+from emakit.compat.diffusers import EMAModel
 from emakit.compat.torch_ema import ExponentialMovingAverage
 from emakit.errors import EMATypeError, EMAValueError
 
@@ -92,6 +93,34 @@ REFUSED = {
         lambda: timm.ModelEmaV3(nn.ReLU()),
         "model has no parameters: there is nothing to average",
     ),
+    "diffusers.EMAModel.power": (
+        lambda: EMAModel([torch.zeros(1)], power=0),
+        "power must be a finite number in (0, inf), got power=0",
+    ),
+    "diffusers.EMAModel.inv_gamma": (
+        lambda: EMAModel([torch.zeros(1)], inv_gamma=0),
+        "inv_gamma must be a finite number in (0, inf), got inv_gamma=0",
+    ),
+    "diffusers.EMAModel.update_after_step": (
+        lambda: EMAModel([torch.zeros(1)], update_after_step=1.5),
+        "update_after_step must be an int, got update_after_step=1.5 (float)",
+    ),
+    "diffusers.EMAModel.optimization_step": (
+        lambda: EMAModel([torch.zeros(1)]).load_state_dict({"optimization_step": -1}),
+        "optimization_step must be >= 0, got optimization_step=-1",
+    ),
+    "diffusers.EMAModel.use_ema_warmup": (
+        lambda: EMAModel([torch.zeros(1)], use_ema_warmup=1),
+        "use_ema_warmup must be True or False, got use_ema_warmup=1 (int)",
+    ),
+    "diffusers.EMAModel.foreach": (
+        lambda: EMAModel([torch.zeros(1)], foreach=1),
+        "foreach must be True or False, got foreach=1 (int)",
+    ),
+    "diffusers.EMAModel.ema_dtype": (
+        lambda: EMAModel([torch.zeros(1)], ema_dtype=torch.int32),
+        "ema_dtype must be a floating torch.dtype such as torch.float32, got ema_dtype=torch.int32",
+    ),
     "swa_utils.AveragedModel.use_buffers": (
         lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
         "use_buffers must be True or False, got use_buffers=1 (int)",
@@ -144,6 +173,33 @@ def test_timm_v3_keeps_the_settings_it_was_given():
     assert ema.device == "cpu" and ema.stochastic_rounding_seed == 7
     assert type(ema.stochastic_rounding_seed) is int
     assert timm.ModelEmaV3(nn.Linear(2, 2)).stochastic_rounding_seed == 0
+
+
+def test_diffusers_defaults_and_deprecated_forms_said_as_diffusers_says_them():
+    ema = EMAModel([torch.zeros(1)])
+    assert ema.foreach is False and ema.skip_nonfinite is False
+    with pytest.warns(FutureWarning) as caught:
+        EMAModel([torch.zeros(1)], max_value=0.9, min_value=0.1)
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (FutureWarning, "EMAModel(max_value=...) is deprecated in diffusers; use decay"),
+        (FutureWarning, "EMAModel(min_value=...) is deprecated in diffusers; use min_decay"),
+    ]
+    with pytest.warns(FutureWarning) as caught:
+        EMAModel(nn.Linear(2, 2))
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            FutureWarning,
+            "passing a module to EMAModel() is deprecated in diffusers; pass module.parameters()",
+        ),
+    ]
+
+
+def test_diffusers_load_with_a_bad_step_changes_nothing():
+    """The step is checked with the other settings, before the shadow is written."""
+    ema = EMAModel([torch.zeros(2)])
+    with pytest.raises(EMAValueError, match="optimization_step=-1"):
+        ema.load_state_dict({"shadow_params": [torch.ones(2)], "optimization_step": -1})
+    assert ema.shadow_params[0].tolist() == [0.0, 0.0] and ema.optimization_step == 0
 
 
 def test_torch_ema_other_parameters_are_checked_naming_them():

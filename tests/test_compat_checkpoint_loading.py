@@ -183,6 +183,14 @@ def test_diffusers_save_pretrained_names_what_is_missing():
         ), kwargs
 
 
+@needs_plain_frames
+def test_diffusers_deprecated_keywords_warn_at_the_callers_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EMAModel([torch.zeros(1)], max_value=0.9)
+    assert [(w.category, w.filename) for w in caught] == [(FutureWarning, __file__)]
+
+
 def test_diffusers_store_of_a_module_names_the_method():
     net = make_net()
     ema = EMAModel(net.parameters())

@@ -94,6 +94,17 @@ def test_bit_identical_to_timm_after_every_update(case, with_step):
     assert "module.0.weight" in moved  # the comparison compared something that moved
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_settings_read_back_as_timms(case):
+    """The public attributes timm sets, ours the same (``foreach`` off for a ``device``
+    given as a str, which never equals the model's ``torch.device``)."""
+    kwargs, dtype = CASES[case]
+    theirs = model_ema.ModelEmaV3(make_net(dtype or torch.float32), **kwargs)
+    ours = compat.ModelEmaV3(make_net(dtype or torch.float32), **kwargs)
+    settings = {k: v for k, v in vars(theirs).items() if not k.startswith("_")}
+    assert {k: getattr(ours, k) for k in settings} == settings
+
+
 def test_stochastic_rounding_batches_large_tensors_as_timm_does():
     """Tensors over 2**22 elements in all: timm splits its float32 batches there, and the
     random draws follow the batches."""
@@ -243,6 +254,17 @@ def test_another_structure_raises_instead_of_zipping():
     ours = compat.ModelEmaV3(make_net())
     with pytest.raises(EMAStateError, match="does not match the EMA copy"):
         ours.update(nn.Sequential(nn.Linear(6, 8)))
+    ours = compat.ModelEmaV3(nn.Sequential(nn.Linear(2, 2), nn.Identity()))
+    renamed = nn.Sequential()
+    renamed.add_module("0", nn.Identity())
+    renamed.add_module("x", nn.Linear(2, 2))
+    with pytest.raises(EMAStateError) as info:
+        ours.update(renamed)
+    assert str(info.value) == (
+        "the model does not match the EMA copy: names missing from the model ['0.weight', "
+        "'0.bias'] (2), names the EMA copy lacks ['x.weight', 'x.bias'] (2) (or the order "
+        "differs); update() and set() take the model the EMA was built from"
+    )
 
 
 def test_skip_nonfinite_extra_and_its_refusal():
