@@ -10,6 +10,7 @@ from torch import nn
 
 from emakit.compat import swa_utils, timm
 from emakit.compat.diffusers import EMAModel
+from emakit.compat.mmengine import ExponentialMovingAverage as MMEngineEMA
 from emakit.compat.torch_ema import ExponentialMovingAverage
 from emakit.errors import EMATypeError, EMAValueError
 
@@ -121,6 +122,22 @@ REFUSED = {
         lambda: EMAModel([torch.zeros(1)], ema_dtype=torch.int32),
         "ema_dtype must be a floating torch.dtype such as torch.float32, got ema_dtype=torch.int32",
     ),
+    "diffusers.EMAModel.skip_nonfinite": (
+        lambda: EMAModel([torch.zeros(1)], skip_nonfinite=1),
+        "skip_nonfinite must be True or False, got skip_nonfinite=1 (int)",
+    ),
+    "mmengine.model": (
+        lambda: MMEngineEMA(object()),
+        "model must be a torch.nn.Module (the model to average), got object",
+    ),
+    "mmengine.interval": (
+        lambda: MMEngineEMA(nn.Linear(2, 2), interval=0),
+        "interval must be >= 1, got interval=0",
+    ),
+    "mmengine.update_buffers": (
+        lambda: MMEngineEMA(nn.Linear(2, 2), update_buffers=1),
+        "update_buffers must be True or False, got update_buffers=1 (int)",
+    ),
     "swa_utils.AveragedModel.use_buffers": (
         lambda: swa_utils.AveragedModel(nn.Linear(2, 2), use_buffers=1),
         "use_buffers must be True or False, got use_buffers=1 (int)",
@@ -192,6 +209,29 @@ def test_diffusers_defaults_and_deprecated_forms_said_as_diffusers_says_them():
             "passing a module to EMAModel() is deprecated in diffusers; pass module.parameters()",
         ),
     ]
+
+
+def test_diffusers_starts_with_nothing_stored_and_takes_the_deprecated_device():
+    with pytest.warns(FutureWarning, match="device"):
+        ema = EMAModel([torch.zeros(2)], device="cpu")
+    assert ema.cur_decay_value is None and ema.temp_stored_params is None
+    assert ema.shadow_params[0].device == torch.device("cpu")
+
+
+def test_diffusers_skip_nonfinite_leaves_the_shadow():
+    p = nn.Parameter(torch.zeros(2))
+    ema = EMAModel([p], skip_nonfinite=True)
+    with torch.no_grad():
+        p.fill_(float("nan"))
+    with pytest.warns(RuntimeWarning, match="skipped an EMA update at step 1"):
+        ema.step([p])
+    assert ema.shadow_params[0].tolist() == [0.0, 0.0]
+
+
+def test_mmengine_average_is_not_trained():
+    """``.module`` does not require grad (mmengine's ``requires_grad_(False)``)."""
+    ema = MMEngineEMA(nn.Linear(2, 2))
+    assert [p.requires_grad for p in ema.module.parameters()] == [False, False]
 
 
 def test_diffusers_load_with_a_bad_step_changes_nothing():
