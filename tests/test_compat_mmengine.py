@@ -235,6 +235,34 @@ def test_a_subclass_with_its_own_avg_func_runs_it_as_mmengine_does(update_buffer
             assert torch.equal(v, b.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_avg_func_called_directly_gives_mmengines_numbers(case):
+    """Each class's own ``avg_func`` (which `update_parameters` runs on the engine), called
+    as a subclass's ``super().avg_func(...)`` or a user calls it, with ``steps`` as
+    mmengine passes it (the ``steps`` buffer)."""
+    name, kwargs = CASES[case]
+    a, b = getattr(theirs, name)(make_net(), **kwargs), getattr(ours, name)(make_net(), **kwargs)
+    torch.manual_seed(2)
+    source = torch.randn(5)
+    got = []
+    for ema in (a, b):
+        averaged = torch.zeros(5)
+        for steps in range(1, 7):
+            ema.steps.fill_(steps)
+            ema.avg_func(averaged, source * steps, ema.steps)
+        got.append(averaged)
+    assert torch.equal(got[0], got[1]) and got[1].abs().sum() > 0
+
+
+def test_the_base_class_names_the_missing_avg_func():
+    class Mine(ours.BaseAveragedModel):
+        pass
+
+    with pytest.raises(NotImplementedError) as info:
+        Mine(make_net()).avg_func(torch.zeros(1), torch.ones(1), 1)
+    assert str(info.value) == "Mine must define avg_func()"
+
+
 def test_an_avg_func_set_on_the_instance_is_called():
     calls = []
     ema = ours.ExponentialMovingAverage(make_net(), momentum=0.1)

@@ -203,6 +203,25 @@ def test_a_user_function_refuses_a_model_with_other_buffers():
         averaged.update_parameters(other)
 
 
+def test_a_frozen_weight_written_in_place_is_averaged_as_torch():
+    """A frozen weight is averaged like the others (torch averages every parameter): a
+    write into it moves the average by one update's share, and ``.module`` never shares
+    the model's tensor."""
+    states = []
+    for module in (theirs, ours):
+        net = make_net()
+        net[0].requires_grad_(False)
+        averaged = module.AveragedModel(net, multi_avg_fn=module.get_ema_multi_avg_fn(0.9))
+        averaged.update_parameters(net)
+        averaged.update_parameters(net)
+        with torch.no_grad():
+            net[0].weight.add_(1.0)
+        averaged.update_parameters(net)
+        assert averaged.module[0].weight.data_ptr() != net[0].weight.data_ptr()
+        states.append(averaged.state_dict())
+    assert_same_states([states[0]], [states[1]], "ema_multi", use_buffers=False)
+
+
 def test_a_user_function_averages_into_a_module_of_another_dtype_as_torch():
     """``.module`` made float64 after construction: a user ``avg_fn`` gets the float64
     average and the float32 weights, as torch gives them (no cast, no refusal)."""
