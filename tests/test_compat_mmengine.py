@@ -263,6 +263,28 @@ def test_the_base_class_names_the_missing_avg_func():
     assert str(info.value) == "Mine must define avg_func()"
 
 
+def test_the_tensors_are_paired_once_per_model():
+    ema, net = ours.ExponentialMovingAverage(make_net(), momentum=0.1), make_net()
+    ema.update_parameters(net)
+    engine = ema._engine
+    ema.update_parameters(net)
+    assert ema._engine is engine
+    other = make_net()
+    ema.update_parameters(other)
+    assert ema._engine is not engine and ema._engine.model is other
+
+
+def test_another_model_is_refused_naming_the_class_and_the_call():
+    ema = ours.MomentumAnnealingEMA(make_net(), momentum=0.1)
+    with pytest.raises(EMAStateError) as info:
+        ema.update_parameters(nn.Sequential(nn.Linear(6, 8)))
+    assert str(info.value).startswith(
+        "MomentumAnnealingEMA.update_parameters(model) takes the model it was built from, or "
+        "one with the same tensor names (ema_model below is .module): ema_model does not "
+        "match the model by name"
+    )
+
+
 def test_an_avg_func_set_on_the_instance_is_called():
     calls = []
     ema = ours.ExponentialMovingAverage(make_net(), momentum=0.1)
@@ -666,6 +688,10 @@ def test_a_momentum_above_one_half_warns_at_the_callers_line():
     )
     if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add stack frames
         assert found.filename == __file__
+    with pytest.warns(UserWarning, match="momentum=0.6") as caught:
+        ours.MomentumAnnealingEMA(make_net(), momentum=0.6)  # through its super().__init__
+    if "MUTANT_UNDER_TEST" not in os.environ:
+        assert [w.filename for w in caught] == [__file__]
 
 
 def test_frozen_weights_are_averaged_as_mmengine_averages_them():

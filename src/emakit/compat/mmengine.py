@@ -42,7 +42,7 @@ from .._core.tracker import Tracker
 from .._engine.plan import Plan
 from ..decay import COPY, Action
 from ..ema import EMA, unwrap_model
-from ..errors import EMAStateError, EMATypeError, EMAValueError
+from ..errors import EMAStateError, EMATypeError, EMAValueError, user_stacklevel
 from .averaged_module import AveragedModule, HostCount, version_of
 
 __all__ = [
@@ -315,7 +315,7 @@ class ExponentialMovingAverage(BaseAveragedModel):
                 f"mmengine's EMA (1 - decay), usually a small number such as 0.0002; "
                 f"check that this is meant",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),  # the user's line, from a subclass too
             )
         self.momentum = momentum
 
