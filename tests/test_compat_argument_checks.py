@@ -126,6 +126,15 @@ REFUSED = {
         lambda: EMAModel([torch.zeros(1)], skip_nonfinite=1),
         "skip_nonfinite must be True or False, got skip_nonfinite=1 (int)",
     ),
+    "diffusers.EMAModel.parameters_a_tensor": (
+        lambda: EMAModel(torch.zeros(2)),
+        "parameters must be an iterable of tensors (model.parameters()), got Tensor",
+    ),
+    "diffusers.EMAModel.parameters_not_tensors": (
+        lambda: EMAModel([torch.zeros(1), *range(6)]),
+        "parameters must be a non-empty iterable of tensors (model.parameters()), got "
+        "['Tensor', 'int', 'int', 'int', 'int']",
+    ),
     "mmengine.model": (
         lambda: MMEngineEMA(object()),
         "model must be a torch.nn.Module (the model to average), got object",

@@ -191,6 +191,25 @@ def test_diffusers_deprecated_keywords_warn_at_the_callers_line():
     assert [(w.category, w.filename) for w in caught] == [(FutureWarning, __file__)]
 
 
+@needs_plain_frames
+def test_diffusers_a_module_passed_to_any_method_warns_at_the_callers_line():
+    """Also through the methods under ``@torch.no_grad()`` (``step``, ``copy_to``,
+    ``restore``), whose wrapper adds a frame of torch's."""
+    net = nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ema = EMAModel(net)
+        ema.step(net)
+        ema.copy_to(net)
+        ema.store(net)
+        ema.restore(net)
+    said = [(str(w.message).split(" is ")[0], w.filename) for w in caught]
+    assert said == [
+        (f"passing a module to EMAModel{method}", __file__)
+        for method in ("()", ".step()", ".copy_to()", ".store()", ".restore()")
+    ]
+
+
 def test_diffusers_store_of_a_module_names_the_method():
     net = make_net()
     ema = EMAModel(net.parameters())

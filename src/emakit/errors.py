@@ -63,8 +63,14 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` that points at the first caller outside
     emakit: the user's ``ema.update()`` or ``checkpoint()`` line, however deep inside emakit
     the warning is raised (a fixed level would point at emakit's own code from some paths,
-    and Python shows a warning once per place it points at)."""
+    and Python shows a warning once per place it points at). The frames of torch's
+    ``@torch.no_grad()`` wrapper around an emakit method are passed over too."""
     frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: level 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("emakit."):
+    while frame.f_back is not None and _ours(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _ours(module: str) -> bool:
+    """Whether a frame of ``module`` is emakit's, or torch's decorator wrapping emakit's."""
+    return module.startswith("emakit.") or module == "torch.utils._contextlib"

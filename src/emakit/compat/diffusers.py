@@ -29,7 +29,7 @@ from .. import _validate as check
 from .._core.state import tensor_list_like
 from .._files.atomic import atomic_folder
 from ..ema import EMA
-from ..errors import EMARuntimeError, EMATypeError, EMAValueError
+from ..errors import EMARuntimeError, EMATypeError, EMAValueError, user_stacklevel
 
 __all__ = ["EMAModel"]
 
@@ -77,7 +77,7 @@ def _parameter_list(parameters: Iterable[Tensor] | nn.Module, method: str) -> li
             f"passing a module to EMAModel{method} is deprecated in diffusers; pass "
             f"module.parameters()",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the user's call, of any method
         )
         parameters = parameters.parameters()
     if isinstance(parameters, Tensor) or not isinstance(parameters, Iterable):
