@@ -234,12 +234,34 @@ def test_a_file_of_exactly_the_size_limit_is_read(tmp_path: Path) -> None:
         read_eval_file(path)
 
 
+def test_a_large_file_is_read_no_further_than_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile file of any size costs one bounded read: the limit and one byte more."""
+    path = tmp_path / EVAL_FILE_NAME
+    path.write_bytes(b" " * (3 * MAX_EVAL_FILE_BYTES))
+    sizes = []
+    opened = evaluations.open_regular
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        f = opened(*args, **kwargs)
+        read = f.read
+        f.read = lambda n=-1: sizes.append(n) or read(n)  # type: ignore[method-assign]
+        return f
+
+    monkeypatch.setattr(evaluations, "open_regular", recording)
+    with pytest.raises(EMAStateError, match="larger than"):
+        read_eval_file(path)
+    assert sizes == [MAX_EVAL_FILE_BYTES + 1]
+
+
 def test_a_fifo_or_a_folder_named_like_the_file_is_refused(run_folder: Path) -> None:
     path = run_folder / EVAL_FILE_NAME
     path.mkdir()
     try:
         result = sweep(run_folder, cwd=run_folder)
         assert result.exit_code == 2 and len(errors(result.output)) == 1
+        assert f"{EVAL_FILE_NAME} must be a regular file, got path=" in result.output
         assert "which is a folder" in result.output
     finally:
         path.rmdir()
