@@ -514,3 +514,44 @@ def test_a_size_is_shown_in_the_next_unit_from_exactly_1024(
     result = runner().invoke(inspect_cmd, [str(path)])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[0] == f"safetensors file {path} ({shown}), format (none)"
+
+
+def test_a_snapshot_whose_side_file_was_replaced_by_another_runs_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The side file in place is whole (its bytes hash to its own digest) but is another
+    run's: the snapshot's recorded digest tells, and inspect says so instead of listing."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    write_snapshots_of(Tagger(), mine, range(2, 3, 2), sigma_rels=(0.05,), share_frozen=True)
+    changed = Tagger()
+    with torch.no_grad():
+        changed.base.weight.add_(1.0)
+    write_snapshots_of(changed, other, range(2, 3, 2), sigma_rels=(0.05,), share_frozen=True)
+    (side,) = mine.glob("frozen-*.safetensors")
+    (theirs,) = other.glob("frozen-*.safetensors")
+    shutil.copyfile(theirs, side)
+    snapshot = next(p for p in mine.glob("step-*.safetensors"))
+    result = runner().invoke(inspect_cmd, [str(snapshot)])
+    assert result.exit_code != 0
+    assert side.name in result.stderr and "digest" in result.stderr, result.stderr
+
+
+def test_an_ema_pytorch_state_is_shown_as_an_ema(tmp_path: Path) -> None:
+    """``torch.save(ema.state_dict())`` of ema-pytorch's ``EMA``: its counters and the EMA
+    apart from the online model, as for emakit's own state."""
+    state = {
+        "initted": torch.tensor(True),
+        "step": torch.tensor(3),
+        "ema_model.weight": torch.zeros(2, 2),
+        "online_model.weight": torch.ones(2, 2),
+    }
+    torch.save(state, tmp_path / "ema.pt")
+    result = runner().invoke(inspect_cmd, [str(tmp_path / "ema.pt")])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1:5] == [
+        "EMA state_dict:",
+        "  step: 3",
+        "  initted: True",
+        "EMA: 1 tensors, 4 floating values, float32",
+    ]

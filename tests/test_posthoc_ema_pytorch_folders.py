@@ -412,8 +412,12 @@ def test_convert_refuses_the_source_and_a_non_empty_folder(tmp_path: Path):
     src = tmp_path / "ours"
     our_folder(src, steps=20)
     before = digest(src)
-    with pytest.raises(EMAValueError, match="never writes into its source"):
+    with pytest.raises(EMAValueError) as info:
         to_ema_pytorch(src, src)
+    assert str(info.value) == (
+        f"out_folder={str(src)!r} is the snapshot folder itself; converting never writes "
+        f"into its source: pass another folder"
+    )
     with pytest.raises(EMAValueError, match="never writes into its source"):
         to_ema_pytorch(src, src, force=True)
     (tmp_path / "link").symlink_to(src)
@@ -423,16 +427,23 @@ def test_convert_refuses_the_source_and_a_non_empty_folder(tmp_path: Path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(EMAValueError, match=r"not empty.*force=True"):
+    with pytest.raises(EMAValueError) as info:
         to_ema_pytorch(src, out)
+    assert str(info.value) == (
+        f"out_folder={str(out)!r} is not empty, and ema-pytorch reads every *.pt file "
+        f"in it; pass an empty or new folder, or force=True (--force) to write into it"
+    )
     (out / "7.5.pt").write_bytes(b"old")
     with pytest.warns(PostHocWarning, match=r"1 other \.pt file\(s\) \(7\.5\.pt\)"):
         paths = to_ema_pytorch(src, out, force=True)
     assert (out / "notes.txt").read_text() == "mine" and len(paths) == 4
-    with pytest.raises(EMAValueError, match="no emakit snapshots"):
+    with pytest.raises(EMAValueError) as info:
         to_ema_pytorch(tmp_path / "out", tmp_path / "x")
+    assert str(info.value).startswith(
+        f"no emakit snapshots in {str(tmp_path / 'out')!r} to convert; pass the checkpoint_folder "
+    )
     (tmp_path / "file").write_text("x")
-    with pytest.raises(EMAValueError, match="must be a folder"):
+    with pytest.raises(EMAValueError, match=r"^out_folder must be a folder"):
         to_ema_pytorch(src, tmp_path / "file")
 
 
@@ -472,10 +483,12 @@ def test_convert_a_mixed_folder_copies_their_files(tmp_path: Path):
     assert names == {f"{i}.{s}.pt" for i in (0, 1) for s in range(10, 61, 10)}
     assert (out / "0.20.pt").read_bytes() == (src / "0.20.pt").read_bytes()
     (src / "0.60.pt").write_bytes((src / "0.20.pt").read_bytes())
-    with pytest.raises(
-        EMAStateError, match=r"both emakit.s snapshot and ema-pytorch.s file 0\.60\.pt"
-    ):
+    with pytest.raises(EMAStateError) as info:
         to_ema_pytorch(src, tmp_path / "out2")
+    assert str(info.value) == (
+        f"{str(src)!r} holds both emakit's snapshot and ema-pytorch's file 0.60.pt; "
+        f"move one of them out of the folder before converting"
+    )
 
 
 def test_cli_convert(tmp_path: Path):
