@@ -683,3 +683,13 @@ def test_the_warm_up_warning_points_at_the_callers_line():
         load_foreign_state(EMA(net), torch_ema_state(net))  # update_after_step=100
     (found,) = [w for w in caught if "the next update() calls copy the model" in str(w.message)]
     assert found.filename == __file__
+
+
+def test_an_ema_module_without_updates_is_not_taken_for_ultralytics():
+    """Ultralytics' checkpoint is told by ``"ema"`` beside ``"updates"``: a dict holding a
+    whole model under ``"ema"`` alone is a format emakit does not know, said as such."""
+    ema = EMA(nn.Linear(2, 2))
+    with pytest.raises(EMAStateError) as info:
+        load_foreign_state(ema, {"ema": nn.Linear(2, 2)})
+    assert "is not a checkpoint format emakit knows" in str(info.value)
+    assert "Ultralytics" not in str(info.value)

@@ -213,6 +213,22 @@ def test_own_live_temp_is_kept(tmp_path, monkeypatch):
     assert (tmp_path / "outer.pt").read_bytes() == b"outer"
 
 
+def test_a_finished_write_is_no_longer_this_processs_own(tmp_path):
+    """The set of this process's in-flight temporary files and staging folders is empty
+    once the writes are done, failed ones included: it neither grows with every write nor
+    shields a path from a later cleaner."""
+    atomic_write_bytes(tmp_path / "a.pt", b"a")
+    with _io.atomic_folder(tmp_path / "folder") as staged:
+        (staged / "x").write_bytes(b"x")
+    try:
+        with atomic_path(tmp_path / "b.pt") as tmp:
+            tmp.write_bytes(b"b")
+            raise RuntimeError("the writer failed")
+    except RuntimeError:
+        pass
+    assert _io._live == set()
+
+
 def test_without_locks_leftovers_expire_by_age(tmp_path, monkeypatch):
     monkeypatch.setattr(_io, "fcntl", None)
     fresh, old = fake_temp(tmp_path, "a.pt"), fake_temp(tmp_path, "b.pt")
