@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from torch import nn
 
 from emakit import EMAStateError, EMAValueError, EMAWriteError
@@ -33,6 +35,8 @@ from emakit.posthoc import (
     to_ema_pytorch,
 )
 from emakit.posthoc.convert import convert_cmd
+from emakit.posthoc.snapshots.folder import list_snapshots
+from emakit.posthoc.snapshots.format import read_snapshot_info, write_snapshot
 
 ema_pytorch = pytest.importorskip("ema_pytorch")
 
@@ -314,12 +318,14 @@ class Net(nn.Module):
         self.bn = nn.BatchNorm1d(8)
 
 
-def our_folder(folder: Path, steps: int = 120, **kwargs: object) -> tuple[Net, PostHocEMA]:
+def our_folder(
+    folder: Path, steps: int = 120, sigma_rels: tuple[float, ...] = (0.05, 0.28), **kwargs: object
+) -> tuple[Net, PostHocEMA]:
     theta = trajectory(steps)
     net = Net()
     ours = PostHocEMA(
         net,
-        sigma_rels=(0.05, 0.28),
+        sigma_rels=sigma_rels,
         update_every=1,
         checkpoint_every_num_steps=10,
         checkpoint_folder=folder,
@@ -461,9 +467,72 @@ def test_a_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(EMAWriteError, match="No space left"):
+    with pytest.raises(EMAWriteError) as info:
         to_ema_pytorch(src, out)
+    assert re.match(
+        rf"could not write the ema-pytorch snapshot files {re.escape(str(out))}/\d\.\d+\.pt, "
+        r".* \(No space left on device\); they were left as before the write",
+        str(info.value),
+    ), str(info.value)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_convert_picks_one_run_of_a_shared_folder(tmp_path: Path):
+    """A folder two runs wrote into is refused, naming the folder and both runs; with
+    ``run=`` only that run's snapshots are written, exactly as from a folder of that run
+    alone."""
+    shared, alone = tmp_path / "shared", tmp_path / "alone"
+    _, first = our_folder(shared, steps=20)
+    with pytest.warns(PostHocWarning, match="other run"):
+        _, second = our_folder(shared, steps=30, sigma_rels=(0.06, 0.25))
+    our_folder(alone, steps=30, sigma_rels=(0.06, 0.25))
+    with pytest.raises(EMAStateError) as info:
+        to_ema_pytorch(shared, tmp_path / "out")
+    assert str(info.value).startswith(f"{str(shared)!r} holds the snapshots of 2 runs (")
+    assert first.run_id in str(info.value) and second.run_id in str(info.value)
+    assert not (tmp_path / "out").exists()
+    picked = to_ema_pytorch(shared, tmp_path / "picked", run=second.run_id)
+    clean = to_ema_pytorch(alone, tmp_path / "clean")
+    assert [p.name for p in picked] == [p.name for p in clean]
+    assert {p.name for p in picked} == {f"{i}.{s}.pt" for i in (0, 1) for s in (10, 20, 30)}
+    for a, b in zip(picked, clean, strict=True):
+        ours, theirs = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), a.name
+
+
+def rewrite(path: Path, **fields: object) -> None:
+    """Rewrite a snapshot's header fields in place, its tensors unchanged."""
+    info = read_snapshot_info(path)
+    tensors = load_file(path)
+    old = {f: getattr(info, f) for f in ("step", "t", "gamma", "sigma_rel", "profile")}
+    old |= {"update_every": info.update_every, "copied": info.copied, "run": info.run}
+    write_snapshot(path, tensors, **(old | fields))
+
+
+def test_convert_refuses_what_one_ema_pytorch_name_cannot_carry(tmp_path: Path):
+    """ema-pytorch's file name ``<profile>.<step>.pt`` carries one gamma per profile index
+    and one number for the step and the profile's length: a profile index with two gammas,
+    or a snapshot whose profile ends before its step, is refused with the reason, and
+    nothing is written."""
+    src, out = tmp_path / "ours", tmp_path / "out"
+    our_folder(src, steps=20)
+    (step20,) = [s for s in list_snapshots(src) if s.profile == 0 and s.step == 20]
+    rewrite(step20.path, gamma=5.0)
+    with pytest.raises(EMAStateError) as info:
+        to_ema_pytorch(src, out)
+    assert str(info.value) == (
+        f"{step20.path} cannot be written as ema-pytorch's 0.20.pt: profile index 0 has gamma "
+        f"{step20.gamma:.6g} in another snapshot and 5 here; convert one run (run=...)"
+    )
+    rewrite(step20.path, gamma=step20.gamma, t=15)
+    with pytest.raises(EMAStateError) as info:
+        to_ema_pytorch(src, out)
+    assert str(info.value) == (
+        f"{step20.path} cannot be written as ema-pytorch's 0.20.pt: its profile ends at step "
+        f"15, not at its step 20, and ema-pytorch's file name carries one number for both"
+    )
+    assert not out.exists()
 
 
 def test_convert_a_mixed_folder_copies_their_files(tmp_path: Path):
