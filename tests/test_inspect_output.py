@@ -283,6 +283,22 @@ def build(root: Path) -> None:
         {"count": ((2,), None, None), "gate": ((1, 2), (0, 0), torch.ones(1, 2).bfloat16())},
     ])  # fmt: skip
 
+    # a tensor of no elements is stored by no rank: shown in rank 0's first dtype; a set
+    # whose every tensor is empty: in float32
+    nowhere = root / "sharded-empty-tensor"
+    nowhere.mkdir()
+    half = torch.arange(4.0).reshape(2, 2).half()
+    write_shards(nowhere, 2, 0.05, 0, [
+        {"w": ((2, 2), (0, 0), half[:1]), "empty": ((0, 2), None, None)},
+        {"w": ((2, 2), (1, 0), half[1:]), "empty": ((0, 2), None, None)},
+    ])  # fmt: skip
+    all_empty = root / "sharded-all-empty"
+    all_empty.mkdir()
+    write_shards(all_empty, 2, 0.05, 0, [
+        {"empty": ((0, 2), None, None)},
+        {"empty": ((0, 2), None, None)},
+    ])  # fmt: skip
+
     # folders without snapshots: another file only; snapshots with a damaged header
     (root / "nothing").mkdir()
     (root / "nothing" / "notes.txt").write_text("x\n")
@@ -327,7 +343,14 @@ def build(root: Path) -> None:
     torch.save({"state_dict": model, "emakit_ema": {"ema": small}}, files / "lightning-bare.ckpt")
     torch.save({"model": model, "ema": small}, files / "nested-one.pt")
     torch.save(
-        {"model": model, "ema": small, "slow": {"ema": small}, "fast": small},
+        {
+            "model": model,
+            "ema": small,
+            "slow": {"ema": small},
+            "fast": small,
+            "epoch": 4,
+            "step": torch.tensor(120),  # the training loop's own counters, shown beside
+        },
         files / "nested-three.pt",
     )
     # torch files holding something else
@@ -375,6 +398,8 @@ CASES: dict[str, tuple[list[str], bool]] = {
     "sharded": (["sharded"], False),
     "sharded_rank_0_empty": (["sharded-rank-0-empty"], False),
     "sharded_dtypes_by_rank": (["sharded-dtypes"], False),
+    "sharded_tensor_stored_nowhere": (["sharded-empty-tensor"], False),
+    "sharded_every_tensor_empty": (["sharded-all-empty"], False),
     "folder_without_snapshots": (["nothing"], False),
     "folder_of_damaged_headers": (["damaged-headers"], False),
     # safetensors files

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -355,8 +356,9 @@ def test_ema_pytorch_synthesizes_from_a_converted_folder(tmp_path: Path, dtype: 
     paths = to_ema_pytorch(src, out)
     assert digest(src) == before  # the source is only read
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in paths)
-    assert {p.name for p in paths} == {f"{i}.{s}.pt" for i in (0, 1) for s in range(10, 121, 10)}
+    assert [p.name for p in paths] == [f"{i}.{s}.pt" for s in range(10, 121, 10) for i in (0, 1)]
     state = torch.load(out / "0.120.pt", weights_only=True)
+    assert state["ema_model.lin.weight"].dtype == dtype  # stored as the snapshot stores it
     assert set(state) == {"initted", "step"} | {f"ema_model.{n}" for n in net.state_dict()}
     assert (
         int(state["step"]) == 120 and state["ema_model.bn.num_batches_tracked"].dtype == torch.int64
@@ -453,6 +455,34 @@ def test_convert_refuses_the_source_and_a_non_empty_folder(tmp_path: Path):
         to_ema_pytorch(src, tmp_path / "file")
 
 
+def test_other_pt_files_in_the_output_folder_are_named_in_a_warning(tmp_path: Path):
+    """ema-pytorch reads every ``*.pt`` of its folder: other ones already there are named
+    (three at most), at the caller's line, and said to fail to parse when their names are
+    not ``<index>.<step>.pt``."""
+    src, out = tmp_path / "ours", tmp_path / "out"
+    our_folder(src, steps=20)
+    out.mkdir()
+    for name in ("0.99.pt", "1.5.pt", "7.5.pt"):
+        (out / name).write_bytes(b"old")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        to_ema_pytorch(src, out, force=True)
+    (found,) = [w for w in caught if issubclass(w.category, PostHocWarning)]
+    assert str(found.message) == (
+        f"{str(out)!r} also holds 3 other .pt file(s) (0.99.pt, 1.5.pt, 7.5.pt) that "
+        f"ema-pytorch's synthesize_ema_model will read as snapshots too"
+    )
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add stack frames
+        assert found.filename == __file__
+    (out / "notes.pt").write_bytes(b"mine")
+    with pytest.warns(PostHocWarning) as caught:
+        to_ema_pytorch(src, out, force=True)
+    assert str(caught[0].message) == (
+        f"{str(out)!r} also holds 4 other .pt file(s) (0.99.pt, 1.5.pt, 7.5.pt, ...) that "
+        f"ema-pytorch's synthesize_ema_model will read as snapshots too (or fail to parse)"
+    )
+
+
 def test_a_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The files appear all at once: a write failing at the third file (a full disk) leaves
     the output folder without any converted file or temporary file."""
@@ -470,7 +500,7 @@ def test_a_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(EMAWriteError) as info:
         to_ema_pytorch(src, out)
     assert re.match(
-        rf"could not write the ema-pytorch snapshot files {re.escape(str(out))}/\d\.\d+\.pt, "
+        rf"\[Errno 28\] could not write the ema-pytorch snapshots {re.escape(str(out))}/\d\.\d+\.pt, "
         r".* \(No space left on device\); they were left as before the write",
         str(info.value),
     ), str(info.value)
